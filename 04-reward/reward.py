@@ -1,0 +1,220 @@
+"""Chapter 04: the outcome-only reward, +1 for a right final answer and -1 otherwise.
+
+The reward is the only thing RL optimises, so its rules are the lab's contract.
+They are deliberately few and strict, as in ToRL and ReTool:
+
+1. Only the end of the response counts: the last ANSWER_WINDOW_CHARS (300)
+   characters, not tokens, so the rule does not depend on the tokenizer. An
+   answer buried early in a long response, then argued away, does not score.
+2. The answer is the content of the LAST `\\boxed{` in that window, read up to
+   its matching brace (nested braces counted). If that last box never closes,
+   there is no answer: no fallback to an earlier box, or the policy would learn
+   to hedge with one box early and garbage at the end.
+3. Only the exact marker `\\boxed{` counts: `\\boxed {3}`, `boxed{3}` and
+   `\\fbox{3}` are not answers. A strict format is a cheap lesson for the model.
+4. An answer is right when math-verify finds it equivalent to the reference
+   (`1/2` = `\\frac{1}{2}` = `0.5`). Any error while parsing or verifying, and
+   any answer that takes longer than the time bound, counts as not equivalent.
+5. No answer and a wrong answer both give -1; `valid_format` tells them apart
+   in the logs. There is no partial credit and no reward for using the tool.
+
+math-verify bounds its own time with signals, which only work in a process's
+main thread; from the worker threads of a training loop they raise, and a
+reward that swallowed that error would score every answer wrong. So every
+equivalence check here runs in a small worker process with a deadline: the
+verdict is the same from any thread, and a pathological answer such as
+`9^{9^{9^{9}}}` costs at most `timeout` seconds before its worker is replaced.
+"""
+from __future__ import annotations
+
+import multiprocessing as mp
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+ANSWER_WINDOW_CHARS = 300
+BOXED = "\\boxed{"
+DEFAULT_TIMEOUT_S = 5.0
+_STARTUP_TIMEOUT_S = 120.0
+
+
+@dataclass(frozen=True)
+class RewardResult:
+    reward: float  # +1.0 if correct, else -1.0
+    correct: bool  # the answer is math-equivalent to the reference
+    valid_format: bool  # a closed \boxed{...} was found in the answer window
+    answer: str | None  # raw content of that box (not stripped), None if none
+
+
+NO_ANSWER = RewardResult(reward=-1.0, correct=False, valid_format=False, answer=None)
+
+
+def score_answer(text: str, reference: str, timeout: float = DEFAULT_TIMEOUT_S) -> RewardResult:
+    """Score one response against its reference answer.
+
+    >>> score_answer("... so the result is \\\\boxed{\\\\frac{1}{2}}.", "0.5")
+    RewardResult(reward=1.0, correct=True, valid_format=True, answer='\\\\frac{1}{2}')
+    """
+    answer = extract_last_boxed(text[-ANSWER_WINDOW_CHARS:])
+    if answer is None:
+        return NO_ANSWER
+    return _result(answer, _default_verifier().equivalent(answer, reference, timeout))
+
+
+def score_batch(
+    texts: list[str], references: list[str], workers: int = 2, timeout: float = DEFAULT_TIMEOUT_S
+) -> list[RewardResult]:
+    """Score many responses in `workers` processes; results come back in input order.
+
+    Each answer gets the same time bound as in `score_answer`, so one
+    pathological answer delays only its own worker.
+    """
+    if len(texts) != len(references):
+        raise ValueError(f"score_batch: {len(texts)} texts but {len(references)} references")
+    answers = [extract_last_boxed(t[-ANSWER_WINDOW_CHARS:]) for t in texts]
+    todo = [i for i, a in enumerate(answers) if a is not None]
+    verdicts: dict[int, bool] = {}
+    if todo:
+        n = max(1, min(workers, len(todo)))
+        verifiers = [_Verifier() for _ in range(n)]
+        try:
+            def check(j: int) -> None:
+                i = todo[j]
+                verdicts[i] = verifiers[j % n].equivalent(answers[i], references[i], timeout)
+
+            # One thread per worker process, each walking its own stride of the list.
+            with ThreadPoolExecutor(n) as pool:
+                list(pool.map(lambda w: [check(j) for j in range(w, len(todo), n)], range(n)))
+        finally:
+            for v in verifiers:
+                v.close()
+    return [NO_ANSWER if a is None else _result(a, verdicts[i]) for i, a in enumerate(answers)]
+
+
+def total_reward(result: RewardResult, code_ok: bool, exec_error_penalty: float = 0.0) -> float:
+    """ToRL's R = R_answer + R_exec: subtract `exec_error_penalty` when the trajectory's code failed.
+
+    The ToRL paper describes a -0.5 execution penalty; its released launch
+    script leaves it off, and so does this lab by default (0.0): punishing
+    errors also punishes exploration, and the paper found no gain from it.
+    """
+    return result.reward - (exec_error_penalty if not code_ok else 0.0)
+
+
+def extract_last_boxed(text: str) -> str | None:
+    """Content of the last `\\boxed{...}` in `text`, or None if there is none or it never closes.
+
+    >>> extract_last_boxed("\\\\boxed{1} then \\\\boxed{\\\\frac{a}{b}}")
+    '\\\\frac{a}{b}'
+    >>> extract_last_boxed("\\\\boxed{1} then \\\\boxed{2") is None
+    True
+    """
+    start = text.rfind(BOXED)
+    if start < 0:
+        return None
+    depth = 1
+    begin = start + len(BOXED)
+    for pos in range(begin, len(text)):
+        ch = text[pos]
+        if ch == "{":
+            depth += 1
+        elif ch == "}":
+            depth -= 1
+            if depth == 0:
+                return text[begin:pos]
+    return None
+
+
+def _result(answer: str, correct: bool) -> RewardResult:
+    return RewardResult(reward=1.0 if correct else -1.0, correct=correct, valid_format=True, answer=answer)
+
+
+def is_equivalent(answer: str, reference: str) -> bool:
+    """math-verify's verdict, with its signal timeouts off (the caller bounds time).
+
+    Both sides are wrapped in `$...$` so that bare LaTeX such as `\\frac{1}{2}`
+    and plain text such as `0.5` are both read as math.
+    """
+    from math_verify import parse, verify
+
+    try:
+        gold = parse(f"${reference.strip()}$", parsing_timeout=None)
+        guess = parse(f"${answer.strip()}$", parsing_timeout=None)
+        return bool(verify(gold, guess, timeout_seconds=None))
+    except Exception:
+        return False
+
+
+class _Verifier:
+    """One worker process that runs `is_equivalent`, replaced when it overruns its deadline.
+
+    Spawned, not forked: the parent may hold threads (vLLM, tqdm) that a fork
+    would copy in a broken state. The first call pays the child's start-up
+    (importing math-verify, about a second); later calls cost a pipe round trip.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._proc = None
+        self._conn = None
+
+    def equivalent(self, answer: str, reference: str, timeout: float) -> bool:
+        with self._lock:
+            if self._proc is None or not self._proc.is_alive():
+                self._start()
+            self._conn.send((answer, reference))
+            if self._conn.poll(timeout):
+                try:
+                    return bool(self._conn.recv())
+                except EOFError:  # the worker died (e.g. out of memory): not equivalent
+                    self._stop()
+                    return False
+            self._stop()  # overran the deadline: kill it, the next call starts a fresh one
+            return False
+
+    def close(self) -> None:
+        with self._lock:
+            self._stop()
+
+    def _start(self) -> None:
+        ctx = mp.get_context("spawn")
+        self._conn, child = ctx.Pipe()
+        self._proc = ctx.Process(target=_serve, args=(child,), daemon=True)
+        self._proc.start()
+        child.close()
+        # Wait for the warm-up outside any answer's deadline: a slow start on a busy
+        # machine must not turn into a wrong verdict.
+        if not self._conn.poll(_STARTUP_TIMEOUT_S):
+            self._stop()
+            raise RuntimeError(f"reward: the math-verify worker did not start within {_STARTUP_TIMEOUT_S:.0f} s")
+        self._conn.recv()
+
+    def _stop(self) -> None:
+        if self._proc is not None:
+            self._proc.kill()
+            self._proc.join()
+            self._conn.close()
+        self._proc = self._conn = None
+
+
+def _serve(conn) -> None:
+    is_equivalent("0", "0")  # import and warm math-verify before the first deadline starts
+    conn.send("ready")
+    while True:
+        try:
+            answer, reference = conn.recv()
+        except EOFError:
+            return
+        conn.send(is_equivalent(answer, reference))
+
+
+_default = None
+_default_lock = threading.Lock()
+
+
+def _default_verifier() -> _Verifier:
+    global _default
+    with _default_lock:
+        if _default is None:
+            _default = _Verifier()
+        return _default

@@ -1,0 +1,129 @@
+"""The reward's contract, one rule per test."""
+import threading
+import time
+
+import pytest
+
+from reward import (
+    ANSWER_WINDOW_CHARS,
+    NO_ANSWER,
+    RewardResult,
+    extract_last_boxed,
+    score_answer,
+    score_batch,
+    total_reward,
+)
+
+
+def test_right_answer_scores_plus_one_with_raw_answer():
+    assert score_answer("so it is \\boxed{ 42 }.", "42") == RewardResult(1.0, True, True, " 42 ")
+
+
+def test_wrong_answer_scores_minus_one_but_valid_format():
+    assert score_answer("\\boxed{41}", "42") == RewardResult(-1.0, False, True, "41")
+
+
+def test_no_box_is_no_answer():
+    assert score_answer("the answer is 42", "42") == RewardResult(-1.0, False, False, None)
+
+
+@pytest.mark.parametrize("text", ["\\boxed {42}", "boxed{42}", "\\fbox{42}", "\\boxed42", "\\Boxed{42}"])
+def test_only_the_exact_marker_counts(text):
+    assert score_answer(text, "42") == NO_ANSWER
+
+
+def test_last_box_wins():
+    assert score_answer("\\boxed{42} no wait \\boxed{7}", "42").answer == "7"
+    assert score_answer("\\boxed{7} no wait \\boxed{42}", "42").correct
+
+
+def test_unclosed_last_box_is_not_rescued_by_an_earlier_one():
+    assert score_answer("\\boxed{42} or maybe \\boxed{4", "42") == NO_ANSWER
+
+
+def test_nested_braces_are_counted():
+    assert extract_last_boxed("\\boxed{\\frac{1}{2}}") == "\\frac{1}{2}"
+    assert score_answer("\\boxed{\\frac{1}{2}}", "0.5").correct
+
+
+def test_empty_box_has_valid_format_but_is_wrong():
+    assert score_answer("\\boxed{}", "42") == RewardResult(-1.0, False, True, "")
+
+
+def test_only_the_last_300_characters_are_read():
+    filler = "x" * ANSWER_WINDOW_CHARS
+    assert score_answer("\\boxed{42}" + filler, "42") == NO_ANSWER
+    # A box that starts before the window is cut: its marker is not in the window.
+    text = "\\boxed{42}" + "x" * (ANSWER_WINDOW_CHARS - len("\\boxed{42}"))
+    assert len(text) == ANSWER_WINDOW_CHARS and score_answer(text, "42").correct
+    assert score_answer(text + "y", "42") == NO_ANSWER  # window now starts at "boxed{42}"
+
+
+def test_window_is_characters_not_bytes():
+    # 299 three-byte characters after the box still leave the box inside the window.
+    text = "\\boxed{5}" + "é" * (ANSWER_WINDOW_CHARS - len("\\boxed{5}"))
+    assert score_answer(text, "5").correct
+
+
+@pytest.mark.parametrize(
+    "answer,reference",
+    [("\\frac{1}{2}", "1/2"), ("0.5", "\\frac{1}{2}"), ("204.0", "204"), ("x=3", "3"),
+     ("1,000", "1000"), ("\\{1,2\\}", "\\{2,1\\}"), ("2^{10}", "1024"), (" 7 ", "7 ")],
+)
+def test_math_equivalence(answer, reference):
+    assert score_answer(f"\\boxed{{{answer}}}", reference).correct
+
+
+@pytest.mark.parametrize("answer,reference", [("(1,2)", "(2,1)"), ("3", "4"), ("\\frac{1}{3}", "0.33")])
+def test_math_non_equivalence(answer, reference):
+    assert not score_answer(f"\\boxed{{{answer}}}", reference).correct
+
+
+def test_garbage_answer_is_wrong_not_an_error():
+    assert score_answer("\\boxed{\\frac{}{}}}}\\\\{{", "1").reward == -1.0
+    assert score_answer("\\boxed{)(*&^%}", "1") == RewardResult(-1.0, False, True, ")(*&^%")
+
+
+def test_same_verdict_from_a_worker_thread():
+    cases = [("\\boxed{\\frac{1}{2}}", "0.5"), ("\\boxed{3}", "4"), ("nothing", "1")]
+    main = [score_answer(t, r) for t, r in cases]
+    got = []
+    worker = threading.Thread(target=lambda: got.extend(score_answer(t, r) for t, r in cases))
+    worker.start()
+    worker.join()
+    assert got == main
+    assert [g.correct for g in got] == [True, False, False]
+
+
+def test_pathological_answer_is_bounded_and_the_next_call_still_works():
+    start = time.monotonic()
+    result = score_answer("\\boxed{9^{9^{9^{9}}}}", "1", timeout=1.0)
+    elapsed = time.monotonic() - start
+    assert result == RewardResult(-1.0, False, True, "9^{9^{9^{9}}}")
+    assert elapsed < 30  # a generous ceiling: unbounded, this would not return at all
+    assert score_answer("\\boxed{2}", "2").correct
+
+
+def test_score_batch_matches_score_answer_in_input_order():
+    texts = ["\\boxed{1}", "no", "\\boxed{\\frac{2}{4}}", "\\boxed{3}", "\\boxed{5", "\\boxed{10}"]
+    refs = ["1", "1", "0.5", "4", "5", "10"]
+    batch = score_batch(texts, refs, workers=2)
+    assert batch == [score_answer(t, r) for t, r in zip(texts, refs)]
+    assert [b.reward for b in batch] == [1.0, -1.0, 1.0, -1.0, -1.0, 1.0]
+
+
+def test_score_batch_bounds_each_answer():
+    texts = ["\\boxed{9^{9^{9^{9}}}}", "\\boxed{2}"]
+    assert [r.correct for r in score_batch(texts, ["1", "2"], workers=1, timeout=1.0)] == [False, True]
+
+
+def test_score_batch_rejects_mismatched_lengths():
+    with pytest.raises(ValueError, match="2 texts but 1 references"):
+        score_batch(["a", "b"], ["1"])
+
+
+def test_exec_error_penalty_is_off_by_default():
+    right = RewardResult(1.0, True, True, "1")
+    assert total_reward(right, code_ok=False) == 1.0
+    assert total_reward(right, code_ok=False, exec_error_penalty=0.5) == 0.5
+    assert total_reward(right, code_ok=True, exec_error_penalty=0.5) == 1.0

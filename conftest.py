@@ -1,0 +1,40 @@
+"""Fixtures shared by every chapter's tests.
+
+The tiny model is built once per test session (a few seconds) and the vLLM
+engine over it is started once (about a minute on CPU): every test that needs
+real vLLM shares that one engine. A test that changes the engine's weights
+(06-train's weight sync) must put the original weights back before it ends.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+# vLLM on CPU reserves host RAM for its KV cache; 1 GiB is plenty for the tiny model.
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+
+@pytest.fixture(scope="session")
+def tiny_model_path(tmp_path_factory):
+    """Folder of a random-init Qwen2 (head_dim 64) with a locally trained tokenizer."""
+    from tiny_model import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-model"), seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer(tiny_model_path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_model_path)
+
+
+@pytest.fixture(scope="session")
+def tiny_llm(tiny_model_path):
+    """One real vLLM engine over the tiny model, float32, shared by the whole session."""
+    from rollout import make_llm
+
+    llm = make_llm(tiny_model_path, dtype="float32", max_model_len=2048, seed=0)
+    yield llm
+    del llm
