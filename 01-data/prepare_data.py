@@ -1,0 +1,298 @@
+"""Chapter 01: verifiable problems in, one clean schema out.
+
+RL with an outcome reward can only learn from problems whose answer a program
+can check. This module turns whatever a data set looks like into one schema,
+
+    {"id": "deepscaler-3f2a9c1b7e", "question": "...", "answer": "204", "source": "deepscaler"}
+
+and throws away, with a count per reason, every row the reward (chapter 04)
+could not judge fairly:
+
+- empty answer: nothing to compare with;
+- proof: "prove that ..." has no single final answer;
+- multi-part: "(a) ... (b) ..." or an answer like "3; 5" asks for several
+  answers where the reward reads one box;
+- duplicate question: the same problem twice weighs it twice, and leaks from
+  train into test when splits are made by row.
+
+Sources are named data sets on the Hugging Face hub (a small table below), any
+hub id `org/name`, or local `.jsonl` / `.parquet` files in this schema or in
+ToRL's release schema (`data_source`, `prompt` as a list of chat messages whose
+user message is the problem, `reward_model.ground_truth`). The toy task of the
+CPU demo is made here too: multiplication of multi-digit numbers, an answer a
+few lines of Python compute exactly and a tiny model cannot guess.
+
+    python 01-data/prepare_data.py                    # toy task + default train and AIME sets
+    python 01-data/prepare_data.py --train my.jsonl --eval aime24 aime25 --no-toy
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import random
+import re
+import sys
+from collections import Counter
+from pathlib import Path
+
+# Named sources. The default training set is DeepScaleR's 40k problems (AIME,
+# AMC, Omni-MATH, STILL): competition math with short final answers, one of the
+# pools ToRL drew its 28k training questions from. AIME 2024 and 2025 are the
+# evaluation sets ToRL reports.
+NAMED_SOURCES = {
+    "deepscaler": {"path": "agentica-org/DeepScaleR-Preview-Dataset", "split": "train"},
+    "math500": {"path": "HuggingFaceH4/MATH-500", "split": "test"},
+    "aime24": {"path": "HuggingFaceH4/aime_2024", "split": "train"},
+    "aime25": {"path": "math-ai/aime25", "split": "test"},
+}
+DEFAULT_TRAIN = "deepscaler"
+DEFAULT_EVAL = ["aime24", "aime25"]
+
+QUESTION_COLUMNS = ["question", "problem", "Problem", "Question", "prompt"]
+ANSWER_COLUMNS = ["answer", "Answer", "final_answer", "ground_truth", "expected_answer", "reward_model"]
+
+PROOF = re.compile(r"\b(prove|show that|proof)\b", re.IGNORECASE)  # in the answer, or opening the question
+MULTI_PART = re.compile(r"(^|\s)\(a\)\s.*\s\(b\)\s", re.DOTALL)  # "(a) ... (b) ..." parts, not "(A)" labels
+MULTI_ANSWER = re.compile(r";|\\text\{\s*(and|or)\s*\}|\\quad|\\boxed\{.*\\boxed\{")
+
+
+class DataError(Exception):
+    """Bad input: the message is one line naming the file and the row or column."""
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    out = Path(args.out)
+    explicit = args.train is not None or args.eval is not None
+    jobs = []
+    if not args.no_toy:
+        jobs.append(("toy", None))
+    if not args.no_train:
+        jobs.append(("train", args.train or DEFAULT_TRAIN))
+    for source in args.eval if args.eval is not None else ([] if args.no_eval else DEFAULT_EVAL):
+        jobs.append(("eval", source))
+
+    failed = 0
+    for kind, source in jobs:
+        try:
+            if kind == "toy":
+                train, test = make_toy_task(args.toy_train, args.toy_test, seed=args.seed, digits=args.toy_digits)
+                write_jsonl(train, out / "toy_train.jsonl")
+                write_jsonl(test, out / "toy_test.jsonl")
+                print(f"toy: {len(train)} train and {len(test)} test problems -> {out}/toy_{{train,test}}.jsonl")
+                continue
+            rows, dropped = load_problems(source, limit=args.limit)
+            name = "train" if kind == "train" else source_name(source)
+            path = out / f"{name}.jsonl"
+            write_jsonl(rows, path)
+            print(f"{source}: kept {len(rows)} rows -> {path}" + "".join(f"; dropped {n} ({why})" for why, n in dropped.items()))
+        except DataError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        except HubUnreachable as e:
+            # The default run is meant to work offline for the toy task; a source the
+            # user asked for by name must load, or the run fails.
+            print(f"{'error' if explicit else 'skipped'}: {e}", file=sys.stderr)
+            failed += explicit
+    return 1 if failed else 0
+
+
+def load_problems(source: str, limit: int | None = None) -> tuple[list[dict], dict[str, int]]:
+    """Load `source` (a named set, a hub id or a local file) as clean rows, and the drop counts."""
+    raw, origin = read_source(source)
+    if not raw:
+        raise DataError(f"{origin}: no rows")
+    rows = [normalise(r, origin, i, default_source=source_name(source)) for i, r in enumerate(raw)]
+    kept, dropped = filter_verifiable(rows)
+    return (kept[:limit] if limit else kept), dropped
+
+
+def normalise(row: dict, origin: str, index: int, default_source: str) -> dict:
+    """One raw row -> {id, question, answer, source}; raises DataError naming the row if unreadable."""
+    if not isinstance(row, dict):
+        raise DataError(f"{origin} row {index}: not a record but {type(row).__name__}")
+    q_col = next((c for c in QUESTION_COLUMNS if c in row), None)
+    a_col = next((c for c in ANSWER_COLUMNS if c in row), None)
+    if q_col is None:
+        raise DataError(f"{origin} row {index}: no question column (looked for {', '.join(QUESTION_COLUMNS)}; found {', '.join(row) or 'none'})")
+    if a_col is None:
+        raise DataError(f"{origin} row {index}: no answer column (looked for {', '.join(ANSWER_COLUMNS)}; found {', '.join(row)})")
+    question = row[q_col]
+    if isinstance(question, list):  # ToRL / chat schema: the user message is the problem
+        users = [m.get("content") for m in question if isinstance(m, dict) and m.get("role") == "user"]
+        question = users[-1] if users else None
+    answer = row[a_col]
+    if isinstance(answer, dict):  # ToRL / verl schema: reward_model.ground_truth
+        answer = answer.get("ground_truth")
+    if not isinstance(question, str):
+        raise DataError(f"{origin} row {index}: column '{q_col}' holds no question text")
+    if isinstance(answer, (int, float)) and not isinstance(answer, bool):
+        answer = str(answer)
+    if answer is not None and not isinstance(answer, str):
+        raise DataError(f"{origin} row {index}: column '{a_col}' holds {type(answer).__name__}, not an answer string")
+    question = question.strip()
+    source = row.get("data_source") or row.get("source") or default_source
+    # Keep an id the row already has (our own files); otherwise derive a stable one
+    # from the question, so the same problem has the same id in every run.
+    row_id = row.get("id") if isinstance(row.get("id"), str) and row.get("id") else None
+    return {
+        "id": row_id or f"{source}-{hashlib.sha1(question.encode()).hexdigest()[:10]}",
+        "question": question,
+        "answer": (answer or "").strip(),
+        "source": str(source),
+    }
+
+
+def filter_verifiable(rows: list[dict]) -> tuple[list[dict], dict[str, int]]:
+    """Keep rows the ±1 reward can judge; count each reason a row was dropped."""
+    kept, dropped, seen = [], Counter(), set()
+    for row in rows:
+        reason = unverifiable_reason(row)
+        key = " ".join(row["question"].lower().split())
+        if reason is None and key in seen:
+            reason = "duplicate question"
+        if reason:
+            dropped[reason] += 1
+            continue
+        seen.add(key)
+        kept.append(row)
+    return kept, dict(dropped)
+
+
+def unverifiable_reason(row: dict) -> str | None:
+    question, answer = row["question"], row["answer"]
+    if not question:
+        return "empty question"
+    if not answer:
+        return "empty answer"
+    if PROOF.search(answer) or PROOF.match(question.lstrip()):
+        return "proof"
+    if MULTI_PART.search(question) or MULTI_ANSWER.search(answer):
+        return "multi-part"
+    return None
+
+
+def make_toy_task(n_train: int, n_test: int, seed: int = 0, digits: int = 3) -> tuple[list[dict], list[dict]]:
+    """Multiplication problems, deterministic under `seed`, with no question in both splits.
+
+    >>> train, test = make_toy_task(2, 1, seed=0)
+    >>> train[0]["question"], train[0]["answer"]   # doctest: +SKIP
+    ('What is 394 * 731?', '288014')
+    """
+    rng = random.Random(seed)
+    lo, hi = 10 ** (digits - 1), 10**digits - 1
+    seen, rows = set(), []
+    while len(rows) < n_train + n_test:
+        a, b = rng.randint(lo, hi), rng.randint(lo, hi)
+        if (a, b) in seen:
+            continue
+        seen.add((a, b))
+        rows.append({"id": f"toy-{a}x{b}", "question": f"What is {a} * {b}?", "answer": str(a * b), "source": "toy"})
+    return rows[:n_train], rows[n_train:]
+
+
+class HubUnreachable(Exception):
+    pass
+
+
+def read_source(source: str) -> tuple[list[dict], str]:
+    """Raw rows of a local file, a named set or a hub id, and a name for error messages."""
+    path = Path(source)
+    if path.suffix in (".jsonl", ".parquet") or path.exists():
+        if not path.is_file():
+            raise DataError(f"{source}: no such file")
+        if path.suffix == ".jsonl":
+            return read_jsonl(path), str(path)
+        if path.suffix == ".parquet":
+            return read_parquet(path), str(path)
+        raise DataError(f"{source}: unsupported file type '{path.suffix}' (use .jsonl or .parquet)")
+    if source in NAMED_SOURCES:
+        spec = NAMED_SOURCES[source]
+    elif "/" in source:
+        spec = {"path": source, "split": "train"}
+    else:
+        raise DataError(f"unknown data set '{source}': not a file, a hub id (org/name), or one of {', '.join(NAMED_SOURCES)}")
+    return read_hub(spec["path"], spec["split"]), spec["path"]
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    rows = []
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError as e:
+                raise DataError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
+    return rows
+
+
+def read_parquet(path: Path) -> list[dict]:
+    import pyarrow.parquet as pq  # installed with `datasets`
+
+    try:
+        return pq.read_table(path).to_pylist()
+    except Exception as e:
+        raise DataError(f"{path}: not a readable parquet file ({type(e).__name__}: {str(e).splitlines()[0]})") from None
+
+
+def read_hub(path: str, split: str) -> list[dict]:
+    from datasets import load_dataset
+
+    try:
+        return list(load_dataset(path, split=split))
+    except Exception as e:
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise HubUnreachable(f"could not load '{path}' (split {split}) from the Hugging Face hub: {first}") from None
+
+
+def source_name(source: str) -> str:
+    path = Path(source)
+    if path.suffix in (".jsonl", ".parquet"):
+        return path.stem
+    return source.split("/")[-1].lower()
+
+
+def write_jsonl(rows: list[dict], path: Path) -> None:
+    """Write atomically: the rows go to a temporary file that replaces `path` only when complete."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            for row in rows:
+                f.write(json.dumps(row, ensure_ascii=False) + "\n")
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def read_problems(path: str | os.PathLike) -> list[dict]:
+    """Read a file this module wrote (or any file in its schema) back as rows."""
+    rows, _ = load_problems(str(path))
+    return rows
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(
+        description="Prepare verifiable math problems in one schema {id, question, answer, source}.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--out", default="data", help="folder the .jsonl files are written to")
+    p.add_argument("--train", metavar="SOURCE", help=f"training set: a name ({', '.join(NAMED_SOURCES)}), a hub id or a .jsonl/.parquet file [default: {DEFAULT_TRAIN}]")
+    p.add_argument("--eval", metavar="SOURCE", nargs="*", help=f"evaluation sets, same kinds of source [default: {' '.join(DEFAULT_EVAL)}]")
+    p.add_argument("--limit", type=int, help="keep at most this many rows per source (after filtering)")
+    p.add_argument("--no-train", action="store_true", help="skip the training set")
+    p.add_argument("--no-eval", action="store_true", help="skip the evaluation sets")
+    p.add_argument("--no-toy", action="store_true", help="skip the toy task of the CPU demo")
+    p.add_argument("--toy-train", type=int, default=2000, help="toy task: training problems")
+    p.add_argument("--toy-test", type=int, default=200, help="toy task: test problems")
+    p.add_argument("--toy-digits", type=int, default=3, help="toy task: digits of each factor")
+    p.add_argument("--seed", type=int, default=0, help="toy task: random seed")
+    return p.parse_args(argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
