@@ -1,0 +1,143 @@
+"""How fast is the sandbox? Calls per second and latency against a fresh `python -c` per call.
+
+    make bench-sandbox                                   # both workloads, local backend
+    python 02-sandbox/bench_sandbox.py --docker          # add the Docker backend's rows
+    python 02-sandbox/bench_sandbox.py --calls 400 --rounds 5
+
+The baseline is the design most labs start with: one `subprocess.run([python, "-c", code])`
+per call, with the same limits (address space, CPU time, file size), a clean environment,
+a fresh temporary work dir, output captured through pipes and a timeout. It pays for a
+new interpreter each time, and `import sympy` (about 0.5 s) on every call that uses it.
+
+Both designs run the same calls with the same number of threads (the sandbox's
+`concurrency`). Other processes on the machine change both figures, so the designs
+take turns in rounds and each row sums its rounds. Targets (issue 3): the fork server
+at least 20x the baseline's calls/s on the sympy snippet, and no slower on print(1+1).
+"""
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import os
+import resource
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from sandbox import Sandbox, SandboxConfig, SandboxError, _clean_env  # noqa: E402
+
+WORKLOADS = {
+    "print(1+1)": "print(1+1)",
+    "sympy factorint": "import sympy; print(sympy.factorint(2**64-1))",
+}
+EXPECTED = {"print(1+1)": "2\n", "sympy factorint": "{3: 1, 5: 1, 17: 1, 257: 1, 641: 1, 65537: 1, 6700417: 1}\n"}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--calls", type=int, default=200, help="calls per round for the sandbox")
+    parser.add_argument("--baseline-calls", type=int, default=None, help="calls per round for the baseline (default: calls, but 20 on sympy)")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds in which the designs take turns")
+    parser.add_argument("--concurrency", type=int, default=os.cpu_count() or 2, help="threads issuing calls")
+    parser.add_argument("--docker", action="store_true", help="also measure the Docker backend")
+    args = parser.parse_args()
+    if args.calls < 1 or args.rounds < 1 or args.concurrency < 1:
+        parser.error("--calls, --rounds and --concurrency must be positive")
+
+    config = SandboxConfig(concurrency=args.concurrency)
+    designs = {"fresh python -c": Baseline(config), "fork server": Sandbox(config)}
+    if args.docker:
+        try:
+            designs["docker"] = Sandbox(SandboxConfig(backend="docker", concurrency=args.concurrency))
+        except SandboxError as e:
+            print(f"docker rows skipped: {e}")
+    print(f"machine: {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}; "
+          f"concurrency {args.concurrency}; {args.rounds} rounds; "
+          f"isolation of the fork server: {designs['fork server'].isolation}")
+    print(f"{'workload':<17} {'design':<16} {'calls':>6} {'calls/s':>9} {'p50 ms':>8} {'p99 ms':>8}")
+    speedups = {}
+    for name, code in WORKLOADS.items():
+        rates = {}
+        for design, runner in designs.items():
+            runner.run_many([code] * min(4, args.concurrency))  # warm: slots forked, containers started
+        samples = {design: ([], 0.0) for design in designs}
+        for _ in range(args.rounds):
+            for design, runner in designs.items():
+                n = args.calls
+                if design != "fork server":
+                    n = args.baseline_calls or (20 if "sympy" in name else args.calls)
+                start = time.perf_counter()
+                results = runner.run_many([code] * n)
+                wall = time.perf_counter() - start
+                bad = [r for r in results if not r.ok or r.stdout != EXPECTED[name]]
+                if bad:
+                    print(f"{design} gave a wrong result on {name}: {bad[0]}", file=sys.stderr)
+                    return 1
+                latencies, total = samples[design]
+                samples[design] = (latencies + [r.latency for r in results], total + wall)
+        for design, (latencies, total) in samples.items():
+            latencies.sort()
+            rates[design] = len(latencies) / total
+            print(f"{name:<17} {design:<16} {len(latencies):>6} {rates[design]:>9.1f} "
+                  f"{1000 * percentile(latencies, 50):>8.1f} {1000 * percentile(latencies, 99):>8.1f}")
+        speedups[name] = rates["fork server"] / rates["fresh python -c"]
+    for runner in designs.values():
+        runner.close()
+    sympy_ok = speedups["sympy factorint"] >= 20
+    print_ok = speedups["print(1+1)"] >= 1
+    print(f"speed-up of the fork server over fresh python -c: print(1+1) {speedups['print(1+1)']:.1f}x "
+          f"(target >= 1x: {'met' if print_ok else 'MISSED'}), sympy {speedups['sympy factorint']:.1f}x "
+          f"(target >= 20x: {'met' if sympy_ok else 'MISSED'})")
+    return 0 if sympy_ok and print_ok else 1
+
+
+class Baseline:
+    """One fresh interpreter per call, with the sandbox's limits: the design to beat."""
+
+    def __init__(self, config: SandboxConfig) -> None:
+        self.config = config
+
+    def run_many(self, codes: list[str]) -> list:
+        with concurrent.futures.ThreadPoolExecutor(self.config.concurrency) as pool:
+            return list(pool.map(self.run, codes))
+
+    def run(self, code: str):
+        from sandbox import ExecResult
+
+        cfg = self.config
+        mb = 1024 * 1024
+
+        def limits() -> None:
+            resource.setrlimit(resource.RLIMIT_AS, (cfg.memory_mb * mb,) * 2)
+            resource.setrlimit(resource.RLIMIT_CPU, (int(cfg.timeout) + 2,) * 2)
+            resource.setrlimit(resource.RLIMIT_FSIZE, (cfg.max_file_mb * mb,) * 2)
+
+        workdir = tempfile.mkdtemp(prefix="bench-baseline-")
+        start = time.perf_counter()
+        try:
+            proc = subprocess.run([sys.executable, "-c", code], capture_output=True, cwd=workdir,
+                                  env=_clean_env(), preexec_fn=limits, timeout=cfg.timeout)
+            returncode, out, err, timed_out = proc.returncode, proc.stdout, proc.stderr, False
+        except subprocess.TimeoutExpired as e:
+            returncode, out, err, timed_out = -9, e.stdout or b"", e.stderr or b"", True
+        finally:
+            shutil.rmtree(workdir, ignore_errors=True)
+        return ExecResult(ok=returncode == 0 and not timed_out, stdout=out.decode(errors="replace"),
+                          stderr=err.decode(errors="replace"), returncode=returncode, timed_out=timed_out,
+                          truncated=False, latency=time.perf_counter() - start)
+
+    def close(self) -> None:
+        pass
+
+
+def percentile(sorted_values: list[float], q: float) -> float:
+    index = min(len(sorted_values) - 1, max(0, round(q / 100 * (len(sorted_values) - 1))))
+    return sorted_values[index]
+
+
+if __name__ == "__main__":
+    sys.exit(main())

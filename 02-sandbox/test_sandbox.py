@@ -1,0 +1,472 @@
+"""Hostile code against both backends: each test states what must be contained.
+
+Every hostile test also checks that the sandbox still answers the next call correctly.
+Docker tests skip, with the reason, when no engine or no sandbox image is reachable
+(.ci/docker.sh installs and starts one and builds the image).
+"""
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import uuid
+
+import pytest
+
+from sandbox import LAB_ROOT, ExecResult, Sandbox, SandboxConfig, format_observation
+
+
+def docker_unavailable() -> str:
+    """Why the docker backend cannot run here ('' when it can)."""
+    try:
+        import docker
+    except ImportError:
+        return "the docker Python SDK is not installed"
+    try:
+        client = docker.from_env(version="auto", timeout=10)
+        client.ping()
+    except Exception as e:
+        return f"no Docker engine reachable ({type(e).__name__}); run .ci/docker.sh"
+    try:
+        client.images.get(SandboxConfig.image)
+    except Exception:
+        return f"image {SandboxConfig.image} missing; build it with 02-sandbox/build_image.sh"
+    return ""
+
+
+BACKENDS = ["local", pytest.param("docker", marks=pytest.mark.docker)]
+TIMEOUT = 2.0  # short, so that the tests of runaway code stay quick
+MAX_FILE_MB = 4
+MAX_OUTPUT = 16 * 1024
+
+
+def make_config(backend: str, **overrides) -> SandboxConfig:
+    settings = dict(backend=backend, timeout=TIMEOUT, memory_mb=512, max_file_mb=MAX_FILE_MB,
+                    max_output_bytes=MAX_OUTPUT, max_processes=32, concurrency=4)
+    if backend == "docker":
+        settings["preload"] = ()  # the tests need no sympy: containers start faster without it
+    settings.update(overrides)
+    return SandboxConfig(**settings)
+
+
+@pytest.fixture(scope="module", params=BACKENDS)
+def backend(request) -> str:
+    if request.param == "docker":
+        reason = docker_unavailable()
+        if reason:
+            pytest.skip(f"docker backend: {reason}")
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def sb(backend):
+    with Sandbox(make_config(backend)) as sandbox:
+        yield sandbox
+
+
+def assert_still_answers(sb: Sandbox) -> None:
+    r = sb.run("print(6 * 7)")
+    assert r.ok and r.stdout == "42\n", r
+
+
+def marker() -> str:
+    """A process name (comm, at most 15 characters) to find leftovers by."""
+    return "sbx" + uuid.uuid4().hex[:10]
+
+
+def processes_named(name: str) -> list[int]:
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/comm") as f:
+                    if f.read().strip() == name:
+                        found.append(int(entry))
+            except OSError:
+                pass
+    return found
+
+
+# ---------------------------------------------------------------- runaway code
+
+
+def test_an_infinite_loop_is_stopped_at_the_timeout(sb):
+    r = sb.run("while True:\n    pass")
+    assert r.timed_out and not r.ok
+    assert format_observation(r) == f"TimeoutError: execution exceeded the {TIMEOUT:g} s time limit"
+    assert_still_answers(sb)
+
+
+def test_sleeping_past_the_timeout_is_stopped_and_keeps_what_was_printed(sb):
+    r = sb.run("import time\nprint('started')\ntime.sleep(60)")
+    assert r.timed_out and not r.ok
+    assert r.stdout == "started\n"
+    assert r.latency < 60  # stopped, not waited out
+    assert_still_answers(sb)
+
+
+def test_a_fork_bomb_is_contained_and_leaves_no_process(sb):
+    name = marker()
+    r = sb.run(
+        "import ctypes, os\n"
+        f"ctypes.CDLL(None).prctl(15, b'{name}')  # children inherit the name\n"
+        "while True:\n"
+        "    try:\n"
+        "        os.fork()\n"
+        "    except OSError:\n"
+        "        pass\n"
+    )
+    assert r.timed_out and not r.ok
+    assert processes_named(name) == []
+    assert_still_answers(sb)
+
+
+def test_a_memory_bomb_fails_with_memory_error_in_the_code(sb):
+    r = sb.run("x = bytearray(8 * 1024**3)")
+    assert format_observation(r) == "MemoryError"
+    r = sb.run("chunks = []\nwhile True:\n    chunks.append(bytearray(64 * 1024**2))")
+    assert not r.ok and format_observation(r) == "MemoryError"
+    assert_still_answers(sb)
+
+
+def test_a_print_flood_is_cut_at_the_file_limit_keeping_head_and_tail(sb):
+    r = sb.run("i = 0\nwhile True:\n    print(f'line {i}', 'x' * 1000)\n    i += 1")
+    assert not r.ok and r.truncated and not r.timed_out
+    assert r.stdout.startswith("line 0 xxx")
+    assert "bytes cut" in r.stdout
+    assert len(r.stdout.encode()) < MAX_OUTPUT + 100
+    assert format_observation(r) == f"OutputLimitError: more than {MAX_FILE_MB} MB written to one stream or file"
+    assert_still_answers(sb)
+
+
+def test_a_100_mb_single_line_is_cut(sb):
+    r = sb.run("print('y' * 100_000_000)")
+    assert not r.ok and r.truncated
+    head, marker_line, tail = r.stdout.split("\n")[:3]
+    assert head == tail == "y" * (MAX_OUTPUT // 2)
+    # Written up to exactly the file limit, then killed; the middle is dropped.
+    assert marker_line == f"... [{MAX_FILE_MB * 1024 * 1024 - MAX_OUTPUT} bytes cut] ..."
+    assert_still_answers(sb)
+
+
+def test_binary_output_is_decoded_with_replacement_not_an_error(sb):
+    r = sb.run("import sys\nsys.stdout.buffer.write(bytes(range(256)))\nprint('after')")
+    assert r.ok
+    assert r.stdout.startswith("\x00\x01\x02")
+    assert "\ufffd" in r.stdout and r.stdout.endswith("after\n")
+    assert_still_answers(sb)
+
+
+# ---------------------------------------------------------------- reading and writing what it should not
+
+
+def test_secrets_in_the_callers_environment_are_not_visible(backend, monkeypatch):
+    secret = "hf_" + uuid.uuid4().hex
+    monkeypatch.setenv("HF_TOKEN", secret)
+    monkeypatch.setenv("WANDB_API_KEY", secret)
+    code = (
+        "import os, glob\n"
+        "print(dict(os.environ))\n"
+        "for path in glob.glob('/proc/*/environ'):\n"
+        "    try:\n"
+        "        print(open(path, 'rb').read())\n"
+        "    except OSError:\n"
+        "        pass\n"
+    )
+    with Sandbox(make_config(backend, concurrency=1)) as fresh:  # created after the secret was set
+        r = fresh.run(code)
+    assert r.ok
+    assert "HF_TOKEN" not in r.stdout and "WANDB_API_KEY" not in r.stdout and secret not in r.stdout
+
+
+def test_no_network_connection_can_be_opened(sb):
+    listener = socket.create_server(("127.0.0.1", 0))  # something to reach on this machine
+    port = listener.getsockname()[1]
+    socket.create_connection(("127.0.0.1", port), timeout=5).close()  # reachable from outside the sandbox
+    try:
+        r = sb.run(
+            "import socket\n"
+            f"for address in [('127.0.0.1', {port}), ('10.255.255.1', 80), ('1.1.1.1', 443)]:\n"
+            "    try:\n"
+            "        socket.create_connection(address, timeout=1).close()\n"
+            "        print('connected', address)\n"
+            "    except OSError as e:\n"
+            "        print('failed', address, e)\n"
+            "print(sorted(name for _, name in socket.if_nameindex()))\n"
+        )
+    finally:
+        listener.close()
+    assert r.ok
+    assert "connected" not in r.stdout
+    assert r.stdout.count("failed") == 3
+    assert "Network is unreachable" in r.stdout
+    assert_still_answers(sb)
+
+
+def test_writing_outside_the_work_dir_never_reaches_the_machine(sb):
+    name = marker()
+    targets = [os.path.join(LAB_ROOT, "02-sandbox", name), f"/tmp/{name}", f"/etc/{name}", f"/var/tmp/{name}"]
+    code = "\n".join(
+        [f"for path in {targets!r}:", "    try:", "        open(path, 'w').write('escaped')",
+         "        print('wrote', path)", "    except OSError as e:", "        print('denied', path, type(e).__name__)",
+         "open('inside.txt', 'w').write('fine')", "print(open('inside.txt').read())"]
+    )
+    r = sb.run(code)
+    assert r.ok and r.stdout.endswith("fine\n"), r
+    for path in targets:
+        assert not os.path.exists(path), path
+    assert_still_answers(sb)
+
+
+def test_the_labs_own_files_cannot_be_read(sb):
+    r = sb.run(
+        "import os\n"
+        f"print(open({os.path.join(LAB_ROOT, '02-sandbox', 'sandbox.py')!r}).read()[:20])\n"
+    )
+    assert not r.ok
+    assert format_observation(r).startswith("FileNotFoundError")
+    assert_still_answers(sb)
+
+
+# ---------------------------------------------------------------- attacks on the sandbox's own processes
+
+
+def test_killing_the_parent_does_not_take_the_sandbox_down(sb):
+    r = sb.run("import os\nos.kill(os.getppid(), 9)\nprint('still here')")
+    assert isinstance(r, ExecResult)
+    assert_still_answers(sb)
+    r = sb.run("import os\nos.kill(-1, 9)")  # every process it may signal: only its own
+    assert isinstance(r, ExecResult) and not r.ok
+    assert_still_answers(sb)
+
+
+def test_a_daemon_that_escapes_the_process_group_dies_with_the_call(sb):
+    name = marker()
+    r = sb.run(
+        "import ctypes, os, time\n"
+        "ready_r, ready_w = os.pipe()\n"
+        "if os.fork() == 0:\n"
+        "    os.setsid()\n"
+        "    if os.fork() == 0:\n"
+        f"        ctypes.CDLL(None).prctl(15, b'{name}')\n"
+        "        os.write(ready_w, b'x')\n"
+        "        time.sleep(1000)\n"
+        "    os._exit(0)\n"
+        "os.read(ready_r, 1)\n"
+        "print('daemon started')\n"
+    )
+    assert r.ok and r.stdout == "daemon started\n", r
+    assert processes_named(name) == []
+    assert_still_answers(sb)
+
+
+# ---------------------------------------------------------------- ordinary failures, reported as python would
+
+
+def test_deep_recursion_gives_recursion_error(sb):
+    r = sb.run("def f(n):\n    return f(n + 1)\nf(0)")
+    assert format_observation(r).startswith("RecursionError: maximum recursion depth exceeded")
+    assert_still_answers(sb)
+
+
+def test_recursion_that_overflows_the_c_stack_is_a_contained_crash(sb):
+    # json's C encoder recurses on the C stack once the recursion limit is lifted: a segfault.
+    r = sb.run(
+        "import json, sys\nsys.setrecursionlimit(10**7)\nnested = []\n"
+        "for _ in range(300000):\n    nested = [nested]\nprint('built')\njson.dumps(nested)"
+    )
+    assert not r.ok and r.returncode == -11 and r.stdout == "built\n"
+    assert format_observation(r).startswith("Segmentation fault")
+    assert_still_answers(sb)
+
+
+def test_sys_exit_code_is_the_returncode(sb):
+    r = sb.run("import sys\nprint('bye')\nsys.exit(3)")
+    assert not r.ok and r.returncode == 3 and r.stdout == "bye\n"
+    assert format_observation(r) == "Process exited with code 3"
+    assert sb.run("import sys\nsys.exit(0)").ok
+    assert_still_answers(sb)
+
+
+def test_os_exit_keeps_output_printed_before_it(sb):
+    r = sb.run("import os\nprint('kept', end='')\nos._exit(0)")
+    assert r.ok and r.stdout == "kept"
+    assert_still_answers(sb)
+
+
+def test_reading_stdin_gets_end_of_file_not_a_hang(sb):
+    r = sb.run("input()")
+    assert not r.timed_out and format_observation(r) == "EOFError: EOF when reading a line"
+    assert sb.run("import sys\nprint(repr(sys.stdin.read()))").stdout == "''\n"
+
+
+def test_a_syntax_error_is_reported_by_its_last_line(sb):
+    r = sb.run("x = (1,\nprint(x)")
+    assert not r.ok and r.returncode == 1
+    assert format_observation(r) == "SyntaxError: '(' was never closed"
+
+
+def test_a_traceback_shows_the_codes_frames_and_source_not_the_sandboxs(sb):
+    r = sb.run("def half(x):\n    return x / 0\n\nhalf(4)")
+    assert not r.ok
+    assert 'File "<string>", line 2, in half' in r.stderr
+    assert "return x / 0" in r.stderr  # the source line, as from a file
+    assert "sandbox.py" not in r.stderr
+    assert format_observation(r) == "ZeroDivisionError: division by zero"
+    assert format_observation(r, "full").endswith("ZeroDivisionError: division by zero\n")
+
+
+def test_unicode_output_comes_back_exactly(sb):
+    text = "∑ π ≈ 3.14159 — 日本語 😀"
+    r = sb.run(f"print({text!r})")
+    assert r.ok and r.stdout == text + "\n"
+
+
+def test_code_that_prints_nothing_is_a_success_with_empty_output(sb):
+    r = sb.run("x = 2 + 2")
+    assert r.ok and r.stdout == "" and r.returncode == 0
+    assert format_observation(r) == ""
+
+
+def test_nothing_defined_by_one_call_is_visible_to_the_next(sb):
+    first = sb.run("import math\nmath.pi = 3\nsecret = 42\nopen('note.txt', 'w').write('x')")
+    assert first.ok
+    r = sb.run("import math, os\nprint(math.pi, 'secret' in globals(), os.path.exists('note.txt'))")
+    assert r.stdout == "3.141592653589793 False False\n"
+
+
+def test_32_concurrent_calls_mixing_good_and_hostile_code_keep_their_own_results(sb):
+    hostile = [  # (code, how it must end)
+        ("while True: pass", "timeout"),
+        ("import os\nwhile True:\n    try: os.fork()\n    except OSError: pass", "timeout"),
+        ("x = bytearray(8 * 1024**3)", "MemoryError"),
+        ("while True: print('flood' * 100)", "OutputLimitError"),
+        ("import os\nos.kill(os.getppid(), 9)", "any"),  # denied, or ignored by an init: either is contained
+        ("import sys\nsys.exit(5)", "Process exited with code 5"),
+        ("import time\ntime.sleep(60)", "timeout"),
+        ("raise ValueError('boom')", "ValueError: boom"),
+    ]
+    codes, expected, endings = [], {}, {}
+    for i in range(32):
+        if i % 4 == 3:
+            codes.append(hostile[i // 4][0])
+            endings[i] = hostile[i // 4][1]
+        else:
+            codes.append(f"print({i} * {i}, 'ok')")
+            expected[i] = f"{i * i} ok\n"
+    results = sb.run_many(codes)
+    assert len(results) == 32
+    for i, text in expected.items():
+        assert results[i].ok and results[i].stdout == text, (i, results[i])
+    for i, ending in endings.items():
+        if ending == "timeout":
+            assert results[i].timed_out, (i, results[i])
+        elif ending != "any":
+            assert format_observation(results[i]).startswith(ending), (i, results[i])
+    assert_still_answers(sb)
+
+
+def test_calls_from_many_threads_each_get_their_own_result(sb):
+    results = {}
+
+    def call(i):
+        results[i] = sb.run(f"print('thread', {i})")
+
+    threads = [threading.Thread(target=call, args=(i,)) for i in range(12)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert {i: r.stdout for i, r in results.items()} == {i: f"thread {i}\n" for i in range(12)}
+
+
+# ---------------------------------------------------------------- local backend specifics
+
+
+def test_the_local_backend_uses_namespaces_when_root():
+    if os.geteuid() != 0:
+        pytest.skip("namespaces need root")
+    with Sandbox(make_config("local", concurrency=1)) as sb:
+        assert sb.isolation == "namespaces"
+        r = sb.run("import os\nprint(os.getpid(), os.getuid() != 0, sorted(os.listdir('/proc'))[:0])")
+        pid, unprivileged, _ = r.stdout.split(" ", 2)
+        assert int(pid) <= 3 and unprivileged == "True"  # its own PID namespace, not root
+
+
+def test_the_warm_interpreter_already_has_sympy_and_random_state_is_fresh_per_call():
+    with Sandbox(make_config("local", concurrency=1)) as sb:
+        r = sb.run("import sys\nprint('sympy' in sys.modules, 'numpy' in sys.modules)")
+        assert r.stdout == "True True\n"
+        draws = [sb.run("import random, numpy\nprint(random.random(), numpy.random.rand())").stdout for _ in range(3)]
+        assert len(set(draws)) == 3  # a fork would otherwise repeat the server's generator state
+
+
+def test_plain_isolation_still_kills_an_escaped_daemon_and_stops_runaway_code():
+    """The fallback where namespaces are unavailable: no PID namespace, a child subreaper."""
+    name = marker()
+    with Sandbox(make_config("local", isolation="plain", concurrency=1, preload=())) as sb:
+        assert sb.isolation == "plain"
+        r = sb.run(
+            "import ctypes, os, time\n"
+            "if os.fork() == 0:\n"
+            "    os.setsid()\n"
+            "    if os.fork() == 0:\n"
+            f"        ctypes.CDLL(None).prctl(15, b'{name}')\n"
+            "        time.sleep(1000)\n"
+            "    os._exit(0)\n"
+            "time.sleep(0.3)\n"
+            "print('done')\n"
+        )
+        assert r.ok and r.stdout == "done\n"
+        assert processes_named(name) == []
+        assert sb.run("while True: pass").timed_out
+        assert_still_answers(sb)
+
+
+def test_closing_the_sandbox_stops_its_fork_server():
+    sb = Sandbox(make_config("local", concurrency=1, preload=()))
+    assert_still_answers(sb)
+    server = sb._backend._server._proc
+    sb.close()
+    assert server.poll() is not None
+
+
+# ---------------------------------------------------------------- what the model sees
+
+
+def result(**fields) -> ExecResult:
+    base = dict(ok=True, stdout="", stderr="", returncode=0, timed_out=False, truncated=False, latency=0.0)
+    base.update(fields)
+    return ExecResult(**base)
+
+
+def test_torl_observation_is_stdout_on_success():
+    assert format_observation(result(stdout="4\n")) == "4\n"
+
+
+def test_torl_observation_is_only_the_last_line_of_the_error():
+    tb = "Traceback (most recent call last):\n  File \"<string>\", line 1, in <module>\nNameError: name 'a' is not defined\n"
+    r = result(ok=False, stdout="partial\n", stderr=tb, returncode=1)
+    assert format_observation(r) == "NameError: name 'a' is not defined"
+
+
+def test_torl_observation_is_capped_at_256_characters_keeping_head_and_tail():
+    text = "HEAD" + "x" * 1000 + "TAIL"
+    obs = format_observation(result(stdout=text))
+    assert len(obs) == 256
+    assert obs.startswith("HEAD") and obs.endswith("TAIL") and "\n...\n" in obs
+
+
+def test_full_observation_keeps_the_tail_of_the_traceback():
+    tb = "Traceback\n" + "  frame\n" * 500 + "KeyError: 'k'\n"
+    obs = format_observation(result(ok=False, stderr=tb, returncode=1), "full", max_chars=100)
+    assert len(obs) == 100 and obs.endswith("KeyError: 'k'\n")
+
+
+def test_an_unknown_style_or_backend_is_a_clear_error():
+    with pytest.raises(ValueError, match="style must be"):
+        format_observation(result(), "json")
+    with pytest.raises(ValueError, match="backend must be"):
+        SandboxConfig(backend="k8s")
+    with pytest.raises(ValueError, match="timeout must be positive"):
+        SandboxConfig(timeout=0)
