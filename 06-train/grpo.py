@@ -1,0 +1,531 @@
+"""Chapter 06: the GRPO update, written by hand in torch, and the copy of its weights into vLLM.
+
+One training step, top to bottom:
+
+    adv, n_degenerate = group_advantages(rewards, group_size)   # ±1 rewards -> advantages
+    for t, a in zip(trajectories, adv): t.advantage = a
+    sleep_sampler(llm)                                           # CUDA: free vLLM's KV cache
+    metrics = grpo_step(model, optimizer, trajectories, cfg)     # old log-probs, clipped loss, AdamW
+    sync_weights(model, llm)                                     # new weights into vLLM, in memory
+
+The objective, for a mini-batch of trajectories, with r_t = pi(y_t | y_<t) / pi_old(y_t | y_<t)
+and A the trajectory's advantage, over the tokens the model wrote:
+
+    loss = - mean_t  min( r_t * A,  clip(r_t, 1 - eps_low, 1 + eps_high) * A )
+
+Design decisions, and why:
+
+1. Advantage = reward minus the mean of its group, not divided by the group's
+   standard deviation (`scale=False`). Dividing makes a group where 15 of 16
+   answers agree weigh as much as a split group: nearly solved and hopeless
+   problems get their rare outlier amplified. `scale=True` restores the original
+   GRPO. A group whose rewards are all equal teaches nothing: its advantages are
+   zero and the count is reported, so the loop can log how much of a batch was wasted.
+2. Only tokens the model wrote carry gradient. The prompt and the interpreter's
+   output are in the sequence (the model must read them) but the model did not
+   choose them; pushing their probability up or down would teach the model to
+   predict the interpreter, not to use it. `loss_mask` selects model tokens;
+   masked positions are removed with `torch.where`, so their gradient is exactly 0.
+3. Old log-probs are recomputed by the trainer, with the weights it is about to
+   update, instead of reusing the ones vLLM recorded while sampling. The two
+   come from different kernels (and on a GPU from bf16 weights in vLLM), so a
+   ratio against vLLM's numbers would not start at exactly 1 and the clip would
+   fire for reasons unrelated to learning. The gap between the two is reported
+   instead (`mismatch_abs`, `mismatch_kl`): it should be near zero; if it is not,
+   the sampler is not running the policy being trained (a failed weight sync,
+   a different temperature, a tokenisation mismatch).
+4. Clip-higher: the ratio may rise to 1 + 0.28 but fall only to 1 - 0.2
+   (DAPO). With a symmetric clip a token at probability 0.01 can only reach
+   0.012 per update while one at 0.5 is barely limited: exploration tokens stay
+   rare and entropy collapses. A wider upper bound lets rare good tokens grow.
+5. Token-mean aggregation by default: every model token of a mini-batch weighs
+   the same. With sequence-mean (the original GRPO) each trajectory weighs the
+   same, so a token of a long answer weighs less than one of a short answer: long
+   wrong answers are punished less per token, and length drifts upward.
+6. No KL penalty to a reference model: ToRL sets its coefficient to 0, and
+   leaving it out saves a frozen copy of the model. The place where it would go
+   is marked in `grpo_step`. The clip alone bounds how far one step moves.
+7. Precision: float32 master weights, bf16 autocast for the forward on CUDA.
+   AdamW's first steps move each weight by about lr = 1e-6; a weight of size
+   0.02 stored in bf16 has a resolution of about 1e-4, so the update would round
+   away to nothing. The matmuls run in bf16 (fast); the weights, gradients and
+   optimizer state stay in float32. On CPU everything is float32.
+8. Memory: the logits of one micro-batch (sequence x vocabulary, 152k for Qwen)
+   are the largest tensor of the step. They are made float32 one micro-batch at
+   a time, log-probs are taken as `logit[target] - logsumexp(logits)` (no second
+   vocabulary-sized tensor kept for backward), and gradients are accumulated
+   over micro-batches. Gradient checkpointing is an option for long sequences.
+9. Weight sync in memory: the engine runs in this process (see `make_llm` in
+   chapter 03), so the trainer's tensors are handed to vLLM's in-place weight
+   reload directly; nothing is written to disk. Then the prefix cache is reset,
+   because cached prefixes hold keys and values computed by the old weights, and
+   `llm.weight_version` is bumped so every trajectory sampled afterwards carries
+   the version of the policy that wrote it.
+"""
+from __future__ import annotations
+
+import gc
+import math
+from contextlib import nullcontext
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class GRPOConfig:
+    # optimisation
+    lr: float = 1e-6
+    weight_decay: float = 0.01  # at lr 1e-6 its pull is 1e-8 of a weight per step: negligible
+    betas: tuple[float, float] = (0.9, 0.999)
+    max_grad_norm: float = 1.0  # clip the global gradient norm of each mini-batch
+    # the clipped objective
+    eps_low: float = 0.2  # the ratio may fall to 1 - eps_low
+    eps_high: float = 0.28  # and rise to 1 + eps_high (clip-higher)
+    aggregation: str = "token-mean"  # or "sequence-mean"
+    # batching: one step = num_minibatches optimizer updates over the trajectories
+    num_minibatches: int = 2
+    micro_batch_size: int = 4  # sequences per forward/backward; gradients accumulate across them
+    # numerics
+    temperature: float = 1.0  # the sampler's temperature: logits are divided by it
+    gradient_checkpointing: bool = False
+
+
+# --------------------------------------------------------------------------- main line
+
+
+def group_advantages(
+    rewards: list[float], group_size: int, scale: bool = False, eps: float = 1e-6
+) -> tuple[list[float], int]:
+    """Advantages for consecutive groups of `group_size` rewards; returns (advantages, n_degenerate).
+
+    Rewards come group by group: the first `group_size` answer one problem, the
+    next `group_size` the next problem, and so on. Each reward minus its group's
+    mean says how much better than its siblings an answer was:
+
+        rewards [+1, -1, -1, -1]  ->  [+1.5, -0.5, -0.5, -0.5]   one right answer in four
+        rewards [+1, +1, +1, -1]  ->  [+0.5, +0.5, +0.5, -1.5]   one wrong answer in four
+        rewards [-1, -1, -1, -1]  ->  [0, 0, 0, 0]               degenerate: nothing to compare
+
+    With `scale=True` each centred value is divided by the group's (unbiased)
+    standard deviation plus `eps`: [+1, -1, -1, -1] has std 1, so it stays
+    [+1.5, -0.5, -0.5, -0.5]; [+1, +1, -1, -1] has std 1.155 and becomes
+    [+0.866, +0.866, -0.866, -0.866] instead of [+1, +1, -1, -1].
+    A degenerate group (all rewards equal) gives zeros either way and is counted.
+    """
+    if group_size < 1 or len(rewards) % group_size:
+        raise ValueError(f"{len(rewards)} rewards do not split into groups of {group_size}")
+    r = torch.tensor(rewards, dtype=torch.float64).view(-1, group_size)
+    centred = r - r.mean(dim=1, keepdim=True)
+    degenerate = (r == r[:, :1]).all(dim=1)
+    if scale and group_size > 1:
+        centred = centred / (r.std(dim=1, keepdim=True) + eps)
+    centred[degenerate] = 0.0  # exact zeros, not rounding noise
+    return centred.flatten().tolist(), int(degenerate.sum())
+
+
+def grpo_step(model, optimizer, trajectories, cfg: GRPOConfig) -> dict[str, float]:
+    """One GRPO step on trajectories that already carry `.advantage`; returns flat metrics.
+
+    1. Old log-probs and entropy of every model token, with the current weights, no gradient.
+    2. The sampler/trainer mismatch: vLLM's recorded log-probs against those old log-probs.
+    3. `cfg.num_minibatches` optimizer updates; each accumulates gradients over
+       micro-batches of `cfg.micro_batch_size` sequences, clips the gradient norm
+       to `cfg.max_grad_norm`, and steps AdamW. The first mini-batch sees ratio 1
+       exactly (old and new weights are the same); later ones see how far the
+       earlier updates moved the policy, and the clip limits that.
+
+    Metrics (all floats, token-weighted over the whole step unless said otherwise):
+    loss and grad_norm (means over mini-batches; grad_norm before clipping),
+    clip_low_frac / clip_high_frac (share of model tokens whose gradient the clip
+    removed, on each side), ratio_mean, ratio_max, approx_kl (old -> new, k3
+    estimator), entropy (of the policy before the step), mismatch_abs,
+    mismatch_max, mismatch_kl (sampler -> trainer), tokens, sequences,
+    optimizer_steps, skipped_steps (non-finite gradient norm: no update).
+
+    Trajectories with zero advantage (degenerate groups) add no gradient but do
+    count in the token-mean denominator; filter them out before the call to avoid that.
+    """
+    if not trajectories:
+        raise ValueError("grpo_step needs at least one trajectory")
+    if cfg.aggregation not in ("token-mean", "sequence-mean"):
+        raise ValueError(f"unknown aggregation {cfg.aggregation!r}")
+    batch = build_batch(trajectories)
+    _set_gradient_checkpointing(model, cfg.gradient_checkpointing)
+    model.train()  # Qwen2 has no dropout; train mode is what switches checkpointing on
+
+    # 1. pi_old: the weights as they are now, before any update of this step.
+    old_logprobs, entropy = _old_logprobs_and_entropy(model, batch, cfg)
+    mask = batch.loss_mask.bool()
+    n_tokens = int(mask.sum())
+
+    # 2. How far the sampler's numbers are from the trainer's for the same weights.
+    gap = torch.where(mask, old_logprobs - batch.sampler_logprobs, 0.0)
+    metrics = {
+        "entropy": _masked_mean(entropy, mask),
+        "mismatch_abs": _masked_mean(gap.abs(), mask),
+        "mismatch_max": float(gap.abs().max()),
+        "mismatch_kl": _masked_mean(torch.expm1(gap) - gap, mask),  # k3 of KL(sampler || trainer)
+        "tokens": float(n_tokens),
+        "sequences": float(len(trajectories)),
+    }
+
+    # 3. Updates. Within a mini-batch, rows are sorted by length so each
+    # micro-batch pads to similar lengths; the gradient is a sum, order is free.
+    totals = {"loss": 0.0, "grad_norm": 0.0, "clip_low": 0.0, "clip_high": 0.0,
+              "ratio_sum": 0.0, "kl_sum": 0.0, "ratio_max": 0.0}
+    steps = skipped = 0
+    lengths = batch.attention_mask.sum(dim=1)
+    for rows in torch.arange(len(trajectories)).tensor_split(cfg.num_minibatches):
+        if len(rows) == 0:
+            continue
+        rows = rows[torch.argsort(lengths[rows], descending=True, stable=True)]
+        normalizer = _normalizer(batch.loss_mask[rows], cfg.aggregation)
+        optimizer.zero_grad(set_to_none=True)
+        for micro_rows in rows.split(cfg.micro_batch_size):
+            micro = batch.select(micro_rows)
+            old = old_logprobs[micro_rows, : micro.loss_mask.shape[1]]
+            logprobs, _ = _forward(model, micro.input_ids, micro.attention_mask, cfg.temperature)
+            loss, stats = clipped_policy_loss(
+                logprobs, old.to(logprobs.device), micro.advantages.to(logprobs.device),
+                micro.loss_mask.to(logprobs.device), cfg.eps_low, cfg.eps_high,
+                cfg.aggregation, normalizer=normalizer,
+            )
+            # ---- A KL penalty to a reference model would go here. ----------------
+            # loss = loss + kl_coef * k3(ref_logprobs - logprobs) over model tokens,
+            # with ref_logprobs from a frozen copy of the initial model, computed in
+            # step 1 beside old_logprobs. ToRL uses kl_coef = 0, so the lab keeps
+            # neither the copy nor its memory.
+            loss.backward()
+            totals["loss"] += float(loss.detach())
+            micro_tokens = stats["tokens"]
+            totals["clip_low"] += stats["clip_low_frac"] * micro_tokens
+            totals["clip_high"] += stats["clip_high_frac"] * micro_tokens
+            totals["ratio_sum"] += stats["ratio_mean"] * micro_tokens
+            totals["kl_sum"] += stats["approx_kl"] * micro_tokens
+            totals["ratio_max"] = max(totals["ratio_max"], stats["ratio_max"])
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm))
+        if math.isfinite(grad_norm):
+            optimizer.step()
+            totals["grad_norm"] += grad_norm
+            steps += 1
+        else:  # a NaN/inf gradient would poison every weight it touches: drop this update
+            skipped += 1
+        optimizer.zero_grad(set_to_none=True)
+
+    per_token = max(n_tokens, 1)
+    n_minibatches = max(steps + skipped, 1)
+    metrics.update({
+        "loss": totals["loss"] / n_minibatches,
+        "grad_norm": totals["grad_norm"] / max(steps, 1),
+        "clip_low_frac": totals["clip_low"] / per_token,
+        "clip_high_frac": totals["clip_high"] / per_token,
+        "ratio_mean": totals["ratio_sum"] / per_token,
+        "ratio_max": totals["ratio_max"],
+        "approx_kl": totals["kl_sum"] / per_token,
+        "optimizer_steps": float(steps),
+        "skipped_steps": float(skipped),
+    })
+    return metrics
+
+
+def sync_weights(model, llm) -> int:
+    """Copy the trainer's weights into the running vLLM engine, in memory; return the new version.
+
+    The engine must run in this process (`make_llm` in chapter 03 arranges it):
+    the weights are handed over as tensors, no checkpoint is written. Steps:
+    wake the engine's weights if `sleep_sampler` put it to sleep; run vLLM's
+    in-place reload with the trainer's (Hugging Face named) parameters, which
+    also redoes any kernel-specific repacking; wake the KV cache; reset the
+    prefix cache (its blocks hold keys and values of the old weights); bump
+    `llm.weight_version`. Casting float32 trainer weights to the engine's dtype
+    (bf16 on a GPU) happens in the copy.
+    """
+    from vllm.v1.engine.core_client import InprocClient
+
+    if not isinstance(llm.llm_engine.engine_core, InprocClient):
+        raise RuntimeError(
+            "sync_weights needs the vLLM engine in this process: build it with make_llm "
+            "(VLLM_ENABLE_V1_MULTIPROCESSING=0)"
+        )
+    asleep = llm.llm_engine.is_sleeping()
+    if asleep:
+        llm.wake_up(tags=["weights"])  # the weights' memory first; the KV cache after the copy
+    weights = ((name, param.detach()) for name, param in model.named_parameters())
+    llm.collective_rpc(_reload_weights_in_worker, args=(weights,))
+    if asleep:
+        gc.collect()
+        torch.cuda.empty_cache()  # hand the trainer's cached blocks back before vLLM maps its KV cache
+        llm.wake_up(tags=["kv_cache"])
+    if not llm.reset_prefix_cache():
+        raise RuntimeError("vLLM refused to reset its prefix cache: requests are still running")
+    llm.weight_version = getattr(llm, "weight_version", 0) + 1  # rollout stamps this on trajectories
+    return llm.weight_version
+
+
+def sleep_sampler(llm, level: int = 1) -> bool:
+    """On CUDA, put vLLM to sleep for the update; returns whether it slept.
+
+    Sleep frees the KV cache (most of vLLM's memory) for the trainer's
+    activations and optimizer state; level 1 also moves vLLM's weights to host
+    memory (a 1.5B model: 3 GB). `sync_weights` wakes it. On CPU, vLLM has no
+    sleep mode and this does nothing.
+    """
+    config = llm.llm_engine.vllm_config.model_config
+    if not (torch.cuda.is_available() and config.enable_sleep_mode):
+        return False
+    llm.sleep(level=level)
+    return True
+
+
+def make_optimizer(model, cfg: GRPOConfig) -> torch.optim.Optimizer:
+    """AdamW over the model's parameters, which must be float32 (design decision 7)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    not_fp32 = {str(p.dtype) for p in params if p.dtype != torch.float32}
+    if not_fp32:
+        raise ValueError(
+            f"trainer weights are {sorted(not_fp32)}: keep float32 master weights "
+            "(a 1e-6 step rounds away in bf16); load with load_policy or dtype=torch.float32"
+        )
+    fused = params[0].device.type == "cuda"
+    return torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay, fused=fused)
+
+
+def load_policy(model_path, device: str | torch.device | None = None):
+    """The trainer's copy of the model: float32 weights on `device` (CUDA if there is one)."""
+    from transformers import AutoModelForCausalLM
+
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    return model.to(device)
+
+
+# --------------------------------------------------------------------------- the batch
+
+
+@dataclass
+class Batch:
+    """Trajectories as right-padded tensors, aligned with what the model predicts.
+
+    `input_ids` row = prompt_ids + token_ids, then padding. Every [B, T-1]
+    tensor is in *target* coordinates: column j is about input_ids[:, j+1], the
+    token predicted from input_ids[:, :j+1]. For prompt [p0, p1] and response
+    [m0, o0, m1] (o0 an observation token):
+
+        input_ids      p0  p1  m0  o0  m1
+        targets            p1  m0  o0  m1
+        loss_mask           0   1   0   1
+        advantages          0   A   0   A
+    """
+
+    input_ids: torch.Tensor  # [B, T] long; padding is token 0 (never attended to, never scored)
+    attention_mask: torch.Tensor  # [B, T] long; 1 on real tokens
+    loss_mask: torch.Tensor  # [B, T-1] float; 1 where the target is a token the model wrote
+    advantages: torch.Tensor  # [B, T-1] float; the trajectory's advantage where loss_mask is 1
+    sampler_logprobs: torch.Tensor  # [B, T-1] float; vLLM's log-prob of the target where loss_mask is 1
+
+    def select(self, rows: torch.Tensor) -> "Batch":
+        """The given rows, with padding columns that none of them uses cut off."""
+        width = int(self.attention_mask[rows].sum(dim=1).max())
+        return Batch(
+            self.input_ids[rows, :width],
+            self.attention_mask[rows, :width],
+            self.loss_mask[rows, : width - 1],
+            self.advantages[rows, : width - 1],
+            self.sampler_logprobs[rows, : width - 1],
+        )
+
+
+def build_batch(trajectories) -> Batch:
+    """Pad trajectories into a `Batch` (on CPU); see `Batch` for the alignment."""
+    rows = len(trajectories)
+    width = max(len(t.prompt_ids) + len(t.token_ids) for t in trajectories)
+    input_ids = torch.zeros(rows, width, dtype=torch.long)
+    attention_mask = torch.zeros(rows, width, dtype=torch.long)
+    loss_mask = torch.zeros(rows, width - 1)
+    advantages = torch.zeros(rows, width - 1)
+    sampler_logprobs = torch.zeros(rows, width - 1)
+    for i, t in enumerate(trajectories):
+        if not (len(t.token_ids) == len(t.loss_mask) == len(t.logprobs)):
+            raise ValueError(f"trajectory {t.problem_id}/{t.group_index}: token_ids, loss_mask, logprobs differ in length")
+        if t.advantage is None:
+            raise ValueError(f"trajectory {t.problem_id}/{t.group_index} has no advantage")
+        if not t.prompt_ids:
+            raise ValueError(f"trajectory {t.problem_id}/{t.group_index} has an empty prompt")
+        p, n = len(t.prompt_ids), len(t.token_ids)
+        input_ids[i, : p + n] = torch.tensor(t.prompt_ids + t.token_ids)
+        attention_mask[i, : p + n] = 1
+        # response token k sits at input position p + k, i.e. target column p + k - 1
+        m = torch.tensor(t.loss_mask, dtype=torch.float32)
+        loss_mask[i, p - 1 : p - 1 + n] = m
+        advantages[i, p - 1 : p - 1 + n] = m * t.advantage
+        sampler_logprobs[i, p - 1 : p - 1 + n] = m * torch.tensor(t.logprobs, dtype=torch.float32)
+    return Batch(input_ids, attention_mask, loss_mask, advantages, sampler_logprobs)
+
+
+# --------------------------------------------------------------------------- log-probs and loss
+
+
+def token_logprobs(model, batch: Batch, temperature: float = 1.0, micro_batch_size: int | None = None) -> torch.Tensor:
+    """[B, T-1] log-prob of every target token of `batch` under `model`, logits divided by `temperature`.
+
+    Positions whose target is padding hold whatever the model says about token
+    0 there; multiply by `batch.loss_mask` (or index with it) before use. With
+    `micro_batch_size` the rows run in chunks, so only one chunk's logits exist
+    in float32 at a time; call it under `torch.no_grad()` then, or every chunk's
+    graph is kept for backward. The result is on the model's device.
+    """
+    rows = torch.arange(batch.input_ids.shape[0])
+    width = batch.loss_mask.shape[1]
+    pieces = []
+    for chunk in rows.split(micro_batch_size or len(rows)):
+        micro = batch.select(chunk)
+        logprobs, _ = _forward(model, micro.input_ids, micro.attention_mask, temperature)
+        pieces.append(torch.nn.functional.pad(logprobs, (0, width - logprobs.shape[1])))
+    return torch.cat(pieces)
+
+
+def clipped_policy_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    loss_mask: torch.Tensor,
+    eps_low: float = 0.2,
+    eps_high: float = 0.28,
+    aggregation: str = "token-mean",
+    normalizer: float | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """PPO-clip surrogate `-min(r*A, clip(r, 1-eps_low, 1+eps_high)*A)` over model tokens; returns (loss, stats).
+
+    All tensors are [B, T] (advantages may be [B], one per sequence).
+    "token-mean": sum over model tokens / number of model tokens.
+    "sequence-mean": each sequence's mean over its model tokens, then the mean
+    over sequences that have any. `normalizer` replaces the denominator (tokens
+    or sequences) so micro-batches of one mini-batch add up to the mini-batch's loss.
+
+    Where the clip is active the gradient is zero: with A > 0 once r > 1 + eps_high
+    (already raised enough), with A < 0 once r < 1 - eps_low (already lowered
+    enough). Example, A = +1: r = 1.5 gives -min(1.5, 1.28) = -1.28 and no
+    gradient; r = 0.5 gives -min(0.5, 0.8) = -0.5 with gradient (a token made
+    less likely against its advantage is always pulled back).
+    stats: clip_low_frac, clip_high_frac (share of model tokens clipped on each
+    side), ratio_mean, ratio_max, approx_kl (k3 estimate of KL(old || new)), tokens.
+    """
+    if advantages.dim() == 1:
+        advantages = advantages.unsqueeze(-1)
+    mask = loss_mask.bool()
+    # Masked positions are replaced, not multiplied by 0: no inf * 0 = NaN from padding.
+    log_ratio = torch.where(mask, logprobs - old_logprobs, 0.0)
+    ratio = torch.exp(log_ratio)
+    clipped = torch.clamp(ratio, 1.0 - eps_low, 1.0 + eps_high)
+    per_token = -torch.minimum(ratio * advantages, clipped * advantages)
+    per_token = torch.where(mask, per_token, 0.0)
+
+    if aggregation == "token-mean":
+        denominator = normalizer if normalizer is not None else mask.sum().clamp(min=1)
+        loss = per_token.sum() / denominator
+    elif aggregation == "sequence-mean":
+        tokens_per_seq = mask.sum(dim=1)
+        per_seq = per_token.sum(dim=1) / tokens_per_seq.clamp(min=1)
+        denominator = normalizer if normalizer is not None else (tokens_per_seq > 0).sum().clamp(min=1)
+        loss = per_seq.sum() / denominator
+    else:
+        raise ValueError(f"unknown aggregation {aggregation!r}")
+
+    with torch.no_grad():
+        adv = advantages.expand_as(ratio)
+        r = ratio.detach()
+        stats = {
+            "clip_low_frac": _masked_mean((adv < 0) & (r < 1.0 - eps_low), mask),
+            "clip_high_frac": _masked_mean((adv > 0) & (r > 1.0 + eps_high), mask),
+            "ratio_mean": _masked_mean(r, mask),
+            "ratio_max": float(r[mask].max()) if mask.any() else 1.0,
+            "approx_kl": _masked_mean((r - 1.0) - log_ratio.detach(), mask),
+            "tokens": float(mask.sum()),
+        }
+    return loss, stats
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _forward(model, input_ids, attention_mask, temperature: float, with_entropy: bool = False):
+    """Log-probs [b, T-1] of the targets (and their entropy if asked) for one micro-batch."""
+    device = _device(model)
+    input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
+    with autocast:
+        logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
+    logits = logits[:, :-1].float()  # the last position predicts past the end
+    if temperature != 1.0:
+        logits = logits / temperature
+    targets = input_ids[:, 1:].unsqueeze(-1)
+    # logit[target] - logsumexp keeps only the logits for backward, not a log_softmax copy
+    log_norm = torch.logsumexp(logits, dim=-1)
+    logprobs = logits.gather(-1, targets).squeeze(-1) - log_norm
+    entropy = None
+    if with_entropy:
+        with torch.no_grad():
+            entropy = log_norm - (torch.softmax(logits, dim=-1) * logits).sum(-1)
+    return logprobs, entropy
+
+
+@torch.no_grad()
+def _old_logprobs_and_entropy(model, batch: Batch, cfg: GRPOConfig):
+    """Log-probs and entropies of all targets under the current weights, on CPU, in micro-batches."""
+    old = torch.zeros(batch.loss_mask.shape)
+    entropy = torch.zeros(batch.loss_mask.shape)
+    lengths = batch.attention_mask.sum(dim=1)
+    rows = torch.argsort(lengths, descending=True, stable=True)
+    for chunk in rows.split(cfg.micro_batch_size):
+        micro = batch.select(chunk)
+        lp, ent = _forward(model, micro.input_ids, micro.attention_mask, cfg.temperature, with_entropy=True)
+        old[chunk, : lp.shape[1]] = lp.float().cpu()
+        entropy[chunk, : lp.shape[1]] = ent.float().cpu()
+    return old, entropy
+
+
+def _reload_weights_in_worker(worker, weights) -> None:
+    """Runs inside vLLM's worker (in this process): in-place reload, then the CPU fix-up."""
+    worker.reload_weights(weights_iterator=weights, is_checkpoint_format=True)
+    # vLLM's CPU backend keeps a pre-packed copy of the output projection for its
+    # matmul kernel. A tied lm_head (Qwen's small models) receives no weights of
+    # its own during a reload, so that copy would keep the old embedding matrix:
+    # repack it. On a GPU there is no such copy (lm_head *is* the embedding tensor).
+    lm_head = getattr(worker.model_runner.get_model(), "lm_head", None)
+    if lm_head is not None and hasattr(lm_head, "cpu_linear"):
+        lm_head.quant_method.process_weights_after_loading(lm_head)
+
+
+def _normalizer(loss_mask: torch.Tensor, aggregation: str) -> float:
+    """The mini-batch's denominator: its model tokens (token-mean) or its sequences that have any."""
+    if aggregation == "token-mean":
+        return max(float(loss_mask.sum()), 1.0)
+    return max(float((loss_mask.sum(dim=1) > 0).sum()), 1.0)
+
+
+def _masked_mean(values: torch.Tensor, mask: torch.Tensor) -> float:
+    n = int(mask.sum())
+    return float(torch.where(mask, values.float(), 0.0).sum() / n) if n else 0.0
+
+
+def _device(model) -> torch.device:
+    return next(model.parameters()).device
+
+
+def _set_gradient_checkpointing(model, on: bool) -> None:
+    if on and not model.is_gradient_checkpointing:
+        # non-reentrant: works when the inputs (token ids) need no gradient
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    elif not on and model.is_gradient_checkpointing:
+        model.gradient_checkpointing_disable()
+
+
+__all__ = [
+    "GRPOConfig", "Batch", "group_advantages", "grpo_step", "sync_weights", "sleep_sampler",
+    "make_optimizer", "load_policy", "build_batch", "token_logprobs", "clipped_policy_loss",
+]
+
+if __name__ == "__main__":  # the advantage examples, printed
+    for rewards in ([1, -1, -1, -1], [1, 1, 1, -1], [-1, -1, -1, -1], [1, 1, -1, -1]):
+        print(rewards, "->", group_advantages(rewards, 4), "scaled:", group_advantages(rewards, 4, scale=True)[0])
