@@ -40,7 +40,7 @@ EXPECTED = {"print(1+1)": "2\n", "sympy factorint": "{3: 1, 5: 1, 17: 1, 257: 1,
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--calls", type=int, default=200, help="calls per round for the sandbox")
-    parser.add_argument("--baseline-calls", type=int, default=None, help="calls per round for the baseline (default: calls, but 20 on sympy)")
+    parser.add_argument("--baseline-calls", type=int, default=None, help="calls per round for the baseline and docker (default: 50, and 20 on sympy)")
     parser.add_argument("--rounds", type=int, default=3, help="rounds in which the designs take turns")
     parser.add_argument("--concurrency", type=int, default=os.cpu_count() or 2, help="threads issuing calls")
     parser.add_argument("--docker", action="store_true", help="also measure the Docker backend")
@@ -69,7 +69,7 @@ def main() -> int:
             for design, runner in designs.items():
                 n = args.calls
                 if design != "fork server":
-                    n = args.baseline_calls or (20 if "sympy" in name else args.calls)
+                    n = args.baseline_calls or (20 if "sympy" in name else 50)
                 start = time.perf_counter()
                 results = runner.run_many([code] * n)
                 wall = time.perf_counter() - start

@@ -17,26 +17,31 @@ Execution model (local backend, the default)
    environment (never forked from the caller, which may run vLLM threads), imports
    math, numpy and sympy once and listens on a Unix socket in a private 0700 folder.
    A fresh `python -c` pays about 0.5 s for `import sympy`; a fork pays a few ms.
-2. Per call the caller opens one connection and the server forks a supervisor for it.
-   Calls are therefore independent: concurrency is as many connections as threads
-   allow (capped by `concurrency`), and one call's crash never touches another's.
-3. The supervisor enters new mount, PID and network namespaces, forks an init (PID 1
-   of the new PID namespace), which forks the user process, which drops to an
-   unprivileged uid and runs the code with `exec` in a brand-new `__main__` module.
-   Every call is a fork of the same pristine server, so nothing one call defines or
-   changes (globals, monkey-patched modules, files) is visible to the next.
+2. The server keeps `concurrency` supervisors ("slots") forked ahead of need. Each
+   is the init (PID 1) of a new PID namespace, in new mount and network namespaces,
+   with its private file system already mounted, waiting in accept().
+3. Per call the caller opens one connection; one slot accepts it, forks the user
+   process, which drops to an unprivileged uid and runs the code with `exec` in a
+   brand-new `__main__` module. The server replaces the slot in the background.
+   Calls are independent: one connection, one slot, one namespace set each, so one
+   call's crash never touches another's. Every call is a fork of the same pristine
+   server, so nothing one call defines or changes (globals, monkey-patched modules,
+   files) is visible to the next.
 
 Each safeguard and the failure it prevents
 ------------------------------------------
-- Wall-clock timeout (init's alarm, supervisor's backstop): infinite loops, sleeps,
-  reads that never return. When the init exits, the kernel kills every process in its
-  PID namespace, so a daemon that called setsid and double-forked dies too, which a
-  process-group kill would miss. After any call no process it started is alive.
+- Wall-clock timeout (the slot's alarm): infinite loops, sleeps, reads that never
+  return. Before answering, the slot, being PID 1, kills every other process of its
+  PID namespace (kill(-1)) and reaps them, so a daemon that called setsid and
+  double-forked dies too, which a process-group kill would miss. After any call no
+  process it started is alive.
 - RLIMIT_CPU: a CPU-bound process that somehow outlives the wall clock.
 - RLIMIT_AS (`memory_mb`): memory bombs fail with MemoryError in the code itself
   instead of waking the kernel's OOM killer, which may pick a process of the lab.
 - RLIMIT_NPROC (`max_processes`) with a uid of its own per call: a fork bomb stalls
   at the limit without taking process slots from concurrent calls.
+- The code's parent is PID 1 of its namespace and runs as root: the code can neither
+  kill it (`os.kill(os.getppid(), 9)`) nor reach anything outside with `kill(-1)`.
 - RLIMIT_FSIZE (`max_file_mb`): stdout and stderr are memory files (memfd) with this
   byte cap, as is every file the code writes, so a print flood or a 100 MB line ends
   with SIGXFSZ instead of filling the caller's memory or the disk. Only the first
@@ -44,6 +49,9 @@ Each safeguard and the failure it prevents
   replaced, never raised.
 - Network namespace: no interface is up, so any connection fails at once with
   "Network is unreachable" (no exfiltration, no downloads, no hanging on a socket).
+- IPC namespace: System V shared memory, semaphores and message queues die with the
+  call instead of outliving it in the machine's memory, where the next call could
+  find them.
 - Mount namespace: a private, size-capped tmpfs over /tmp, /var/tmp and /dev/shm
   (the work dir lives there and vanishes with the call) and an empty tmpfs over the
   lab's own folder (`hidden_paths`: the code must not read ground-truth answers);
@@ -236,8 +244,7 @@ def format_observation(result: ExecResult, style: str = "torl", max_chars: int |
 # Caller side: requests, results, the two backends
 # --------------------------------------------------------------------------------------
 
-GRACE = 5.0  # seconds the supervisor waits past the timeout before killing the init
-ANSWER_GRACE = 30.0  # seconds the caller waits past the timeout for a supervisor's answer
+ANSWER_GRACE = 30.0  # seconds past the timeout before the caller gives up on an answer (a loaded machine is slow to fork and reap)
 WARNED: set[str] = set()  # reasons already printed: "says so once"
 
 
@@ -274,18 +281,17 @@ class _LocalBackend:
 
     def __init__(self, cfg: SandboxConfig) -> None:
         self._cfg = cfg
-        self._lock = threading.Lock()
-        self._server: _Server | None = None
+        self._lock = threading.Lock()  # one thread at a time (re)starts the server
         self._closed = False
         self._server = _Server(cfg)  # starts importing now; waited for on first use
 
     def execute(self, request: dict) -> dict:
         server = self._ready_server()
         try:
-            return server.call(request, request["timeout"] + GRACE + ANSWER_GRACE)
+            return server.call(request, request["timeout"] + ANSWER_GRACE)
         except (ConnectionRefusedError, FileNotFoundError):
             # The server died (killed from outside): start a new one and try once more.
-            return self._ready_server(replace=server).call(request, request["timeout"] + GRACE + ANSWER_GRACE)
+            return self._ready_server(replace=server).call(request, request["timeout"] + ANSWER_GRACE)
 
     def isolation(self) -> str:
         return self._ready_server().isolation
@@ -294,9 +300,8 @@ class _LocalBackend:
         with self._lock:
             if self._closed:
                 raise SandboxError("the sandbox is closed")
-            if self._server is None or self._server is replace or not self._server.alive():
-                if self._server is not None:
-                    self._server.stop()
+            if self._server is replace or not self._server.alive():
+                self._server.stop()
                 self._server = _Server(self._cfg)
             self._server.wait_ready()
             return self._server
@@ -304,8 +309,7 @@ class _LocalBackend:
     def close(self) -> None:
         with self._lock:
             self._closed = True
-            if self._server is not None:
-                self._server.stop()
+            self._server.stop()
 
 
 class _Server:
@@ -313,7 +317,7 @@ class _Server:
 
     def __init__(self, cfg: SandboxConfig) -> None:
         self._cfg = cfg
-        self.folder = tempfile.mkdtemp(prefix="sandbox-server-")  # mode 0700: only root reaches the socket
+        self.folder = tempfile.mkdtemp(prefix="sandbox-server-")  # mode 0700: only our own uid reaches the socket
         self.socket_path = os.path.join(self.folder, "socket")
         self._log = open(os.path.join(self.folder, "server.log"), "wb")
         options = {
@@ -426,12 +430,12 @@ class _DockerBackend:
         container = self._take()
         self._chore(self._start_warm)  # replace the one taken, in the background
         try:
-            return self._exchange(container, request, request["timeout"] + GRACE + ANSWER_GRACE)
+            return self._exchange(container, request, request["timeout"] + ANSWER_GRACE)
         except self._docker.errors.APIError:
             # A warm container can be gone (it gave up waiting, or was killed): use a new one.
             self._chore(self._remove, container)
             container = self._start()
-            return self._exchange(container, request, request["timeout"] + GRACE + ANSWER_GRACE)
+            return self._exchange(container, request, request["timeout"] + ANSWER_GRACE)
         finally:
             self._chore(self._remove, container)
 
@@ -657,7 +661,7 @@ def _slot(listener: socket.socket, alive: int, taken: int, token: int, uid: int 
         os.dup2(devnull, 0)  # the server's pipe from the caller stays with the server
         os.close(devnull)
         if mode == "namespaces":
-            _unshare(CLONE_NEWNS | CLONE_NEWNET)  # the PID namespace came with the fork
+            _unshare(CLONE_NEWNS | CLONE_NEWNET | CLONE_NEWIPC)  # the PID namespace came with the fork
             workdir = _private_filesystem(options, hidden, uid)
             _mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)  # the code sees only its own processes
         else:
@@ -947,7 +951,7 @@ def _probe_namespaces(hidden: list[str], preload: list[str], report: int) -> Non
     """Set up exactly what a call gets, then check that an unprivileged process can import."""
     why = ""
     try:
-        _unshare(CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWNET)
+        _unshare(CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWNET | CLONE_NEWIPC)
         uid = 65534
         _private_filesystem({"max_file_mb": 1}, hidden, uid)
         child = os.fork()
@@ -1012,8 +1016,6 @@ def _reason(report: dict, returncode: int, request: dict) -> str:
     """The one line the sandbox adds when it, not the code, ended the run."""
     if report["timed_out"]:
         return f"TimeoutError: execution exceeded the {request['timeout']:g} s time limit"
-    if report.get("lost"):
-        return "SandboxError: the code killed its supervisor"
     if returncode >= 0:
         return ""
     signum = -returncode
@@ -1138,7 +1140,7 @@ def _recv_exactly(conn: socket.socket, size: int) -> bytes | None:
 # Linux calls Python 3.10/3.11 does not wrap (os.unshare and os.setns arrived in 3.12)
 # --------------------------------------------------------------------------------------
 
-CLONE_NEWNS, CLONE_NEWPID, CLONE_NEWNET = 0x00020000, 0x20000000, 0x40000000
+CLONE_NEWNS, CLONE_NEWIPC, CLONE_NEWPID, CLONE_NEWNET = 0x00020000, 0x08000000, 0x20000000, 0x40000000
 MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_BIND, MS_REC, MS_PRIVATE = 2, 4, 8, 4096, 16384, 1 << 18
 PR_SET_PDEATHSIG, PR_SET_CHILD_SUBREAPER, PR_SET_NO_NEW_PRIVS = 1, 36, 38
 _LIBC = ctypes.CDLL(None, use_errno=True)
