@@ -182,22 +182,31 @@ class Sandbox:
         self._slots = threading.BoundedSemaphore(self.config.concurrency)
         self._backend = _LocalBackend(self.config) if self.config.backend == "local" else _DockerBackend(self.config)
 
-    def run(self, code: str) -> ExecResult:
-        """Run one program and return what it did; never raises for anything the code does."""
+    def run(self, code: str, timeout: float | None = None) -> ExecResult:
+        """Run one program and return what it did; never raises for anything the code does.
+
+        timeout: this call's wall-clock limit in seconds, instead of the config's.
+        """
         if not isinstance(code, str):
             raise TypeError(f"code must be a str, got {type(code).__name__}")
+        if timeout is not None and not timeout > 0:
+            raise ValueError(f"timeout must be positive, got {timeout!r}")
+        request = _request(code, self.config)
+        if timeout is not None:
+            request["timeout"] = timeout
         with self._slots:
+            self._backend.ready()  # the first call waits for the warm imports; not part of its latency
             start = time.perf_counter()
-            raw = self._backend.execute(_request(code, self.config))
+            raw = self._backend.execute(request)
             return _result(raw, time.perf_counter() - start)
 
-    def run_many(self, codes: list[str]) -> list[ExecResult]:
+    def run_many(self, codes: list[str], timeout: float | None = None) -> list[ExecResult]:
         """Run programs concurrently (up to `concurrency` at once); results in input order."""
         codes = list(codes)
         if not codes:
             return []
         with concurrent.futures.ThreadPoolExecutor(min(len(codes), self.config.concurrency)) as pool:
-            return list(pool.map(self.run, codes))
+            return list(pool.map(lambda code: self.run(code, timeout), codes))
 
     @property
     def isolation(self) -> str:
@@ -295,6 +304,9 @@ class _LocalBackend:
 
     def isolation(self) -> str:
         return self._ready_server().isolation
+
+    def ready(self) -> None:
+        self._ready_server()
 
     def _ready_server(self, replace: _Server | None = None) -> _Server:
         with self._lock:
@@ -414,7 +426,7 @@ class _DockerBackend:
         except docker.errors.ImageNotFound:
             raise SandboxError(f"Docker image {cfg.image} not found: build it with 02-sandbox/build_image.sh") from None
         self._source = Path(__file__).read_text()
-        self._warm: queue.Queue = queue.Queue()
+        self._warm: queue.Queue = queue.Queue()  # (container id, time it was started)
         self._closed = False
         self._want = cfg.docker_warm if cfg.docker_warm is not None else cfg.concurrency
         self._chores = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="sandbox-docker")
@@ -425,6 +437,9 @@ class _DockerBackend:
 
     def isolation(self) -> str:
         return "container"
+
+    def ready(self) -> None:
+        pass  # containers are started on demand when none is warm
 
     def execute(self, request: dict) -> dict:
         container = self._take()
@@ -445,14 +460,19 @@ class _DockerBackend:
             pending = list(self._pending)
         concurrent.futures.wait(pending)
         while not self._warm.empty():
-            self._remove(self._warm.get_nowait())
+            self._remove(self._warm.get_nowait()[0])
         self._chores.shutdown(wait=True)
 
-    def _take(self):
-        try:
-            return self._warm.get_nowait()
-        except queue.Empty:
-            return self._start()
+    def _take(self) -> str:
+        """A warm container, or a new one; never one whose runner is about to give up waiting."""
+        while True:
+            try:
+                container, started = self._warm.get_nowait()
+            except queue.Empty:
+                return self._start()
+            if time.monotonic() - started < IDLE_EXIT - 60:
+                return container
+            self._chore(self._remove, container)
 
     def _start(self):
         """Create and start one container whose runner waits for a request on stdin."""
@@ -490,7 +510,7 @@ class _DockerBackend:
     def _start_warm(self) -> None:
         if not self._closed and self._warm.qsize() < self._want:
             container = self._start()
-            self._warm.put(container)
+            self._warm.put((container, time.monotonic()))
             if self._closed:
                 self._remove(container)
 
@@ -1202,7 +1222,8 @@ def main(argv: list[str] | None = None) -> int:
     except (SandboxError, ValueError) as e:
         print(f"sandbox.py: {e}", file=sys.stderr)
         return 2
-    print(format_observation(result, args.style))
+    observation = format_observation(result, args.style)
+    sys.stdout.write(observation if observation.endswith("\n") else observation + "\n")
     print(f"-- ok={result.ok} returncode={result.returncode} timed_out={result.timed_out} "
           f"truncated={result.truncated} latency={result.latency * 1000:.1f} ms", file=sys.stderr)
     return 0 if result.ok else 1
