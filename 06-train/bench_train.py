@@ -1,0 +1,240 @@
+"""Speed and memory of one GRPO step and of one weight sync into vLLM.
+
+    make bench-train                                   # tiny random model, CPU
+    make bench-train ARGS="--model /models/Qwen2.5-Math-1.5B --sequences 64 --response-len 3072"
+
+Prints, in one run: training tokens per second and peak memory of `grpo_step`,
+and the time of one `sync_weights`. The order mirrors the training loop: the
+engine is built first, put to sleep (CUDA), the trainer steps, then the new
+weights go into the engine. The trajectories are synthetic (random tokens, ±1
+rewards in groups, one observation span per response), so the numbers measure
+the machinery, not learning.
+
+Peak memory is the CUDA allocator's peak on a GPU; on CPU it is the growth of
+the process's peak resident memory during the steps (Linux's VmHWM, reset
+before them), which includes weights, gradients and optimizer state created then.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import tempfile
+import time
+
+import torch
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if args.model:
+        run(args, args.model)
+        return
+    with tempfile.TemporaryDirectory(prefix="tiny-model-") as tmp:
+        from tiny_model import build_tiny_model
+
+        run(args, str(build_tiny_model(tmp, seed=0)))
+
+
+def run(args, model_path: str) -> None:
+    from grpo import GRPOConfig, grpo_step, load_policy, make_optimizer, sleep_sampler, sync_weights
+    from rollout import make_llm
+
+    on_cuda = torch.cuda.is_available()
+    cfg = GRPOConfig(
+        lr=1e-6,
+        num_minibatches=args.num_minibatches,
+        micro_batch_size=args.micro_batch_size,
+        gradient_checkpointing=args.gradient_checkpointing,
+    )
+
+    llm = None
+    if not args.no_sync:
+        t = time.perf_counter()
+        llm = make_llm(model_path, dtype="auto" if on_cuda else "float32",
+                       max_model_len=args.prompt_len + args.response_len + 16,
+                       gpu_memory_utilization=args.gpu_memory_utilization)
+        engine_s = time.perf_counter() - t
+
+    model = load_policy(model_path)
+    n_params = sum(p.numel() for p in model.parameters())
+    vocab = model.config.vocab_size
+    if llm is not None:  # real samples, so the sampler/trainer mismatch means something
+        trajectories = sampled_trajectories(llm, args.sequences, args.group_size, args.prompt_len, args.response_len)
+    else:
+        trajectories = synthetic_trajectories(args.sequences, args.group_size, args.prompt_len, args.response_len, vocab)
+    all_tokens = sum(len(t.prompt_ids) + len(t.token_ids) for t in trajectories)
+    model_tokens = sum(sum(t.loss_mask) for t in trajectories)
+
+    optimizer = make_optimizer(model, cfg)
+    asleep = sleep_sampler(llm) if llm is not None else False
+    # warm-up (allocates optimizer state, first kernels); its mismatch compares
+    # sampler and trainer at the same weights, since no update has happened yet
+    first = grpo_step(model, optimizer, trajectories, cfg)
+    reset_peak_memory()
+    before = current_memory()
+    times = []
+    for _ in range(args.steps):
+        t = time.perf_counter()
+        grpo_step(model, optimizer, trajectories, cfg)
+        synchronize()
+        times.append(time.perf_counter() - t)
+    peak = peak_memory()
+    step_s = statistics.median(times)
+
+    print(f"device              : {'cuda ' + torch.cuda.get_device_name() if on_cuda else 'cpu'} ({torch.get_num_threads()} threads)")
+    print(f"model               : {model_path} ({n_params / 1e6:.1f} M parameters, vocab {vocab})")
+    print(f"batch               : {args.sequences} sequences x ({args.prompt_len} prompt + {args.response_len} response) tokens"
+          f" = {all_tokens} tokens, {model_tokens} model tokens ({'sampled by vLLM' if llm else 'synthetic'})")
+    print(f"step                : {args.num_minibatches} mini-batches, micro-batch {args.micro_batch_size},"
+          f" gradient checkpointing {'on' if args.gradient_checkpointing else 'off'}")
+    print(f"grpo_step           : {step_s:.3f} s (median of {args.steps}; min {min(times):.3f} s)")
+    print(f"training throughput : {all_tokens / step_s:,.0f} tokens/s ({model_tokens / step_s:,.0f} model tokens/s)")
+    if on_cuda:
+        print(f"peak memory         : {peak / 2**30:.2f} GiB allocated by torch during the steps"
+              f" (weights+grads+AdamW alone: {16 * n_params / 2**30:.2f} GiB)")
+    else:
+        print(f"peak memory         : {peak / 2**20:,.0f} MiB peak resident, {max(peak - before, 0) / 2**20:,.0f} MiB above"
+              f" the resident before the steps (weights+grads+AdamW: {16 * n_params / 2**20:,.0f} MiB)")
+    if llm is None:
+        return
+
+    print(f"mismatch, same wts  : mean |dlogp| {first['mismatch_abs']:.3e}, max {first['mismatch_max']:.3e},"
+          f" KL {first['mismatch_kl']:.2e} (vLLM's recorded log-probs vs the trainer's, before any update)")
+    sync_times = []
+    for i in range(args.syncs):
+        if i and on_cuda:
+            asleep = sleep_sampler(llm)  # the loop's cycle: sleep, (update), sync
+        t = time.perf_counter()
+        sync_weights(model, llm)
+        synchronize()
+        sync_times.append(time.perf_counter() - t)
+    print(f"vLLM engine start   : {engine_s:.1f} s")
+    print(f"sync_weights        : {statistics.median(sync_times) * 1e3:.1f} ms (median of {args.syncs};"
+          f" {'includes waking the slept engine' if asleep else 'engine was awake'})")
+    fresh = sampled_trajectories(llm, args.group_size, args.group_size, args.prompt_len, args.response_len, seed=1)
+    gap = sampler_trainer_gap(model, fresh, cfg)
+    print(f"mismatch after sync : mean |dlogp| {gap[0]:.3e}, max {gap[1]:.3e} (new samples after {args.steps + 1} updates and the sync)")
+
+
+def sampled_trajectories(llm, n: int, group_size: int, prompt_len: int, response_len: int, seed: int = 0):
+    """n responses from vLLM to random prompts, group_size per prompt, ±1 rewards; a tenth of each
+    response is then marked as an observation span (mask 0), as the rollout marks interpreter output."""
+    from vllm import SamplingParams
+
+    from grpo import group_advantages
+    from rollout import Trajectory
+
+    g = torch.Generator().manual_seed(seed)
+    high = min(llm.get_tokenizer().vocab_size, llm.llm_engine.vllm_config.model_config.get_vocab_size())
+    prompts = [torch.randint(0, high, (prompt_len,), generator=g).tolist() for _ in range(-(-n // group_size))]
+    params = SamplingParams(n=group_size, max_tokens=response_len, temperature=1.0, logprobs=0, ignore_eos=True, seed=seed)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    rewards = (torch.randint(0, 2, (len(prompts) * group_size,), generator=g) * 2 - 1).tolist()
+    advantages, _ = group_advantages(rewards, group_size)
+    out = []
+    for i, (prompt, request) in enumerate(zip(prompts, outputs)):
+        for j, sample in enumerate(request.outputs):
+            ids = list(sample.token_ids)
+            logprobs = [sample.logprobs[k][t].logprob for k, t in enumerate(ids)]
+            mask = [1] * len(ids)
+            start, span = len(ids) // 2, len(ids) // 10
+            mask[start : start + span] = [0] * span
+            logprobs[start : start + span] = [0.0] * span
+            k = i * group_size + j
+            out.append(Trajectory(
+                problem_id=str(i), group_index=j, reference="", prompt_ids=prompt, token_ids=ids,
+                logprobs=logprobs, loss_mask=mask, text="", reward=float(rewards[k]), advantage=float(advantages[k]),
+            ))
+    return out[:n]
+
+
+def sampler_trainer_gap(model, trajectories, cfg) -> tuple[float, float]:
+    """Mean and max |vLLM log-prob - trainer log-prob| over model tokens."""
+    from grpo import build_batch, token_logprobs
+
+    batch = build_batch(trajectories)
+    with torch.no_grad():
+        trainer = token_logprobs(model, batch, cfg.temperature, cfg.micro_batch_size).cpu()
+    mask = batch.loss_mask.bool()
+    diff = (trainer - batch.sampler_logprobs)[mask].abs()
+    return float(diff.mean()), float(diff.max())
+
+
+def synthetic_trajectories(n: int, group_size: int, prompt_len: int, response_len: int, vocab: int, seed: int = 0):
+    """Random trajectories with ±1 rewards in groups; a tenth of each response is an observation span."""
+    from grpo import group_advantages
+    from rollout import Trajectory
+
+    g = torch.Generator().manual_seed(seed)
+    rewards = (torch.randint(0, 2, (n,), generator=g) * 2 - 1).tolist()
+    advantages, _ = group_advantages(rewards, group_size) if n % group_size == 0 else (rewards, 0)
+    out = []
+    for i in range(n):
+        tokens = torch.randint(0, vocab, (response_len,), generator=g).tolist()
+        mask = [1] * response_len
+        start, span = response_len // 2, response_len // 10
+        mask[start : start + span] = [0] * span
+        out.append(Trajectory(
+            problem_id=str(i // group_size), group_index=i % group_size, reference="",
+            prompt_ids=torch.randint(0, vocab, (prompt_len,), generator=g).tolist(),
+            token_ids=tokens, logprobs=[0.0] * response_len, loss_mask=mask, text="",
+            reward=float(rewards[i]), advantage=float(advantages[i]),
+        ))
+    return out
+
+
+def synchronize() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def reset_peak_memory() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+    else:
+        with open("/proc/self/clear_refs", "w") as f:  # "5" resets the peak resident size (VmHWM)
+            f.write("5")
+
+
+def current_memory() -> int:
+    return torch.cuda.memory_allocated() if torch.cuda.is_available() else _proc_status_bytes("VmRSS")
+
+
+def peak_memory() -> int:
+    return torch.cuda.max_memory_allocated() if torch.cuda.is_available() else _proc_status_bytes("VmHWM")
+
+
+def _proc_status_bytes(key: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"{key} not in /proc/self/status")
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog="\n\n".join(__doc__.split("\n\n")[1:]))
+    # model
+    p.add_argument("--model", help="model folder (Hugging Face format); default: build the tiny random model")
+    # batch
+    p.add_argument("--sequences", type=int, default=16, help="trajectories per step (default 16)")
+    p.add_argument("--group-size", type=int, default=8, help="trajectories per problem (default 8)")
+    p.add_argument("--prompt-len", type=int, default=128, help="prompt tokens per trajectory (default 128)")
+    p.add_argument("--response-len", type=int, default=384, help="response tokens per trajectory (default 384)")
+    # the step
+    p.add_argument("--num-minibatches", type=int, default=2, help="optimizer updates per step (default 2)")
+    p.add_argument("--micro-batch-size", type=int, default=4, help="sequences per forward/backward (default 4)")
+    p.add_argument("--gradient-checkpointing", action="store_true", help="recompute activations in backward")
+    p.add_argument("--steps", type=int, default=3, help="timed steps after one warm-up step (default 3)")
+    # the sampler
+    p.add_argument("--no-sync", action="store_true", help="do not build vLLM; skip the sync timing")
+    p.add_argument("--syncs", type=int, default=3, help="timed weight syncs (default 3)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.3, help="vLLM's share of the GPU (default 0.3)")
+    return p.parse_args(argv)
+
+
+if __name__ == "__main__":  # vLLM may spawn processes: keep the guard
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    main()
