@@ -11,7 +11,10 @@ new interpreter each time, and `import sympy` (about 0.5 s) on every call that u
 
 Both designs run the same calls with the same number of threads (the sandbox's
 `concurrency`). Other processes on the machine change both figures, so the designs
-take turns in rounds and each row sums its rounds. Targets (issue 3): the fork server
+take turns in rounds and each row sums its rounds; the load average is printed
+before and after. calls/s counts correct results only; "wrong" counts calls that did
+not print the expected output (on a loaded machine a baseline call can be starved
+past the timeout). Targets (issue 3): the fork server
 at least 20x the baseline's calls/s on the sympy snippet, and no slower on print(1+1).
 """
 from __future__ import annotations
@@ -58,13 +61,13 @@ def main() -> int:
     print(f"machine: {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}; "
           f"concurrency {args.concurrency}; {args.rounds} rounds; "
           f"isolation of the fork server: {designs['fork server'].isolation}")
-    print(f"{'workload':<17} {'design':<16} {'calls':>6} {'calls/s':>9} {'p50 ms':>8} {'p99 ms':>8}")
-    speedups = {}
+    print(f"{'workload':<17} {'design':<16} {'calls':>6} {'wrong':>6} {'calls/s':>9} {'p50 ms':>8} {'p99 ms':>8}")
+    speedups, wrong_results = {}, {}
     for name, code in WORKLOADS.items():
         rates = {}
         for design, runner in designs.items():
             runner.run_many([code] * min(4, args.concurrency))  # warm: slots forked, containers started
-        samples = {design: ([], 0.0) for design in designs}
+        samples = {design: ([], 0.0, 0) for design in designs}  # latencies, wall seconds, wrong results
         for _ in range(args.rounds):
             for design, runner in designs.items():
                 n = args.calls
@@ -73,22 +76,21 @@ def main() -> int:
                 start = time.perf_counter()
                 results = runner.run_many([code] * n)
                 wall = time.perf_counter() - start
-                bad = [r for r in results if not r.ok or r.stdout != EXPECTED[name]]
-                if bad:
-                    print(f"{design} gave a wrong result on {name}: {bad[0]}", file=sys.stderr)
-                    return 1
-                latencies, total = samples[design]
-                samples[design] = (latencies + [r.latency for r in results], total + wall)
-        for design, (latencies, total) in samples.items():
+                wrong = sum(not r.ok or r.stdout != EXPECTED[name] for r in results)  # e.g. starved past the timeout
+                latencies, total, errors = samples[design]
+                samples[design] = (latencies + [r.latency for r in results], total + wall, errors + wrong)
+        for design, (latencies, total, errors) in samples.items():
             latencies.sort()
-            rates[design] = len(latencies) / total
-            print(f"{name:<17} {design:<16} {len(latencies):>6} {rates[design]:>9.1f} "
+            rates[design] = (len(latencies) - errors) / total  # correct results per second
+            wrong_results[design] = wrong_results.get(design, 0) + errors
+            print(f"{name:<17} {design:<16} {len(latencies):>6} {errors:>6} {rates[design]:>9.1f} "
                   f"{1000 * percentile(latencies, 50):>8.1f} {1000 * percentile(latencies, 99):>8.1f}")
         speedups[name] = rates["fork server"] / rates["fresh python -c"]
     for runner in designs.values():
         runner.close()
-    sympy_ok = speedups["sympy factorint"] >= 20
-    print_ok = speedups["print(1+1)"] >= 1
+    print(f"load average after: {os.getloadavg()[0]:.1f}")
+    sympy_ok = speedups["sympy factorint"] >= 20 and wrong_results["fork server"] == 0
+    print_ok = speedups["print(1+1)"] >= 1 and wrong_results["fork server"] == 0
     print(f"speed-up of the fork server over fresh python -c: print(1+1) {speedups['print(1+1)']:.1f}x "
           f"(target >= 1x: {'met' if print_ok else 'MISSED'}), sympy {speedups['sympy factorint']:.1f}x "
           f"(target >= 20x: {'met' if sympy_ok else 'MISSED'})")

@@ -17,16 +17,17 @@ Execution model (local backend, the default)
    environment (never forked from the caller, which may run vLLM threads), imports
    math, numpy and sympy once and listens on a Unix socket in a private 0700 folder.
    A fresh `python -c` pays about 0.5 s for `import sympy`; a fork pays a few ms.
-2. The server keeps `concurrency` supervisors ("slots") forked ahead of need. Each
-   is the init (PID 1) of a new PID namespace, in new mount and network namespaces,
-   with its private file system already mounted, waiting in accept().
-3. Per call the caller opens one connection; one slot accepts it, forks the user
+2. The server keeps `concurrency` supervisors ("slots") running. Each is the init
+   (PID 1) of its own PID namespace and has its own mount namespace, where the lab
+   is hidden and every file system is read-only. Before each call it enters fresh
+   network and IPC namespaces and mounts empty scratch dirs, then waits in accept().
+3. Per call the caller opens one connection; one slot accepts it and forks the user
    process, which drops to an unprivileged uid and runs the code with `exec` in a
-   brand-new `__main__` module. The server replaces the slot in the background.
-   Calls are independent: one connection, one slot, one namespace set each, so one
-   call's crash never touches another's. Every call is a fork of the same pristine
-   server, so nothing one call defines or changes (globals, monkey-patched modules,
-   files) is visible to the next.
+   brand-new `__main__` module. Calls are independent: one connection, one slot and
+   one set of fresh namespaces each, so one call's crash never touches another's.
+   The code only ever runs in a fork of a slot, which runs only the sandbox's own
+   code, so nothing one call defines or changes (globals, monkey-patched modules,
+   files, shared memory, processes) is visible to the next.
 
 Each safeguard and the failure it prevents
 ------------------------------------------
@@ -52,10 +53,12 @@ Each safeguard and the failure it prevents
 - IPC namespace: System V shared memory, semaphores and message queues die with the
   call instead of outliving it in the machine's memory, where the next call could
   find them.
-- Mount namespace: a private, size-capped tmpfs over /tmp, /var/tmp and /dev/shm
-  (the work dir lives there and vanishes with the call) and an empty tmpfs over the
-  lab's own folder (`hidden_paths`: the code must not read ground-truth answers);
-  only the interpreter's own prefix inside it is bound back so imports keep working.
+- Mount namespace: every file system read-only (world-writable folders such as
+  /run/lock included), a private, size-capped tmpfs over /tmp, /var/tmp and /dev/shm
+  that is replaced for every call (the work dir lives there), and an empty tmpfs over
+  the lab's own folder and $HOME (`hidden_paths`: the code must not read ground-truth
+  answers or tokens); only the interpreter's own folders inside are bound back, so
+  imports keep working.
 - Unprivileged uid, no_new_privs: the code cannot write outside its work dir, read
   /root, signal the lab's processes or regain root through a setuid binary.
 - Clean environment: the server starts from an environment built from nothing, so
@@ -106,6 +109,7 @@ import json
 import linecache
 import os
 import queue
+import re
 import resource
 import select
 import shutil
@@ -336,7 +340,8 @@ class _Server:
             "preload": list(cfg.preload),
             "isolation": cfg.isolation,
             "hidden_paths": [p for p in cfg.hidden_paths if p],
-            "spares": cfg.concurrency,  # supervisors kept forked and waiting: one per concurrent call
+            "spares": cfg.concurrency,  # supervisors kept running: one per concurrent call
+            "slot_calls": SLOT_CALLS,
             "max_file_mb": cfg.max_file_mb,
         }
         try:
@@ -612,13 +617,16 @@ _OLD_STREAMS: list = []  # see _fresh_interpreter_state
 
 
 def _serve(socket_path: str, options: dict) -> None:
-    """The fork server: warm imports, then keep `spares` supervisors forked and waiting.
+    """The fork server: warm imports, then keep `spares` supervisors ("slots") running.
 
-    Each supervisor ("slot") is forked ahead of need, enters its namespaces and mounts
-    its file system, then waits in accept(). A call therefore pays one fork (the user
-    process) on its critical path; the slot it used is replaced in the background.
-    In namespace isolation a slot is the init (PID 1) of its own PID namespace: the
-    server unshares CLONE_NEWPID only for the next fork and then returns to its own.
+    A slot is forked once, enters its namespaces, hides the lab and makes every file
+    system read-only; then, call after call, it prepares a fresh network and IPC
+    namespace and empty scratch dirs, waits in accept(), forks the user process, kills
+    whatever that process left, and answers. A call therefore pays one fork on its
+    critical path, and none of the namespace set-up. A slot retires after SLOT_CALLS
+    calls (or dies) and the server forks a new one. In namespace isolation a slot is
+    the init (PID 1) of its own PID namespace: the server unshares CLONE_NEWPID only
+    for that fork and then returns to its own.
     """
     _preload(options["preload"])
     hidden = [p for p in options["hidden_paths"] if os.path.isdir(p) and p != "/"]
@@ -630,9 +638,9 @@ def _serve(socket_path: str, options: dict) -> None:
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the kernel reaps finished slots
     gc.freeze()  # the warm objects stay out of every child's collections: fewer copied pages
     alive_r, alive_w = os.pipe()  # idle slots see EOF here when the server is gone
-    taken_r, taken_w = os.pipe()  # a slot that accepted a call writes its token here
+    leaving_r, leaving_w = os.pipe()  # a slot about to retire writes its token here
     own_pid_ns = os.open("/proc/self/ns/pid", os.O_RDONLY) if mode == "namespaces" else None
-    idle: dict[int, int] = {}  # token -> pid of slots waiting for a call
+    slots: dict[int, int] = {}  # token -> pid
     tokens = iter(range(1, 1 << 62))
 
     def spawn() -> None:
@@ -643,11 +651,11 @@ def _serve(socket_path: str, options: dict) -> None:
         pid = os.fork()
         if pid == 0:
             os.close(alive_w)
-            os.close(taken_r)
-            _slot(listener, alive_r, taken_w, token, uid, mode, hidden, options)  # never returns
+            os.close(leaving_r)
+            _slot(listener, alive_r, leaving_w, token, uid, mode, hidden, options)  # never returns
         if own_pid_ns is not None:
             _setns(own_pid_ns, CLONE_NEWPID)
-        idle[token] = pid
+        slots[token] = pid
 
     for _ in range(options["spares"]):
         spawn()
@@ -655,55 +663,61 @@ def _serve(socket_path: str, options: dict) -> None:
     sys.stdout.flush()
     poller = select.poll()
     poller.register(0, select.POLLIN)  # the caller's pipe: readable only at EOF, when it is gone
-    poller.register(taken_r, select.POLLIN)
+    poller.register(leaving_r, select.POLLIN)
     while True:
         events = poller.poll(1000)
         for fd, _ in events:
             if fd == 0:
                 return
-            for (token,) in struct.iter_unpack("q", os.read(taken_r, 8 * 512)):
-                idle.pop(token, None)
+            for (token,) in struct.iter_unpack("q", os.read(leaving_r, 8 * 512)):
+                slots.pop(token, None)
                 spawn()
-        if not events:  # a quiet second: replace any idle slot that died
-            for token, pid in list(idle.items()):
+        if not events:  # a quiet second: replace any slot that died
+            for token, pid in list(slots.items()):
                 if not _alive(pid):
-                    del idle[token]
+                    del slots[token]
                     spawn()
 
 
-def _slot(listener: socket.socket, alive: int, taken: int, token: int, uid: int | None, mode: str, hidden: list[str], options: dict) -> None:
-    """One supervisor: set up isolation, wait for one call, run it contained, answer, exit."""
+SLOT_CALLS = 200  # calls a slot serves before it retires: bounds how far its memory drifts from the server's
+
+
+def _slot(listener: socket.socket, alive: int, leaving: int, token: int, uid: int | None, mode: str, hidden: list[str], options: dict) -> None:
+    """One supervisor: set up isolation once, then serve calls one at a time."""
     status = 1
-    workdir = None
     try:
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         devnull = os.open(os.devnull, os.O_RDWR)
         os.dup2(devnull, 0)  # the server's pipe from the caller stays with the server
         os.close(devnull)
         if mode == "namespaces":
-            _unshare(CLONE_NEWNS | CLONE_NEWNET | CLONE_NEWIPC)  # the PID namespace came with the fork
-            workdir = _private_filesystem(options, hidden, uid)
+            _unshare(CLONE_NEWNS)  # the PID namespace came with the fork
+            keep = _private_filesystem(hidden)
             _mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)  # the code sees only its own processes
         else:
             _prctl(PR_SET_CHILD_SUBREAPER, 1)  # orphans of the code become ours to kill
-            workdir = tempfile.mkdtemp(prefix="sandbox-work-")
-        conn = _accept(listener, alive)
-        if conn is None:
-            status = 0
-            return
-        os.write(taken, struct.pack("q", token))
-        for fd in (taken, alive):
-            os.close(fd)
-        listener.close()
-        request = _recv(conn)
-        if request is not None:
-            _send(conn, _execute(request, workdir, mode, uid))
+        for _ in range(options["slot_calls"]):
+            # Prepared before the call arrives, so that it costs the call nothing.
+            if mode == "namespaces":
+                _unshare(CLONE_NEWNET | CLONE_NEWIPC)  # the previous call's die with their last process
+                workdir = _fresh_scratch(options, keep, uid)
+            else:
+                workdir = tempfile.mkdtemp(prefix="sandbox-work-")
+            conn = _accept(listener, alive)
+            if conn is None:
+                status = 0
+                return
+            with conn:
+                request = _recv(conn)
+                if request is not None:
+                    _send(conn, _execute(request, workdir, mode, uid))
+            if mode != "namespaces":
+                shutil.rmtree(workdir, ignore_errors=True)
+        os.write(leaving, struct.pack("q", token))
         status = 0
     except BaseException:
         traceback.print_exc()
     finally:
-        if mode != "namespaces" and workdir:
-            shutil.rmtree(workdir, ignore_errors=True)
         os._exit(status)  # as PID 1: the kernel tears the namespaces down
 
 
@@ -888,36 +902,80 @@ def _io_text(fd: int, mode: str):
     return io.TextIOWrapper(raw, encoding="utf-8", errors="backslashreplace", write_through=True)
 
 
-def _private_filesystem(options: dict, hidden: list[str], uid: int) -> str:
-    """Inside the new mount namespace: private tmpfs dirs, hidden folders, a work dir for uid."""
+SCRATCH_DIRS = ("/tmp", "/var/tmp", "/dev/shm")  # the only places the code may write: an empty tmpfs each, per call
+
+
+def _private_filesystem(hidden: list[str]) -> dict[str, int]:
+    """Once per slot, in its new mount namespace: hide folders, make everything read-only.
+
+    Returns descriptors of the interpreter's folders that lie inside a scratch dir
+    (a venv under /tmp), which every call's fresh tmpfs must bind back.
+    """
     _mount("none", "/", None, MS_REC | MS_PRIVATE)  # nothing mounted here reaches the host
-    size = f"size={4 * options['max_file_mb']}m"  # room for a few files of the largest size
     keep = _interpreter_paths()
-    for path in ("/tmp", "/var/tmp", "/dev/shm"):
-        if os.path.isdir(path):
-            _mask(path, f"{size},mode=1777", keep)
     for path in hidden:
         if os.path.isdir(path):
-            _mask(path, "size=1m,mode=0755", keep)
+            handles = {k: os.open(k, os.O_PATH) for k in keep if _inside(k, path)}
+            _mask(path, "size=1m,mode=0755", handles)
+            for fd in handles.values():
+                os.close(fd)
+    # World-writable folders outside the scratch dirs (/run/lock, say) would let one
+    # call leave files for the next and on the machine: no file system stays writable.
+    _read_only_mounts()
+    return {k: os.open(k, os.O_PATH) for k in keep if any(_inside(k, d) for d in SCRATCH_DIRS)}
+
+
+def _fresh_scratch(options: dict, keep: dict[str, int], uid: int) -> str:
+    """Per call: empty tmpfs on the scratch dirs (the previous call's are detached), a work dir for uid."""
+    size = f"size={4 * options['max_file_mb']}m"  # room for a few files of the largest size
+    for path in SCRATCH_DIRS:
+        if os.path.isdir(path):
+            if path in _MOUNTED_SCRATCH:
+                _umount(path)
+            _mask(path, f"{size},mode=1777", {k: fd for k, fd in keep.items() if _inside(k, path)})
+            _MOUNTED_SCRATCH.add(path)
     workdir = "/tmp/work"
     os.mkdir(workdir, 0o700)
     os.chown(workdir, uid, uid)
     return workdir
 
 
-def _mask(path: str, options: str, keep: list[str]) -> None:
-    """Cover path with an empty tmpfs, then bind back the parts of `keep` that were inside it.
+_MOUNTED_SCRATCH: set[str] = set()  # scratch dirs that carry a tmpfs of ours in this slot
+
+
+def _mask(path: str, options: str, handles: dict[str, int]) -> None:
+    """Cover path with an empty tmpfs, then bind back the kept folders that were inside it.
 
     The interpreter may live inside a masked folder (a venv in the lab, pyenv under
-    /root): it is bound back through descriptors opened before the folder disappears.
+    /root): it comes back through descriptors opened before the folder disappeared.
     """
-    inside = [k for k in keep if k.startswith(path.rstrip("/") + "/")]
-    handles = {k: os.open(k, os.O_PATH) for k in inside}
     _mount("tmpfs", path, "tmpfs", MS_NOSUID | MS_NODEV, options)
-    for k, fd in handles.items():
-        os.makedirs(k, mode=0o755, exist_ok=True)
-        _mount(f"/proc/self/fd/{fd}", k, None, MS_BIND | MS_REC)
-        os.close(fd)
+    for kept, fd in handles.items():
+        os.makedirs(kept, mode=0o755, exist_ok=True)
+        _mount(f"/proc/self/fd/{fd}", kept, None, MS_BIND | MS_REC)
+
+
+def _read_only_mounts() -> None:
+    """Remount every mount of this namespace read-only, keeping its nosuid/nodev/noexec."""
+    with open("/proc/self/mountinfo") as f:
+        mounts = [line.split() for line in f]
+    done = set()
+    for fields in mounts:
+        target = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), fields[4])  # a space comes as \040
+        options = fields[5].split(",")
+        if target in done or "ro" in options:
+            continue
+        done.add(target)
+        flags = MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID
+        flags |= (MS_NODEV if "nodev" in options else 0) | (MS_NOEXEC if "noexec" in options else 0)
+        try:
+            _mount("none", target, None, flags)
+        except OSError:
+            pass  # a mount that refuses stays as it was; the unprivileged uid still guards it
+
+
+def _inside(path: str, folder: str) -> bool:
+    return path.startswith(folder.rstrip("/") + "/")
 
 
 def _interpreter_paths() -> list[str]:
@@ -973,7 +1031,7 @@ def _probe_namespaces(hidden: list[str], preload: list[str], report: int) -> Non
     try:
         _unshare(CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWNET | CLONE_NEWIPC)
         uid = 65534
-        _private_filesystem({"max_file_mb": 1}, hidden, uid)
+        _fresh_scratch({"max_file_mb": 1}, _private_filesystem(hidden), uid)
         child = os.fork()
         if child == 0:
             problem = 1
@@ -1161,7 +1219,8 @@ def _recv_exactly(conn: socket.socket, size: int) -> bytes | None:
 # --------------------------------------------------------------------------------------
 
 CLONE_NEWNS, CLONE_NEWIPC, CLONE_NEWPID, CLONE_NEWNET = 0x00020000, 0x08000000, 0x20000000, 0x40000000
-MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_BIND, MS_REC, MS_PRIVATE = 2, 4, 8, 4096, 16384, 1 << 18
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 1, 2, 4, 8, 32, 4096, 16384, 1 << 18
+MNT_DETACH = 2
 PR_SET_PDEATHSIG, PR_SET_CHILD_SUBREAPER, PR_SET_NO_NEW_PRIVS = 1, 36, 38
 _LIBC = ctypes.CDLL(None, use_errno=True)
 
@@ -1175,6 +1234,11 @@ def _mount(source: str, target: str, fstype: str | None, flags: int, data: str |
     args = [s.encode() if s is not None else None for s in (source, target, fstype, data)]
     if _LIBC.mount(args[0], args[1], args[2], ctypes.c_ulong(flags), args[3]) != 0:
         raise OSError(ctypes.get_errno(), f"mount {target}: {os.strerror(ctypes.get_errno())}")
+
+
+def _umount(target: str) -> None:
+    if _LIBC.umount2(target.encode(), ctypes.c_int(MNT_DETACH)) != 0:
+        raise OSError(ctypes.get_errno(), f"umount {target}: {os.strerror(ctypes.get_errno())}")
 
 
 def _setns(fd: int, nstype: int) -> None:

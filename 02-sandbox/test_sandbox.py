@@ -216,7 +216,8 @@ def test_no_network_connection_can_be_opened(sb):
 def test_writing_outside_the_work_dir_never_reaches_the_machine(sb):
     needs_isolation(sb)
     name = marker()
-    targets = [os.path.join(LAB_ROOT, "02-sandbox", name), f"/tmp/{name}", f"/etc/{name}", f"/var/tmp/{name}"]
+    targets = [os.path.join(LAB_ROOT, "02-sandbox", name), f"/tmp/{name}", f"/etc/{name}", f"/var/tmp/{name}",
+               f"/run/lock/{name}", f"/dev/shm/{name}"]  # /run/lock is writable by anyone on this machine
     code = "\n".join(
         [f"for path in {targets!r}:", "    try:", "        open(path, 'w').write('escaped')",
          "        print('wrote', path)", "    except OSError as e:", "        print('denied', path, type(e).__name__)",
@@ -447,6 +448,30 @@ def test_plain_isolation_still_kills_an_escaped_daemon_and_stops_runaway_code():
         assert processes_named(name) == []
         assert sb.run("while True: pass", timeout=SHORT).timed_out
         assert_still_answers(sb)
+
+
+def test_a_slot_that_served_a_call_starts_the_next_one_clean(monkeypatch):
+    """One slot (concurrency 1) serves consecutive calls and retires every 3: nothing carries over."""
+    import sandbox
+
+    monkeypatch.setattr(sandbox, "SLOT_CALLS", 3)
+    dirty = (
+        "import ctypes, os\n"
+        "open('/tmp/left.txt', 'w').write('x')\n"
+        "open('/dev/shm/left.bin', 'w').write('x')\n"
+        "open('work-file', 'w').write('x')\n"
+        "print(ctypes.CDLL(None).shmget(0x5A5A5A, 4096, 0o1000 | 0o600) >= 0)\n"
+    )
+    check = (
+        "import ctypes, os\n"
+        "print(sorted(os.listdir('/tmp')), os.listdir('/dev/shm'), os.listdir('.'),\n"
+        "      ctypes.CDLL(None).shmget(0x5A5A5A, 0, 0) >= 0)\n"
+    )
+    with Sandbox(make_config("local", concurrency=1, preload=())) as sb:
+        needs_isolation(sb)
+        for _ in range(4):  # crosses a retirement: old slot, new slot
+            assert sb.run(dirty).stdout == "True\n"
+            assert sb.run(check).stdout == "['work'] [] [] False\n"
 
 
 def test_closing_the_sandbox_stops_its_fork_server():
