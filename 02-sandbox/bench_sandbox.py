@@ -14,8 +14,13 @@ Both designs run the same calls with the same number of threads (the sandbox's
 take turns in rounds and each row sums its rounds; the load average is printed
 before and after. calls/s counts correct results only; "wrong" counts calls that did
 not print the expected output (on a loaded machine a baseline call can be starved
-past the timeout). Targets (issue 3): the fork server
-at least 20x the baseline's calls/s on the sympy snippet, and no slower on print(1+1).
+past the timeout). "cpu ms" is CPU time per call of everything involved (this
+process, the server, its slots, the user processes, the baseline's interpreters),
+read from a cgroup this script puts itself into where it can (root, cgroup v1
+cpuacct or v2); the Docker engine's own work is not in it.
+
+Targets (issue 3): the fork server at least 20x the baseline's calls/s on the sympy
+snippet, and no slower on print(1+1).
 """
 from __future__ import annotations
 
@@ -51,6 +56,7 @@ def main() -> int:
     if args.calls < 1 or args.rounds < 1 or args.concurrency < 1:
         parser.error("--calls, --rounds and --concurrency must be positive")
 
+    meter = CpuMeter()  # before any child starts: children inherit the cgroup
     config = SandboxConfig(concurrency=args.concurrency)
     designs = {"fresh python -c": Baseline(config), "fork server": Sandbox(config)}
     if args.docker:
@@ -61,33 +67,35 @@ def main() -> int:
     print(f"machine: {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}; "
           f"concurrency {args.concurrency}; {args.rounds} rounds; "
           f"isolation of the fork server: {designs['fork server'].isolation}")
-    print(f"{'workload':<17} {'design':<16} {'calls':>6} {'wrong':>6} {'calls/s':>9} {'p50 ms':>8} {'p99 ms':>8}")
+    print(f"{'workload':<17} {'design':<16} {'calls':>6} {'wrong':>6} {'calls/s':>9} {'p50 ms':>8} {'p99 ms':>8} {'cpu ms':>7}")
     speedups, wrong_results = {}, {}
     for name, code in WORKLOADS.items():
         rates = {}
         for design, runner in designs.items():
             runner.run_many([code] * min(4, args.concurrency))  # warm: slots forked, containers started
-        samples = {design: ([], 0.0, 0) for design in designs}  # latencies, wall seconds, wrong results
+        samples = {design: ([], 0.0, 0, 0.0) for design in designs}  # latencies, wall s, wrong results, CPU s
         for _ in range(args.rounds):
             for design, runner in designs.items():
                 n = args.calls
                 if design != "fork server":
                     n = args.baseline_calls or (20 if "sympy" in name else 50)
-                start = time.perf_counter()
+                start, cpu_start = time.perf_counter(), meter.read()
                 results = runner.run_many([code] * n)
-                wall = time.perf_counter() - start
+                wall, cpu = time.perf_counter() - start, meter.read() - cpu_start
                 wrong = sum(not r.ok or r.stdout != EXPECTED[name] for r in results)  # e.g. starved past the timeout
-                latencies, total, errors = samples[design]
-                samples[design] = (latencies + [r.latency for r in results], total + wall, errors + wrong)
-        for design, (latencies, total, errors) in samples.items():
+                latencies, total, errors, cpu_total = samples[design]
+                samples[design] = (latencies + [r.latency for r in results], total + wall, errors + wrong, cpu_total + cpu)
+        for design, (latencies, total, errors, cpu_total) in samples.items():
             latencies.sort()
             rates[design] = (len(latencies) - errors) / total  # correct results per second
             wrong_results[design] = wrong_results.get(design, 0) + errors
+            cpu_ms = "n/a" if not meter.works or design == "docker" else f"{1000 * cpu_total / len(latencies):.1f}"
             print(f"{name:<17} {design:<16} {len(latencies):>6} {errors:>6} {rates[design]:>9.1f} "
-                  f"{1000 * percentile(latencies, 50):>8.1f} {1000 * percentile(latencies, 99):>8.1f}")
+                  f"{1000 * percentile(latencies, 50):>8.1f} {1000 * percentile(latencies, 99):>8.1f} {cpu_ms:>7}")
         speedups[name] = rates["fork server"] / rates["fresh python -c"]
     for runner in designs.values():
         runner.close()
+    meter.leave()
     print(f"load average after: {os.getloadavg()[0]:.1f}")
     sympy_ok = speedups["sympy factorint"] >= 20 and wrong_results["fork server"] == 0
     print_ok = speedups["print(1+1)"] >= 1 and wrong_results["fork server"] == 0
@@ -134,6 +142,45 @@ class Baseline:
 
     def close(self) -> None:
         pass
+
+
+class CpuMeter:
+    """CPU seconds used by this process and all its descendants, through a cgroup of our own."""
+
+    def __init__(self) -> None:
+        self.works = False
+        for root, stat in (("/sys/fs/cgroup/cpuacct", "cpuacct.usage"), ("/sys/fs/cgroup", "cpu.stat")):
+            if os.path.exists(os.path.join(root, stat)) and os.path.exists(os.path.join(root, "cgroup.procs")):
+                self.root, self.group = root, os.path.join(root, f"bench-sandbox-{os.getpid()}")
+                self.stat = os.path.join(self.group, stat)
+                try:
+                    os.makedirs(self.group, exist_ok=True)
+                    Path(self.group, "cgroup.procs").write_text(str(os.getpid()))
+                    self.works = True
+                    return
+                except OSError:
+                    try:
+                        os.rmdir(self.group)
+                    except OSError:
+                        pass
+
+    def read(self) -> float:
+        if not self.works:
+            return 0.0
+        text = Path(self.stat).read_text()
+        if self.stat.endswith("cpuacct.usage"):
+            return int(text) / 1e9  # nanoseconds
+        return int(dict(line.split() for line in text.splitlines())["usage_usec"]) / 1e6
+
+    def leave(self) -> None:
+        if self.works:
+            Path(self.root, "cgroup.procs").write_text(str(os.getpid()))
+            for _ in range(50):  # the server's last processes may still be exiting
+                try:
+                    os.rmdir(self.group)
+                    return
+                except OSError:
+                    time.sleep(0.1)
 
 
 def percentile(sorted_values: list[float], q: float) -> float:
