@@ -430,6 +430,7 @@ class _DockerBackend:
             self._client.images.get(cfg.image)
         except docker.errors.ImageNotFound:
             raise SandboxError(f"Docker image {cfg.image} not found: build it with 02-sandbox/build_image.sh") from None
+        # The runner is this file, sent as `python3 -c` (about 60 KB; one argument may hold 128 KiB).
         self._source = Path(__file__).read_text()
         self._warm: queue.Queue = queue.Queue()  # (container id, time it was started)
         self._closed = False
@@ -609,7 +610,7 @@ def _clip_middle(text: str, limit: int) -> str:
 
 
 # --------------------------------------------------------------------------------------
-# Inside: the fork server, the per-call supervisor, the init, the user process
+# Inside: the fork server, its slots (supervisors), the user process, the container runner
 # --------------------------------------------------------------------------------------
 
 IDLE_EXIT = 900.0  # seconds a warm container waits for its request before giving up
