@@ -704,16 +704,18 @@ def _slot(listener: socket.socket, alive: int, leaving: int, token: int, uid: in
                 workdir = _fresh_scratch(options, keep, uid)
             else:
                 workdir = tempfile.mkdtemp(prefix="sandbox-work-")
-            conn = _accept(listener, alive)
-            if conn is None:
-                status = 0
-                return
-            with conn:
-                request = _recv(conn)
-                if request is not None:
-                    _send(conn, _execute(request, workdir, mode, uid))
-            if mode != "namespaces":
-                shutil.rmtree(workdir, ignore_errors=True)
+            try:
+                conn = _accept(listener, alive)
+                if conn is None:
+                    status = 0
+                    return
+                with conn:
+                    request = _recv(conn)
+                    if request is not None:
+                        _send(conn, _execute(request, workdir, mode, uid))
+            finally:
+                if mode != "namespaces":  # in namespaces the tmpfs goes with the next call or the slot
+                    shutil.rmtree(workdir, ignore_errors=True)
         os.write(leaving, struct.pack("q", token))
         status = 0
     except BaseException:

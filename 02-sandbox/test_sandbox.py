@@ -6,9 +6,11 @@ Docker tests skip, with the reason, when no engine or no sandbox image is reacha
 """
 from __future__ import annotations
 
+import glob
 import os
 import socket
 import threading
+import time
 import uuid
 
 import pytest
@@ -74,6 +76,16 @@ def needs_isolation(sb: Sandbox) -> None:
 def assert_still_answers(sb: Sandbox) -> None:
     r = sb.run("print(6 * 7)")
     assert r.ok and r.stdout == "42\n", r
+
+
+def eventually(condition, seconds: float = 10.0) -> bool:
+    """For effects that follow a call asynchronously; waits, never asserts a speed."""
+    deadline = time.monotonic() + seconds
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
 
 
 def marker() -> str:
@@ -431,6 +443,7 @@ def test_the_warm_interpreter_already_has_sympy_and_random_state_is_fresh_per_ca
 def test_plain_isolation_still_kills_an_escaped_daemon_and_stops_runaway_code():
     """The fallback where namespaces are unavailable: no PID namespace, a child subreaper."""
     name = marker()
+    work_dirs_before = set(glob.glob("/tmp/sandbox-work-*"))
     with Sandbox(make_config("local", isolation="plain", concurrency=1, preload=())) as sb:
         assert sb.isolation == "plain"
         r = sb.run(
@@ -448,6 +461,8 @@ def test_plain_isolation_still_kills_an_escaped_daemon_and_stops_runaway_code():
         assert processes_named(name) == []
         assert sb.run("while True: pass", timeout=SHORT).timed_out
         assert_still_answers(sb)
+    # The idle slot removes its prepared work dir once it sees the server gone.
+    assert eventually(lambda: set(glob.glob("/tmp/sandbox-work-*")) <= work_dirs_before)
 
 
 def test_a_slot_that_served_a_call_starts_the_next_one_clean(monkeypatch):
