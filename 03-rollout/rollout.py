@@ -185,23 +185,26 @@ def rollout(llm, problems: list[dict], sandbox, cfg: RolloutConfig | None = None
     (generate calls) and token counts.
     """
     cfg = cfg or RolloutConfig()
+    if not problems:
+        return []
     started = time.perf_counter()
     tokenizer = llm.get_tokenizer()
     context = llm.model_config.max_model_len
-    version = weight_version(llm)
+    version, model = weight_version(llm), str(llm.model_config.model)
     spent = {"generate_s": 0.0, "sandbox_s": 0.0, "rounds": 0}
 
     # Round 0: one request per problem; its group_size samples share the prompt's prefill.
     live: list[_Live] = []
     heads = [_head(p, i, tokenizer, cfg, context) for i, p in enumerate(problems)]
     requests = [prompt_ids for _, prompt_ids, _ in heads]
-    params = [_params(cfg, 0, limit, cfg.group_size, _seed(cfg.seed, i, 0, 0)) for i, (_, _, limit) in enumerate(heads)]
+    params = [_params(cfg, 0, limit, cfg.group_size, _seed(cfg.seed, i, 0, 0), cfg.tool_budget > 0)
+              for i, (_, _, limit) in enumerate(heads)]
     for number, ((problem, prompt_ids, limit), out) in enumerate(zip(heads, _generate(llm, requests, params, spent))):
         for sample in sorted(out.outputs, key=lambda o: o.index):
             traj = Trajectory(
                 problem_id=str(problem["id"]), group_index=sample.index, reference=str(problem["answer"]),
                 prompt_ids=list(prompt_ids), token_ids=[], logprobs=[], loss_mask=[], text="",
-                weight_version=version, model=str(llm.model_config.model),
+                weight_version=version, model=model,
             )
             lv = _Live(traj, number, limit, limit < cfg.max_response_tokens, cfg.tool_budget)
             lv.absorb(sample)
@@ -212,8 +215,8 @@ def rollout(llm, problems: list[dict], sandbox, cfg: RolloutConfig | None = None
         waiting = [lv for lv in live if lv.code is not None]
         if waiting:
             t0 = time.perf_counter()
-            runnable = [lv for lv in waiting if lv.code]
-            results = dict(zip(map(id, runnable), sandbox.run_many([lv.code for lv in runnable])))
+            codes = {id(lv): lv.code for lv in waiting if lv.code}  # "" had no complete block: nothing to run
+            results = dict(zip(codes, sandbox.run_many(list(codes.values())) if codes else []))
             spent["sandbox_s"] += time.perf_counter() - t0
             for lv in waiting:
                 lv.observe(results.get(id(lv)), tokenizer, cfg.observation_style)
@@ -363,12 +366,10 @@ def _head(problem: dict, number: int, tokenizer, cfg: RolloutConfig, context: in
     return problem, prompt_ids, limit
 
 
-def _params(cfg: RolloutConfig, turn: int, max_tokens: int, n: int, seed: int | None, tool_open: bool | None = None):
+def _params(cfg: RolloutConfig, turn: int, max_tokens: int, n: int, seed: int | None, tool_open: bool):
     from vllm import SamplingParams
     from vllm.sampling_params import StructuredOutputsParams
 
-    if tool_open is None:
-        tool_open = cfg.tool_budget > 0
     extra = dict(cfg.extra_sampling)
     if turn < len(cfg.force_turns):
         extra["structured_outputs"] = StructuredOutputsParams(regex=cfg.force_turns[turn])
@@ -624,8 +625,8 @@ pre {{ margin: 0; white-space: pre-wrap; }}
 .toks {{ font: 13px/1.9 ui-monospace, monospace; white-space: pre-wrap; word-break: break-all; }}
 .toks span {{ border-radius: 2px; box-shadow: inset -1px 0 0 #fff; }}
 .p0 {{ background: #e4e4e4; }} .p1 {{ background: #d0d0d0; }}
-.m0 {{ background: #cfe3ff; }} .m1 {{ background: #a9ccfb; }}
-.o0 {{ background: #ffe0b8; }} .o1 {{ background: #ffc98a; }}
+.m0 {{ background: #d4e6ff; }} .m1 {{ background: #9ec2f5; }}
+.o0 {{ background: #ffe2bf; }} .o1 {{ background: #fbbd72; }}
 .legend span {{ padding: 1px 6px; }}
 </style></head><body>
 <h1>{title}: {n} trajectories</h1>

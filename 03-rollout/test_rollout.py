@@ -347,6 +347,10 @@ def test_problem_without_a_question_is_rejected_naming_it(tiny_llm, sandbox):
 # --- pieces that need no engine ---------------------------------------------------------
 
 
+def test_no_problems_give_no_trajectories_without_touching_the_engine():
+    assert rollout(None, [], None, RolloutConfig()) == []
+
+
 def test_config_rejects_an_unknown_template_naming_the_choices():
     with pytest.raises(ValueError, match="template: 'nope' is not one of"):
         RolloutConfig(template="nope")
