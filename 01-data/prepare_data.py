@@ -175,7 +175,7 @@ def unverifiable_reason(row: dict) -> str | None:
 
 
 def make_toy_task(n_train: int, n_test: int, seed: int = 0, digits: int = 3) -> tuple[list[dict], list[dict]]:
-    """Multiplication problems, deterministic under `seed`, with no question in both splits.
+    """Multiplication problems with products of 2*digits digits, deterministic under `seed`, no question in both splits.
 
     >>> train, test = make_toy_task(2, 1, seed=0)
     >>> train[0]["question"], train[0]["answer"]   # doctest: +SKIP
@@ -186,7 +186,10 @@ def make_toy_task(n_train: int, n_test: int, seed: int = 0, digits: int = 3) -> 
     seen, rows = set(), []
     while len(rows) < n_train + n_test:
         a, b = rng.randint(lo, hi), rng.randint(lo, hi)
-        if (a, b) in seen:
+        # Every product has 2 * digits digits (no 5-digit 3x3 products): answers of
+        # one length keep the tiny demo model's job (copy the tool's output into the
+        # box) the same on every problem.
+        if (a, b) in seen or len(str(a * b)) != 2 * digits:
             continue
         seen.add((a, b))
         rows.append({"id": f"toy-{a}x{b}", "question": f"What is {a} * {b}?", "answer": str(a * b), "source": "toy"})

@@ -69,6 +69,7 @@ def test_toy_task_is_deterministic_correct_and_splits_do_not_overlap():
         assert set(row) == SCHEMA
         a, b = (int(x) for x in row["question"].removeprefix("What is ").removesuffix("?").split(" * "))
         assert 100 <= a <= 999 and 100 <= b <= 999 and int(row["answer"]) == a * b
+        assert len(row["answer"]) == 6  # one answer length for every problem
 
 
 def test_written_files_read_back_unchanged(tmp_path):
