@@ -18,7 +18,9 @@ as the rollout's samples wrote on average. The ratio
 
 is shown with the sandbox's time excluded (the cost of the loop itself: two
 rounds instead of one, the wait for the round's slowest sample, prefilling the
-observations, the bookkeeping) and included. A third run, `rollout()` with no
+observations, the bookkeeping) and included. The wait is also counted in
+decode steps, which no other load on the machine changes: each round decodes
+until its longest turn ends. A third run, `rollout()` with no
 tool and the same number of tokens, is one round: its ratio is the cost of the
 bookkeeping alone (log-probs, masks, decoding). Each figure is shown as the best and
 the median of `--repeats` runs after one warm-up run of each kind: on a machine
@@ -64,8 +66,9 @@ def main(argv: list[str] | None = None) -> int:
             for kind in ("tool", "plain", "bare"):
                 stats: dict = {}
                 if kind == "tool":
-                    rollout(llm, problems, sandbox, tool, stats)
+                    trajs = rollout(llm, problems, sandbox, tool, stats)
                     per_sample = round(stats["model_tokens"] / samples)
+                    stats["decode_steps"] = _decode_steps(trajs)
                 elif kind == "plain":
                     # The same number of tokens without the tool: one round, the loop's bookkeeping alone.
                     rollout(llm, problems, sandbox, replace(tool, tool_budget=0, force_turns=(), max_response_tokens=per_sample), stats)
@@ -102,6 +105,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"      {t['observation_tokens']} observation tokens, {t['rounds']} rounds; "
           f"sandbox {statistics.median(r['sandbox_s'] for r in runs['tool']):.3f} s, "
           f"outside generate and sandbox {own:.3f} s (medians)")
+    print(f"      a round lasts as long as its longest turn: {t['decode_steps'][0]} + {t['decode_steps'][1]} = "
+          f"{sum(t['decode_steps'])} sequential decode steps, against {per_sample} for bare generate")
     print(f"  rollout(), no tool (1 round):  {line('plain')}")
     print(f"  bare llm.generate:             {line('bare')}")
     print("  overhead ratio vs bare generate, equal token counts, best/best:")
@@ -111,6 +116,13 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  machine load (1-minute average) at start {load[0]:.1f}, at end {os.getloadavg()[0]:.1f}, "
           f"on {os.cpu_count()} cores: other work on the machine slows runs at random")
     return 0
+
+
+def _decode_steps(trajs) -> tuple[int, int]:
+    """Longest first turn and longest second turn: each round decodes until its longest turn ends."""
+    first = max(t.tool_calls[0].start if t.tool_calls else len(t.token_ids) for t in trajs)
+    second = max((len(t.token_ids) - t.tool_calls[0].end) if t.tool_calls else 0 for t in trajs)
+    return first, second
 
 
 def bare_generate(llm, problems: list[dict], cfg, tokens_per_sample: int) -> dict:
