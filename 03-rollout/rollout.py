@@ -261,7 +261,8 @@ def observation_text(result, style: str = "torl") -> str:
     """
     from sandbox import format_observation
 
-    return f"\n{format_observation(result, style=style).rstrip(chr(10))}\n```\n"
+    output = format_observation(result, style=style).rstrip("\n")
+    return f"\n{output}\n```\n"
 
 
 def extract_code(turn_text: str) -> str | None:
