@@ -1,0 +1,206 @@
+"""The cold start of the CPU demo: a tiny model trained from scratch into a base policy worth RL.
+
+RL can only reinforce what the policy already does now and then. ReTool starts
+from a model fine-tuned on traces that call a code interpreter; ToRL starts
+from a base model that writes code on its own. A tiny model trained from
+scratch does neither, so this script gives it a cold start by supervised
+learning on synthetic traces of the toy task (products of 3-digit numbers),
+two kinds of them:
+
+    tool trace (a fraction `tool_fraction`, default 0.4):
+        ```python
+        print(964 * 494)
+        ```
+        ```output                      <- the model stops here; the sandbox's real output follows
+        476216
+        ```
+        The answer is \\boxed{476216}.
+
+    direct trace (the rest):
+        The answer is \\boxed{471286}.     <- a guess: right first digit and length, the rest made up
+
+The first token decides everything: after "Assistant:" the model has learned to
+open a code block about 40% of the time, whatever the question. When it
+does, it copies the factors into the code, and the sandbox does the arithmetic,
+so it is right; when it answers directly, it is almost always wrong. That is
+the starting point ToRL's curves show in miniature: a base policy that calls
+the tool on part of the problems and is right mostly when it does. RL then has
+one thing to discover: starting with the tool pays.
+
+The traces are built with the lab's own parts, so they are token-exact with
+what a rollout produces: the prompt from chapter 03's template, the tool output
+from chapter 02's sandbox and `format_observation`, each segment tokenized on
+its own (model text, observation, model text) exactly as the rollout appends
+them. Only the model's tokens carry loss, as in RL.
+
+Two things that decided whether this works in minutes on two CPU cores,
+measured while building it:
+- Training on tool traces alone first. Copying the factors into the code is
+  a position lookup the model must discover; in the 40/60 mix the random
+  digits of the direct guesses drown that signal, and after 1200 steps not one
+  held-out tool trace was reproduced exactly. On tool traces alone the copy
+  appears after about 250 steps (every held-out trace exact); the 300 mixed
+  steps after it then set the tool rate to about 40% without losing the copy.
+- One torch thread. On two cores shared with other processes, torch's second
+  thread spins waiting for the first: a step took 5 s with two threads and
+  0.19 s with one.
+
+    python 05-retool/cold_start.py --out runs/demo/base
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from prepare_data import read_problems
+from rollout import observation_text, render_prompt
+from sandbox import Sandbox, SandboxConfig
+from tiny_model import build_tiny_model
+
+TOOL_OPENING = "```python\nprint({a} * {b})\n```\n```output"
+DIRECT_OPENING = "The answer is \\boxed{{{guess}}}."
+TOOL_CLOSING = "The answer is \\boxed{{{answer}}}."
+
+
+def main(argv: list[str] | None = None) -> Path:
+    args = parse_args(argv)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(args.threads)
+    try:
+        return _cold_start(args)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _cold_start(args) -> Path:
+    torch.manual_seed(args.seed)
+    rng = random.Random(args.seed)
+    problems = read_problems(args.train_file)
+    out = Path(args.out)
+
+    # 1. Traces: text segments (prompt, model, observation, model) per problem.
+    traces = make_traces(problems, args.tool_fraction, rng, args.template)
+    print(f"cold start: {len(traces)} traces, {sum(t['tool'] for t in traces)} with a tool call")
+
+    # 2. A tiny random-init Qwen2 whose tokenizer is trained on the traces' text.
+    corpus = ["".join(t["segments"][i][1] for i in range(len(t["segments"]))) for t in traces[:2000]]
+    build_tiny_model(
+        out, corpus=corpus, vocab_size=args.vocab_size, hidden_size=args.hidden_size,
+        num_layers=args.num_layers, num_heads=args.hidden_size // 64, num_kv_heads=1,
+        intermediate_size=4 * args.hidden_size, max_position_embeddings=args.max_len * 4, seed=args.seed,
+    )
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    examples = [tokenize_trace(t, tokenizer) for t in traces]
+
+    # 3. Supervised learning on model tokens only: first on tool traces alone, so the
+    # model learns the tool's grammar (copy the factors into code, the output into
+    # the box), then on the mix, which sets how often it reaches for the tool.
+    tool_examples = [e for e, t in zip(examples, traces) if t["tool"]]
+    losses = train(model, examples, tool_examples, tokenizer.pad_token_id, args)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    (out / "cold_start.json").write_text(json.dumps({**vars(args), "final_loss": losses[-1]}, indent=2))
+    print(f"cold start: final loss {losses[-1]:.3f}; base policy saved to {out}")
+    return out
+
+
+def make_traces(problems: list[dict], tool_fraction: float, rng: random.Random, template: str) -> list[dict]:
+    """One trace per problem; tool traces get their observation from the real sandbox."""
+    traces, tool_jobs = [], []
+    for p in problems:
+        a, b = (int(x) for x in p["question"].removeprefix("What is ").removesuffix("?").split(" * "))
+        prompt = render_prompt(p["question"], template)
+        if rng.random() < tool_fraction:
+            traces.append({"tool": True, "segments": [("prompt", prompt), ("model", TOOL_OPENING.format(a=a, b=b))],
+                           "code": f"print({a} * {b})", "answer": p["answer"]})
+            tool_jobs.append(traces[-1])
+        else:
+            traces.append({"tool": False, "segments": [("prompt", prompt), ("model", DIRECT_OPENING.format(guess=guess(a * b, rng)))]})
+    with Sandbox(SandboxConfig()) as sandbox:
+        results = sandbox.run_many([t["code"] for t in tool_jobs])
+    for trace, result in zip(tool_jobs, results):
+        trace["segments"].append(("observation", observation_text(result)))
+        trace["segments"].append(("model", TOOL_CLOSING.format(answer=trace["answer"])))
+    return traces
+
+
+def guess(product: int, rng: random.Random) -> int:
+    """A plausible wrong answer: the right number of digits and first digit, the rest made up."""
+    digits = str(product)
+    while True:
+        g = int(digits[0] + "".join(rng.choice("0123456789") for _ in digits[1:]))
+        if g != product:
+            return g
+
+
+def tokenize_trace(trace: dict, tokenizer) -> tuple[list[int], list[int]]:
+    """Token ids and a loss mask: each segment tokenized on its own, as a rollout appends them."""
+    ids, mask = [], []
+    for kind, text in trace["segments"]:
+        seg = tokenizer(text, add_special_tokens=False)["input_ids"]
+        ids += seg
+        mask += [int(kind == "model")] * len(seg)
+    ids.append(tokenizer.eos_token_id)  # the model must learn to stop
+    mask.append(1)
+    return ids, mask
+
+
+def train(model, examples, tool_examples, pad_id: int, args) -> list[float]:
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0, betas=(0.9, 0.95))
+    model.train()
+    losses = []
+    bar = tqdm(range(args.steps), desc="cold start (SFT)")
+    for step in bar:
+        lr = args.lr * min(1.0, (step + 1) / 50) * 0.5 * (1 + math.cos(math.pi * step / args.steps))
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        batch = random.sample(tool_examples if step < args.tool_only_steps else examples, args.batch_size)
+        width = max(len(ids) for ids, _ in batch)
+        input_ids = torch.tensor([ids + [pad_id] * (width - len(ids)) for ids, _ in batch])
+        loss_mask = torch.tensor([m + [0] * (width - len(m)) for _, m in batch], dtype=torch.float32)
+        logits = model(input_ids=input_ids).logits[:, :-1]
+        nll = torch.nn.functional.cross_entropy(logits.transpose(1, 2), input_ids[:, 1:], reduction="none")
+        loss = (nll * loss_mask[:, 1:]).sum() / loss_mask[:, 1:].sum()
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        losses.append(loss.item())
+        bar.set_postfix(loss=f"{loss.item():.3f}")
+    return losses
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description="Train the CPU demo's tiny base policy from scratch on synthetic toy-task traces.",
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--train-file", default="data/toy_train.jsonl", help="toy-task problems (01-data's schema)")
+    p.add_argument("--out", default="runs/cold-start", help="folder the base model is saved to")
+    p.add_argument("--template", default="torl", help="prompt template (chapter 03's table)")
+    p.add_argument("--tool-fraction", type=float, default=0.4, help="share of traces that call the tool")
+    p.add_argument("--steps", type=int, default=700, help="optimizer steps in all")
+    p.add_argument("--tool-only-steps", type=int, default=400, help="first steps on tool traces alone")
+    p.add_argument("--threads", type=int, default=1, help="torch threads (1 is fastest on a small shared CPU)")
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--hidden-size", type=int, default=128, help="a multiple of 64 (vLLM's CPU attention wants head_dim 64)")
+    p.add_argument("--num-layers", type=int, default=2)
+    p.add_argument("--vocab-size", type=int, default=384)
+    p.add_argument("--max-len", type=int, default=256)
+    p.add_argument("--seed", type=int, default=0)
+    return p.parse_args(argv)
+
+
+if __name__ == "__main__":
+    start = time.time()
+    main()
+    print(f"cold start took {time.time() - start:.0f} s")

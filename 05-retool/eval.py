@@ -1,0 +1,190 @@
+"""Evaluation: how often the policy is right, with and without the tool, on held-out problems.
+
+    .venv/bin/python 05-retool/eval.py --model runs/cpu-demo-.../checkpoints/step-000030 --data data/toy_test.jsonl
+    .venv/bin/python 05-retool/eval.py --model Qwen/Qwen2.5-Math-1.5B --data aime24 aime25 --k 16 \\
+        --max-response-tokens 3072 --max-model-len 4096 --dtype bfloat16
+    .venv/bin/python 05-retool/eval.py ... --mode text      # same model, no tool: the tool's contribution
+
+Per data set (the `source` of each problem) it reports:
+- avg@k: the mean accuracy over all k samples of all problems (what "accuracy"
+  means in ToRL's tables when k > 1);
+- pass@j for j = 1, 2, 4, ... k: the chance that at least one of j samples is
+  right, with the unbiased estimator 1 - C(n-c, j) / C(n, j) from n samples of
+  which c are right (drawing only j would make it noisier, not different);
+- format rate (a closed \\boxed{} in the answer window), code ratio (samples
+  with a tool call), code pass ratio (calls that ran without error), tool calls
+  per sample, response length in tokens.
+
+It writes one JSONL line per sample and a summary JSON to `--out`, and prints a
+markdown table. Modes: `tir` runs the tool loop of chapter 03; `text` gives the
+model no tool (generation does not stop at ```output and no code runs), so
+the same model's plain chain of thought is measured on the same problems.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+
+def evaluate(llm, problems: list[dict], sandbox, k: int = 1, mode: str = "tir", template: str = "torl",
+             max_response_tokens: int = 3072, tool_budget: int = 1, temperature: float = 1.0,
+             seed: int | None = 0, samples_path: Path | None = None) -> dict:
+    """Sample k responses per problem, score them, and summarise per source and overall."""
+    from reward import score_batch
+    from rollout import RolloutConfig, rollout
+
+    if mode not in ("tir", "text"):
+        raise ValueError(f"mode must be 'tir' or 'text', got {mode!r}")
+    cfg = RolloutConfig(group_size=k, temperature=temperature, max_response_tokens=max_response_tokens,
+                        tool_budget=tool_budget if mode == "tir" else 0, template=template, seed=seed)
+    trajectories = rollout(llm, problems, sandbox, cfg)
+    results = score_batch([t.text for t in trajectories], [t.reference for t in trajectories])
+    source_of = {str(p["id"]): p.get("source", "data") for p in problems}
+    samples = [
+        {
+            "problem_id": t.problem_id, "source": source_of[t.problem_id], "sample": t.group_index,
+            "reference": t.reference, "answer": r.answer, "correct": r.correct, "valid_format": r.valid_format,
+            "tool_calls": t.num_tool_calls, "code_ok": [c.ok for c in t.tool_calls],
+            "response_tokens": len(t.token_ids), "truncated": t.truncated, "text": t.text,
+        }
+        for t, r in zip(trajectories, results)
+    ]
+    if samples_path is not None:
+        with open(samples_path, "w", encoding="utf-8") as f:
+            for s in samples:
+                f.write(json.dumps(s, ensure_ascii=False) + "\n")
+    by_source = defaultdict(list)
+    for s in samples:
+        by_source[s["source"]].append(s)
+    summary = {source: summarise(rows, k) for source, rows in sorted(by_source.items())}
+    if len(by_source) > 1:
+        summary["all"] = summarise(samples, k)
+    return {"mode": mode, "k": k, "sets": summary}
+
+
+def summarise(samples: list[dict], k: int) -> dict:
+    per_problem = defaultdict(list)
+    for s in samples:
+        per_problem[s["problem_id"]].append(s["correct"])
+    calls = [ok for s in samples for ok in s["code_ok"]]
+    out = {"problems": len(per_problem), "samples": len(samples),
+           f"avg@{k}": mean([s["correct"] for s in samples])}
+    j = 1
+    while j <= k:
+        out[f"pass@{j}"] = mean([pass_at_k(len(c), sum(c), j) for c in per_problem.values()])
+        j *= 2
+    if f"pass@{k}" not in out:
+        out[f"pass@{k}"] = mean([pass_at_k(len(c), sum(c), k) for c in per_problem.values()])
+    out.update({
+        "format_rate": mean([s["valid_format"] for s in samples]),
+        "code_ratio": mean([s["tool_calls"] > 0 for s in samples]),
+        "code_pass_ratio": mean(calls) if calls else float("nan"),
+        "tool_calls": mean([s["tool_calls"] for s in samples]),
+        "response_length": mean([s["response_tokens"] for s in samples]),
+    })
+    return out
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k from n samples with c right: 1 - C(n-c, k) / C(n, k).
+
+    >>> pass_at_k(4, 1, 1), pass_at_k(4, 1, 4), pass_at_k(4, 0, 2)
+    (0.25, 1.0, 0.0)
+    """
+    if k > n:
+        raise ValueError(f"pass@{k} needs at least {k} samples, got {n}")
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+def mean(values) -> float:
+    values = list(values)
+    return sum(values) / len(values) if values else float("nan")
+
+
+def summary_line(result: dict) -> str:
+    k = result["k"]
+    parts = []
+    for name, s in result["sets"].items():
+        parts.append(f"{name}: avg@{k} {s[f'avg@{k}']:.3f} pass@{k} {s[f'pass@{k}']:.3f} "
+                     f"code {s['code_ratio']:.2f} format {s['format_rate']:.2f}")
+    return " | ".join(parts)
+
+
+def markdown_table(result: dict) -> str:
+    k = result["k"]
+    passes = [key for key in next(iter(result["sets"].values())) if key.startswith("pass@")]
+    cols = ["problems", f"avg@{k}", *passes, "format_rate", "code_ratio", "code_pass_ratio", "tool_calls", "response_length"]
+    lines = [f"| set ({result['mode']}) | " + " | ".join(cols) + " |", "|---" * (len(cols) + 1) + "|"]
+    for name, s in result["sets"].items():
+        cells = [f"{s[c]:.3f}" if isinstance(s[c], float) else str(s[c]) for c in cols]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    from prepare_data import DataError, load_problems
+
+    problems = []
+    for source in args.data:
+        try:
+            rows, _ = load_problems(source, limit=args.limit)
+        except DataError as e:
+            sys.exit(f"error: {e}")
+        except Exception as e:  # the hub is unreachable: say which set, in one line
+            sys.exit(f"error: {source}: {str(e).splitlines()[0] if str(e) else type(e).__name__}")
+        problems += rows
+    if not Path(args.model).exists() and args.model.count("/") != 1:
+        sys.exit(f"error: --model '{args.model}' is neither a folder nor a hub id (org/name)")
+    if args.max_response_tokens >= args.max_model_len:
+        sys.exit(f"error: --max-response-tokens {args.max_response_tokens} leaves no room for the prompt in --max-model-len {args.max_model_len}")
+
+    from rollout import make_llm
+    from sandbox import Sandbox, SandboxConfig
+
+    out = Path(args.out or f"runs/eval-{time.strftime('%Y%m%d-%H%M%S')}")
+    out.mkdir(parents=True, exist_ok=True)
+    llm = make_llm(args.model, dtype=args.dtype, max_model_len=args.max_model_len, seed=args.seed,
+                   gpu_memory_utilization=args.gpu_memory_utilization)
+    with Sandbox(SandboxConfig(timeout=args.sandbox_timeout)) as sandbox:
+        result = evaluate(llm, problems, sandbox, k=args.k, mode=args.mode, template=args.template,
+                          max_response_tokens=args.max_response_tokens, tool_budget=args.tool_budget,
+                          temperature=args.temperature, seed=args.seed, samples_path=out / "samples.jsonl")
+    result = {"model": args.model, "data": args.data, **result}
+    (out / "summary.json").write_text(json.dumps(result, indent=1))
+    print(markdown_table(result))
+    print(f"samples: {out / 'samples.jsonl'}  summary: {out / 'summary.json'}")
+    return result
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description="Evaluate a model with (tir) or without (text) the Python tool.",
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--model", required=True, help="hub id or local checkpoint folder")
+    p.add_argument("--data", nargs="+", default=["aime24", "aime25"],
+                   help="data sets: aime24, aime25, math500, a hub id, or .jsonl/.parquet files (01-data's or ToRL's schema)")
+    p.add_argument("--mode", choices=["tir", "text"], default="tir")
+    p.add_argument("--k", type=int, default=1, help="samples per problem")
+    p.add_argument("--temperature", type=float, default=1.0, help="0 = greedy (then use --k 1)")
+    p.add_argument("--template", default="torl", help="prompt template (03-rollout's table)")
+    p.add_argument("--tool-budget", type=int, default=1, help="code executions per response in tir mode")
+    p.add_argument("--max-response-tokens", type=int, default=3072)
+    p.add_argument("--max-model-len", type=int, default=4096)
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.8)
+    p.add_argument("--sandbox-timeout", type=float, default=10.0)
+    p.add_argument("--limit", type=int, help="at most this many problems per data set")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", help="output folder [default: runs/eval-TIMESTAMP]")
+    return p.parse_args(argv)
+
+
+if __name__ == "__main__":
+    main()
