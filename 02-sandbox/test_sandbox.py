@@ -479,14 +479,15 @@ def test_a_slot_that_served_a_call_starts_the_next_one_clean(monkeypatch):
     )
     check = (
         "import ctypes, os\n"
-        "print(sorted(os.listdir('/tmp')), os.listdir('/dev/shm'), os.listdir('.'),\n"
+        # /tmp may also hold the mount point that hides the lab, when the lab itself lives under /tmp
+        "print('left.txt' in os.listdir('/tmp'), os.listdir('/dev/shm'), os.listdir('.'),\n"
         "      ctypes.CDLL(None).shmget(0x5A5A5A, 0, 0) >= 0)\n"
     )
     with Sandbox(make_config("local", concurrency=1, preload=())) as sb:
         needs_isolation(sb)
         for _ in range(4):  # crosses a retirement: old slot, new slot
             assert sb.run(dirty).stdout == "True\n"
-            assert sb.run(check).stdout == "['work'] [] [] False\n"
+            assert sb.run(check).stdout == "False [] [] False\n"
 
 
 def test_closing_the_sandbox_stops_its_fork_server():
