@@ -415,13 +415,10 @@ def _seed(seed: int | None, number: int, sample: int, turn: int) -> int | None:
 
 
 def save_trajectories(trajectories: list[Trajectory], path: str | os.PathLike) -> None:
-    """Write one JSON object per line, atomically: a failed write leaves no partial file."""
-    path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        for t in trajectories:
-            f.write(json.dumps(asdict(t), ensure_ascii=False) + "\n")
-    os.replace(tmp, path)
+    """Write one JSON object per line, atomically (01-data's writer): a failed write leaves no partial file."""
+    from prepare_data import write_jsonl
+
+    write_jsonl([asdict(t) for t in trajectories], Path(path))
 
 
 def load_trajectories(path: str | os.PathLike) -> list[Trajectory]:

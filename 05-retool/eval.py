@@ -33,15 +33,19 @@ from pathlib import Path
 
 def evaluate(llm, problems: list[dict], sandbox, k: int = 1, mode: str = "tir", template: str = "torl",
              max_response_tokens: int = 3072, tool_budget: int = 1, temperature: float = 1.0,
-             seed: int | None = 0, samples_path: Path | None = None) -> dict:
-    """Sample k responses per problem, score them, and summarise per source and overall."""
+             seed: int | None = 0, samples_path: Path | None = None, rollout_overrides: dict | None = None) -> dict:
+    """Sample k responses per problem, score them, and summarise per source and overall.
+
+    `rollout_overrides` sets further RolloutConfig fields (tests force tool calls with it).
+    """
     from reward import score_batch
     from rollout import RolloutConfig, rollout
 
     if mode not in ("tir", "text"):
         raise ValueError(f"mode must be 'tir' or 'text', got {mode!r}")
     cfg = RolloutConfig(group_size=k, temperature=temperature, max_response_tokens=max_response_tokens,
-                        tool_budget=tool_budget if mode == "tir" else 0, template=template, seed=seed)
+                        tool_budget=tool_budget if mode == "tir" else 0, template=template, seed=seed,
+                        **(rollout_overrides or {}))
     trajectories = rollout(llm, problems, sandbox, cfg)
     results = score_batch([t.text for t in trajectories], [t.reference for t in trajectories])
     source_of = {str(p["id"]): p.get("source", "data") for p in problems}
@@ -55,9 +59,9 @@ def evaluate(llm, problems: list[dict], sandbox, k: int = 1, mode: str = "tir", 
         for t, r in zip(trajectories, results)
     ]
     if samples_path is not None:
-        with open(samples_path, "w", encoding="utf-8") as f:
-            for s in samples:
-                f.write(json.dumps(s, ensure_ascii=False) + "\n")
+        from prepare_data import write_jsonl
+
+        write_jsonl(samples, Path(samples_path))
     by_source = defaultdict(list)
     for s in samples:
         by_source[s["source"]].append(s)

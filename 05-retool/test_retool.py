@@ -127,3 +127,22 @@ def test_loop_runs_is_killed_and_resumes_where_it_stopped(tiny_model_path, tmp_p
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step-000003", "step-000004"]
     evals = [json.loads(l) for l in (run_dir / "eval.jsonl").read_text().splitlines()]
     assert evals[0]["tag"] == "before RL" and evals[-1]["tag"] == "after RL"
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("mode", ["tir", "text"])
+def test_evaluate_writes_one_line_per_sample_and_text_mode_never_runs_code(tiny_llm, tmp_path, mode):
+    from eval import evaluate
+    from sandbox import Sandbox
+
+    problems = [dict(p, source=s) for p, s in zip(make_toy_task(4, 0, seed=5)[0], ["a", "a", "b", "b"])]
+    # Force every response to open and close a code block, so tir mode must run it.
+    forced = {"force_turns": (r"```python\nprint\(1\)\n```\n```output",)}
+    with Sandbox() as sandbox:
+        result = evaluate(tiny_llm, problems, sandbox, k=2, mode=mode, max_response_tokens=24,
+                          samples_path=tmp_path / "samples.jsonl", rollout_overrides=forced)
+    lines = [json.loads(l) for l in (tmp_path / "samples.jsonl").read_text().splitlines()]
+    assert len(lines) == 8 and {l["source"] for l in lines} == {"a", "b"}
+    assert set(result["sets"]) == {"a", "b", "all"} and result["sets"]["all"]["samples"] == 8
+    calls = [l["tool_calls"] for l in lines]
+    assert calls == ([1] * 8 if mode == "tir" else [0] * 8)
