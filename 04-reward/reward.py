@@ -58,7 +58,7 @@ def score_answer(text: str, reference: str, timeout: float = DEFAULT_TIMEOUT_S) 
     answer = extract_last_boxed(text[-ANSWER_WINDOW_CHARS:])
     if answer is None:
         return NO_ANSWER
-    return _result(answer, _default_verifier().equivalent(answer, reference, timeout))
+    return _result(answer, _pool(1)[0].equivalent(answer, reference, timeout))
 
 
 def score_batch(
@@ -76,18 +76,15 @@ def score_batch(
     verdicts: dict[int, bool] = {}
     if todo:
         n = max(1, min(workers, len(todo)))
-        verifiers = [_Verifier() for _ in range(n)]
-        try:
-            def check(j: int) -> None:
-                i = todo[j]
-                verdicts[i] = verifiers[j % n].equivalent(answers[i], references[i], timeout)
+        verifiers = _pool(n)
 
-            # One thread per worker process, each walking its own stride of the list.
-            with ThreadPoolExecutor(n) as pool:
-                list(pool.map(lambda w: [check(j) for j in range(w, len(todo), n)], range(n)))
-        finally:
-            for v in verifiers:
-                v.close()
+        def check(j: int) -> None:
+            i = todo[j]
+            verdicts[i] = verifiers[j % n].equivalent(answers[i], references[i], timeout)
+
+        # One thread per worker process, each walking its own stride of the list.
+        with ThreadPoolExecutor(n) as pool:
+            list(pool.map(lambda w: [check(j) for j in range(w, len(todo), n)], range(n)))
     return [NO_ANSWER if a is None else _result(a, verdicts[i]) for i, a in enumerate(answers)]
 
 
@@ -172,10 +169,6 @@ class _Verifier:
             self._stop()  # overran the deadline: kill it, the next call starts a fresh one
             return False
 
-    def close(self) -> None:
-        with self._lock:
-            self._stop()
-
     def _start(self) -> None:
         ctx = mp.get_context("spawn")
         self._conn, child = ctx.Pipe()
@@ -212,13 +205,15 @@ def _serve(conn) -> None:
         conn.send(is_equivalent(answer, reference))
 
 
-_default = None
-_default_lock = threading.Lock()
+# Worker processes live as long as this process: a training loop scores every step,
+# and starting a worker (importing math-verify) costs about half a second.
+_workers: list[_Verifier] = []
+_workers_lock = threading.Lock()
 
 
-def _default_verifier() -> _Verifier:
-    global _default
-    with _default_lock:
-        if _default is None:
-            _default = _Verifier()
-        return _default
+def _pool(n: int) -> list[_Verifier]:
+    """The first n shared workers, started on first use; each serialises its own calls."""
+    with _workers_lock:
+        while len(_workers) < n:
+            _workers.append(_Verifier())
+        return _workers[:n]

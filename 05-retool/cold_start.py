@@ -95,7 +95,7 @@ def _cold_start(args) -> Path:
     print(f"cold start: {len(traces)} traces, {sum(t['tool'] for t in traces)} with a tool call")
 
     # 2. A tiny random-init Qwen2 whose tokenizer is trained on the traces' text.
-    corpus = ["".join(t["segments"][i][1] for i in range(len(t["segments"]))) for t in traces[:2000]]
+    corpus = ["".join(text for _, text in t["segments"]) for t in traces[:2000]]
     build_tiny_model(
         out, corpus=corpus, vocab_size=args.vocab_size, hidden_size=args.hidden_size,
         num_layers=args.num_layers, num_heads=args.hidden_size // 64, num_kv_heads=1,

@@ -37,7 +37,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import math
 import os
 import random
 import shutil
@@ -148,7 +147,7 @@ def train(cfg: Config, run_dir: Path, resume: bool = False) -> None:
     from tqdm import tqdm
 
     from eval import evaluate, summary_line
-    from grpo import GRPOConfig, load_policy, make_optimizer, sync_weights
+    from grpo import GRPOConfig, load_policy, make_optimizer
     from rollout import RolloutConfig, make_llm
     from sandbox import Sandbox, SandboxConfig
 
