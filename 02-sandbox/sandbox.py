@@ -87,10 +87,11 @@ to reset between calls. The image: 02-sandbox/Dockerfile (+ build_image.sh).
 
 What the model sees (format_observation)
 ----------------------------------------
-"torl": stdout on success (empty stdout is a success); on failure only the last line
+"short": stdout on success (empty stdout is a success); on failure only the last line
 of stderr, e.g. `NameError: name 'a' is not defined`; on a timeout or a kill the
 sandbox's own one-line reason; capped at 256 characters keeping head and tail.
 "full": stdout, or on failure stdout and the traceback, keeping the tail.
+ToRL's own rule, byte for byte, is chapter 03's protocol (rollout.torl_observation).
 
 Verified by 02-sandbox/test_sandbox.py (every hostile case, both backends) and
 measured by 02-sandbox/bench_sandbox.py (docs/02-sandbox.md has the figures).
@@ -227,10 +228,10 @@ class Sandbox:
         self.close()
 
 
-def format_observation(result: ExecResult, style: str = "torl", max_chars: int | None = None) -> str:
-    """The text the model reads after its code block.
+def format_observation(result: ExecResult, style: str = "short", max_chars: int | None = None) -> str:
+    """The text the model reads after its code block, in the lab's two renderings.
 
-    torl (max 256 characters): stdout on success, else only the last line of the
+    short (max 256 characters): stdout on success, else only the last line of the
     error. The last line names the exception and its message, which is what the
     model needs to fix its code; the frames above it are long, mostly about
     library internals, and would eat the context and the token budget of a rollout.
@@ -240,7 +241,7 @@ def format_observation(result: ExecResult, style: str = "torl", max_chars: int |
     full (max 2048 characters): stdout on success, else stdout then stderr, keeping
     the tail so that the error itself is never cut.
     """
-    if style == "torl":
+    if style == "short":
         limit = 256 if max_chars is None else max_chars
         text = result.stdout if result.ok else _last_line(result)
         return _clip_middle(text, limit)
@@ -250,7 +251,7 @@ def format_observation(result: ExecResult, style: str = "torl", max_chars: int |
             return _clip_middle(result.stdout, limit)
         text = result.stdout + (result.stderr or _last_line(result))
         return text if len(text) <= limit else "..." + text[len(text) - limit + 3:]
-    raise ValueError(f"style must be 'torl' or 'full', got {style!r}")
+    raise ValueError(f"style must be 'short' or 'full', got {style!r}")
 
 
 # --------------------------------------------------------------------------------------
@@ -1274,7 +1275,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--backend", choices=["local", "docker"], default="local")
     parser.add_argument("--timeout", type=float, default=SandboxConfig.timeout, help="wall-clock seconds")
     parser.add_argument("--memory-mb", type=int, default=SandboxConfig.memory_mb)
-    parser.add_argument("--style", choices=["torl", "full"], default="torl", help="how the observation is formatted")
+    parser.add_argument("--style", choices=["short", "full"], default="short", help="how the observation is formatted")
     args = parser.parse_args(argv)
     if args.file:
         try:

@@ -507,17 +507,17 @@ def result(**fields) -> ExecResult:
     return ExecResult(**base)
 
 
-def test_torl_observation_is_stdout_on_success():
+def test_short_observation_is_stdout_on_success():
     assert format_observation(result(stdout="4\n")) == "4\n"
 
 
-def test_torl_observation_is_only_the_last_line_of_the_error():
+def test_short_observation_is_only_the_last_line_of_the_error():
     tb = "Traceback (most recent call last):\n  File \"<string>\", line 1, in <module>\nNameError: name 'a' is not defined\n"
     r = result(ok=False, stdout="partial\n", stderr=tb, returncode=1)
     assert format_observation(r) == "NameError: name 'a' is not defined"
 
 
-def test_torl_observation_is_capped_at_256_characters_keeping_head_and_tail():
+def test_short_observation_is_capped_at_256_characters_keeping_head_and_tail():
     text = "HEAD" + "x" * 1000 + "TAIL"
     obs = format_observation(result(stdout=text))
     assert len(obs) == 256
