@@ -1,11 +1,9 @@
-"""Chapter 03: token-exact tool-integrated rollouts with vLLM.
+"""Chapter 03: token-exact tool-integrated rollouts with vLLM. The story: docs/03-rollout.md.
 
-A rollout is where the policy meets the tool. The model writes until it closes a
-code block and asks for its output; the code runs in the sandbox; the output joins
-the context; the model goes on. The trainer (chapter 06) later needs exactly what
-the sampler produced and saw: the token ids, their log-probabilities, and which
-tokens the model wrote versus which the tool wrote. This module records all three
-while generating, never afterwards.
+The model writes until it asks for a code block's output (STOP); the block runs
+in the sandbox; the observation joins the context; the model goes on. What the
+trainer needs is recorded while generating, never rebuilt afterwards: token ids,
+their log-probs, and which tokens the model wrote (loss_mask 1) or the tool (0).
 
     from rollout import RolloutConfig, rollout, make_llm
     llm = make_llm("Qwen/Qwen2.5-Math-1.5B")
@@ -15,56 +13,20 @@ while generating, never afterwards.
     python 03-rollout/rollout.py demo --out runs/rollout-demo.jsonl    # tiny model, CPU, ~1 min
     python 03-rollout/rollout.py view runs/rollout-demo.jsonl > page.html
 
-Design decisions, and why
--------------------------
-1. Capture at generation time. ToRL's released code rebuilds the trainer's input
-   after the fact: it re-tokenizes the response text and maps character offsets of
-   the tool output to a loss mask. Two measured traps make that drift from what was
-   sampled (docs/03-rollout.md shows both on the tiny model):
-   - A stop string can end inside a token. vLLM cuts `text` at the stop string but
-     `token_ids` keep the whole last token (the model wrote `outputan`, the text
-     says `output`). Re-tokenizing the text loses the token the model sampled.
-   - One text has several tokenizations. The sampler may spell a word in pieces
-     that the tokenizer, given the same text, would merge; re-tokenizing yields
-     other ids, and the log-probs no longer belong to them.
-   So the model's tokens come from vLLM's `token_ids` and `logprobs`, as returned;
-   each observation is tokenized once, when it is appended; and every later turn is
-   sent to vLLM as token ids (`TokensPrompt`), never re-rendered from text. What the
-   trainer reads is, token for token, what the sampler conditioned on.
-
-2. The protocol is ToRL's, for base models. The prompt is the `tir_base_0309`
-   template. The model stops on the string STOP (```output); the last complete
-   ```python block of that turn runs (an unclosed block does not); the observation
-   `\\n{output}\\n```\\n` is appended and generation resumes. A turn that asks for
-   output without a complete block gets NO_CODE_OUTPUT as its observation and
-   counts as a failed call: the model spent a call and ran nothing.
-
-3. Two budgets bound the cost. The tool budget (`tool_budget`, ToRL: 1) is the
-   number of calls per response; after it is spent, STOP no longer stops
-   generation, so the model can still write ```output but gets no answer from the
-   tool. The response budget (`max_response_tokens`, ToRL: 3072) counts model AND
-   observation tokens: an observation is cut to what is left, a turn's max_tokens
-   shrinks to what is left, and a trajectory that reaches it is marked truncated
-   (finish_reason "budget"; "length" when the model's context window binds first).
-
-4. Batching. The first turn is one request per problem with `n=group_size`: the
-   prompt is prefilled once and vLLM gives every sample its own random stream (one
-   seed repeated over k copies of a prompt gives k identical samples). Each later
-   round sends every live trajectory's continuation in ONE `generate` call, then
-   runs that round's code with `sandbox.run_many`, concurrently. Prefix caching
-   keeps the re-sent context cheap: only the observation's tokens are new.
-
-5. Log-probs are vLLM's raw ones: the log-softmax of the model's logits before
-   temperature, top-p or any other processing (vLLM's default logprobs_mode). The
-   trainer recomputes the same quantity with its own forward pass and compares.
-   They describe the distribution that was sampled only at temperature 1.0 and
-   top_p 1.0, so an on-policy trainer must use the same temperature as the sampler
-   (this lab samples at 1.0 throughout).
-
-6. Seeds. With `seed` set, each request gets a seed derived from (seed, problem's
-   position, sample, turn), so a rollout repeats whatever else shares the batch.
-   The same seed on every training step replays the same random numbers: a
-   trainer should pass a new seed per step (e.g. the step number) or None.
+Key decisions (the docs page compares each with ToRL's code):
+1. Token-exact: model tokens and log-probs are vLLM's own; an observation is
+   tokenized once, as plain text (a printed "<|im_end|>" stays text); later
+   turns go to vLLM as token ids. Nothing is re-tokenized.
+2. ToRL's protocol: its tir_base_0309 prompt, its stop string, its code
+   extraction (`extract_code`) and its observation text (`torl_observation`).
+3. Budgets: `tool_budget` calls and `max_response_tokens` model plus observation
+   tokens. Only the model's own stop ends a trajectory as "eos"; every other end
+   is marked truncated and named.
+4. Recorded log-probs are those of the distribution sampled from, temperature
+   included (`logprobs_mode="processed_logprobs"`); `check_on_policy` refuses
+   sampling settings the trainer cannot reproduce.
+5. Unseeded unless `seed` is given: per-request seeds are vLLM's slow sampling
+   path; tests and evaluation pass one.
 """
 from __future__ import annotations
 
@@ -73,7 +35,6 @@ import codecs
 import html
 import json
 import os
-import re
 import sys
 import time
 import zlib
@@ -105,19 +66,24 @@ TEMPLATES = {
 # What the model reads when it wrote ```output without a complete ```python block.
 NO_CODE_OUTPUT = "Error: no complete ```python block to run"
 
-OBSERVATION_STYLES = ("torl", "full")  # the styles of sandbox.format_observation
+# What ToRL shows when its rule leaves nothing to show: its sandbox's timeout message,
+# also for a program that ran fine and printed nothing.
+TORL_EMPTY_OUTPUT = "timeout_decorator.timeout_decorator.TimeoutError: 'Timed Out'"
+
+# "torl" is ToRL's rule (torl_observation); "short" and "full" are sandbox.format_observation's.
+OBSERVATION_STYLES = ("torl", "short", "full")
 
 
 @dataclass(frozen=True)
 class RolloutConfig:
     group_size: int = 8  # samples per problem (GRPO's group)
-    temperature: float = 1.0  # keep 1.0 for training: the recorded log-probs are at temperature 1.0
-    top_p: float = 1.0  # likewise
+    temperature: float = 1.0  # the recorded log-probs are at this temperature; the trainer divides by it too
+    top_p: float = 1.0  # below 1.0 only for evaluation: the trainer does not reproduce it (check_on_policy)
     max_response_tokens: int = 3072  # response budget: model and observation tokens together (ToRL: 3072)
     tool_budget: int = 1  # code executions per response (ToRL: 1); 0 = plain chain of thought, STOP never stops
-    observation_style: str = "torl"  # how sandbox.format_observation renders a result
+    observation_style: str = "torl"  # one of OBSERVATION_STYLES: how a result is shown to the model
     template: str = "torl"  # key of TEMPLATES
-    seed: int | None = 0  # per-request seeds derived from it; None = the engine's own random stream
+    seed: int | None = None  # per-request seeds derived from it (reproducible, slower); None = the engine's stream
     # Regexes, one per turn, that constrain what the model writes (vLLM structured
     # outputs). For tests and demos: a random tiny model never writes code by itself.
     force_turns: tuple[str, ...] = ()
@@ -146,6 +112,7 @@ class ToolCall:
     observation: str  # the text appended after ```output, as the model saw it (cut to the budget)
     start: int  # index in Trajectory.token_ids of the first observation token
     end: int  # one past the last observation token
+    passed: bool = False  # ToRL's execution pass: exit status 0 or anything on stdout (False when nothing ran)
 
 
 @dataclass
@@ -155,12 +122,14 @@ class Trajectory:
     reference: str  # the reference answer, for the reward
     prompt_ids: list[int]  # the prompt exactly as the sampler saw it
     token_ids: list[int]  # everything after the prompt: model and observation tokens, in order (EOS included)
-    logprobs: list[float]  # sampler's raw log-prob of each model token (temperature 1.0); 0.0 on observation tokens
+    logprobs: list[float]  # log-prob of each model token under the distribution sampled from; 0.0 on observation tokens
     loss_mask: list[int]  # 1 on model tokens, 0 on observation tokens
     text: str  # the decoded response (model and observation tokens), for the reward and for reading
     tool_calls: list[ToolCall] = field(default_factory=list)
-    finish_reason: str = "eos"  # "eos", "length" (model's max_model_len) or "budget" (response budget)
-    truncated: bool = False  # stopped by a budget, not by the model
+    # "eos" (the model stopped), "budget" (response budget), "length" (max_model_len), or
+    # vLLM's own word for any other end ("abort", "error", "repetition"), which is truncated too
+    finish_reason: str = "eos"
+    truncated: bool = False  # ended by anything but the model's own stop
     weight_version: int = 0  # version of the policy weights that sampled it
     reward: float | None = None  # filled in by the reward (chapter 04)
     advantage: float | None = None  # filled in from the group's rewards (chapter 06)
@@ -175,6 +144,11 @@ class Trajectory:
         """Every tool call ran without error (vacuously true without calls)."""
         return all(call.ok for call in self.tool_calls)
 
+    @property
+    def execution_pass(self) -> bool:
+        """ToRL's flag for its optional -0.5 penalty: the last call passed; False without any call."""
+        return bool(self.tool_calls) and self.tool_calls[-1].passed
+
 
 def rollout(llm, problems: list[dict], sandbox, cfg: RolloutConfig | None = None, stats: dict | None = None) -> list[Trajectory]:
     """Sample `group_size` tool-integrated responses per problem; return them grouped by problem.
@@ -187,6 +161,10 @@ def rollout(llm, problems: list[dict], sandbox, cfg: RolloutConfig | None = None
     cfg = cfg or RolloutConfig()
     if not problems:
         return []
+    mode = getattr(llm.model_config, "logprobs_mode", None)
+    if mode != "processed_logprobs":
+        raise ValueError(f"rollout: the engine records {mode} log-probs, not those of the distribution it samples "
+                         f"from; build it with make_llm (logprobs_mode='processed_logprobs')")
     started = time.perf_counter()
     tokenizer = llm.get_tokenizer()
     context = llm.model_config.max_model_len
@@ -253,31 +231,84 @@ def render_prompt(question: str, template: str = "torl") -> str:
 
 
 def observation_text(result, style: str = "torl") -> str:
-    """The exact text appended after ```output for one sandbox result.
+    """The exact text appended after the model's ```output for one sandbox result.
 
-    A run that printed "56088\\n" gives "\\n56088\\n```\\n": the output's trailing
-    newlines are dropped so that the closing fence follows its last line, as in
-    the traces a base model has read.
+    ToRL's framing for every style: a newline, the output, a closing fence.
+    A run that printed "56088\\n" gives "\\n56088\\n```\\n".
     """
+    if style == "torl":
+        return f"\n{torl_observation(result)}\n```\n"
     from sandbox import format_observation
 
-    output = format_observation(result, style=style).rstrip("\n")
+    output = format_observation(result, style=style).rstrip("\n")  # the fence follows its last line
     return f"\n{output}\n```\n"
 
 
+def execution_pass(result) -> bool:
+    """ToRL's pass: exit status 0, or anything on stdout (a program that printed, then crashed, passed)."""
+    return result.returncode == 0 or result.stdout != ""
+
+
+def torl_observation(result) -> str:
+    """What ToRL shows the model for one result, byte for byte (its postproc and postproc_observation).
+
+        printed "4\\n", exit status 0            -> "4"
+        printed "1\\n", then raised              -> "1"  (it passed)
+        a NameError traceback, nothing printed  -> "NameError: name 'a' is not defined"
+        exit status 0, nothing printed          -> TORL_EMPTY_OUTPUT
+        300 characters                          -> the first 128 + "..." + the last 128
+    """
+    text = result.stdout if execution_pass(result) else result.stderr.strip()
+    if "Error" in text:  # stdout too: a program that prints "Error" shows only its last line
+        text = text.strip().split("\n")[-1]
+    text = text.strip() or TORL_EMPTY_OUTPUT
+    if len(text) >= 256:
+        text = text[:128] + "..." + text[-128:]
+    return text
+
+
 def extract_code(turn_text: str) -> str | None:
-    """The last complete ```python block of one turn's text, or None if it has none.
+    """The code ToRL would run for one turn's text (its extract_program), or None.
+
+    Line-based: a line that starts or ends with ```python opens a block, a line
+    that starts with ``` closes it, and only the last block counts. So an unclosed
+    last block runs nothing, even after a complete one, and a fence inside a line
+    of code (s = '```') is code. An empty block runs nothing either.
 
     >>> extract_code("x\\n```python\\nprint(1)\\n```\\n```python\\nprint(2)\\n```\\n")
     'print(2)\\n'
-    >>> extract_code("```python\\nprint(1)\\n") is None      # never closed: not run
+    >>> extract_code("```python\\nprint(1)\\n```\\n```python\\nprint(2)\\n") is None
     True
     """
-    blocks = _CODE_BLOCK.findall(turn_text)
-    return blocks[-1] if blocks else None
+    code, inside = "", False
+    for line in turn_text.split("\n"):
+        if line.startswith("```python") or line.endswith("```python"):
+            code, inside = "", True
+        elif line.startswith("```"):
+            inside = False
+        elif inside:
+            code += line + "\n"
+    return None if inside or not code else code
 
 
-_CODE_BLOCK = re.compile(r"```python[ \t]*\n(.*?)```", re.DOTALL)
+def check_on_policy(cfg: RolloutConfig) -> None:
+    """Refuse, in one line, sampling that the trainer's log-probs do not reproduce.
+
+    The trainer (chapter 06) scores tokens with softmax(logits / temperature)
+    over the whole vocabulary. vLLM records the log-probs of the distribution it
+    sampled from, after every filter; with top_p < 1 or one of the filters below,
+    the two are different policies and the update would be off-policy.
+    """
+    reshaping = sorted(k for k in _RESHAPING if k in cfg.extra_sampling)
+    if cfg.top_p != 1.0 or reshaping:
+        what = f"top_p={cfg.top_p}" if cfg.top_p != 1.0 else f"extra_sampling {reshaping}"
+        raise ValueError(f"RolloutConfig: {what} reshapes the sampled distribution, which the trainer "
+                         f"does not reproduce; train with top_p=1.0 and no such filter (temperature is fine)")
+
+
+# SamplingParams fields that change which distribution a token is drawn from.
+_RESHAPING = ("top_k", "min_p", "logit_bias", "allowed_token_ids", "bad_words",
+              "presence_penalty", "frequency_penalty", "repetition_penalty")
 
 
 class _Live:
@@ -312,16 +343,18 @@ class _Live:
                 self.code = extract_code(sample.text) or ""
             else:
                 self._end()  # no room left for an observation: the code is not run
+        elif sample.finish_reason == "stop":  # EOS or another stop token: the model's own decision
+            t.finish_reason, self.done = "eos", True
         elif sample.finish_reason == "length":
             self._end()
-        else:
-            t.finish_reason, self.done = "eos", True
+        else:  # "abort", "error", "repetition": vLLM ended it, not the model and not a budget
+            self._end(str(sample.finish_reason))
 
     def observe(self, result, tokenizer, style: str) -> None:
         """Append the observation for the code this turn asked to run (result None: nothing ran)."""
         t = self.traj
         text = observation_text(result, style) if result is not None else f"\n{NO_CODE_OUTPUT}\n```\n"
-        ids = tokenizer.encode(text, add_special_tokens=False)
+        ids = encode_plain(tokenizer, text)
         if len(ids) > self.room:
             ids = ids[: self.room]
             text = tokenizer.decode(ids)
@@ -338,16 +371,27 @@ class _Live:
             observation=text,
             start=start,
             end=len(t.token_ids),
+            passed=bool(result is not None and execution_pass(result)),
         ))
         self.code = None
         self.calls_left -= 1
         if self.room == 0:
             self._end()
 
-    def _end(self) -> None:
-        self.traj.finish_reason = "length" if self.context_binds else "budget"
+    def _end(self, reason: str | None = None) -> None:
+        self.traj.finish_reason = reason or ("length" if self.context_binds else "budget")
         self.traj.truncated = True
         self.done = True
+
+
+def encode_plain(tokenizer, text: str) -> list[int]:
+    """Token ids of `text` read as plain text: a special token's name in it ("<|im_end|>") stays characters.
+
+    Tool output is data. Encoded the default way, a program that prints
+    "<|endoftext|>" would end the trajectory, and one that prints "<|im_end|>"
+    would forge a chat turn.
+    """
+    return tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True)
 
 
 def _head(problem: dict, number: int, tokenizer, cfg: RolloutConfig, context: int) -> tuple[dict, list[int], int]:
@@ -380,7 +424,7 @@ def _params(cfg: RolloutConfig, turn: int, max_tokens: int, n: int, seed: int | 
         top_p=cfg.top_p,
         max_tokens=max_tokens,
         stop=[STOP] if tool_open else None,
-        logprobs=0,  # the sampled token's own log-prob, nothing more
+        logprobs=0,  # the sampled token's own log-prob (of the distribution sampled from: see make_llm)
         flat_logprobs=True,  # a few flat lists per sample instead of one dict per token: less garbage
         seed=seed,
         **extra,
@@ -453,7 +497,10 @@ def make_llm(
     RAM; the KV cache size comes from VLLM_CPU_KVCACHE_SPACE (GiB) instead.
     Sleep mode (free the KV cache while the trainer updates) exists on CUDA only.
     Prefix caching is on: each round re-sends the whole context, and only the
-    tokens appended since the last round need computing.
+    tokens appended since the last round need computing. Log-probs are
+    "processed": those of the distribution each token was drawn from, after
+    temperature and any filter, which is what the trainer recomputes (vLLM's
+    default, "raw", is the model's distribution at temperature 1.0).
 
     On CPU, chunked prefill is off. When a prompt's prefill is split over engine
     steps, vLLM rewinds the request's random generator after each partial step,
@@ -479,6 +526,7 @@ def make_llm(
         seed=seed,
         enable_sleep_mode=enable_sleep_mode,
         enable_prefix_caching=True,
+        logprobs_mode="processed_logprobs",
         **engine_kwargs,
     )
 
@@ -727,7 +775,7 @@ def _cmd_demo(args) -> None:
 
         model = str(build_tiny_model(Path(tempfile.mkdtemp(prefix="tiny-model-")), seed=0))
     llm = make_llm(model, dtype="float32", max_model_len=2048)
-    cfg = RolloutConfig(group_size=args.group_size, max_response_tokens=256, force_turns=DEMO_TURNS)
+    cfg = RolloutConfig(group_size=args.group_size, max_response_tokens=256, force_turns=DEMO_TURNS, seed=0)
     problems = [{"id": "demo-1", "question": DEMO_QUESTION, "answer": "56088", "source": "demo"}]
     stats: dict = {}
     with Sandbox(SandboxConfig()) as sandbox:

@@ -9,6 +9,7 @@ crossed the boundary (prompts, sampling parameters, outputs, code).
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import pytest
 
@@ -16,9 +17,12 @@ from rollout import (
     NO_CODE_OUTPUT,
     STOP,
     TEMPLATES,
+    TORL_EMPTY_OUTPUT,
     RolloutConfig,
     ToolCall,
     Trajectory,
+    check_on_policy,
+    execution_pass,
     extract_code,
     load_trajectories,
     main,
@@ -28,8 +32,9 @@ from rollout import (
     rollout,
     save_trajectories,
     token_pieces,
+    torl_observation,
 )
-from sandbox import ExecResult, Sandbox, SandboxConfig
+from sandbox import ExecResult, Sandbox, SandboxConfig, format_observation
 
 # Turn 1 writes one code block and asks for its output; turn 2 answers.
 CODE_TURN = r"```python\nprint\([1-9][0-9]? \* [1-9]\)\n```\n```output"
@@ -256,7 +261,8 @@ def test_stop_string_ending_inside_a_token_keeps_the_whole_token(tiny_llm, sandb
     for t in trajs:
         call = t.tool_calls[0]
         assert t.token_ids[call.start - 1] == ids["tan"]  # the token that completed the stop string is kept
-        assert t.loss_mask[call.start - 1] == 1 and t.logprobs[call.start - 1] < 0
+        assert t.loss_mask[call.start - 1] == 1
+        assert -1e-3 < t.logprobs[call.start - 1] <= 0.0  # drawn with the bias: probability about 1
         assert call.code == "print(7)\n" and call.observation == "\n7\n```\n"
         assert "```outputan\n7\n```\n" in t.text  # what the model conditioned on, not the cut text
 
@@ -278,6 +284,109 @@ def test_an_unclosed_block_is_not_run_and_counts_as_a_failed_call(tiny_llm, sand
     assert call.observation == f"\n{NO_CODE_OUTPUT}\n```\n"
     assert not trajs[0].code_ok
     assert len(llm.calls) == 2  # the model still got its turn after the failed call
+
+
+@pytest.mark.vllm
+def test_a_complete_block_then_an_unclosed_one_runs_nothing(tiny_llm, sandbox):
+    turn = r"```python\nprint\(1\)\n```\n```python\nprint\(2\)\n```output"
+    trajs, _ = run(tiny_llm, sandbox, group_size=1, force_turns=(turn, ANSWER_TURN))
+    call = trajs[0].tool_calls[0]
+    assert call.code == "" and call.returncode is None and not call.passed
+    assert call.observation == f"\n{NO_CODE_OUTPUT}\n```\n"
+
+
+@pytest.mark.vllm
+def test_a_fence_inside_a_line_of_code_runs_as_code(tiny_llm, sandbox):
+    turn = r"```python\ns = '```'\nprint\(s \* 2\)\n```\n```output"
+    trajs, _ = run(tiny_llm, sandbox, group_size=1, force_turns=(turn, ANSWER_TURN))
+    call = trajs[0].tool_calls[0]
+    assert call.code == "s = '```'\nprint(s * 2)\n"
+    assert call.observation == "\n``````\n```\n"
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("code_regex, code, ok, shown", [
+    (r"print\(1\)\n1 / 0", "print(1)\n1 / 0\n", False, "1"),  # printed, then crashed: passed, shows stdout
+    (r"x = 1", "x = 1\n", True, TORL_EMPTY_OUTPUT),  # ran fine, printed nothing
+])
+def test_torl_observation_of_a_real_sandbox_result(tiny_llm, sandbox, code_regex, code, ok, shown):
+    turn = r"```python\n" + code_regex + r"\n```\n```output"
+    trajs, _ = run(tiny_llm, sandbox, group_size=1, force_turns=(turn, ANSWER_TURN))
+    call = trajs[0].tool_calls[0]
+    assert call.code == code and call.ok is ok and call.passed and trajs[0].execution_pass
+    assert call.observation == f"\n{shown}\n```\n"
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("template", ["torl", "qwen-chat"])
+def test_printed_special_tokens_stay_text(tiny_llm, sandbox, tiny_tokenizer, template):
+    # Read as control tokens, the first would end the trajectory and the second forge a chat turn.
+    turn = r'```python\nprint\("<\|endoftext\|> <\|im_end\|>"\)\n```\n```output'
+    trajs, llm = run(tiny_llm, sandbox, group_size=2, template=template, force_turns=(turn, ANSWER_TURN))
+    special = set(tiny_tokenizer.all_special_ids)
+    for t in trajs:
+        call = t.tool_calls[0]
+        observed = t.token_ids[call.start:call.end]
+        assert call.observation == "\n<|endoftext|> <|im_end|>\n```\n"
+        assert not special & set(observed) and tiny_tokenizer.decode(observed) == call.observation
+        assert "<|endoftext|> <|im_end|>" in t.text and "\\boxed{" in t.text  # the model went on after it
+        assert t.finish_reason == "eos"
+    assert len(llm.calls) == 2
+
+
+@pytest.mark.vllm
+def test_recorded_logprobs_are_those_of_the_temperature_that_sampled(tiny_llm, sandbox, tiny_model_path):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    trajs, _ = run(tiny_llm, sandbox, group_size=2, tool_budget=0, max_response_tokens=12, temperature=0.25, seed=3)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32)
+    for t in trajs:
+        with torch.no_grad():
+            logits = model(torch.tensor([t.prompt_ids + t.token_ids])).logits[0, len(t.prompt_ids) - 1 : -1]
+        targets = torch.tensor(t.token_ids)[:, None]
+        recorded = torch.tensor(t.logprobs)
+        at = {temp: torch.log_softmax(logits / temp, dim=-1).gather(-1, targets)[:, 0] for temp in (0.25, 1.0)}
+        assert torch.allclose(recorded, at[0.25], atol=1e-3)  # what the trainer computes at the same temperature
+        assert (recorded - at[1.0]).abs().max() > 0.05  # vLLM's default ("raw") would have recorded these
+
+
+@pytest.mark.vllm
+def test_repetition_stop_is_a_marked_truncation_not_eos(tiny_llm, sandbox):
+    from vllm.sampling_params import RepetitionDetectionParams
+
+    detect = RepetitionDetectionParams(max_pattern_size=4, min_count=4)
+    trajs, _ = run(tiny_llm, sandbox, group_size=2, tool_budget=0, force_turns=("7{40}",),
+                   extra_sampling={"repetition_detection": detect})
+    for t in trajs:
+        assert t.finish_reason == "repetition" and t.truncated
+        assert 4 <= len(t.token_ids) < 40
+
+
+class EndingLLM(RecordingLLM):
+    """The shared engine, but its first call's outputs report `reason`, as vLLM does for an aborted request."""
+
+    def __init__(self, llm, reason: str) -> None:
+        super().__init__(llm)
+        self.reason = reason
+
+    def generate(self, prompts, params, **kwargs):
+        outs = super().generate(prompts, params, **kwargs)
+        if len(self.calls) == 1:
+            for o in (o for out in outs for o in out.outputs):
+                o.finish_reason, o.stop_reason = self.reason, None
+        return outs
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("reason", ["abort", "error"])
+def test_an_end_the_model_did_not_choose_is_a_marked_truncation_not_eos(tiny_llm, sandbox, reason):
+    llm = EndingLLM(tiny_llm, reason)
+    cfg = RolloutConfig(group_size=2, force_turns=(CODE_TURN, ANSWER_TURN))
+    trajs = rollout(llm, PROBLEMS[:1], RecordingSandbox(sandbox), cfg)
+    for t in trajs:
+        assert t.finish_reason == reason and t.truncated and not t.tool_calls
+    assert len(llm.calls) == 1  # its code is not run and it gets no further turn
 
 
 @pytest.mark.vllm
@@ -369,21 +478,97 @@ def test_torl_template_is_tir_base_0309_verbatim():
 @pytest.mark.parametrize("text, code", [
     ("```python\nprint(1)\n```\n", "print(1)\n"),
     ("```python\nprint(1)\n```\nthen\n```python\nx = 2\nprint(x)\n```\n", "x = 2\nprint(x)\n"),
-    ("```python\nprint(1)\n```\n```python\nprint(2)\n", "print(1)\n"),  # the unclosed one is not complete
-    ("```python\nprint(1)\n", None),
+    ("```python\nprint(1)\n", None),  # never closed
     ("no code at all", None),
     ("```py\nprint(1)\n```\n", None),
+    ("Run this: ```python\nprint(3)\n```\n", "print(3)\n"),  # a line that ends with the fence opens too
+    ("```python\nprint(4)\n```   trailing words\n", "print(4)\n"),  # a line that starts with ``` closes
+    ("```python\n```\n", None),  # an empty block runs nothing
 ])
-def test_extract_code_takes_the_last_complete_python_block(text, code):
+def test_extract_code_takes_the_last_python_block_line_by_line_as_torl(text, code):
     assert extract_code(text) == code
 
 
-def test_observation_text_drops_trailing_newlines_before_the_fence():
-    ok = ExecResult(ok=True, stdout="56088\n\n", stderr="", returncode=0, timed_out=False, truncated=False, latency=0.01)
-    assert observation_text(ok) == "\n56088\n```\n"
-    err = ExecResult(ok=False, stdout="", stderr="Traceback ...\nNameError: name 'a' is not defined\n",
-                     returncode=1, timed_out=False, truncated=False, latency=0.01)
-    assert observation_text(err) == "\nNameError: name 'a' is not defined\n```\n"
+def test_a_complete_block_followed_by_an_unclosed_one_runs_nothing():
+    assert extract_code("```python\nprint(1)\n```\n```python\nprint(2)\n") is None
+
+
+def test_a_fence_inside_a_line_of_code_is_code():
+    assert extract_code("```python\ns = '```'\nprint(s)\n```\n") == "s = '```'\nprint(s)\n"
+    assert extract_code("```python\nprint(1)```\n") is None  # not a closing line: the block never closed
+
+
+def result(**fields) -> ExecResult:
+    base = dict(ok=True, stdout="", stderr="", returncode=0, timed_out=False, truncated=False, latency=0.0)
+    return ExecResult(**{**base, **fields})
+
+
+TRACEBACK = "Traceback (most recent call last):\n  File \"<string>\", line 1, in <module>\nNameError: name 'a' is not defined\n"
+
+
+@pytest.mark.parametrize("fields, shown, passed", [
+    (dict(stdout="4\n"), "4", True),
+    (dict(stdout="  4  \n\n"), "4", True),  # stripped at both ends
+    (dict(ok=False, returncode=1, stdout="1\n", stderr=TRACEBACK), "1", True),  # printed, then crashed: passed
+    (dict(ok=False, returncode=1, stderr=TRACEBACK), "NameError: name 'a' is not defined", False),
+    (dict(ok=False, returncode=-11, stderr="Segmentation fault\ncore dumped\n"), "Segmentation fault\ncore dumped", False),
+    (dict(stdout="Error count: 3\ndone\n"), "done", True),  # "Error" anywhere: only the last line, stdout too
+    (dict(), TORL_EMPTY_OUTPUT, True),  # ran fine, printed nothing
+    (dict(ok=False, returncode=1), TORL_EMPTY_OUTPUT, False),  # failed silently
+    (dict(ok=False, returncode=-9, timed_out=True, stderr="TimeoutError: execution exceeded the 10 s time limit\n"),
+     "TimeoutError: execution exceeded the 10 s time limit", False),
+    (dict(ok=False, returncode=-9, timed_out=True, stdout="7\n"), "7", True),  # printed before the timeout
+])
+def test_torl_observation_follows_torl_rules_byte_for_byte(fields, shown, passed):
+    r = result(**fields)
+    assert torl_observation(r) == shown
+    assert observation_text(r) == observation_text(r, "torl") == f"\n{shown}\n```\n"
+    assert execution_pass(r) is passed
+
+
+def test_torl_observation_of_256_characters_or_more_keeps_128_on_each_side():
+    assert torl_observation(result(stdout="a" * 255)) == "a" * 255
+    long = "H" * 128 + "m" * 72 + "T" * 128
+    assert torl_observation(result(stdout=long + "\n")) == "H" * 128 + "..." + "T" * 128
+    assert len(torl_observation(result(stdout="b" * 256))) == 259
+
+
+def test_short_and_full_styles_are_the_sandbox_renderings_in_the_same_frame():
+    crashed = result(ok=False, returncode=1, stdout="1\n", stderr=TRACEBACK)
+    assert observation_text(crashed, "short") == "\nNameError: name 'a' is not defined\n```\n"
+    assert observation_text(crashed, "full") == f"\n{format_observation(crashed, 'full').rstrip()}\n```\n"
+    assert observation_text(result(stdout="56088\n\n"), "short") == "\n56088\n```\n"
+    with pytest.raises(ValueError, match="observation_style: 'json' is not one of"):
+        RolloutConfig(observation_style="json")
+
+
+def test_execution_pass_is_the_last_call_and_false_without_a_call():
+    def call(passed):
+        return ToolCall("print(1)\n", passed, False, 0, 0.0, "\n1\n```\n", 0, 1, passed=passed)
+    t = Trajectory("p", 0, "1", [1], [], [], [], "")
+    assert not t.execution_pass and t.code_ok  # no call: not passed (ToRL), although no code failed
+    t.tool_calls = [call(False), call(True)]
+    assert t.execution_pass
+    t.tool_calls = [call(True), call(False)]
+    assert not t.execution_pass
+
+
+def test_rollouts_are_unseeded_unless_a_seed_is_given():
+    assert RolloutConfig().seed is None
+
+
+def test_on_policy_check_refuses_what_the_trainer_cannot_reproduce():
+    check_on_policy(RolloutConfig(temperature=0.7))  # temperature is fine: the trainer divides by it too
+    with pytest.raises(ValueError, match="top_p=0.9 reshapes the sampled distribution"):
+        check_on_policy(RolloutConfig(top_p=0.9))
+    with pytest.raises(ValueError, match=r"extra_sampling \['top_k'\]"):
+        check_on_policy(RolloutConfig(extra_sampling={"top_k": 20}))
+
+
+def test_an_engine_that_records_raw_logprobs_is_refused():
+    raw = SimpleNamespace(model_config=SimpleNamespace(logprobs_mode="raw_logprobs"))
+    with pytest.raises(ValueError, match="records raw_logprobs log-probs.*make_llm"):
+        rollout(raw, PROBLEMS, None)
 
 
 def test_token_pieces_join_into_the_decoded_text(tiny_tokenizer):
