@@ -88,14 +88,17 @@ def score_batch(
     return [NO_ANSWER if a is None else _result(a, verdicts[i]) for i, a in enumerate(answers)]
 
 
-def total_reward(result: RewardResult, code_ok: bool, exec_error_penalty: float = 0.0) -> float:
-    """ToRL's R = R_answer + R_exec: subtract `exec_error_penalty` when the trajectory's code failed.
+def total_reward(result: RewardResult, execution_pass: bool, exec_error_penalty: float = 0.0) -> float:
+    """ToRL's R = R_answer + R_exec: subtract `exec_error_penalty` when the trajectory did not pass.
+
+    `execution_pass` is ToRL's flag (chapter 03's Trajectory.execution_pass): its
+    last tool call passed. A trajectory without a tool call has not passed.
 
     The ToRL paper describes a -0.5 execution penalty; its released launch
     script leaves it off, and so does this lab by default (0.0): punishing
     errors also punishes exploration, and the paper found no gain from it.
     """
-    return result.reward - (exec_error_penalty if not code_ok else 0.0)
+    return result.reward - (exec_error_penalty if not execution_pass else 0.0)
 
 
 def extract_last_boxed(text: str) -> str | None:

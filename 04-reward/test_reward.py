@@ -124,6 +124,6 @@ def test_score_batch_rejects_mismatched_lengths():
 
 def test_exec_error_penalty_is_off_by_default():
     right = RewardResult(1.0, True, True, "1")
-    assert total_reward(right, code_ok=False) == 1.0
-    assert total_reward(right, code_ok=False, exec_error_penalty=0.5) == 0.5
-    assert total_reward(right, code_ok=True, exec_error_penalty=0.5) == 1.0
+    assert total_reward(right, execution_pass=False) == 1.0
+    assert total_reward(right, execution_pass=False, exec_error_penalty=0.5) == 0.5
+    assert total_reward(right, execution_pass=True, exec_error_penalty=0.5) == 1.0

@@ -65,7 +65,7 @@ import torch
 from tqdm import tqdm
 
 from prepare_data import read_problems
-from rollout import observation_text, render_prompt
+from rollout import encode_plain, observation_text, render_prompt
 from sandbox import Sandbox, SandboxConfig
 from tiny_model import build_tiny_model
 
@@ -152,7 +152,7 @@ def tokenize_trace(trace: dict, tokenizer) -> tuple[list[int], list[int]]:
     """Token ids and a loss mask: each segment tokenized on its own, as a rollout appends them."""
     ids, mask = [], []
     for kind, text in trace["segments"]:
-        seg = tokenizer(text, add_special_tokens=False)["input_ids"]
+        seg = encode_plain(tokenizer, text) if kind == "observation" else tokenizer(text, add_special_tokens=False)["input_ids"]
         ids += seg
         mask += [int(kind == "model")] * len(seg)
     ids.append(tokenizer.eos_token_id)  # the model must learn to stop

@@ -95,7 +95,8 @@ class Config:
     max_model_len: int = 512  # the sampler's context: prompt + response must fit
     tool_budget: int = 1  # code executions per response (ToRL: 1)
     temperature: float = 1.0  # the trainer divides logits by the same value
-    observation_style: str = "torl"
+    observation_style: str = "torl"  # ToRL's rule; on the toy task "short" would show the same text
+    seed_rollouts: bool = False  # per-request seeds: reproducible rollouts, but vLLM's slow sampling path on a GPU
     # reward
     exec_error_penalty: float = 0.0  # ToRL's optional -0.5 for failed code; off, as in its script
     # update (06-train)
@@ -148,7 +149,7 @@ def train(cfg: Config, run_dir: Path, resume: bool = False) -> None:
 
     from eval import evaluate, summary_line
     from grpo import GRPOConfig, load_policy, make_optimizer
-    from rollout import RolloutConfig, make_llm
+    from rollout import make_llm
     from sandbox import Sandbox, SandboxConfig
 
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -195,11 +196,7 @@ def train(cfg: Config, run_dir: Path, resume: bool = False) -> None:
             run_eval("before RL", 0)
         bar = tqdm(range(step, cfg.steps), desc="RL", initial=step, total=cfg.steps)
         for step in bar:
-            rollout_cfg = RolloutConfig(
-                group_size=cfg.group_size, temperature=cfg.temperature, max_response_tokens=cfg.max_response_tokens,
-                tool_budget=cfg.tool_budget, observation_style=cfg.observation_style, template=cfg.template,
-                seed=cfg.seed * 100_003 + step,  # a new seed each step, the same one on resume
-            )
+            rollout_cfg = rollout_config(cfg, step)
             problems = batch_at(train_problems, step, cfg.problems_per_step, cfg.seed)
             metrics, trajectories = train_step(llm, model, optimizer, problems, sandbox, rollout_cfg, grpo_cfg, cfg)
             metrics = {"step": step + 1, **metrics, "problem_ids": [p["id"] for p in problems]}
@@ -222,6 +219,19 @@ def train(cfg: Config, run_dir: Path, resume: bool = False) -> None:
     print(f"run folder: {run_dir}  (metrics.jsonl, eval.jsonl, plots.png, last_step.html, checkpoints/)")
 
 
+def rollout_config(cfg: Config, step: int):
+    """The sampler's settings for one step: unseeded unless cfg.seed_rollouts, refused if not on-policy."""
+    from rollout import RolloutConfig, check_on_policy
+
+    rollout_cfg = RolloutConfig(
+        group_size=cfg.group_size, temperature=cfg.temperature, max_response_tokens=cfg.max_response_tokens,
+        tool_budget=cfg.tool_budget, observation_style=cfg.observation_style, template=cfg.template,
+        seed=cfg.seed * 100_003 + step if cfg.seed_rollouts else None,  # a new seed each step, the same on resume
+    )
+    check_on_policy(rollout_cfg)
+    return rollout_cfg
+
+
 def train_step(llm, model, optimizer, problems, sandbox, rollout_cfg, grpo_cfg, cfg: Config):
     """One RL step: sample, score, compare within groups, update, sync. Returns (metrics, trajectories)."""
     from grpo import group_advantages, grpo_step, sleep_sampler, sync_weights
@@ -238,7 +248,7 @@ def train_step(llm, model, optimizer, problems, sandbox, rollout_cfg, grpo_cfg, 
     t0 = time.perf_counter()
     results = score_batch([t.text for t in trajectories], [t.reference for t in trajectories])
     for t, r in zip(trajectories, results):
-        t.reward = total_reward(r, t.code_ok, cfg.exec_error_penalty)
+        t.reward = total_reward(r, t.execution_pass, cfg.exec_error_penalty)
     advantages, degenerate = group_advantages([t.reward for t in trajectories], cfg.group_size, scale=cfg.scale_advantages)
     for t, a in zip(trajectories, advantages):
         t.advantage = a

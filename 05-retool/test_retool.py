@@ -11,7 +11,7 @@ import pytest
 
 from eval import markdown_table, pass_at_k, summarise
 from prepare_data import make_toy_task, write_jsonl
-from retool import Config, batch_at, check_config, make_config, parse_args
+from retool import Config, batch_at, check_config, make_config, parse_args, rollout_config
 
 REPO = Path(__file__).resolve().parent.parent
 RETOOL = REPO / "05-retool" / "retool.py"
@@ -47,6 +47,12 @@ def test_data_order_is_fixed_by_seed_and_step_so_resume_sees_the_same_batches():
     seen = [p["id"] for b in first[:2] for p in b] + [p["id"] for p in first[2][:2]]
     assert sorted(seen) == sorted(p["id"] for p in problems)  # one epoch covers every problem once
     assert first != [batch_at(problems, s, 4, seed=2) for s in range(5)]
+
+
+def test_training_rollouts_are_unseeded_unless_asked():
+    assert rollout_config(Config(), 3).seed is None  # vLLM's fast path: one random stream for the batch
+    seeded = Config(seed_rollouts=True)
+    assert rollout_config(seeded, 3).seed == rollout_config(seeded, 3).seed != rollout_config(seeded, 4).seed
 
 
 @pytest.mark.parametrize(
