@@ -161,10 +161,7 @@ def rollout(llm, problems: list[dict], sandbox, cfg: RolloutConfig | None = None
     cfg = cfg or RolloutConfig()
     if not problems:
         return []
-    mode = getattr(llm.model_config, "logprobs_mode", None)
-    if mode != "processed_logprobs":
-        raise ValueError(f"rollout: the engine records {mode} log-probs, not those of the distribution it samples "
-                         f"from; build it with make_llm (logprobs_mode='processed_logprobs')")
+    _check_logprobs_mode(llm)
     started = time.perf_counter()
     tokenizer = llm.get_tokenizer()
     context = llm.model_config.max_model_len
@@ -450,6 +447,13 @@ def _sampled_logprobs(sample) -> list[float]:
     if flat_ids is not None and len(flat_ids) == len(ids) and list(flat_ids) == list(ids):
         return list(lp.logprobs)  # one entry per position: the sampled token's
     return [lp[i][tok].logprob for i, tok in enumerate(ids)]
+
+
+def _check_logprobs_mode(llm) -> None:
+    mode = getattr(llm.model_config, "logprobs_mode", None)
+    if mode != "processed_logprobs":
+        raise ValueError(f"rollout: the engine records {mode} log-probs, not those of the distribution it samples "
+                         f"from; build it with make_llm (logprobs_mode='processed_logprobs')")
 
 
 def _seed(seed: int | None, number: int, sample: int, turn: int) -> int | None:
