@@ -27,10 +27,16 @@ verdict is the same from any thread, and a pathological answer such as
 """
 from __future__ import annotations
 
-import multiprocessing as mp
+import argparse
+import signal
+import socket
+import subprocess
+import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from pathlib import Path
 
 ANSWER_WINDOW_CHARS = 300
 BOXED = "\\boxed{"
@@ -148,9 +154,13 @@ def is_equivalent(answer: str, reference: str) -> bool:
 class _Verifier:
     """One worker process that runs `is_equivalent`, replaced when it overruns its deadline.
 
-    Spawned, not forked: the parent may hold threads (vLLM, tqdm) that a fork
-    would copy in a broken state. The first call pays the child's start-up
-    (importing math-verify, about a second); later calls cost a pipe round trip.
+    The worker is its own interpreter running this file (`reward.py --serve-fd`),
+    not a multiprocessing child: spawn would re-import the caller's main script,
+    so a learner's three-line script without an `if __name__ == "__main__":`
+    guard would start workers that run that script again. Nor forked: the parent
+    may hold threads (vLLM, tqdm) that a fork would copy in a broken state. The
+    first call pays the child's start-up (importing math-verify, about a second);
+    later calls cost a socket round trip.
     """
 
     def __init__(self) -> None:
@@ -160,24 +170,27 @@ class _Verifier:
 
     def equivalent(self, answer: str, reference: str, timeout: float) -> bool:
         with self._lock:
-            if self._proc is None or not self._proc.is_alive():
+            if self._proc is None or self._proc.poll() is not None:
                 self._start()
-            self._conn.send((answer, reference))
-            if self._conn.poll(timeout):
-                try:
+            try:
+                self._conn.send((answer, reference))
+                if self._conn.poll(timeout):
                     return bool(self._conn.recv())
-                except EOFError:  # the worker died (e.g. out of memory): not equivalent
-                    self._stop()
-                    return False
-            self._stop()  # overran the deadline: kill it, the next call starts a fresh one
+            except (EOFError, OSError):  # the worker died (e.g. out of memory): not equivalent
+                pass
+            self._stop()  # overran the deadline or died: the next call starts a fresh one
             return False
 
     def _start(self) -> None:
-        ctx = mp.get_context("spawn")
-        self._conn, child = ctx.Pipe()
-        self._proc = ctx.Process(target=_serve, args=(child,), daemon=True)
-        self._proc.start()
-        child.close()
+        ours, theirs = socket.socketpair()
+        try:
+            self._proc = subprocess.Popen(
+                [sys.executable, str(Path(__file__).resolve()), "--serve-fd", str(theirs.fileno())],
+                pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL,
+            )
+        finally:
+            theirs.close()
+        self._conn = Connection(ours.detach())
         # Wait for the warm-up outside any answer's deadline: a slow start on a busy
         # machine must not turn into a wrong verdict.
         if not self._conn.poll(_STARTUP_TIMEOUT_S):
@@ -188,22 +201,27 @@ class _Verifier:
     def _stop(self) -> None:
         if self._proc is not None:
             self._proc.kill()
-            self._proc.join()
+            self._proc.wait()
             self._conn.close()
         self._proc = self._conn = None
 
 
-def _serve(conn) -> None:
+def _serve(fd: int) -> None:
+    """The worker's loop: (answer, reference) in, verdict out, until the parent closes the socket."""
     import logging
 
+    # Ctrl-C reaches the whole process group; the parent decides what to do, and the
+    # worker ends when the parent closes its end.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     # math-verify warns, once per process, that its own timeouts are off: they are meant to be.
     logging.getLogger("math_verify").setLevel(logging.ERROR)
+    conn = Connection(fd)
     is_equivalent("0", "0")  # import and warm math-verify before the first deadline starts
     conn.send("ready")
     while True:
         try:
             answer, reference = conn.recv()
-        except EOFError:
+        except (EOFError, OSError):
             return
         conn.send(is_equivalent(answer, reference))
 
@@ -220,3 +238,21 @@ def _pool(n: int) -> list[_Verifier]:
         while len(_workers) < n:
             _workers.append(_Verifier())
         return _workers[:n]
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description="Score one response against its reference answer (+1 right, -1 otherwise).")
+    p.add_argument("text", nargs="?", help="the response, e.g. 'so \\boxed{1/2}'")
+    p.add_argument("reference", nargs="?", help="the reference answer, e.g. 0.5")
+    p.add_argument("--serve-fd", type=int, help=argparse.SUPPRESS)  # how a worker process is started
+    args = p.parse_args(argv)
+    if args.serve_fd is not None:
+        _serve(args.serve_fd)
+        return
+    if args.text is None or args.reference is None:
+        p.error("give a response and a reference answer")
+    print(score_answer(args.text, args.reference))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,6 +1,10 @@
 """The reward's contract, one rule per test."""
+import os
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -113,8 +117,10 @@ def test_score_batch_matches_score_answer_in_input_order():
 
 
 def test_score_batch_bounds_each_answer():
+    # The default bound, not a short one: on a busy machine even "2" = "2" can take
+    # a while, and the pathological answer never finishes whatever the bound.
     texts = ["\\boxed{9^{9^{9^{9}}}}", "\\boxed{2}"]
-    assert [r.correct for r in score_batch(texts, ["1", "2"], workers=1, timeout=1.0)] == [False, True]
+    assert [r.correct for r in score_batch(texts, ["1", "2"], workers=1)] == [False, True]
 
 
 def test_score_batch_rejects_mismatched_lengths():
@@ -127,3 +133,25 @@ def test_exec_error_penalty_is_off_by_default():
     assert total_reward(right, execution_pass=False) == 1.0
     assert total_reward(right, execution_pass=False, exec_error_penalty=0.5) == 0.5
     assert total_reward(right, execution_pass=True, exec_error_penalty=0.5) == 1.0
+
+
+def test_a_plain_script_without_a_main_guard_can_score(tmp_path):
+    """A learner's first try: import and call at the top level of a script, no `if __name__` guard."""
+    script = tmp_path / "first_try.py"
+    script.write_text(
+        "from reward import score_answer, score_batch\n"
+        "print(score_answer('so \\\\boxed{1/2}', '0.5').correct)\n"
+        "print([r.correct for r in score_batch(['\\\\boxed{2}', '\\\\boxed{3}'], ['2', '2'])])\n"
+    )
+    chapter = str(Path(__file__).resolve().parent)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([chapter, os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.splitlines() == ["True", "[True, False]"]  # printed once: the script ran once
+
+
+def test_command_line_scores_one_answer():
+    done = subprocess.run([sys.executable, str(Path(__file__).resolve().parent / "reward.py"), "\\boxed{1/2}", "0.5"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "correct=True" in done.stdout
