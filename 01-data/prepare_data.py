@@ -245,11 +245,42 @@ def read_parquet(path: Path) -> list[dict]:
 def read_hub(path: str, split: str) -> list[dict]:
     from datasets import load_dataset
 
+    why = hub_unreachable()
+    if why:
+        raise HubUnreachable(f"could not load '{path}' (split {split}) from the Hugging Face hub: {why}")
     try:
         return list(load_dataset(path, split=split))
     except Exception as e:
         first = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise HubUnreachable(f"could not load '{path}' (split {split}) from the Hugging Face hub: {first}") from None
+
+
+_hub: dict[str, str | None] = {}
+
+
+def hub_unreachable() -> str | None:
+    """Why the hub cannot be reached, asked once per process; None when it answers or HF_HUB_OFFLINE is set.
+
+    Without it each data set would spend its own retries (about 24 s) finding out.
+    With HF_HUB_OFFLINE=1 no network is tried at all: `datasets` reads its cache.
+    """
+    if "why" not in _hub:
+        _hub["why"] = _probe_hub()
+    return _hub["why"]
+
+
+def _probe_hub(timeout: float = 5.0) -> str | None:
+    if os.environ.get("HF_HUB_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE"):
+        return None
+    from huggingface_hub import constants
+    from huggingface_hub.utils import get_session
+
+    try:
+        get_session().head(constants.ENDPOINT, timeout=timeout)
+    except Exception as e:
+        return (f"{constants.ENDPOINT} does not answer ({type(e).__name__}); "
+                "set HF_HUB_OFFLINE=1 to use data sets already in the local cache")
+    return None
 
 
 def source_name(source: str) -> str:

@@ -138,3 +138,29 @@ def test_cli_writes_toy_task(tmp_path, capsys):
     assert len(read_problems(tmp_path / "toy_train.jsonl")) == 30
     assert len(read_problems(tmp_path / "toy_test.jsonl")) == 5
     assert "toy: 30 train and 5 test problems" in capsys.readouterr().out
+
+
+def test_an_unreachable_hub_is_found_once_not_per_data_set(tmp_path, monkeypatch, capsys):
+    import datasets
+
+    import prepare_data
+
+    probes = []
+    monkeypatch.setattr(prepare_data, "_hub", {})
+    monkeypatch.setattr(prepare_data, "_probe_hub", lambda: probes.append(1) or "no answer (test)")
+    monkeypatch.setattr(datasets, "load_dataset", lambda *a, **k: pytest.fail("tried the hub after finding it unreachable"))
+    assert prepare_data.main(["--out", str(tmp_path)]) == 0  # the default run: toy task, train set, two eval sets
+    err = capsys.readouterr().err.splitlines()
+    assert probes == [1]
+    assert len(err) == 3 and all(l.startswith("skipped: ") and l.endswith("no answer (test)") for l in err)
+    assert (tmp_path / "toy_train.jsonl").exists()
+
+
+def test_offline_mode_never_tries_the_network(monkeypatch):
+    from huggingface_hub import utils
+
+    import prepare_data
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(utils, "get_session", lambda: pytest.fail("probed the network in offline mode"))
+    assert prepare_data._probe_hub() is None
