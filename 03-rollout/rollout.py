@@ -61,6 +61,16 @@ TEMPLATES = {
         "and put your final answer within \\boxed{{}}.<|im_end|>\n"
         "<|im_start|>user\n{question}<|im_end|>\n<|im_start|>assistant\n"
     ),
+    # Text-only baselines: Qwen2.5-Math's chain-of-thought instruction, no word of a
+    # tool. `cot` keeps tir_base_0309's frame, so only the instruction differs from `torl`.
+    "cot": (
+        "A conversation between User and Assistant. The user asks a question, and the Assistant solves it.\n"
+        "User: Please reason step by step, and put your final answer within \\boxed{{}}.\n{question}\nAssistant:\n"
+    ),
+    "qwen-chat-cot": (
+        "<|im_start|>system\nPlease reason step by step, and put your final answer within \\boxed{{}}.<|im_end|>\n"
+        "<|im_start|>user\n{question}<|im_end|>\n<|im_start|>assistant\n"
+    ),
 }
 
 # What the model reads when it wrote ```output without a complete ```python block.

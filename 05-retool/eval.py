@@ -1,13 +1,18 @@
 """Evaluation: how often the policy is right, with and without the tool, on held-out problems.
 
+    .venv/bin/python 05-retool/eval.py --model Qwen/Qwen2.5-Math-1.5B --dtype bfloat16   # ToRL's protocol
+    .venv/bin/python 05-retool/eval.py --model ... --data data/torl_data/test.parquet     # ToRL's test file
+    .venv/bin/python 05-retool/eval.py --model ... --k 16 --temperature 1.0              # avg@16, pass@16
+    .venv/bin/python 05-retool/eval.py --model ... --mode text      # same model, no tool: the tool's contribution
     .venv/bin/python 05-retool/eval.py --model runs/cpu-demo-.../checkpoints/step-000030 --data data/toy_test.jsonl
-    .venv/bin/python 05-retool/eval.py --model Qwen/Qwen2.5-Math-1.5B --data aime24 aime25 --k 16 \\
-        --max-response-tokens 3072 --max-model-len 4096 --dtype bfloat16
-    .venv/bin/python 05-retool/eval.py ... --mode text      # same model, no tool: the tool's contribution
 
-Per data set (the `source` of each problem) it reports:
-- avg@k: the mean accuracy over all k samples of all problems (what "accuracy"
-  means in ToRL's tables when k > 1);
+The default is ToRL's protocol: greedy decoding, one response per problem, on
+AIME24, AIME25 and MATH500 (by name from the hub, or any file in ToRL's test-set
+schema, whose `data_source` names the set); the table then shows the paper's
+numbers beside the measured ones. With `--k K --temperature T` it samples K
+responses per problem. Per data set (the `source` of each problem) it reports:
+- avg@k: the mean accuracy over all k samples of all problems (with k = 1 and
+  greedy decoding, ToRL's accuracy);
 - pass@j for j = 1, 2, 4, ... k: the chance that at least one of j samples is
   right, with the unbiased estimator 1 - C(n-c, j) / C(n, j) from n samples of
   which c are right (drawing only j would make it noisier, not different);
@@ -16,9 +21,12 @@ Per data set (the `source` of each problem) it reports:
   per sample, response length in tokens.
 
 It writes one JSONL line per sample and a summary JSON to `--out`, and prints a
-markdown table. Modes: `tir` runs the tool loop of chapter 03; `text` gives the
-model no tool (generation does not stop at ```output and no code runs), so
-the same model's plain chain of thought is measured on the same problems.
+markdown table. Modes: `tir` runs the tool loop of chapter 03 with the `torl`
+prompt; `text` gives the model no tool (generation does not stop at ```output
+and no code runs) and a prompt that never mentions one (`cot`: Qwen2.5-Math's
+"Please reason step by step, ..."), so the same model's plain chain of thought
+is measured on the same problems. A tool prompt in text mode would make the
+model write code anyway and invent its output.
 """
 from __future__ import annotations
 
@@ -30,19 +38,34 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
+# The prompt of each mode unless one is given: the tool's instruction, or none of it.
+DEFAULT_TEMPLATE = {"tir": "torl", "text": "cot"}
 
-def evaluate(llm, problems: list[dict], sandbox, k: int = 1, mode: str = "tir", template: str = "torl",
-             max_response_tokens: int = 3072, tool_budget: int = 1, temperature: float = 1.0,
+# ToRL's reported accuracy (%, greedy, one sample), from its paper's main table.
+PAPER = {
+    "aime24": {"ToRL-1.5B": 26.7, "ToRL-7B": 43.3},
+    "aime25": {"ToRL-1.5B": 26.7, "ToRL-7B": 30.0},
+    "math500": {"ToRL-1.5B": 77.8, "ToRL-7B": 82.2},
+}
+
+
+def evaluate(llm, problems: list[dict], sandbox, k: int = 1, mode: str = "tir", template: str | None = None,
+             max_response_tokens: int = 3072, tool_budget: int = 1, temperature: float = 0.0,
              seed: int | None = 0, samples_path: Path | None = None, rollout_overrides: dict | None = None) -> dict:
     """Sample k responses per problem, score them, and summarise per source and overall.
 
-    `rollout_overrides` sets further RolloutConfig fields (tests force tool calls with it).
+    `template` defaults to the mode's (DEFAULT_TEMPLATE); `temperature` 0 is
+    greedy decoding (then k must be 1). `rollout_overrides` sets further
+    RolloutConfig fields (tests force tool calls with it).
     """
     from reward import score_batch
     from rollout import RolloutConfig, rollout
 
     if mode not in ("tir", "text"):
         raise ValueError(f"mode must be 'tir' or 'text', got {mode!r}")
+    if temperature == 0 and k > 1:
+        raise ValueError(f"k={k} with greedy decoding (temperature 0) gives {k} identical samples; sample with a temperature")
+    template = template or DEFAULT_TEMPLATE[mode]
     cfg = RolloutConfig(group_size=k, temperature=temperature, max_response_tokens=max_response_tokens,
                         tool_budget=tool_budget if mode == "tir" else 0, template=template, seed=seed,
                         **(rollout_overrides or {}))
@@ -68,7 +91,7 @@ def evaluate(llm, problems: list[dict], sandbox, k: int = 1, mode: str = "tir", 
     summary = {source: summarise(rows, k) for source, rows in sorted(by_source.items())}
     if len(by_source) > 1:
         summary["all"] = summarise(samples, k)
-    return {"mode": mode, "k": k, "sets": summary}
+    return {"mode": mode, "k": k, "temperature": temperature, "template": template, "sets": summary}
 
 
 def summarise(samples: list[dict], k: int) -> dict:
@@ -132,23 +155,61 @@ def markdown_table(result: dict) -> str:
     return "\n".join(lines)
 
 
+def paper_table(result: dict) -> str:
+    """Measured accuracy (%) beside ToRL's, for the sets the paper reports; "" when there are none.
+
+    The paper's numbers are greedy, one sample per problem, on the full sets;
+    a measurement is comparable only under the same protocol and the same sets.
+    """
+    k = result["k"]
+    rows = [(name, s) for name, s in result["sets"].items() if name in PAPER]
+    if not rows:
+        return ""
+    models = list(next(iter(PAPER.values())))
+    lines = [f"| set | problems | measured avg@{k} ({result['mode']}) | " + " | ".join(f"{m} (paper)" for m in models) + " |",
+             "|---" * (len(models) + 3) + "|"]
+    for name, s in rows:
+        lines.append(f"| {name} | {s['problems']} | {100 * s[f'avg@{k}']:.1f} | "
+                     + " | ".join(f"{PAPER[name][m]:.1f}" for m in models) + " |")
+    greedy = result.get("temperature") == 0 and k == 1
+    lines.append("" if greedy else f"(measured with k={k}, temperature {result.get('temperature')}: "
+                 "not ToRL's protocol, which is greedy with one sample)")
+    return "\n".join(lines).rstrip()
+
+
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
+    if not Path(args.model).exists() and args.model.count("/") != 1:
+        sys.exit(f"error: --model '{args.model}' is neither a folder nor a hub id (org/name)")
+    if args.max_response_tokens >= args.max_model_len:
+        sys.exit(f"error: --max-response-tokens {args.max_response_tokens} leaves no room for the prompt in --max-model-len {args.max_model_len}")
+    if args.temperature == 0 and args.k > 1:
+        sys.exit(f"error: --k {args.k} with greedy decoding gives {args.k} identical samples; add --temperature 1.0 (or another)")
+    from retool import position_limit
+
+    limit = position_limit(args.model)
+    if limit is not None and args.max_model_len > limit:
+        sys.exit(f"error: --max-model-len {args.max_model_len} is above the position limit of {args.model}, "
+                 f"{limit} tokens (max_position_embeddings)")
+    template = args.template or DEFAULT_TEMPLATE[args.mode]
+    if args.mode == "text" and template in ("torl", "qwen-chat"):
+        print(f"note: --mode text with the tool prompt '{template}': the model is told to write code that never runs",
+              file=sys.stderr)
+
     from prepare_data import DataError, load_problems
 
     problems = []
     for source in args.data:
         try:
-            rows, _ = load_problems(source, limit=args.limit)
+            rows, dropped = load_problems(source, limit=args.limit)
         except DataError as e:
             sys.exit(f"error: {e}")
         except Exception as e:  # the hub is unreachable: say which set, in one line
             sys.exit(f"error: {source}: {str(e).splitlines()[0] if str(e) else type(e).__name__}")
+        # ToRL's test file repeats each AIME problem 4 times; one copy gives the same greedy accuracy.
+        print(f"{source}: {len(rows)} problems" + "".join(f"; dropped {n} ({why})" for why, n in dropped.items()),
+              file=sys.stderr)
         problems += rows
-    if not Path(args.model).exists() and args.model.count("/") != 1:
-        sys.exit(f"error: --model '{args.model}' is neither a folder nor a hub id (org/name)")
-    if args.max_response_tokens >= args.max_model_len:
-        sys.exit(f"error: --max-response-tokens {args.max_response_tokens} leaves no room for the prompt in --max-model-len {args.max_model_len}")
 
     from rollout import make_llm
     from sandbox import Sandbox, SandboxConfig
@@ -158,12 +219,15 @@ def main(argv: list[str] | None = None) -> dict:
     llm = make_llm(args.model, dtype=args.dtype, max_model_len=args.max_model_len, seed=args.seed,
                    gpu_memory_utilization=args.gpu_memory_utilization)
     with Sandbox(SandboxConfig(timeout=args.sandbox_timeout)) as sandbox:
-        result = evaluate(llm, problems, sandbox, k=args.k, mode=args.mode, template=args.template,
+        result = evaluate(llm, problems, sandbox, k=args.k, mode=args.mode, template=template,
                           max_response_tokens=args.max_response_tokens, tool_budget=args.tool_budget,
                           temperature=args.temperature, seed=args.seed, samples_path=out / "samples.jsonl")
     result = {"model": args.model, "data": args.data, **result}
     (out / "summary.json").write_text(json.dumps(result, indent=1))
     print(markdown_table(result))
+    comparison = paper_table(result)
+    if comparison:
+        print("\n" + comparison)
     print(f"samples: {out / 'samples.jsonl'}  summary: {out / 'summary.json'}")
     return result
 
@@ -172,12 +236,12 @@ def parse_args(argv):
     p = argparse.ArgumentParser(description="Evaluate a model with (tir) or without (text) the Python tool.",
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--model", required=True, help="hub id or local checkpoint folder")
-    p.add_argument("--data", nargs="+", default=["aime24", "aime25"],
+    p.add_argument("--data", nargs="+", default=["aime24", "aime25", "math500"],
                    help="data sets: aime24, aime25, math500, a hub id, or .jsonl/.parquet files (01-data's or ToRL's schema)")
-    p.add_argument("--mode", choices=["tir", "text"], default="tir")
-    p.add_argument("--k", type=int, default=1, help="samples per problem")
-    p.add_argument("--temperature", type=float, default=1.0, help="0 = greedy (then use --k 1)")
-    p.add_argument("--template", default="torl", help="prompt template (03-rollout's table)")
+    p.add_argument("--mode", choices=["tir", "text"], default="tir", help="with the Python tool, or plain chain of thought")
+    p.add_argument("--k", type=int, default=1, help="samples per problem (more than 1 needs --temperature above 0)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy, ToRL's protocol")
+    p.add_argument("--template", help="prompt template (03-rollout's table) [default: torl for tir, cot for text]")
     p.add_argument("--tool-budget", type=int, default=1, help="code executions per response in tir mode")
     p.add_argument("--max-response-tokens", type=int, default=3072)
     p.add_argument("--max-model-len", type=int, default=4096)

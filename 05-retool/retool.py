@@ -17,10 +17,12 @@ One step, top to bottom (the whole of `train_step` below):
 
 Around it: a metrics line per step (metrics.jsonl), a checkpoint every
 `save_every` steps that vLLM and transformers load directly, an evaluation on
-held-out problems every `eval_every` steps, and plots at the end. Killing the
-process at any moment loses at most the steps since the last checkpoint (the
-step in progress with the CPU demo's save_every=1); `--resume RUN_DIR` goes on
-from there with the same data order and random state.
+held-out problems every `eval_every` steps, and plots at the end. SIGTERM or
+Ctrl-C saves a checkpoint of the last finished step before exiting (a stop that
+arrives during a weight update waits for the update's bookkeeping; a second
+Ctrl-C does not wait). A kill (SIGKILL, a crash) loses at most the steps since
+the last checkpoint. `--resume RUN_DIR` goes on from the latest checkpoint with
+the same data order and random state; resuming a finished run says so and exits.
 
 Decisions worth knowing:
 - The trainer (transformers, float32 master weights) and the sampler (vLLM)
@@ -28,7 +30,9 @@ Decisions worth knowing:
   update the trainer's are copied into vLLM in memory. On a GPU vLLM sleeps
   during the update so the trainer gets its memory.
 - Sampling is at temperature 1.0 and the update is on-policy: the trajectories
-  of a step are used for `num_minibatches` updates and then thrown away.
+  of a step are used for `num_minibatches` updates and then thrown away. With
+  one mini-batch (ToRL's recipe) the ratio is exactly 1, the clip never fires,
+  and the update is the plain policy gradient.
 - A group whose rewards are all equal has zero advantages and teaches nothing;
   it is kept (the count is logged as degenerate_groups), not resampled.
 """
@@ -40,6 +44,7 @@ import json
 import os
 import random
 import shutil
+import signal
 import sys
 import time
 from dataclasses import dataclass
@@ -49,35 +54,41 @@ PRESETS: dict[str, dict] = {
     # A tiny model trained from scratch (cold_start.py) on the toy task, then RL.
     # Sized to finish, cold start included, in minutes on a 2-core CPU.
     "cpu-demo": {},
-    # ToRL's scripts/torl_1.5b.sh, scaled to one GPU; see docs/05-retool.md for
-    # every difference and why.
+    # ToRL's scripts/torl_1.5b.sh. Every value is the script's (or, where the script
+    # is silent, its verl's default); docs/05-retool.md has the table, row by row,
+    # and the few settings that are this lab's because it runs on one GPU.
     "torl-1.5b": dict(
         model="Qwen/Qwen2.5-Math-1.5B",
-        train_file="data/train.jsonl",
-        eval_file="data/aime24.jsonl",
-        template="torl",
-        steps=500,
-        problems_per_step=32,
-        group_size=16,
-        max_response_tokens=3072,
-        max_model_len=4096,
-        tool_budget=1,
-        temperature=1.0,
-        lr=1e-6,
-        num_minibatches=2,
-        micro_batch_size=4,
-        eps_low=0.2,
-        eps_high=0.28,
-        gradient_checkpointing=True,
-        eval_every=20,
-        eval_problems=30,
-        eval_k=4,
+        train_file="data/torl_data/train.parquet",  # ToRL's release: data/torl_data/ of its repository
+        eval_file="data/torl_data/test.parquet",  # AIME24, AIME25, MATH500 rows; its test_freq set
+        template="torl",  # data.template_type=tir_base_0309
+        max_prompt_tokens=390,  # data.max_prompt_length=400; its loader keeps prompts of at most 400 - 10 tokens
+        steps=67_200,  # total_epochs=300 of 224 steps (28,740 problems // 128); stop it when the curves flatten
+        problems_per_step=128,  # data.train_batch_size
+        group_size=16,  # rollout.n
+        max_response_tokens=3072,  # data.max_response_length
+        max_model_len=3472,  # prompt + response, 400 + 3072, as verl sizes its vLLM engine
+        tool_budget=1,  # rollout.num_llm_calls_available
+        temperature=1.0,  # rollout.temperature (top_p 1.0)
+        lr=1e-6,  # actor.optim.lr, constant (verl's warmup_style constant, no warmup)
+        num_minibatches=1,  # ppo_mini_batch_size=1024 prompts >= 128: one update per step
+        micro_batch_size=4,  # gradient accumulation: the 2,048 trajectories fit one GPU 4 at a time
+        eps_low=0.2,  # verl's clip_ratio 0.2, on both sides
+        eps_high=0.2,
+        scale_advantages=True,  # verl's GRPO: (r - mean) / (std + 1e-6) within each group
+        gradient_checkpointing=True,  # model.enable_gradient_checkpointing
+        eval_every=4,  # trainer.test_freq
+        eval_problems=0,  # all of them
+        eval_k=1,  # validation is greedy, one response per problem
+        eval_temperature=0.0,
         eval_max_response_tokens=3072,
-        save_every=10,
-        gpu_memory_utilization=0.35,
-        dtype="bfloat16",
+        save_every=20,  # trainer.save_freq
+        gpu_memory_utilization=0.5,  # vLLM's share while the trainer's weights and AdamW state stay on the GPU
+        dtype="bfloat16",  # the sampler's dtype (verl's rollout dtype)
     ),
 }
+# Presets sized for a CUDA GPU: refused up front on a machine without one.
+GPU_PRESETS = {"torl-1.5b"}
 
 
 @dataclass
@@ -87,6 +98,7 @@ class Config:
     train_file: str = "data/toy_train.jsonl"  # 01-data's schema; the toy task is made if missing
     eval_file: str = "data/toy_test.jsonl"
     template: str = "torl"  # prompt template (03-rollout's table)
+    max_prompt_tokens: int = 0  # training prompts longer than this (rendered, in tokens) are dropped at load; 0 = keep all
     # rollout
     steps: int = 30
     problems_per_step: int = 8
@@ -113,8 +125,9 @@ class Config:
     sandbox_timeout: float = 10.0
     # evaluation and checkpoints
     eval_every: int = 10  # steps; 0 = only before and after training
-    eval_problems: int = 100  # held-out problems per evaluation
+    eval_problems: int = 100  # held-out problems per evaluation; 0 = all
     eval_k: int = 1  # samples per problem
+    eval_temperature: float = 1.0  # sampled, so the demo's tool-use rate shows in it; ToRL evaluates greedily (0)
     eval_max_response_tokens: int = 96
     save_every: int = 1  # steps between checkpoints
     keep_checkpoints: int = 2
@@ -125,6 +138,7 @@ class Config:
     seed: int = 0
     dtype: str = "float32"  # the sampler's dtype (the trainer always keeps float32 weights)
     gpu_memory_utilization: float = 0.3
+    log: str = ""  # also log to tensorboard, wandb or "tensorboard,wandb" (metrics.jsonl is always written)
 
 
 def main(argv: list[str] | None = None) -> Path:
@@ -136,6 +150,9 @@ def main(argv: list[str] | None = None) -> Path:
         run_dir = Path(args.resume)
         cfg = load_config(run_dir, overrides)
     else:
+        if args.preset in GPU_PRESETS and not _cuda_available():
+            raise SystemExit(f"error: preset {args.preset} needs a CUDA GPU and this machine has none; "
+                             "on a CPU run the demo: make run-05 (--preset cpu-demo)")
         cfg = make_config(args.preset, overrides)
         run_dir = Path(args.run_dir or f"runs/{args.preset}-{time.strftime('%Y%m%d-%H%M%S')}")
     check_config(cfg, resuming=bool(args.resume))
@@ -144,13 +161,18 @@ def main(argv: list[str] | None = None) -> Path:
 
 
 def train(cfg: Config, run_dir: Path, resume: bool = False) -> None:
-    import torch
+    state = latest_checkpoint(run_dir) if resume else None
+    if state is not None and state["step"] >= cfg.steps and _evaluated(run_dir, cfg.steps, "after RL"):
+        print(f"{run_dir} already finished: {state['step']} of {cfg.steps} steps done and evaluated; "
+              f"nothing to do (pass --steps N to train further)")
+        return
+
     from tqdm import tqdm
 
     from eval import evaluate, summary_line
     from grpo import GRPOConfig, load_policy, make_optimizer
-    from rollout import make_llm
     from sandbox import Sandbox, SandboxConfig
+    from trackers import open_trackers
 
     run_dir.mkdir(parents=True, exist_ok=True)
     print(json.dumps(dataclasses.asdict(cfg), indent=1))
@@ -158,12 +180,13 @@ def train(cfg: Config, run_dir: Path, resume: bool = False) -> None:
     train_problems, eval_problems = load_data(cfg)
 
     # The policy: the latest checkpoint, the given model, or a cold-started tiny one.
-    state = latest_checkpoint(run_dir) if resume else None
     if state is not None:
         model_path, step = state["path"], state["step"]
         print(f"resuming {run_dir} from step {step}")
     else:
         model_path, step = (cfg.model or cold_start(cfg, run_dir)), 0
+    if cfg.max_prompt_tokens:
+        train_problems = drop_long_prompts(train_problems, model_path, cfg)
     model = load_policy(model_path)
     grpo_cfg = GRPOConfig(
         lr=cfg.lr, eps_low=cfg.eps_low, eps_high=cfg.eps_high, aggregation=cfg.aggregation,
@@ -172,49 +195,72 @@ def train(cfg: Config, run_dir: Path, resume: bool = False) -> None:
     )
     optimizer = make_optimizer(model, grpo_cfg)
     if state is not None:
-        restore_state(state, optimizer)
-    else:
-        random.seed(cfg.seed)
-        torch.manual_seed(cfg.seed)
-    llm = make_llm(model_path, dtype=cfg.dtype, max_model_len=cfg.max_model_len,
-                   gpu_memory_utilization=cfg.gpu_memory_utilization, seed=cfg.seed)
+        load_optimizer(state, optimizer)
+    llm = start_sampler(cfg, model_path, state)
     llm.weight_version = step
     sandbox = Sandbox(SandboxConfig(backend=cfg.sandbox_backend, timeout=cfg.sandbox_timeout))
-    metrics_path = run_dir / "metrics.jsonl"
-    truncate_metrics(metrics_path, step)
+    metrics_path, eval_path = run_dir / "metrics.jsonl", run_dir / "eval.jsonl"
+    truncate_jsonl(metrics_path, step)  # lines of steps after the checkpoint belong to work the resume redoes
+    truncate_jsonl(eval_path, step)
+    trackers = open_trackers(cfg.log, run_dir, dataclasses.asdict(cfg), start_step=step)
 
     def run_eval(tag: str, at_step: int) -> dict:
-        result = evaluate(llm, eval_problems[: cfg.eval_problems], sandbox, k=cfg.eval_k, mode="tir",
-                          template=cfg.template, max_response_tokens=cfg.eval_max_response_tokens,
-                          tool_budget=cfg.tool_budget, seed=cfg.seed)
+        problems = eval_problems[: cfg.eval_problems] if cfg.eval_problems else eval_problems
+        result = evaluate(llm, problems, sandbox, k=cfg.eval_k, mode="tir", template=cfg.template,
+                          max_response_tokens=cfg.eval_max_response_tokens, tool_budget=cfg.tool_budget,
+                          temperature=cfg.eval_temperature, seed=cfg.seed)
         print(f"eval {tag}: {summary_line(result)}")
-        append_jsonl(run_dir / "eval.jsonl", {"step": at_step, "tag": tag, **result})
+        row = {"step": at_step, "tag": tag, **result}
+        append_jsonl(eval_path, row)
+        trackers.log_eval(row)
         return result
 
+    def eval_due(at_step: int) -> bool:
+        return at_step == 0 or (cfg.eval_every > 0 and at_step % cfg.eval_every == 0 and at_step < cfg.steps)
+
+    trajectories = []
+    done, rng_done = step, capture_rng()  # the last finished step and the random state right after it
+    _STOP.install()
     try:
-        if step == 0:
-            run_eval("before RL", 0)
+        if eval_due(step) and not _evaluated(run_dir, step):  # a stop during this evaluation lost it
+            run_eval("before RL" if step == 0 else f"step {step}", step)
         bar = tqdm(range(step, cfg.steps), desc="RL", initial=step, total=cfg.steps)
         for step in bar:
+            _signal_self_for_tests(step + 1)
             rollout_cfg = rollout_config(cfg, step)
             problems = batch_at(train_problems, step, cfg.problems_per_step, cfg.seed)
             metrics, trajectories = train_step(llm, model, optimizer, problems, sandbox, rollout_cfg, grpo_cfg, cfg)
             metrics = {"step": step + 1, **metrics, "problem_ids": [p["id"] for p in problems]}
             append_jsonl(metrics_path, metrics)
-            bar.set_postfix(reward=f"{metrics['reward_mean']:+.2f}", code=f"{metrics['code_ratio']:.2f}")
-            tqdm.write(step_line(metrics))
             if (step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps:
                 save_checkpoint(run_dir, step + 1, model, optimizer, llm.get_tokenizer(), cfg.keep_checkpoints)
-            if cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < cfg.steps:
+            done, rng_done = step + 1, capture_rng()
+            trackers.log(metrics)
+            bar.set_postfix(reward=f"{metrics['reward_mean']:+.2f}", code=f"{metrics['code_ratio']:.2f}")
+            tqdm.write(step_line(metrics))
+            _STOP.release()  # the step is recorded: a stop that waited for it happens now
+            if eval_due(step + 1):
                 run_eval(f"step {step + 1}", step + 1)
         run_eval("after RL", cfg.steps)
+    except StopRequested as stop:
+        final = run_dir / "checkpoints" / f"step-{done:06d}"
+        if done > 0 and not (final / "state.json").exists():
+            _STOP.hold()  # a further signal while saving waits (a third one stops at once)
+            save_checkpoint(run_dir, done, model, optimizer, llm.get_tokenizer(), cfg.keep_checkpoints, rng=rng_done)
+        saved = f"checkpoint {final}" if done > 0 else "no checkpoint (no step finished)"
+        print(f"stopped by {signal.Signals(stop.signum).name} after step {done}: {saved}; "
+              f"go on with --resume {run_dir}", file=sys.stderr)
+        raise SystemExit(128 + stop.signum) from None
+    finally:
+        _STOP.uninstall()
+        sandbox.close()
+        trackers.close()
+    if trajectories:  # none when a resumed run only had its final evaluation left
         from rollout import render_html, save_trajectories
 
         save_trajectories(trajectories, run_dir / "last_step.jsonl")
         (run_dir / "last_step.html").write_text(render_html(trajectories[: 2 * cfg.group_size], llm.get_tokenizer(),
                                                             title=f"{run_dir.name}: last step"))
-    finally:
-        sandbox.close()
     plot_run(run_dir)
     print(f"run folder: {run_dir}  (metrics.jsonl, eval.jsonl, plots.png, last_step.html, checkpoints/)")
 
@@ -230,6 +276,26 @@ def rollout_config(cfg: Config, step: int):
     )
     check_on_policy(rollout_cfg)
     return rollout_cfg
+
+
+def start_sampler(cfg: Config, model_path: str, state: dict | None):
+    """The vLLM engine over `model_path`, then the random state: the checkpoint's, or fresh from the seed.
+
+    In that order because vLLM seeds Python's and torch's global generators when
+    its engine starts: a state restored before would be silently replaced.
+    """
+    import torch
+
+    from rollout import make_llm
+
+    llm = make_llm(model_path, dtype=cfg.dtype, max_model_len=cfg.max_model_len,
+                   gpu_memory_utilization=cfg.gpu_memory_utilization, seed=cfg.seed)
+    if state is not None:
+        restore_rng(torch.load(Path(state["path"]) / "rng.pt", weights_only=False))
+    else:
+        random.seed(cfg.seed)
+        torch.manual_seed(cfg.seed)
+    return llm
 
 
 def train_step(llm, model, optimizer, problems, sandbox, rollout_cfg, grpo_cfg, cfg: Config):
@@ -255,6 +321,7 @@ def train_step(llm, model, optimizer, problems, sandbox, rollout_cfg, grpo_cfg, 
     timing["reward_s"] = time.perf_counter() - t0
 
     t0 = time.perf_counter()
+    _STOP.hold()  # from here the weights change: a stop waits until the loop has recorded this step
     sleep_sampler(llm)  # CUDA: hand vLLM's KV cache memory to the trainer
     update = grpo_step(model, optimizer, trajectories, grpo_cfg)
     timing["update_s"] = time.perf_counter() - t0
@@ -326,6 +393,28 @@ def batch_at(problems: list[dict], step: int, size: int, seed: int) -> list[dict
     return out
 
 
+def drop_long_prompts(problems: list[dict], model_path: str, cfg: Config) -> list[dict]:
+    """The problems whose rendered prompt has at most `cfg.max_prompt_tokens` tokens; prints how many were dropped.
+
+    ToRL's loader does the same before training (its limit: 400 - 10 tokens of
+    the tir_base_0309 prompt), so no prompt is ever cut and the response budget
+    is the same for every problem.
+    """
+    from transformers import AutoTokenizer
+
+    from rollout import render_prompt
+
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    kept = [p for p in problems
+            if len(tokenizer.encode(render_prompt(p["question"], cfg.template), add_special_tokens=False))
+            <= cfg.max_prompt_tokens]
+    print(f"{cfg.train_file}: kept {len(kept)} of {len(problems)} problems; dropped {len(problems) - len(kept)} "
+          f"whose prompt is over {cfg.max_prompt_tokens} tokens")
+    if not kept:
+        raise SystemExit(f"error: {cfg.train_file}: every prompt is over max_prompt_tokens ({cfg.max_prompt_tokens})")
+    return kept
+
+
 def cold_start(cfg: Config, run_dir: Path) -> str:
     import cold_start as cs
 
@@ -341,11 +430,14 @@ def cold_start(cfg: Config, run_dir: Path) -> str:
 # --------------------------------------------------------------------------- checkpoints
 
 
-def save_checkpoint(run_dir: Path, step: int, model, optimizer, tokenizer, keep: int) -> Path:
+def save_checkpoint(run_dir: Path, step: int, model, optimizer, tokenizer, keep: int, rng: dict | None = None) -> Path:
     """Hugging Face weights + tokenizer + optimizer + RNG state, written to a temporary folder then renamed.
 
     A checkpoint folder either is complete or does not exist: a kill mid-write
-    leaves only a `.tmp` folder, which the next save or resume ignores.
+    leaves only a `.tmp` folder, which the next save or resume ignores. Every
+    file is flushed to disk before the rename, so a power cut right after it
+    cannot leave a complete-looking folder of empty files. `rng` is the random
+    state to record (default: the current one).
     """
     import torch
 
@@ -357,14 +449,26 @@ def save_checkpoint(run_dir: Path, step: int, model, optimizer, tokenizer, keep:
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
     torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
-    rng = {"python": random.getstate(), "torch": torch.get_rng_state()}
-    torch.save(rng, tmp / "rng.pt")
+    torch.save(rng if rng is not None else capture_rng(), tmp / "rng.pt")
     (tmp / "state.json").write_text(json.dumps({"step": step}))
+    for path in sorted(tmp.rglob("*")):
+        if path.is_file():
+            _fsync(path)
+    _fsync(tmp)
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)
+    _fsync(root)  # the rename itself
     for old in sorted(root.glob("step-*"))[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def latest_checkpoint(run_dir: Path) -> dict | None:
@@ -375,22 +479,126 @@ def latest_checkpoint(run_dir: Path) -> dict | None:
     return {"path": str(path), **json.loads((path / "state.json").read_text())}
 
 
-def restore_state(state: dict, optimizer) -> None:
+def load_optimizer(state: dict, optimizer) -> None:
+    """The checkpoint's optimizer state, read onto the CPU first; `load_state_dict` moves it to the weights' device.
+
+    Read straight to where it was saved from, a GPU would briefly hold a second
+    copy of AdamW's moments (twice the model in float32) beside the live ones.
+    """
     import torch
 
-    path = Path(state["path"])
-    optimizer.load_state_dict(torch.load(path / "optimizer.pt"))
-    rng = torch.load(path / "rng.pt", weights_only=False)
+    optimizer.load_state_dict(torch.load(Path(state["path"]) / "optimizer.pt", map_location="cpu"))
+
+
+def capture_rng() -> dict:
+    import torch
+
+    rng = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        rng["cuda"] = torch.cuda.get_rng_state_all()
+    return rng
+
+
+def restore_rng(rng: dict) -> None:
+    import torch
+
     random.setstate(rng["python"])
     torch.set_rng_state(rng["torch"])
+    if "cuda" in rng and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(rng["cuda"])
 
 
-def truncate_metrics(path: Path, step: int) -> None:
-    """Drop metric lines of steps after `step`: they belong to work the resume will redo."""
+def truncate_jsonl(path: Path, step: int) -> None:
+    """Drop the lines of steps after `step` from metrics.jsonl or eval.jsonl, atomically."""
     if not path.exists():
         return
     lines = [l for l in path.read_text().splitlines() if l.strip() and json.loads(l)["step"] <= step]
-    path.write_text("".join(l + "\n" for l in lines))
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text("".join(l + "\n" for l in lines))
+    _fsync(tmp)
+    os.replace(tmp, path)
+
+
+def _evaluated(run_dir: Path, step: int, tag: str | None = None) -> bool:
+    """Whether eval.jsonl has a row for `step` (with `tag`, if given)."""
+    path = run_dir / "eval.jsonl"
+    if not path.exists():
+        return False
+    rows = [json.loads(l) for l in path.read_text().splitlines() if l.strip()]
+    return any(r["step"] == step and (tag is None or r.get("tag") == tag) for r in rows)
+
+
+# --------------------------------------------------------------------------- stopping
+
+
+class StopRequested(BaseException):
+    """SIGTERM or SIGINT (Ctrl-C) arrived: save a checkpoint of the last finished step and exit.
+
+    A BaseException, like KeyboardInterrupt, so that no `except Exception` on the
+    way (in the rollout, the sandbox, vLLM) can swallow it.
+    """
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+class _Stopper:
+    """Turns SIGTERM and SIGINT into StopRequested, at once or, while a step's update is held, after it.
+
+    From the weight update of a step until the loop has written that step's
+    metrics (and checkpoint, when one is due), the weights no longer match the
+    last recorded step; a stop in that window waits for `release`. A second
+    signal while one waits gives up on the step and stops at once.
+    """
+
+    def __init__(self) -> None:
+        self.held = False
+        self.pending: int | None = None
+        self._previous: dict = {}
+
+    def install(self) -> None:
+        self.held, self.pending = False, None
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            self._previous[signum] = signal.signal(signum, self._handle)
+
+    def uninstall(self) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+        self._previous = {}
+
+    def hold(self) -> None:
+        self.held = True
+
+    def release(self) -> None:
+        self.held = False
+        if self.pending is not None:
+            signum, self.pending = self.pending, None
+            raise StopRequested(signum)
+
+    def _handle(self, signum, frame) -> None:
+        if not self.held:
+            raise StopRequested(signum)
+        if self.pending is not None:
+            raise KeyboardInterrupt
+        self.pending = signum
+        print(f"\n{signal.Signals(signum).name}: stopping once this step is recorded "
+              "(Ctrl-C again to stop now, losing the step)", file=sys.stderr)
+
+
+_STOP = _Stopper()
+
+
+def _signal_self_for_tests(step: int) -> None:
+    """RETOOL_TEST_SIGNAL=TERM@3 (or KILL@3, INT@3): send that signal to this process as step 3 begins.
+
+    Tests stop a run at a known point with it instead of racing it from outside.
+    """
+    spec = os.environ.get("RETOOL_TEST_SIGNAL", "")
+    if spec:
+        name, _, at = spec.partition("@")
+        if int(at) == step:
+            os.kill(os.getpid(), getattr(signal, f"SIG{name}"))
 
 
 def append_jsonl(path: Path, row: dict) -> None:
@@ -457,15 +665,22 @@ def load_config(run_dir: Path, overrides: dict) -> Config:
 
 def check_config(cfg: Config, resuming: bool) -> None:
     """Refuse, with one line, a configuration that would fail later or silently do the wrong thing."""
+    from trackers import parse_log
+
     problems = []
     if cfg.model and not Path(cfg.model).exists() and cfg.model.count("/") != 1:
         problems.append(f"model '{cfg.model}' is neither a folder nor a hub id (org/name)")
     for name in ("train_file", "eval_file"):
         path = getattr(cfg, name)
         if not Path(path).exists() and "toy_" not in path:
-            problems.append(f"{name} '{path}' does not exist (run `make run-01` to prepare data)")
+            hint = ("copy ToRL's data/torl_data/ folder here, or pass --" + name.replace("_", "-")
+                    if "torl_data" in path else "run `make run-01` to prepare data")
+            problems.append(f"{name} '{path}' does not exist ({hint})")
     if cfg.max_response_tokens >= cfg.max_model_len:
         problems.append(f"max_response_tokens ({cfg.max_response_tokens}) leaves no room for the prompt in max_model_len ({cfg.max_model_len})")
+    if cfg.max_prompt_tokens and cfg.max_prompt_tokens + cfg.max_response_tokens > cfg.max_model_len:
+        problems.append(f"max_prompt_tokens ({cfg.max_prompt_tokens}) + max_response_tokens ({cfg.max_response_tokens}) "
+                        f"do not fit in max_model_len ({cfg.max_model_len})")
     if cfg.eval_max_response_tokens >= cfg.max_model_len:
         problems.append(f"eval_max_response_tokens ({cfg.eval_max_response_tokens}) does not fit in max_model_len ({cfg.max_model_len})")
     if cfg.group_size < 2:
@@ -473,14 +688,52 @@ def check_config(cfg: Config, resuming: bool) -> None:
     for name in ("steps", "problems_per_step", "num_minibatches", "micro_batch_size", "save_every", "keep_checkpoints", "eval_k"):
         if getattr(cfg, name) < 1:
             problems.append(f"{name} must be at least 1, got {getattr(cfg, name)}")
+    for name in ("eval_problems", "eval_every", "max_prompt_tokens"):
+        if getattr(cfg, name) < 0:
+            problems.append(f"{name} must be 0 or more, got {getattr(cfg, name)}")
+    if cfg.eval_temperature == 0 and cfg.eval_k > 1:
+        problems.append(f"eval_k {cfg.eval_k} with greedy evaluation (eval_temperature 0) gives {cfg.eval_k} identical samples")
     if cfg.problems_per_step * cfg.group_size < cfg.num_minibatches:
         problems.append(f"{cfg.problems_per_step * cfg.group_size} trajectories cannot fill {cfg.num_minibatches} mini-batches")
     if cfg.aggregation not in ("token-mean", "sequence-mean"):
         problems.append(f"aggregation must be token-mean or sequence-mean, got '{cfg.aggregation}'")
     if not 0 < cfg.lr < 1:
         problems.append(f"lr {cfg.lr} is not a learning rate")
+    try:
+        parse_log(cfg.log)
+    except ValueError as e:
+        problems.append(str(e))
+    if cfg.model and not problems:
+        limit = position_limit(cfg.model)
+        if limit is not None and cfg.max_model_len > limit:
+            problems.append(f"max_model_len {cfg.max_model_len} is above the position limit of {cfg.model}, "
+                            f"{limit} tokens (max_position_embeddings)")
     if problems:
         raise SystemExit(f"error: {problems[0]}")
+
+
+def position_limit(model: str) -> int | None:
+    """The longest context `model` was built for (max_position_embeddings), or None when unknown.
+
+    Read from the model's folder or the local hub cache only, never the network.
+    With RoPE scaling the usable window is longer and vLLM judges it itself.
+    """
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(model, local_files_only=True)
+    except Exception:  # not downloaded yet: vLLM checks after the download
+        return None
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    if rope.get("rope_type", rope.get("type", "default")) != "default":
+        return None
+    return getattr(config, "max_position_embeddings", None)
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def parse_args(argv):

@@ -1,15 +1,15 @@
 """05-retool: the loop runs for real, survives a kill, and refuses bad configuration in one line."""
 import json
 import os
-import signal
+import random
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
-from eval import markdown_table, pass_at_k, summarise
+import retool
+from eval import markdown_table, paper_table, pass_at_k, summarise
 from prepare_data import make_toy_task, write_jsonl
 from retool import Config, batch_at, check_config, make_config, parse_args, rollout_config
 
@@ -86,53 +86,74 @@ def test_every_field_is_overridable_from_the_command_line():
 
 
 @pytest.mark.vllm
-def test_loop_runs_is_killed_and_resumes_where_it_stopped(tiny_model_path, tmp_path):
-    """A real run (vLLM, sandbox, reward, GRPO, sync) killed after step 2, then resumed to step 4."""
+def test_loop_runs_is_stopped_killed_and_resumes_where_it_stopped(tiny_model_path, tmp_path):
+    """A real run (vLLM, sandbox, reward, GRPO, sync) stopped by SIGTERM, resumed and killed, resumed to the end.
+
+    The run signals itself as a given step begins (RETOOL_TEST_SIGNAL), so
+    nothing here races it. 5 steps, a checkpoint every 3, an evaluation every 2:
+      run 1: SIGTERM as step 3 begins -> it saves step 2 (not a save_every step) and exits 143
+      run 2: resumes at 2, does 3 (checkpoint) and 4 (evaluation), SIGKILL as step 5 begins
+      run 3: resumes at 3: cuts metrics and evaluation of step 4, redoes 4 and 5, evaluates
+      run 4: the run is finished: says so, exits 0
+    """
     train, test = make_toy_task(12, 4, seed=3)
     write_jsonl(train, tmp_path / "train.jsonl")
     write_jsonl(test, tmp_path / "test.jsonl")
     run_dir = tmp_path / "run"
-    common = ["--max-response-tokens", "12", "--eval-max-response-tokens", "12", "--max-model-len", "256"]
     argv = [sys.executable, str(RETOOL), "--run-dir", str(run_dir), "--model", str(tiny_model_path),
             "--train-file", str(tmp_path / "train.jsonl"), "--eval-file", str(tmp_path / "test.jsonl"),
-            "--steps", "4", "--problems-per-step", "2", "--group-size", "2", "--micro-batch-size", "2",
-            "--eval-every", "0", "--eval-problems", "2", "--lr", "1e-3", *common]
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
-    proc = subprocess.Popen(argv, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    try:
-        deadline = time.time() + 600
-        while not (run_dir / "checkpoints" / "step-000002").exists():
-            assert proc.poll() is None, f"the run ended early: {proc.stderr.read()[-2000:]}"
-            assert time.time() < deadline, "no checkpoint of step 2 within 10 minutes"
-            time.sleep(0.2)
-        proc.send_signal(signal.SIGKILL)  # no chance to clean up: as a crash or a pulled plug
-        proc.wait()
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    steps_before = [json.loads(l)["step"] for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert steps_before[:2] == [1, 2]
+            "--steps", "5", "--problems-per-step", "2", "--group-size", "2", "--micro-batch-size", "2",
+            "--save-every", "3", "--eval-every", "2", "--eval-problems", "2", "--lr", "1e-3",
+            "--max-response-tokens", "12", "--eval-max-response-tokens", "12", "--max-model-len", "256"]
+    resume = [sys.executable, str(RETOOL), "--resume", str(run_dir)]
 
-    done = subprocess.run([sys.executable, str(RETOOL), "--resume", str(run_dir)], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert "resuming" in done.stdout and "from step" in done.stdout
+    def run(args, signal_at=None):
+        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
+        env.pop("RETOOL_TEST_SIGNAL", None)
+        if signal_at:
+            env["RETOOL_TEST_SIGNAL"] = signal_at
+        return subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+
+    def steps(name):
+        return [json.loads(l)["step"] for l in (run_dir / name).read_text().splitlines()]
+
+    def checkpoints():
+        return sorted(p.name for p in (run_dir / "checkpoints").iterdir())
+
+    first = run(argv, signal_at="TERM@3")
+    assert first.returncode == 128 + 15, first.stderr[-3000:]
+    assert f"stopped by SIGTERM after step 2: checkpoint {run_dir / 'checkpoints' / 'step-000002'}" in first.stderr
+    assert checkpoints() == ["step-000002"] and steps("metrics.jsonl") == [1, 2] and steps("eval.jsonl") == [0, 2]
+
+    second = run(resume, signal_at="KILL@5")
+    assert second.returncode == -9, second.stderr[-3000:]
+    assert "resuming" in second.stdout and "from step 2" in second.stdout
+    assert checkpoints() == ["step-000002", "step-000003"]
+    assert steps("metrics.jsonl") == [1, 2, 3, 4] and steps("eval.jsonl") == [0, 2, 4]  # 4: work the kill lost
+
+    third = run(resume)
+    assert third.returncode == 0, third.stderr[-3000:]
+    assert "from step 3" in third.stdout
     rows = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [1, 2, 3, 4]  # no step lost, none counted twice
-    expected = [[p["id"] for p in batch_at(train, s, 2, seed=0)] for s in range(4)]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]  # no step lost, none counted twice
+    expected = [[p["id"] for p in batch_at(train, s, 2, seed=0)] for s in range(5)]
     assert [r["problem_ids"] for r in rows] == expected  # the data position continued
-    assert [r["weight_version"] for r in rows] == [1, 2, 3, 4]
+    assert [r["weight_version"] for r in rows] == [1, 2, 3, 4, 5]
+    evals = [json.loads(l) for l in (run_dir / "eval.jsonl").read_text().splitlines()]
+    assert [(e["step"], e["tag"]) for e in evals] == [(0, "before RL"), (2, "step 2"), (4, "step 4"), (5, "after RL")]
     for key in ("reward_mean", "accuracy", "format_rate", "code_ratio", "degenerate_groups", "grad_norm",
                 "mismatch_abs", "clip_low_frac", "rollout_s", "sandbox_s", "reward_s", "update_s", "sync_s"):
         assert key in rows[-1]
     assert (run_dir / "plots.png").stat().st_size > 0
     assert "<html" in (run_dir / "last_step.html").read_text()[:200].lower()
-    final = run_dir / "checkpoints" / "step-000004"
+    final = run_dir / "checkpoints" / "step-000005"
     assert (final / "config.json").exists() and (final / "optimizer.pt").exists()
-    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step-000003", "step-000004"]
-    evals = [json.loads(l) for l in (run_dir / "eval.jsonl").read_text().splitlines()]
-    assert evals[0]["tag"] == "before RL" and evals[-1]["tag"] == "after RL"
+    assert checkpoints() == ["step-000003", "step-000005"]
+
+    fourth = run(resume)
+    assert fourth.returncode == 0, fourth.stderr[-3000:]
+    assert "already finished" in fourth.stdout and "resuming" not in fourth.stdout
+    assert steps("metrics.jsonl") == [1, 2, 3, 4, 5]
 
 
 @pytest.mark.vllm
@@ -145,10 +166,280 @@ def test_evaluate_writes_one_line_per_sample_and_text_mode_never_runs_code(tiny_
     # Force every response to open and close a code block, so tir mode must run it.
     forced = {"force_turns": (r"```python\nprint\(1\)\n```\n```output",)}
     with Sandbox() as sandbox:
-        result = evaluate(tiny_llm, problems, sandbox, k=2, mode=mode, max_response_tokens=24,
+        result = evaluate(tiny_llm, problems, sandbox, k=2, mode=mode, max_response_tokens=24, temperature=1.0,
                           samples_path=tmp_path / "samples.jsonl", rollout_overrides=forced)
     lines = [json.loads(l) for l in (tmp_path / "samples.jsonl").read_text().splitlines()]
     assert len(lines) == 8 and {l["source"] for l in lines} == {"a", "b"}
     assert set(result["sets"]) == {"a", "b", "all"} and result["sets"]["all"]["samples"] == 8
     calls = [l["tool_calls"] for l in lines]
     assert calls == ([1] * 8 if mode == "tir" else [0] * 8)
+    assert result["template"] == {"tir": "torl", "text": "cot"}[mode]  # text mode: no word of a tool
+
+
+# --------------------------------------------------------------------------- the torl-1.5b preset
+
+
+def test_torl_preset_is_torl_script():
+    """scripts/torl_1.5b.sh, value by value (docs/05-retool.md has the table)."""
+    cfg = make_config("torl-1.5b", {})
+    assert cfg.model == "Qwen/Qwen2.5-Math-1.5B" and cfg.template == "torl"
+    assert (cfg.problems_per_step, cfg.group_size) == (128, 16)  # data.train_batch_size, rollout.n
+    assert cfg.num_minibatches == 1  # ppo_mini_batch_size 1024 prompts: the whole step is one update
+    assert (cfg.eps_low, cfg.eps_high) == (0.2, 0.2) and cfg.scale_advantages  # clip_ratio 0.2; GRPO's std
+    assert cfg.lr == 1e-6 and cfg.temperature == 1.0 and cfg.exec_error_penalty == 0.0
+    assert (cfg.max_prompt_tokens, cfg.max_response_tokens, cfg.tool_budget) == (390, 3072, 1)
+    assert cfg.max_model_len == 400 + 3072
+    assert (cfg.eval_every, cfg.save_every) == (4, 20)  # trainer.test_freq, trainer.save_freq
+    assert (cfg.eval_k, cfg.eval_temperature, cfg.eval_problems) == (1, 0.0, 0)  # greedy, all problems
+    assert cfg.train_file.endswith("torl_data/train.parquet") and cfg.gradient_checkpointing
+    check_config(dataclass_replace(cfg, train_file=__file__, eval_file=__file__), resuming=False)
+
+
+def dataclass_replace(cfg, **change):
+    import dataclasses
+
+    return dataclasses.replace(cfg, **change)
+
+
+def test_torl_update_is_one_on_policy_step_where_the_clip_never_fires(tiny_model_path):
+    """The preset's update through chapter 06's grpo_step: one optimizer step, ratio exactly 1, nothing clipped."""
+    import torch
+
+    from grpo import GRPOConfig, group_advantages, grpo_step, load_policy, make_optimizer
+    from rollout import Trajectory
+
+    cfg = make_config("torl-1.5b", {})
+    grpo_cfg = GRPOConfig(lr=cfg.lr, eps_low=cfg.eps_low, eps_high=cfg.eps_high, aggregation=cfg.aggregation,
+                          num_minibatches=cfg.num_minibatches, micro_batch_size=2, temperature=cfg.temperature)
+    model = load_policy(tiny_model_path, device="cpu")
+    g = torch.Generator().manual_seed(0)
+    rewards = [1.0, -1.0, -1.0, -1.0, 1.0, 1.0, -1.0, 1.0]
+    advantages, _ = group_advantages(rewards, 4, scale=cfg.scale_advantages)
+    assert advantages[:4] == pytest.approx([1.5, -0.5, -0.5, -0.5])  # std of [1, -1, -1, -1] is 1
+    trajectories = []
+    for i, a in enumerate(advantages):
+        n = 5 + i
+        trajectories.append(Trajectory(
+            problem_id=str(i // 4), group_index=i % 4, reference="1", prompt_ids=[1, 2, 3],
+            token_ids=torch.randint(5, 100, (n,), generator=g).tolist(), logprobs=[-1.0] * n,
+            loss_mask=[1] * n, text="", advantage=a))
+    before = [p.detach().clone() for p in model.parameters()]
+    metrics = grpo_step(model, make_optimizer(model, grpo_cfg), trajectories, grpo_cfg)
+    assert metrics["optimizer_steps"] == 1.0
+    assert metrics["ratio_max"] == 1.0 and metrics["clip_low_frac"] == 0.0 and metrics["clip_high_frac"] == 0.0
+    assert any(not torch.equal(b, p) for b, p in zip(before, model.parameters()))
+
+
+def test_gpu_preset_is_refused_up_front_without_a_gpu():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    with pytest.raises(SystemExit) as e:
+        retool.main(["--preset", "torl-1.5b"])
+    message = str(e.value)
+    assert "needs a CUDA GPU" in message and "cpu-demo" in message and "\n" not in message
+
+
+def test_long_training_prompts_are_dropped_at_load_with_a_count(tiny_model_path, tmp_path, capsys):
+    """ToRL's parquet schema in, prompts over max_prompt_tokens out, and the count said."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from transformers import AutoTokenizer
+
+    from rollout import render_prompt
+
+    questions = [f"What is {i} + {i}?" for i in range(5)] + ["Add these numbers: " + " + ".join(["7"] * 300)]
+    rows = [{"data_source": "toy", "ability": "math",
+             "prompt": [{"role": "system", "content": "Please reason step by step."}, {"role": "user", "content": q}],
+             "reward_model": {"ground_truth": str(i), "style": "rule"}} for i, q in enumerate(questions)]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "train.parquet")
+    cfg = Config(train_file=str(tmp_path / "train.parquet"), max_prompt_tokens=64)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_path)
+    lengths = [len(tokenizer.encode(render_prompt(q, "torl"), add_special_tokens=False)) for q in questions]
+    assert max(lengths[:5]) <= 64 < lengths[5]
+    train_rows, _ = retool.load_data(dataclass_replace(cfg, eval_file=cfg.train_file))
+    kept = retool.drop_long_prompts(train_rows, str(tiny_model_path), cfg)
+    assert [p["question"] for p in kept] == questions[:5]
+    assert "kept 5 of 6 problems; dropped 1 whose prompt is over 64 tokens" in capsys.readouterr().out
+
+
+# --------------------------------------------------------------------------- resume and stop
+
+
+def test_resuming_a_finished_run_says_so_and_exits_cleanly(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    (run_dir / "checkpoints" / "step-000003").mkdir(parents=True)
+    (run_dir / "checkpoints" / "step-000003" / "state.json").write_text('{"step": 3}')
+    (run_dir / "config.json").write_text(json.dumps({"steps": 3}))
+    (run_dir / "eval.jsonl").write_text(json.dumps({"step": 3, "tag": "after RL", "sets": {}}) + "\n")
+    assert retool.main(["--resume", str(run_dir)]) == run_dir
+    assert "already finished: 3 of 3 steps done and evaluated" in capsys.readouterr().out
+
+
+def test_metrics_and_eval_lines_after_the_checkpoint_are_cut(tmp_path):
+    for name in ("metrics.jsonl", "eval.jsonl"):
+        path = tmp_path / name
+        path.write_text("".join(json.dumps({"step": s, "x": s}) + "\n" for s in (0, 2, 4, 6)))
+        retool.truncate_jsonl(path, 4)
+        assert [json.loads(l)["step"] for l in path.read_text().splitlines()] == [0, 2, 4]
+    assert not list(tmp_path.glob(".*tmp*"))
+
+
+def test_random_state_is_restored_after_the_engine_reseeds_it(tmp_path, monkeypatch):
+    """vLLM seeds the global generators when its engine starts; the checkpoint's state must win."""
+    import torch
+
+    import rollout
+
+    random.seed(123)
+    torch.manual_seed(123)
+    torch.save(retool.capture_rng(), tmp_path / "rng.pt")
+    expected = (random.random(), torch.rand(1).item())
+
+    def engine_that_reseeds(*args, **kwargs):  # what vLLM's worker does at start
+        random.seed(0)
+        torch.manual_seed(0)
+        return object()
+
+    monkeypatch.setattr(rollout, "make_llm", engine_that_reseeds)
+    retool.start_sampler(Config(), "model", {"path": str(tmp_path), "step": 1})
+    assert (random.random(), torch.rand(1).item()) == expected
+
+
+def test_checkpoint_files_reach_the_disk_before_the_folder_is_renamed(tiny_model_path, tiny_tokenizer, tmp_path, monkeypatch):
+    import torch
+
+    from grpo import GRPOConfig, load_policy, make_optimizer
+
+    model = load_policy(tiny_model_path, device="cpu")
+    optimizer = make_optimizer(model, GRPOConfig())
+    events = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd):
+        events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+        real_fsync(fd)
+
+    def replace(src, dst):
+        events.append(("rename", str(src)))
+        real_replace(src, dst)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    final = retool.save_checkpoint(tmp_path, 7, model, optimizer, tiny_tokenizer, keep=2)
+    rename = events.index(("rename", str(tmp_path / "checkpoints" / ".step-000007.tmp")))
+    synced = {Path(path).name for kind, path in events[:rename] if kind == "fsync"}
+    files = {p.name for p in final.iterdir()}
+    assert {"optimizer.pt", "rng.pt", "state.json", "config.json"} <= files
+    assert files <= synced  # every file of the checkpoint, before the rename
+    assert ("fsync", str(tmp_path / "checkpoints")) in events[rename:]  # and the rename itself
+
+    loads = []
+    real_load = torch.load
+    monkeypatch.setattr(torch, "load", lambda *a, **k: loads.append(k.get("map_location")) or real_load(*a, **k))
+    retool.load_optimizer({"path": str(final)}, make_optimizer(model, GRPOConfig()))
+    assert loads == ["cpu"]  # onto the CPU first, never straight to the device it was saved from
+
+
+def test_a_model_too_short_for_max_model_len_is_one_line_naming_both_numbers(tiny_model_path):
+    with pytest.raises(SystemExit) as e:
+        check_config(Config(model=str(tiny_model_path), max_model_len=8192), resuming=False)
+    assert "max_model_len 8192 is above the position limit" in str(e.value) and "4096 tokens" in str(e.value)
+    assert "\n" not in str(e.value)
+    import eval as evaluation
+
+    with pytest.raises(SystemExit) as e:
+        evaluation.main(["--model", str(tiny_model_path), "--max-model-len", "8192", "--data", "toy.jsonl"])
+    assert "--max-model-len 8192 is above the position limit" in str(e.value) and "4096" in str(e.value)
+
+
+# --------------------------------------------------------------------------- evaluation protocol
+
+
+def test_greedy_is_the_default_and_several_greedy_samples_are_refused():
+    import eval as evaluation
+
+    args = evaluation.parse_args(["--model", "m"])
+    assert (args.k, args.temperature, args.data, args.template) == (1, 0.0, ["aime24", "aime25", "math500"], None)
+    with pytest.raises(SystemExit, match="identical samples"):
+        evaluation.main(["--model", "org/model", "--k", "4"])
+    with pytest.raises(ValueError, match="identical samples"):
+        evaluation.evaluate(None, [], None, k=4)
+
+
+def test_text_mode_prompt_never_mentions_a_tool():
+    from eval import DEFAULT_TEMPLATE
+    from rollout import TEMPLATES, render_prompt
+
+    text = render_prompt("What is 2 + 2?", DEFAULT_TEMPLATE["text"])
+    assert "Please reason step by step, and put your final answer within \\boxed{}." in text
+    assert "program" not in text.lower() and "code" not in text.lower() and "python" not in text.lower()
+    tool = render_prompt("What is 2 + 2?", DEFAULT_TEMPLATE["tir"])
+    assert tool.replace("integrate natural language reasoning with programs to solve the problem above",
+                        "reason step by step") == text  # the same frame: only the instruction differs
+    assert "Please reason step by step" in TEMPLATES["qwen-chat-cot"]
+
+
+def test_summary_puts_the_papers_numbers_beside_the_measured_ones():
+    s = {"problems": 30, "avg@1": 0.2}
+    table = paper_table({"mode": "tir", "k": 1, "temperature": 0.0, "sets": {"aime24": s, "toy": s, "math500": s}})
+    assert "| aime24 | 30 | 20.0 | 26.7 | 43.3 |" in table and "| math500 | 30 | 20.0 | 77.8 | 82.2 |" in table
+    assert "toy" not in table and "not ToRL's protocol" not in table
+    sampled = paper_table({"mode": "tir", "k": 4, "temperature": 1.0, "sets": {"aime25": {"problems": 30, "avg@4": 0.5}}})
+    assert "| aime25 | 30 | 50.0 | 26.7 | 30.0 |" in sampled and "not ToRL's protocol" in sampled
+    assert paper_table({"mode": "tir", "k": 1, "temperature": 0.0, "sets": {"toy": s}}) == ""
+
+
+# --------------------------------------------------------------------------- logs
+
+
+def test_unknown_logger_is_a_one_line_error():
+    with pytest.raises(SystemExit, match="log 'mlflow' is not one of tensorboard, wandb"):
+        check_config(Config(log="tensorboard,mlflow"), resuming=False)
+
+
+@pytest.mark.parametrize("name,module", [("tensorboard", "torch.utils.tensorboard"), ("wandb", "wandb")])
+def test_a_missing_logger_package_says_how_to_install_it(name, module, tmp_path, monkeypatch):
+    from trackers import open_trackers
+
+    monkeypatch.setitem(sys.modules, module, None)  # import fails as if not installed
+    with pytest.raises(SystemExit) as e:
+        open_trackers(name, tmp_path, {})
+    assert f"--log {name} needs the {name} package" in str(e.value) and "pip install" in str(e.value)
+    assert "\n" not in str(e.value)
+
+
+ROW = {"step": 3, "reward_mean": 0.25, "accuracy": 0.5, "problem_ids": ["a"], "mismatch_abs": float("nan")}
+EVAL_ROW = {"step": 3, "tag": "step 3", "mode": "tir", "k": 1, "sets": {"toy": {"problems": 4, "avg@1": 0.75}}}
+
+
+def test_tensorboard_gets_the_metrics_under_the_same_keys(tmp_path):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from trackers import open_trackers
+
+    trackers = open_trackers("tensorboard", tmp_path, {})
+    trackers.log(ROW)
+    trackers.log_eval(EVAL_ROW)
+    trackers.close()
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    assert set(events.Tags()["scalars"]) == {"reward_mean", "accuracy", "eval/toy/problems", "eval/toy/avg@1"}
+    assert [(e.step, e.value) for e in events.Scalars("reward_mean")] == [(3, 0.25)]
+    assert [(e.step, e.value) for e in events.Scalars("eval/toy/avg@1")] == [(3, 0.75)]
+
+
+def test_wandb_writes_an_offline_run_without_a_network(tmp_path, monkeypatch):
+    pytest.importorskip("wandb")
+    from trackers import open_trackers
+
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    monkeypatch.setattr("trackers._wandb_reachable", lambda wandb: False)
+    trackers = open_trackers("wandb", tmp_path, {"lr": 1e-6})
+    trackers.log(ROW)
+    trackers.close()
+    runs = list((tmp_path / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1 and list(runs[0].glob("*.wandb"))

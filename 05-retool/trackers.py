@@ -1,0 +1,139 @@
+"""Copies of the run's records for the tools people watch runs with: TensorBoard and W&B.
+
+    .venv/bin/python 05-retool/retool.py --log tensorboard          # event files in RUN_DIR/tensorboard
+    .venv/bin/python 05-retool/retool.py --log wandb                # a W&B run (offline without a network)
+    .venv/bin/python 05-retool/retool.py --log tensorboard,wandb
+
+metrics.jsonl and eval.jsonl stay the record: resume reads them and the plots
+are drawn from them. A tracker gets each row as it is written, under the same
+keys (eval rows as `eval/<set>/<metric>`), and nothing else. Neither package is
+installed by default; each is imported only when asked for, and a missing one
+is a one-line error at start, before any model is loaded.
+"""
+from __future__ import annotations
+
+import math
+import os
+import re
+import socket
+from pathlib import Path
+from urllib.parse import urlparse
+
+LOGGERS = ("tensorboard", "wandb")
+INSTALL = {
+    "tensorboard": "the tensorboard package: .venv/bin/pip install -r requirements/logging.txt",
+    "wandb": "the wandb package: .venv/bin/pip install -r requirements/logging.txt",
+}
+
+
+def parse_log(text: str) -> list[str]:
+    """"tensorboard,wandb" -> ["tensorboard", "wandb"]; raises ValueError (one line) on an unknown name."""
+    names = [n.strip() for n in (text or "").split(",") if n.strip()]
+    for name in names:
+        if name not in LOGGERS:
+            raise ValueError(f"log '{name}' is not one of {', '.join(LOGGERS)}")
+    return names
+
+
+def open_trackers(log: str, run_dir: Path, config: dict, start_step: int = 0) -> "Trackers":
+    """The trackers named in `log`, ready to receive rows; `start_step` > 0 when resuming.
+
+    A resumed run redoes the steps after its checkpoint: TensorBoard drops the
+    events it had from them (purge_step), W&B resumes the same run id.
+    """
+    writers = []
+    for name in parse_log(log):
+        if name == "tensorboard":
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:
+                raise SystemExit(f"error: --log tensorboard needs {INSTALL['tensorboard']}") from None
+            writers.append(_TensorBoard(SummaryWriter(str(run_dir / "tensorboard"), purge_step=start_step + 1)))
+        elif name == "wandb":
+            try:
+                import wandb
+            except ImportError:
+                raise SystemExit(f"error: --log wandb needs {INSTALL['wandb']}") from None
+            mode = os.environ.get("WANDB_MODE") or ("online" if _wandb_reachable(wandb) else "offline")
+            run = wandb.init(project=os.environ.get("WANDB_PROJECT", "tool-rl-lab"), name=run_dir.name,
+                             id=_run_id(run_dir), resume="allow", dir=str(run_dir), config=config, mode=mode)
+            print(f"wandb: {mode} run {run.id} in {run_dir / 'wandb'}")
+            writers.append(_WandB(run))
+    return Trackers(writers)
+
+
+class Trackers:
+    def __init__(self, writers: list) -> None:
+        self.writers = writers
+
+    def log(self, row: dict) -> None:
+        """A metrics.jsonl row: its numbers under their own keys, at its step."""
+        scalars = scalars_of(row)
+        for w in self.writers:
+            w.log(scalars, int(row["step"]))
+
+    def log_eval(self, row: dict) -> None:
+        """An eval.jsonl row: every number of every set as eval/<set>/<metric>, at its step."""
+        scalars = {f"eval/{name}/{key}": value for name, summary in row["sets"].items()
+                   for key, value in scalars_of(summary).items()}
+        for w in self.writers:
+            w.log(scalars, int(row["step"]))
+
+    def close(self) -> None:
+        for w in self.writers:
+            w.close()
+
+
+def scalars_of(row: dict) -> dict[str, float]:
+    """The finite numbers of a row (not its step, lists or text), as floats."""
+    out = {}
+    for key, value in row.items():
+        if key == "step" or isinstance(value, bool) or not isinstance(value, (int, float)):
+            continue
+        if math.isfinite(value):
+            out[key] = float(value)
+    return out
+
+
+class _TensorBoard:
+    def __init__(self, writer) -> None:
+        self.writer = writer
+
+    def log(self, scalars: dict, step: int) -> None:
+        for key, value in scalars.items():
+            self.writer.add_scalar(key, value, step)
+        self.writer.flush()
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class _WandB:
+    def __init__(self, run) -> None:
+        self.run = run
+
+    def log(self, scalars: dict, step: int) -> None:
+        self.run.log(scalars, step=step)
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+def _run_id(run_dir: Path) -> str:
+    """One W&B id per run folder, so a resume continues the same run."""
+    import hashlib
+
+    digest = hashlib.sha1(str(run_dir.resolve()).encode()).hexdigest()[:8]
+    return f"{re.sub(r'[^A-Za-z0-9_-]', '-', run_dir.name)[:40]}-{digest}"
+
+
+def _wandb_reachable(wandb, timeout: float = 3.0) -> bool:
+    """Whether W&B's server answers a TCP connection within `timeout` s (no key, no network: offline)."""
+    try:
+        url = wandb.Settings().base_url
+        host = urlparse(url).hostname
+        port = urlparse(url).port or (443 if url.startswith("https") else 80)
+        with socket.create_connection((host, port), timeout=timeout):
+            return True
+    except Exception:
+        return False
