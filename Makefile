@@ -12,6 +12,16 @@ TORCH_INDEX ?=
 STAMP := $(VENV)/.installed-$(DEVICE)
 PRESET ?=
 ARGS ?=
+# Presets sized for a CUDA GPU (retool.py's GPU_PRESETS): refused before anything is
+# installed when there is none, instead of after three minutes of CPU installs.
+GPU_PRESETS := torl-1.5b
+ifneq ($(filter run-05,$(MAKECMDGOALS)),)
+ifneq ($(filter $(PRESET),$(GPU_PRESETS)),)
+ifeq ($(DEVICE),cpu)
+$(error preset $(PRESET) needs a CUDA GPU and this machine has none; on a CPU run the demo: make run-05)
+endif
+endif
+endif
 
 .PHONY: setup test run-01 run-05 eval-05 bench-sandbox bench-rollout bench-train clean
 setup: $(STAMP)

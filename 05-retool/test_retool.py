@@ -443,3 +443,15 @@ def test_wandb_writes_an_offline_run_without_a_network(tmp_path, monkeypatch):
     trackers.close()
     runs = list((tmp_path / "wandb").glob("offline-run-*"))
     assert len(runs) == 1 and list(runs[0].glob("*.wandb"))
+
+
+def test_make_refuses_a_gpu_preset_before_installing_anything():
+    import shutil
+
+    if shutil.which("make") is None:
+        pytest.skip("no make on this machine")
+    done = subprocess.run(["make", "--no-print-directory", "-n", "run-05", "PRESET=torl-1.5b", "DEVICE=cpu"],
+                          cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert done.returncode != 0 and done.stdout == ""  # -n: nothing would have run, not even the install
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and "needs a CUDA GPU" in lines[0] and "make run-05" in lines[0]
