@@ -46,6 +46,7 @@ import random
 import shutil
 import signal
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -559,6 +560,8 @@ class _Stopper:
 
     def install(self) -> None:
         self.held, self.pending = False, None
+        if threading.current_thread() is not threading.main_thread():
+            return  # Python delivers signals to the main thread only; there the defaults stay
         for signum in (signal.SIGTERM, signal.SIGINT):
             self._previous[signum] = signal.signal(signum, self._handle)
 
