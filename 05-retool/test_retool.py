@@ -455,3 +455,28 @@ def test_make_refuses_a_gpu_preset_before_installing_anything():
     assert done.returncode != 0 and done.stdout == ""  # -n: nothing would have run, not even the install
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and "needs a CUDA GPU" in lines[0] and "make run-05" in lines[0]
+
+
+def test_a_stop_during_the_update_waits_for_the_step_to_be_recorded():
+    import signal
+
+    before = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+    stopper = retool._Stopper()
+    stopper.install()
+    try:
+        with pytest.raises(retool.StopRequested) as e:  # during the rollout: at once
+            os.kill(os.getpid(), signal.SIGINT)
+        assert e.value.signum == signal.SIGINT
+        stopper.hold()  # the update began
+        os.kill(os.getpid(), signal.SIGTERM)  # waits
+        assert stopper.pending == signal.SIGTERM
+        with pytest.raises(retool.StopRequested) as e:
+            stopper.release()  # the step is recorded: now
+        assert e.value.signum == signal.SIGTERM
+        stopper.hold()
+        os.kill(os.getpid(), signal.SIGINT)
+        with pytest.raises(KeyboardInterrupt):  # a second Ctrl-C gives up on the step
+            os.kill(os.getpid(), signal.SIGINT)
+    finally:
+        stopper.uninstall()
+    assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == before
