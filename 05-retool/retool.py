@@ -46,10 +46,11 @@ import random
 import shutil
 import signal
 import sys
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from stopping import STOP, StopRequested, signal_self_for_tests
 
 PRESETS: dict[str, dict] = {
     # A tiny model trained from scratch (cold_start.py) on the toy task, then RL.
@@ -221,13 +222,13 @@ def train(cfg: Config, run_dir: Path, resume: bool = False) -> None:
 
     trajectories = []
     done, rng_done = step, capture_rng()  # the last finished step and the random state right after it
-    _STOP.install()
+    STOP.install()
     try:
         if eval_due(step) and not _evaluated(run_dir, step):  # a stop during this evaluation lost it
             run_eval("before RL" if step == 0 else f"step {step}", step)
         bar = tqdm(range(step, cfg.steps), desc="RL", initial=step, total=cfg.steps)
         for step in bar:
-            _signal_self_for_tests(step + 1)
+            signal_self_for_tests(step + 1)
             rollout_cfg = rollout_config(cfg, step)
             problems = batch_at(train_problems, step, cfg.problems_per_step, cfg.seed)
             metrics, trajectories = train_step(llm, model, optimizer, problems, sandbox, rollout_cfg, grpo_cfg, cfg)
@@ -239,21 +240,21 @@ def train(cfg: Config, run_dir: Path, resume: bool = False) -> None:
             trackers.log(metrics)
             bar.set_postfix(reward=f"{metrics['reward_mean']:+.2f}", code=f"{metrics['code_ratio']:.2f}")
             tqdm.write(step_line(metrics))
-            _STOP.release()  # the step is recorded: a stop that waited for it happens now
+            STOP.release()  # the step is recorded: a stop that waited for it happens now
             if eval_due(step + 1):
                 run_eval(f"step {step + 1}", step + 1)
         run_eval("after RL", cfg.steps)
     except StopRequested as stop:
         final = run_dir / "checkpoints" / f"step-{done:06d}"
         if done > 0 and not (final / "state.json").exists():
-            _STOP.hold()  # a further signal while saving waits (a third one stops at once)
+            STOP.hold()  # a further signal while saving waits (a third one stops at once)
             save_checkpoint(run_dir, done, model, optimizer, llm.get_tokenizer(), cfg.keep_checkpoints, rng=rng_done)
         saved = f"checkpoint {final}" if done > 0 else "no checkpoint (no step finished)"
         print(f"stopped by {signal.Signals(stop.signum).name} after step {done}: {saved}; "
               f"go on with --resume {run_dir}", file=sys.stderr)
         raise SystemExit(128 + stop.signum) from None
     finally:
-        _STOP.uninstall()
+        STOP.uninstall()
         sandbox.close()
         trackers.close()
     if trajectories:  # none when a resumed run only had its final evaluation left
@@ -322,7 +323,7 @@ def train_step(llm, model, optimizer, problems, sandbox, rollout_cfg, grpo_cfg, 
     timing["reward_s"] = time.perf_counter() - t0
 
     t0 = time.perf_counter()
-    _STOP.hold()  # from here the weights change: a stop waits until the loop has recorded this step
+    STOP.hold()  # from here the weights change: a stop waits until the loop has recorded this step
     sleep_sampler(llm)  # CUDA: hand vLLM's KV cache memory to the trainer
     update = grpo_step(model, optimizer, trajectories, grpo_cfg)
     timing["update_s"] = time.perf_counter() - t0
@@ -527,81 +528,6 @@ def _evaluated(run_dir: Path, step: int, tag: str | None = None) -> bool:
         return False
     rows = [json.loads(l) for l in path.read_text().splitlines() if l.strip()]
     return any(r["step"] == step and (tag is None or r.get("tag") == tag) for r in rows)
-
-
-# --------------------------------------------------------------------------- stopping
-
-
-class StopRequested(BaseException):
-    """SIGTERM or SIGINT (Ctrl-C) arrived: save a checkpoint of the last finished step and exit.
-
-    A BaseException, like KeyboardInterrupt, so that no `except Exception` on the
-    way (in the rollout, the sandbox, vLLM) can swallow it.
-    """
-
-    def __init__(self, signum: int):
-        super().__init__(signal.Signals(signum).name)
-        self.signum = signum
-
-
-class _Stopper:
-    """Turns SIGTERM and SIGINT into StopRequested, at once or, while a step's update is held, after it.
-
-    From the weight update of a step until the loop has written that step's
-    metrics (and checkpoint, when one is due), the weights no longer match the
-    last recorded step; a stop in that window waits for `release`. A second
-    signal while one waits gives up on the step and stops at once.
-    """
-
-    def __init__(self) -> None:
-        self.held = False
-        self.pending: int | None = None
-        self._previous: dict = {}
-
-    def install(self) -> None:
-        self.held, self.pending = False, None
-        if threading.current_thread() is not threading.main_thread():
-            return  # Python delivers signals to the main thread only; there the defaults stay
-        for signum in (signal.SIGTERM, signal.SIGINT):
-            self._previous[signum] = signal.signal(signum, self._handle)
-
-    def uninstall(self) -> None:
-        for signum, handler in self._previous.items():
-            signal.signal(signum, handler)
-        self._previous = {}
-
-    def hold(self) -> None:
-        self.held = True
-
-    def release(self) -> None:
-        self.held = False
-        if self.pending is not None:
-            signum, self.pending = self.pending, None
-            raise StopRequested(signum)
-
-    def _handle(self, signum, frame) -> None:
-        if not self.held:
-            raise StopRequested(signum)
-        if self.pending is not None:
-            raise KeyboardInterrupt
-        self.pending = signum
-        print(f"\n{signal.Signals(signum).name}: stopping once this step is recorded "
-              "(Ctrl-C again to stop now, losing the step)", file=sys.stderr)
-
-
-_STOP = _Stopper()
-
-
-def _signal_self_for_tests(step: int) -> None:
-    """RETOOL_TEST_SIGNAL=TERM@3 (or KILL@3, INT@3): send that signal to this process as step 3 begins.
-
-    Tests stop a run at a known point with it instead of racing it from outside.
-    """
-    spec = os.environ.get("RETOOL_TEST_SIGNAL", "")
-    if spec:
-        name, _, at = spec.partition("@")
-        if int(at) == step:
-            os.kill(os.getpid(), getattr(signal, f"SIG{name}"))
 
 
 def append_jsonl(path: Path, row: dict) -> None:

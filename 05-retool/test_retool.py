@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 import retool
+import stopping
 from eval import markdown_table, paper_table, pass_at_k, summarise
 from prepare_data import make_toy_task, write_jsonl
 from retool import Config, batch_at, check_config, make_config, parse_args, rollout_config
@@ -461,16 +462,16 @@ def test_a_stop_during_the_update_waits_for_the_step_to_be_recorded():
     import signal
 
     before = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
-    stopper = retool._Stopper()
+    stopper = stopping.Stopper()
     stopper.install()
     try:
-        with pytest.raises(retool.StopRequested) as e:  # during the rollout: at once
+        with pytest.raises(stopping.StopRequested) as e:  # during the rollout: at once
             os.kill(os.getpid(), signal.SIGINT)
         assert e.value.signum == signal.SIGINT
         stopper.hold()  # the update began
         os.kill(os.getpid(), signal.SIGTERM)  # waits
         assert stopper.pending == signal.SIGTERM
-        with pytest.raises(retool.StopRequested) as e:
+        with pytest.raises(stopping.StopRequested) as e:
             stopper.release()  # the step is recorded: now
         assert e.value.signum == signal.SIGTERM
         stopper.hold()

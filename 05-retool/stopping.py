@@ -1,0 +1,88 @@
+"""Stopping a training run without losing work: SIGTERM and Ctrl-C become a checkpoint, then an exit.
+
+The loop (retool.py) calls `STOP.install()` before its first step, `STOP.hold()`
+when a step starts changing the weights and `STOP.release()` once that step's
+metrics and checkpoint are written. A signal outside that window raises
+`StopRequested` at once (the weights are those of the last finished step); a
+signal inside it waits for `release`. The loop catches `StopRequested`, saves a
+checkpoint of the last finished step and exits with 128 + the signal number.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+
+
+
+class StopRequested(BaseException):
+    """SIGTERM or SIGINT (Ctrl-C) arrived: save a checkpoint of the last finished step and exit.
+
+    A BaseException, like KeyboardInterrupt, so that no `except Exception` on the
+    way (in the rollout, the sandbox, vLLM) can swallow it.
+    """
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+class Stopper:
+    """Turns SIGTERM and SIGINT into StopRequested, at once or, while a step's update is held, after it.
+
+    From the weight update of a step until the loop has written that step's
+    metrics (and checkpoint, when one is due), the weights no longer match the
+    last recorded step; a stop in that window waits for `release`. A second
+    signal while one waits gives up on the step and stops at once.
+    """
+
+    def __init__(self) -> None:
+        self.held = False
+        self.pending: int | None = None
+        self._previous: dict = {}
+
+    def install(self) -> None:
+        self.held, self.pending = False, None
+        if threading.current_thread() is not threading.main_thread():
+            return  # Python delivers signals to the main thread only; there the defaults stay
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            self._previous[signum] = signal.signal(signum, self._handle)
+
+    def uninstall(self) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+        self._previous = {}
+
+    def hold(self) -> None:
+        self.held = True
+
+    def release(self) -> None:
+        self.held = False
+        if self.pending is not None:
+            signum, self.pending = self.pending, None
+            raise StopRequested(signum)
+
+    def _handle(self, signum, frame) -> None:
+        if not self.held:
+            raise StopRequested(signum)
+        if self.pending is not None:
+            raise KeyboardInterrupt
+        self.pending = signum
+        print(f"\n{signal.Signals(signum).name}: stopping once this step is recorded "
+              "(Ctrl-C again to stop now, losing the step)", file=sys.stderr)
+
+
+STOP = Stopper()
+
+
+def signal_self_for_tests(step: int) -> None:
+    """RETOOL_TEST_SIGNAL=TERM@3 (or KILL@3, INT@3): send that signal to this process as step 3 begins.
+
+    Tests stop a run at a known point with it instead of racing it from outside.
+    """
+    spec = os.environ.get("RETOOL_TEST_SIGNAL", "")
+    if spec:
+        name, _, at = spec.partition("@")
+        if int(at) == step:
+            os.kill(os.getpid(), getattr(signal, f"SIG{name}"))
