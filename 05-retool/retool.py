@@ -602,7 +602,7 @@ def check_config(cfg: Config, resuming: bool) -> None:
     for name in ("train_file", "eval_file"):
         path = getattr(cfg, name)
         if not Path(path).exists() and "toy_" not in path:
-            hint = ("copy ToRL's data/torl_data/ folder here, or pass --" + name.replace("_", "-")
+            hint = ("put ToRL's data/torl_data/ folder under data/, or pass --" + name.replace("_", "-")
                     if "torl_data" in path else "run `make run-01` to prepare data")
             problems.append(f"{name} '{path}' does not exist ({hint})")
     if cfg.max_response_tokens >= cfg.max_model_len:
