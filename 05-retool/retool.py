@@ -407,9 +407,9 @@ def drop_long_prompts(problems: list[dict], model_path: str, cfg: Config) -> lis
     from rollout import render_prompt
 
     tokenizer = AutoTokenizer.from_pretrained(model_path)
-    kept = [p for p in problems
-            if len(tokenizer.encode(render_prompt(p["question"], cfg.template), add_special_tokens=False))
-            <= cfg.max_prompt_tokens]
+    prompts = [render_prompt(p["question"], cfg.template) for p in problems]
+    lengths = [len(ids) for ids in tokenizer(prompts, add_special_tokens=False)["input_ids"]]
+    kept = [p for p, n in zip(problems, lengths) if n <= cfg.max_prompt_tokens]
     print(f"{cfg.train_file}: kept {len(kept)} of {len(problems)} problems; dropped {len(problems) - len(kept)} "
           f"whose prompt is over {cfg.max_prompt_tokens} tokens")
     if not kept:
