@@ -372,14 +372,21 @@ def step_line(m: dict) -> str:
 
 
 def load_data(cfg: Config) -> tuple[list[dict], list[dict]]:
-    from prepare_data import make_toy_task, read_problems, write_jsonl
+    """Training and evaluation problems in 01-data's schema; says what 01-data's filter dropped."""
+    from prepare_data import load_problems, make_toy_task, write_jsonl
 
     toy = {str(Path("data/toy_train.jsonl")), str(Path("data/toy_test.jsonl"))}
     if {cfg.train_file, cfg.eval_file} <= toy and not all(Path(f).exists() for f in toy):
         train_rows, test_rows = make_toy_task(2000, 200, seed=0)  # what `make run-01` writes
         write_jsonl(train_rows, Path("data/toy_train.jsonl"))
         write_jsonl(test_rows, Path("data/toy_test.jsonl"))
-    return read_problems(cfg.train_file), read_problems(cfg.eval_file)
+    loaded = []
+    for path in (cfg.train_file, cfg.eval_file):
+        rows, dropped = load_problems(path)
+        if dropped:  # e.g. ToRL's test file holds each AIME problem four times
+            print(f"{path}: kept {len(rows)} problems; dropped " + ", ".join(f"{n} ({why})" for why, n in dropped.items()))
+        loaded.append(rows)
+    return loaded[0], loaded[1]
 
 
 def batch_at(problems: list[dict], step: int, size: int, seed: int) -> list[dict]:
