@@ -601,7 +601,7 @@ def load_config(run_dir: Path, overrides: dict) -> Config:
 
 def check_config(cfg: Config, resuming: bool) -> None:
     """Refuse, with one line, a configuration that would fail later or silently do the wrong thing."""
-    from trackers import parse_log
+    from trackers import missing_package
 
     problems = []
     if cfg.model and not Path(cfg.model).exists() and cfg.model.count("/") != 1:
@@ -636,9 +636,12 @@ def check_config(cfg: Config, resuming: bool) -> None:
     if not 0 < cfg.lr < 1:
         problems.append(f"lr {cfg.lr} is not a learning rate")
     try:
-        parse_log(cfg.log)
+        missing = missing_package(cfg.log)  # also refuses an unknown name
     except ValueError as e:
         problems.append(str(e))
+    else:
+        if missing:
+            problems.append(missing)
     if cfg.model and not problems:
         limit = position_limit(cfg.model)
         if limit is not None and cfg.max_model_len > limit:

@@ -402,14 +402,18 @@ def test_unknown_logger_is_a_one_line_error():
 
 
 @pytest.mark.parametrize("name,module", [("tensorboard", "torch.utils.tensorboard"), ("wandb", "wandb")])
-def test_a_missing_logger_package_says_how_to_install_it(name, module, tmp_path, monkeypatch):
+def test_a_missing_logger_package_says_how_to_install_it_before_anything_loads(name, module, tmp_path, monkeypatch):
     from trackers import open_trackers
 
     monkeypatch.setitem(sys.modules, module, None)  # import fails as if not installed
+    monkeypatch.setitem(sys.modules, name, None)
     with pytest.raises(SystemExit) as e:
-        open_trackers(name, tmp_path, {})
+        check_config(Config(log=name), resuming=False)  # at start, before the model and the engine
     assert f"--log {name} needs the {name} package" in str(e.value) and "pip install" in str(e.value)
     assert "\n" not in str(e.value)
+    with pytest.raises(SystemExit) as e:
+        open_trackers(name, tmp_path, {})
+    assert f"--log {name} needs the {name} package" in str(e.value)
 
 
 ROW = {"step": 3, "reward_mean": 0.25, "accuracy": 0.5, "problem_ids": ["a"], "mismatch_abs": float("nan")}

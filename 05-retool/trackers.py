@@ -35,6 +35,16 @@ def parse_log(text: str) -> list[str]:
     return names
 
 
+def missing_package(log: str) -> str | None:
+    """A one-line error if a tracker named in `log` cannot be imported, else None; checked before any model loads."""
+    import importlib.util
+
+    for name in parse_log(log):
+        if importlib.util.find_spec(name) is None:  # torch.utils.tensorboard needs the tensorboard package
+            return f"--log {name} needs {INSTALL[name]}"
+    return None
+
+
 def open_trackers(log: str, run_dir: Path, config: dict, start_step: int = 0) -> "Trackers":
     """The trackers named in `log`, ready to receive rows; `start_step` > 0 when resuming.
 
