@@ -106,6 +106,10 @@ def test_loop_runs_is_stopped_killed_and_resumes_where_it_stopped(tiny_model_pat
             "--steps", "5", "--problems-per-step", "2", "--group-size", "2", "--micro-batch-size", "2",
             "--save-every", "3", "--eval-every", "2", "--eval-problems", "2", "--lr", "1e-3",
             "--max-response-tokens", "12", "--eval-max-response-tokens", "12", "--max-model-len", "256"]
+    import importlib.util
+
+    tensorboard = importlib.util.find_spec("tensorboard") is not None  # optional: checked when installed
+    argv += ["--log", "tensorboard"] if tensorboard else []
     resume = [sys.executable, str(RETOOL), "--resume", str(run_dir)]
 
     def run(args, signal_at=None):
@@ -150,6 +154,14 @@ def test_loop_runs_is_stopped_killed_and_resumes_where_it_stopped(tiny_model_pat
     final = run_dir / "checkpoints" / "step-000005"
     assert (final / "config.json").exists() and (final / "optimizer.pt").exists()
     assert checkpoints() == ["step-000003", "step-000005"]
+
+    if tensorboard:  # the same rows, each step once: the resumes dropped the events of the steps they redid
+        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+        events = EventAccumulator(str(run_dir / "tensorboard"))
+        events.Reload()
+        assert [(e.step, e.value) for e in events.Scalars("reward_mean")] == [(r["step"], r["reward_mean"]) for r in rows]
+        assert [e.step for e in events.Scalars("eval/toy/avg@1")] == [0, 2, 4, 5]
 
     fourth = run(resume)
     assert fourth.returncode == 0, fourth.stderr[-3000:]
