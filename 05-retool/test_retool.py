@@ -499,3 +499,17 @@ def test_a_stop_during_the_update_waits_for_the_step_to_be_recorded():
     finally:
         stopper.uninstall()
     assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == before
+
+
+@pytest.mark.vllm
+def test_greedy_evaluation_is_the_default_and_repeats_itself(tiny_llm, tmp_path):
+    from eval import evaluate
+    from sandbox import Sandbox
+
+    problems = make_toy_task(3, 0, seed=6)[0]
+    with Sandbox() as sandbox:
+        first = evaluate(tiny_llm, problems, sandbox, max_response_tokens=16, samples_path=tmp_path / "a.jsonl")
+        again = evaluate(tiny_llm, problems, sandbox, max_response_tokens=16, samples_path=tmp_path / "b.jsonl", seed=7)
+    assert first["temperature"] == 0 and first["k"] == 1 and first["sets"]["toy"]["samples"] == 3
+    texts = [[json.loads(l)["text"] for l in (tmp_path / f).read_text().splitlines()] for f in ("a.jsonl", "b.jsonl")]
+    assert texts[0] == texts[1]  # greedy: the seed changes nothing
