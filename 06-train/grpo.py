@@ -124,7 +124,7 @@ def group_advantages(
     return centred.flatten().tolist(), int(degenerate.sum())
 
 
-def grpo_step(model, optimizer, trajectories, cfg: GRPOConfig) -> dict[str, float]:
+def grpo_step(model, optimizer, trajectories, cfg: GRPOConfig, global_normalizer=None) -> dict[str, float]:
     """One GRPO step on trajectories that already carry `.advantage`; returns flat metrics.
 
     1. Old log-probs and entropy of every model token, with the current weights, no gradient.
@@ -145,6 +145,11 @@ def grpo_step(model, optimizer, trajectories, cfg: GRPOConfig) -> dict[str, floa
 
     Trajectories with zero advantage (degenerate groups) add no gradient but do
     count in the token-mean denominator; filter them out before the call to avoid that.
+
+    Data parallel (`model` wrapped in DDP or sharded by FSDP2, see distributed.py):
+    `global_normalizer` maps this process's mini-batch denominator to the one it
+    must divide by so that the averaged gradient is the whole batch's; metrics
+    stay this process's own.
     """
     if not trajectories:
         raise ValueError("grpo_step needs at least one trajectory")
@@ -181,8 +186,11 @@ def grpo_step(model, optimizer, trajectories, cfg: GRPOConfig) -> dict[str, floa
             continue
         rows = rows[torch.argsort(lengths[rows], descending=True, stable=True)]
         normalizer = _normalizer(batch.loss_mask[rows], cfg.aggregation)
+        if global_normalizer is not None:
+            normalizer = global_normalizer(normalizer)
         optimizer.zero_grad(set_to_none=True)
-        for micro_rows in rows.split(cfg.micro_batch_size):
+        micro_batches = rows.split(cfg.micro_batch_size)
+        for micro_rows in micro_batches:
             micro = batch.select(micro_rows)
             old = old_logprobs[micro_rows, : micro.loss_mask.shape[1]]
             logprobs, _ = _forward(model, micro.input_ids, micro.attention_mask, cfg.temperature)
@@ -196,7 +204,8 @@ def grpo_step(model, optimizer, trajectories, cfg: GRPOConfig) -> dict[str, floa
             # with ref_logprobs from a frozen copy of the initial model, computed in
             # step 1 beside old_logprobs. ToRL uses kl_coef = 0, so the lab keeps
             # neither the copy nor its memory.
-            loss.backward()
+            with _gradient_sync(model, micro_rows is micro_batches[-1]):
+                loss.backward()
             totals["loss"] += float(loss.detach())
             micro_tokens = stats["tokens"]
             totals["clip_low"] += stats["clip_low_frac"] * micro_tokens
@@ -204,7 +213,7 @@ def grpo_step(model, optimizer, trajectories, cfg: GRPOConfig) -> dict[str, floa
             totals["ratio_sum"] += stats["ratio_mean"] * micro_tokens
             totals["kl_sum"] += stats["approx_kl"] * micro_tokens
             totals["ratio_max"] = max(totals["ratio_max"], stats["ratio_max"])
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm))
+        grad_norm = _full(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)).item()
         if math.isfinite(grad_norm):
             optimizer.step()
             totals["grad_norm"] += grad_norm
@@ -251,7 +260,8 @@ def sync_weights(model, llm) -> int:
     asleep = llm.llm_engine.is_sleeping()
     if asleep:
         llm.wake_up(tags=["weights"])  # the weights' memory first; the KV cache after the copy
-    weights = ((name, param.detach()) for name, param in model.named_parameters())
+    # full tensors under their Hugging Face names, also from a DDP or FSDP2 model
+    weights = ((name, _full(param.detach())) for name, param in _unwrap(model).named_parameters())
     llm.collective_rpc(_reload_weights_in_worker, args=(weights,))
     if asleep:
         gc.collect()
@@ -504,6 +514,27 @@ def _normalizer(loss_mask: torch.Tensor, aggregation: str) -> float:
     return max(float((loss_mask.sum(dim=1) > 0).sum()), 1.0)
 
 
+def _unwrap(model):
+    """The Hugging Face model inside a DDP wrapper; any other model as it is."""
+    return getattr(model, "module", model)
+
+
+def _full(tensor: torch.Tensor) -> torch.Tensor:
+    """The whole tensor from an FSDP2 shard (a DTensor: a collective, every rank must call it)."""
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+
+
+def _gradient_sync(model, sync: bool):
+    """DDP: average gradients across ranks on the mini-batch's last backward only.
+
+    Earlier micro-batches accumulate locally: one exchange per optimizer step
+    instead of one per micro-batch. FSDP2 reduce-scatters after every backward
+    on purpose: skipping it would hold an unsharded float32 gradient (28 GiB for
+    a 7B model) on every GPU. A plain model has nothing to exchange.
+    """
+    return model.no_sync() if hasattr(model, "no_sync") and not sync else nullcontext()
+
+
 def _masked_mean(values: torch.Tensor, mask: torch.Tensor) -> float:
     n = int(mask.sum())
     return float(torch.where(mask, values.float(), 0.0).sum() / n) if n else 0.0
@@ -514,6 +545,7 @@ def _device(model) -> torch.device:
 
 
 def _set_gradient_checkpointing(model, on: bool) -> None:
+    model = _unwrap(model)
     if on and not model.is_gradient_checkpointing:
         # non-reentrant: works when the inputs (token ids) need no gradient
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

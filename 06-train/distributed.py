@@ -1,0 +1,298 @@
+"""Data parallel RL across the devices of one node with torch.distributed; see docs/06-train.md, "Scaling".
+
+    torchrun --nproc-per-node 8 05-retool/retool.py --preset torl-1.5b     # 8 GPUs, DDP
+    make run-05 NPROC=8 PRESET=torl-7b                                       # 8 GPUs, FSDP2
+    make run-05 NPROC=2 ARGS="--model runs/x/base --steps 4"                 # 2 CPU processes, gloo
+
+Without torchrun, `setup()` returns a world of one and every method below is
+the identity: the loop in chapter 05 reads the same either way.
+
+Each rank owns one device, its own vLLM engine and its own trainer replica
+(DDP) or shard (FSDP2). Decisions, and why:
+
+1. Whole groups on one rank. An advantage needs only its group's rewards, so
+   rollout, reward and advantage run on every rank with no communication.
+2. Problems are dealt so that every rank's k-th mini-batch is a slice of the
+   single-process k-th mini-batch (`shard`): the N-rank run then takes the same
+   optimizer steps, on the same trajectories, as one process on the whole batch.
+3. The loss denominator is global. Token-mean divides by the mini-batch's model
+   tokens on all ranks together (an all-reduce); DDP and FSDP then average
+   gradients over ranks, so each rank divides by global / N (`global_normalizer`).
+   Dividing by the local count instead would weight a token on a rank with
+   short answers more than one on a rank with long answers.
+4. The engines are vLLM's "external launcher" kind: vLLM joins the process
+   group torchrun made instead of making its own, and each engine (tensor
+   parallel 1) samples independently.
+5. Rank 0 alone writes files; metrics are combined from every rank's
+   (`reduce_metrics`); the evaluation runs on rank 0 while the others wait.
+6. A rank that fails exits non-zero; torchrun then stops the others and prints
+   the failed rank's traceback (`record` writes it for torchrun), so a failure
+   ends the run instead of leaving the other ranks blocked in a collective.
+"""
+from __future__ import annotations
+
+import math
+import os
+from contextlib import contextmanager
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+# How long a rank waits in a collective for the others. The evaluation runs on
+# rank 0 alone while the others wait in a barrier, so this bounds an eval too.
+COLLECTIVE_TIMEOUT = timedelta(minutes=60)
+
+
+class DataParallel:
+    """This process's place in the world: rank, world size, device, and the collectives the loop needs."""
+
+    def __init__(self, rank: int = 0, world_size: int = 1, local_rank: int = 0, strategy: str = "ddp"):
+        self.rank, self.world_size, self.local_rank = rank, world_size, local_rank
+        self.strategy = strategy  # "ddp" or "fsdp"
+        if torch.cuda.is_available():
+            self.device = torch.device("cuda", local_rank)
+        else:
+            self.device = torch.device("cpu")
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+    # ----------------------------------------------------------------- the batch
+
+    def shard(self, items: list, num_minibatches: int) -> list:
+        """This rank's share of a step's problems (decision 2).
+
+        The problems are cut into `num_minibatches` consecutive chunks, as
+        grpo_step cuts the trajectories; each chunk is cut again into one
+        consecutive slice per rank. With 8 problems, 2 mini-batches, 2 ranks:
+        rank 0 gets [0, 1, 4, 5] and rank 1 [2, 3, 6, 7].
+        """
+        if not self.distributed:
+            return items
+        if len(items) % (num_minibatches * self.world_size):
+            raise ValueError(f"{len(items)} problems do not split into {num_minibatches} mini-batches"
+                             f" x {self.world_size} ranks")
+        per = len(items) // (num_minibatches * self.world_size)
+        out = []
+        for chunk in range(num_minibatches):
+            start = (chunk * self.world_size + self.rank) * per
+            out.extend(items[start: start + per])
+        return out
+
+    def global_normalizer(self, local: float) -> float:
+        """grpo_step's loss denominator on this rank: the count summed over ranks, over N (decision 3)."""
+        if not self.distributed:
+            return local
+        count = torch.tensor([float(local)], dtype=torch.float64)  # gloo carries CPU tensors, also on GPU nodes
+        dist.all_reduce(count)
+        return float(count) / self.world_size
+
+    def rollout_seed(self, seed: int | None) -> int | None:
+        """A different sampling seed per rank (rank 0 keeps the single-process one)."""
+        return None if seed is None else seed + 1_000_003 * self.rank
+
+    # ----------------------------------------------------------------- the model
+
+    def wrap(self, model):
+        """DDP (a full replica per rank) or FSDP2 (each rank holds 1/N of weights, gradients, AdamW state)."""
+        if not self.distributed:
+            return model
+        if self.strategy == "fsdp":
+            from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+            # bf16 compute on the gathered weights, float32 shards and gradient reduction
+            policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+            for layer in model.model.layers:  # one all-gather per decoder layer, freed after use
+                fully_shard(layer, mp_policy=policy)
+            fully_shard(model, mp_policy=policy)
+            return model
+        from torch.nn.parallel import DistributedDataParallel
+
+        ids = [self.local_rank] if self.device.type == "cuda" else None
+        # buffers (rotary frequencies) are constants: no broadcast before every forward
+        return DistributedDataParallel(model, device_ids=ids, broadcast_buffers=False)
+
+    @staticmethod
+    def unwrap(model):
+        """The Hugging Face model inside a DDP wrapper (FSDP2 shards the model in place: no wrapper)."""
+        return getattr(model, "module", model)
+
+    def checkpoint_parts(self, model, optimizer):
+        """(model, optimizer) to hand to save_checkpoint on rank 0; every rank must call it.
+
+        DDP: every replica is the same, rank 0's is saved as is. FSDP2: the shards
+        are gathered into a full state dict on rank 0's host memory first.
+        """
+        if self.strategy != "fsdp" or not self.distributed:
+            return self.unwrap(model), optimizer
+        from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                             get_optimizer_state_dict)
+
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        return (_FullModel(model, get_model_state_dict(model, options=options)),
+                _FullOptimizer(model, optimizer, get_optimizer_state_dict(model, optimizer, options=options)))
+
+    def restorable_optimizer(self, model, optimizer):
+        """What retool's restore_state loads into: the optimizer, or (FSDP2) a view that re-shards a full state."""
+        if self.strategy != "fsdp" or not self.distributed:
+            return optimizer
+        return _FullOptimizer(model, optimizer, None)
+
+    # ----------------------------------------------------------------- metrics and files
+
+    def reduce_metrics(self, metrics: dict) -> dict:
+        """One metrics dict for the whole step from every rank's; see `combine_metrics` for the rules."""
+        if not self.distributed:
+            return metrics
+        gathered = [None] * self.world_size
+        dist.all_gather_object(gathered, metrics)
+        return combine_metrics(gathered)
+
+    def gather(self, items: list) -> list:
+        """Every rank's list, concatenated in rank order (on every rank)."""
+        if not self.distributed:
+            return items
+        gathered = [None] * self.world_size
+        dist.all_gather_object(gathered, items)
+        return [x for part in gathered for x in part]
+
+    def broadcast(self, value):
+        """Rank 0's value of a picklable object, on every rank."""
+        if not self.distributed:
+            return value
+        box = [value]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def barrier(self) -> None:
+        if self.distributed:
+            dist.barrier()
+
+    @contextmanager
+    def main_first(self):
+        """Rank 0 runs the block (writes a file, trains the cold-start model); then the others do.
+
+        The others' run of the block then finds rank 0's result on disk.
+        """
+        if not self.is_main:
+            self.barrier()
+        yield
+        if self.is_main:
+            self.barrier()
+
+    def engine_kwargs(self) -> dict:
+        """Arguments for make_llm: an engine that lives in torchrun's world (decision 4)."""
+        return {"distributed_executor_backend": "external_launcher"} if self.distributed else {}
+
+    def close(self) -> None:
+        if self.distributed and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def setup(strategy: str = "ddp") -> DataParallel:
+    """Join torchrun's world if this process was started by it; otherwise a world of one.
+
+    NCCL on GPUs (one per rank, by LOCAL_RANK), gloo on CPU. vLLM joins the same
+    group later; it requires the group to exist before the engine is built.
+    """
+    if strategy not in ("ddp", "fsdp"):
+        raise ValueError(f"strategy must be ddp or fsdp, got {strategy!r}")
+    if "RANK" not in os.environ or int(os.environ.get("WORLD_SIZE", "1")) == 1:
+        return DataParallel(strategy=strategy)
+    rank, world, local = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_RANK"])
+    if torch.cuda.is_available():
+        if local >= torch.cuda.device_count():
+            raise SystemExit(f"error: rank {rank} wants GPU {local} but this node has {torch.cuda.device_count()}")
+        torch.cuda.set_device(local)
+        backend = "cpu:gloo,cuda:nccl"  # gloo for object collectives, NCCL for tensors on the GPU
+    else:
+        backend = "gloo"
+    if not dist.is_initialized():
+        dist.init_process_group(backend, timeout=COLLECTIVE_TIMEOUT)
+    return DataParallel(rank, world, local, strategy)
+
+
+def combine_metrics(per_rank: list[dict]) -> dict:
+    """Combine per-rank metric dicts into the whole step's, exactly where the rule allows.
+
+    - counts add: trajectories, tokens, sequences, degenerate_groups;
+    - timings (`*_s`) take the slowest rank: the step waits for it;
+    - maxima take the max: mismatch_max, ratio_max;
+    - per-token means weigh each rank by its model tokens: entropy, mismatch_*, clip_*, ratio_mean, approx_kl;
+    - outcome means weigh each rank by its trajectories; code_pass_ratio by its tool calls,
+      code_ratio_correct / _incorrect by its correct / incorrect trajectories;
+    - the rest (loss, grad_norm, optimizer_steps, ...: equal or averaged across ranks) is the plain mean;
+    - lists (problem ids) are concatenated; anything else is rank 0's.
+    """
+    if len(per_rank) == 1:
+        return dict(per_rank[0])
+    sums = {"trajectories", "tokens", "sequences", "degenerate_groups"}
+    maxima = {"mismatch_max", "ratio_max"}
+    per_token = {"entropy", "mismatch_abs", "mismatch_kl", "clip_low_frac", "clip_high_frac", "ratio_mean", "approx_kl"}
+
+    def weight(m: dict, key: str) -> float:
+        n = m.get("trajectories", 1.0)
+        if key in per_token:
+            return m.get("tokens", 1.0)
+        if key == "code_pass_ratio":
+            return m.get("tool_calls", 0.0) * n
+        if key == "code_ratio_correct":
+            return m.get("accuracy", 0.0) * n
+        if key == "code_ratio_incorrect":
+            return (1.0 - m.get("accuracy", 0.0)) * n
+        return n
+
+    outcome = {"reward_mean", "accuracy", "format_rate", "code_ratio", "code_pass_ratio", "code_ratio_correct",
+               "code_ratio_incorrect", "tool_calls", "response_length", "truncation_rate"}
+    out = {}
+    for key, first in per_rank[0].items():
+        values = [m.get(key) for m in per_rank]
+        if isinstance(first, list):
+            out[key] = [x for v in values for x in v]
+        elif not isinstance(first, (int, float)) or isinstance(first, bool):
+            out[key] = first
+        elif key in sums:
+            out[key] = float(sum(values))
+        elif key.endswith("_s"):
+            out[key] = max(values)
+        elif key in maxima:
+            out[key] = max(values)
+        elif key in per_token or key in outcome:
+            pairs = [(v, weight(m, key)) for v, m in zip(values, per_rank) if not math.isnan(v) and weight(m, key) > 0]
+            total = sum(w for _, w in pairs)
+            out[key] = sum(v * w for v, w in pairs) / total if total else float("nan")
+        else:
+            out[key] = sum(values) / len(values)
+    return out
+
+
+class _FullModel:
+    """A sharded model that saves like a Hugging Face model, from a gathered full state dict."""
+
+    def __init__(self, model, state_dict):
+        self.model, self.state_dict = model, state_dict
+
+    def save_pretrained(self, path, **kwargs):
+        self.model.save_pretrained(path, state_dict=self.state_dict, **kwargs)
+
+
+class _FullOptimizer:
+    """A sharded optimizer seen as one full state dict: saved from rank 0, loaded and re-sharded on every rank."""
+
+    def __init__(self, model, optimizer, full_state):
+        self.model, self.optimizer, self.full_state = model, optimizer, full_state
+
+    def state_dict(self):
+        return self.full_state
+
+    def load_state_dict(self, state):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+        set_optimizer_state_dict(self.model, self.optimizer, state if dist.get_rank() == 0 else {}, options=options)

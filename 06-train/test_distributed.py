@@ -1,0 +1,152 @@
+"""Data parallel training equals one process on the whole batch (gloo, two CPU ranks, tiny model)."""
+import math
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from distributed import DataParallel, combine_metrics
+from grpo import GRPOConfig, group_advantages, grpo_step, load_policy, make_optimizer
+from rollout import Trajectory
+
+PROBLEMS, GROUP = 8, 4
+CFG = GRPOConfig(lr=1e-3, num_minibatches=2, micro_batch_size=3)  # 3 does not divide a rank's 8 rows
+
+
+def group_trajectories(seed=0):
+    """8 problems x 4 samples; response lengths differ a lot between problems, so ranks hold unequal token counts."""
+    g = torch.Generator().manual_seed(seed)
+    rewards = (torch.randint(0, 2, (PROBLEMS * GROUP,), generator=g) * 2 - 1).tolist()
+    advantages, _ = group_advantages(rewards, GROUP)
+    out = []
+    for i in range(PROBLEMS * GROUP):
+        problem = i // GROUP
+        n = 6 + 5 * (problem % 3) + (i % GROUP)
+        tokens = torch.randint(3, 400, (n,), generator=g).tolist()
+        mask = [1] * n
+        mask[2:4] = [0, 0]  # an interpreter-output span
+        out.append(Trajectory(str(problem), i % GROUP, "", torch.randint(3, 400, (5,), generator=g).tolist(),
+                              tokens, [0.0] * n, mask, "", reward=float(rewards[i]), advantage=advantages[i]))
+    return out
+
+
+def by_problem(trajectories):
+    groups = {}
+    for t in trajectories:
+        groups.setdefault(t.problem_id, []).append(t)
+    return list(groups.values())
+
+
+def _rank(rank, world, store, model_path, out, global_denominator):
+    torch.set_num_threads(1)
+    torch.distributed.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    try:
+        dp = DataParallel(rank, world)
+        torch.manual_seed(0)
+        model = dp.wrap(load_policy(model_path, device="cpu"))
+        optimizer = make_optimizer(model, CFG)
+        groups = dp.shard(by_problem(group_trajectories()), CFG.num_minibatches)  # whole groups per rank
+        local = [t for group in groups for t in group]
+        metrics = grpo_step(model, optimizer, local, CFG,
+                            global_normalizer=dp.global_normalizer if global_denominator else None)
+        metrics = dp.reduce_metrics(metrics)
+        if rank == 0:
+            torch.save({"weights": dp.unwrap(model).state_dict(), "metrics": metrics}, out)
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def two_ranks(tmp_path, model_path, global_denominator=True):
+    out = tmp_path / f"ranks-{global_denominator}.pt"
+    mp.spawn(_rank, args=(2, str(tmp_path / f"store-{global_denominator}"), str(model_path), str(out),
+                          global_denominator), nprocs=2)
+    return torch.load(out)
+
+
+def one_process(model_path):
+    torch.manual_seed(0)
+    model = load_policy(model_path, device="cpu")
+    optimizer = make_optimizer(model, CFG)
+    metrics = grpo_step(model, optimizer, group_trajectories(), CFG)
+    return model.state_dict(), metrics
+
+
+def max_difference(a, b):
+    return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
+def test_shard_deals_each_rank_a_slice_of_every_minibatch():
+    items = list(range(8))
+    assert DataParallel(0, 2).shard(items, 2) == [0, 1, 4, 5]
+    assert DataParallel(1, 2).shard(items, 2) == [2, 3, 6, 7]
+    assert DataParallel(0, 1).shard(items[:7], 2) == items[:7]  # one process: any size, order kept
+    with pytest.raises(ValueError, match="do not split"):
+        DataParallel(0, 2).shard(list(range(6)), 2)
+
+
+def test_two_ranks_on_half_batches_take_the_same_step_as_one_process_on_the_whole(tmp_path, tiny_model_path):
+    single, single_metrics = one_process(tiny_model_path)
+    ranks = two_ranks(tmp_path, tiny_model_path)
+    initial = load_policy(tiny_model_path, device="cpu").state_dict()
+    assert max_difference(single, initial) > 1e-4  # the step moved the weights
+    assert max_difference(ranks["weights"], single) < 1e-5
+    for key in ("loss", "grad_norm", "tokens", "sequences", "entropy", "clip_low_frac", "ratio_mean", "mismatch_abs"):
+        assert ranks["metrics"][key] == pytest.approx(single_metrics[key], rel=1e-4, abs=1e-6), key
+
+
+def test_dividing_by_each_ranks_own_token_count_gives_a_different_step(tmp_path, tiny_model_path):
+    """The rule the equivalence rests on: the token-mean denominator is global, not per rank."""
+    single, _ = one_process(tiny_model_path)
+    naive = two_ranks(tmp_path, tiny_model_path, global_denominator=False)
+    assert max_difference(naive["weights"], single) > 1e-4
+
+
+def test_combined_metrics_weigh_ranks_by_what_each_metric_counts():
+    a = {"trajectories": 4.0, "tokens": 100.0, "accuracy": 0.5, "tool_calls": 1.0, "code_pass_ratio": 1.0,
+         "entropy": 1.0, "mismatch_max": 0.1, "rollout_s": 3.0, "grad_norm": 2.0, "problem_ids": ["a"], "step": 1}
+    b = {"trajectories": 4.0, "tokens": 300.0, "accuracy": 0.0, "tool_calls": 0.0, "code_pass_ratio": float("nan"),
+         "entropy": 2.0, "mismatch_max": 0.3, "rollout_s": 5.0, "grad_norm": 2.0, "problem_ids": ["b"], "step": 1}
+    m = combine_metrics([a, b])
+    assert m["trajectories"] == 8 and m["tokens"] == 400 and m["accuracy"] == 0.25
+    assert m["code_pass_ratio"] == 1.0  # rank b made no calls: its NaN carries no weight
+    assert m["entropy"] == pytest.approx(1.75)  # token-weighted
+    assert m["mismatch_max"] == 0.3 and m["rollout_s"] == 5.0 and m["grad_norm"] == 2.0
+    assert m["problem_ids"] == ["a", "b"] and m["step"] == 1
+    assert math.isnan(combine_metrics([b, {**b, "tool_calls": 0.0}])["code_pass_ratio"])
+
+
+@pytest.mark.vllm
+def test_torchrun_two_ranks_write_one_run_with_the_global_batch(tmp_path, tiny_model_path):
+    """Two CPU ranks, each with its own vLLM engine: one metrics.jsonl, the global batch, then a resume."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parent.parent
+    run = tmp_path / "run"
+    common = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+              str(repo / "05-retool" / "retool.py")]
+    small = ["--model", str(tiny_model_path), "--problems-per-step", "4", "--group-size", "2",
+             "--max-response-tokens", "16", "--eval-problems", "2", "--eval-max-response-tokens", "16",
+             "--micro-batch-size", "2"]
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
+
+    def launch(args):
+        done = subprocess.run(common + args, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+
+    launch(["--run-dir", str(run), "--steps", "1", *small])
+    launch(["--resume", str(run), "--steps", "2"])  # two ranks pick up rank 0's checkpoint
+
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2]  # one writer, no duplicate lines
+    for r in rows:
+        assert r["world_size"] == 2
+        assert r["trajectories"] == 4 * 2 and r["sequences"] == 4 * 2  # the global batch, not one rank's half
+        assert len(set(r["problem_ids"])) == 4
+    assert rows[1]["weight_version"] == 2  # the resumed engines hold the step-1 checkpoint, then one sync
+    assert (run / "checkpoints" / "step-000002" / "state.json").exists()
+    evals = [json.loads(line)["tag"] for line in (run / "eval.jsonl").read_text().splitlines()]
+    assert evals == ["before RL", "after RL", "after RL"]  # rank 0 alone evaluates (end of each launch)
