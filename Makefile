@@ -14,7 +14,7 @@ PRESET ?=
 ARGS ?=
 # Presets sized for a CUDA GPU (retool.py's GPU_PRESETS): refused before anything is
 # installed when there is none, instead of after three minutes of CPU installs.
-GPU_PRESETS := torl-1.5b
+GPU_PRESETS := torl-1.5b torl-7b
 ifneq ($(filter run-05,$(MAKECMDGOALS)),)
 ifneq ($(filter $(PRESET),$(GPU_PRESETS)),)
 ifeq ($(DEVICE),cpu)
@@ -22,6 +22,8 @@ $(error preset $(PRESET) needs a CUDA GPU and this machine has none; on a CPU ru
 endif
 endif
 endif
+# Processes for run-05: one per GPU (or CPU processes with gloo), started by torchrun when above 1.
+NPROC ?= 1
 
 .PHONY: setup test run-01 run-05 eval-05 bench-sandbox bench-rollout bench-train clean
 setup: $(STAMP)
@@ -50,7 +52,7 @@ run-01: $(STAMP)
 	$(PY) 01-data/prepare_data.py $(ARGS)
 
 run-05: $(STAMP)
-	$(PY) 05-retool/retool.py $(if $(PRESET),--preset $(PRESET)) $(ARGS)
+	$(if $(filter-out 1,$(NPROC)),$(VENV)/bin/torchrun --standalone --nproc-per-node $(NPROC),$(PY)) 05-retool/retool.py $(if $(PRESET),--preset $(PRESET)) $(ARGS)
 
 eval-05: $(STAMP)
 	$(PY) 05-retool/eval.py $(ARGS)
@@ -61,8 +63,11 @@ bench-sandbox: $(STAMP)
 bench-rollout: $(STAMP)
 	$(PY) 03-rollout/bench_rollout.py $(ARGS)
 
+# PYTHONPATH as the venv's .pth sets it, so that `make bench-train PY=python3 STAMP=` runs on a GPU
+# machine with torch and transformers but no venv (no install, no vLLM needed there).
 bench-train: $(STAMP)
-	$(PY) 06-train/bench_train.py $(ARGS)
+	PYTHONPATH=$(CURDIR):$(CURDIR)/01-data:$(CURDIR)/02-sandbox:$(CURDIR)/03-rollout:$(CURDIR)/04-reward:$(CURDIR)/05-retool:$(CURDIR)/06-train \
+	  $(PY) 06-train/bench_train.py $(ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache

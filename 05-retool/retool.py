@@ -5,6 +5,7 @@
     .venv/bin/python 05-retool/retool.py --preset cpu-demo --steps 40 --lr 3e-4
     .venv/bin/python 05-retool/retool.py --resume runs/cpu-demo-20261129-1200
     .venv/bin/python 05-retool/retool.py --plot runs/cpu-demo-20261129-1200
+    torchrun --nproc-per-node 8 05-retool/retool.py --preset torl-1.5b   # 8 GPUs (make run-05 NPROC=8)
 
 One step, top to bottom (the whole of `train_step` below):
 
@@ -33,6 +34,9 @@ Decisions worth knowing:
   of a step are used for `num_minibatches` updates and then thrown away. With
   one mini-batch (ToRL's recipe) the ratio is exactly 1, the clip never fires,
   and the update is the plain policy gradient.
+- Under torchrun each rank samples and trains on its own share of the step's
+  problems, whole groups each, and the averaged update equals one process's on
+  the whole batch (06-train/distributed.py); rank 0 alone writes files.
 - A group whose rewards are all equal has zero advantages and teaches nothing;
   it is kept (the count is logged as degenerate_groups), not resampled.
 """
@@ -89,8 +93,19 @@ PRESETS: dict[str, dict] = {
         dtype="bfloat16",  # the sampler's dtype (verl's rollout dtype)
     ),
 }
+# ToRL-7B: the same script values with Qwen2.5-Math-7B, on the 8 GPUs of one node
+# (torchrun --nproc-per-node 8; make run-05 NPROC=8 PRESET=torl-7b). Its trainer
+# state (16 bytes per parameter: 122 GB) fits no single GPU, so FSDP2 shards it
+# over the 8; each GPU keeps a full bf16 vLLM engine. Memory plan: docs/06-train.md, "Scaling".
+PRESETS["torl-7b"] = dict(
+    PRESETS["torl-1.5b"],
+    model="Qwen/Qwen2.5-Math-7B",
+    strategy="fsdp",  # 16 problems (256 trajectories) of each step's 128 per GPU
+    micro_batch_size=2,  # the logits of 2 x 3,472 tokens x 152k vocabulary peak near 15 GB in backward
+    gpu_memory_utilization=0.35,  # 15.2 GB of bf16 weights + about 11 GB of KV cache (57 KB a token)
+)
 # Presets sized for a CUDA GPU: refused up front on a machine without one.
-GPU_PRESETS = {"torl-1.5b"}
+GPU_PRESETS = {"torl-1.5b", "torl-7b"}
 
 
 @dataclass
@@ -137,6 +152,7 @@ class Config:
     cold_start_steps: int = 500
     cold_start_tool_fraction: float = 0.4
     # runtime
+    strategy: str = "ddp"  # under torchrun: a full trainer replica per GPU (ddp) or 1/N of it (fsdp)
     seed: int = 0
     dtype: str = "float32"  # the sampler's dtype (the trainer always keeps float32 weights)
     gpu_memory_utilization: float = 0.3
@@ -158,11 +174,18 @@ def main(argv: list[str] | None = None) -> Path:
         cfg = make_config(args.preset, overrides)
         run_dir = Path(args.run_dir or f"runs/{args.preset}-{time.strftime('%Y%m%d-%H%M%S')}")
     check_config(cfg, resuming=bool(args.resume))
-    train(cfg, run_dir, resume=bool(args.resume))
+    from distributed import setup
+
+    dp = setup(cfg.strategy)  # under torchrun: join its world; otherwise a world of one
+    run_dir = Path(dp.broadcast(str(run_dir)))  # one folder: rank 0's timestamp
+    try:
+        train(cfg, run_dir, resume=bool(args.resume), dp=dp)
+    finally:
+        dp.close()
     return run_dir
 
 
-def train(cfg: Config, run_dir: Path, resume: bool = False) -> None:
+def train(cfg: Config, run_dir: Path, resume: bool = False, dp=None) -> None:
     state = latest_checkpoint(run_dir) if resume else None
     if state is not None and state["step"] >= cfg.steps and _evaluated(run_dir, cfg.steps, "after RL"):
         print(f"{run_dir} already finished: {state['step']} of {cfg.steps} steps done and evaluated; "
@@ -171,25 +194,30 @@ def train(cfg: Config, run_dir: Path, resume: bool = False) -> None:
 
     from tqdm import tqdm
 
+    from distributed import DataParallel
     from eval import evaluate, summary_line
     from grpo import GRPOConfig, load_policy, make_optimizer
     from sandbox import Sandbox, SandboxConfig
     from trackers import open_trackers
 
-    run_dir.mkdir(parents=True, exist_ok=True)
-    print(json.dumps(dataclasses.asdict(cfg), indent=1))
-    (run_dir / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=1))
-    train_problems, eval_problems = load_data(cfg)
+    dp = dp or DataParallel()
+    if dp.is_main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        print(json.dumps(dataclasses.asdict(cfg), indent=1))
+        (run_dir / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=1))
+    with dp.main_first():  # rank 0 writes the toy task if missing; the others then read it
+        train_problems, eval_problems = load_data(cfg)
 
     # The policy: the latest checkpoint, the given model, or a cold-started tiny one.
     if state is not None:
         model_path, step = state["path"], state["step"]
         print(f"resuming {run_dir} from step {step}")
     else:
-        model_path, step = (cfg.model or cold_start(cfg, run_dir)), 0
+        with dp.main_first():  # rank 0 trains the cold-start model; the others find it done
+            model_path, step = (cfg.model or cold_start(cfg, run_dir)), 0
     if cfg.max_prompt_tokens:
         train_problems = drop_long_prompts(train_problems, model_path, cfg)
-    model = load_policy(model_path)
+    model = dp.wrap(load_policy(model_path, device=dp.device))
     grpo_cfg = GRPOConfig(
         lr=cfg.lr, eps_low=cfg.eps_low, eps_high=cfg.eps_high, aggregation=cfg.aggregation,
         num_minibatches=cfg.num_minibatches, micro_batch_size=cfg.micro_batch_size,
@@ -197,25 +225,27 @@ def train(cfg: Config, run_dir: Path, resume: bool = False) -> None:
     )
     optimizer = make_optimizer(model, grpo_cfg)
     if state is not None:
-        load_optimizer(state, optimizer)
-    llm = start_sampler(cfg, model_path, state)
+        load_optimizer(state, dp.restorable_optimizer(model, optimizer))
+    llm = start_sampler(cfg, model_path, state, **dp.engine_kwargs())
     llm.weight_version = step
     sandbox = Sandbox(SandboxConfig(backend=cfg.sandbox_backend, timeout=cfg.sandbox_timeout))
     metrics_path, eval_path = run_dir / "metrics.jsonl", run_dir / "eval.jsonl"
-    truncate_jsonl(metrics_path, step)  # lines of steps after the checkpoint belong to work the resume redoes
-    truncate_jsonl(eval_path, step)
-    trackers = open_trackers(cfg.log, run_dir, dataclasses.asdict(cfg), start_step=step)
+    if dp.is_main:
+        truncate_jsonl(metrics_path, step)  # lines of steps after the checkpoint belong to work the resume redoes
+        truncate_jsonl(eval_path, step)
+    trackers = open_trackers(cfg.log if dp.is_main else "", run_dir, dataclasses.asdict(cfg), start_step=step)
 
-    def run_eval(tag: str, at_step: int) -> dict:
-        problems = eval_problems[: cfg.eval_problems] if cfg.eval_problems else eval_problems
-        result = evaluate(llm, problems, sandbox, k=cfg.eval_k, mode="tir", template=cfg.template,
-                          max_response_tokens=cfg.eval_max_response_tokens, tool_budget=cfg.tool_budget,
-                          temperature=cfg.eval_temperature, seed=cfg.seed)
-        print(f"eval {tag}: {summary_line(result)}")
-        row = {"step": at_step, "tag": tag, **result}
-        append_jsonl(eval_path, row)
-        trackers.log_eval(row)
-        return result
+    def run_eval(tag: str, at_step: int) -> None:
+        if dp.is_main:  # the other ranks wait: evaluation is not split across ranks
+            problems = eval_problems[: cfg.eval_problems] if cfg.eval_problems else eval_problems
+            result = evaluate(llm, problems, sandbox, k=cfg.eval_k, mode="tir", template=cfg.template,
+                              max_response_tokens=cfg.eval_max_response_tokens, tool_budget=cfg.tool_budget,
+                              temperature=cfg.eval_temperature, seed=cfg.seed)
+            print(f"eval {tag}: {summary_line(result)}")
+            row = {"step": at_step, "tag": tag, **result}
+            append_jsonl(eval_path, row)
+            trackers.log_eval(row)
+        dp.barrier()
 
     def eval_due(at_step: int) -> bool:
         return at_step == 0 or (cfg.eval_every > 0 and at_step % cfg.eval_every == 0 and at_step < cfg.steps)
@@ -224,31 +254,43 @@ def train(cfg: Config, run_dir: Path, resume: bool = False) -> None:
     done, rng_done = step, capture_rng()  # the last finished step and the random state right after it
     STOP.install()
     try:
-        if eval_due(step) and not _evaluated(run_dir, step):  # a stop during this evaluation lost it
+        # a stop during this evaluation lost it; rank 0's reading decides for every rank
+        if dp.broadcast(eval_due(step) and not _evaluated(run_dir, step)):
             run_eval("before RL" if step == 0 else f"step {step}", step)
-        bar = tqdm(range(step, cfg.steps), desc="RL", initial=step, total=cfg.steps)
+        bar = tqdm(range(step, cfg.steps), desc="RL", initial=step, total=cfg.steps, disable=not dp.is_main)
         for step in bar:
             signal_self_for_tests(step + 1)
             rollout_cfg = rollout_config(cfg, step)
+            rollout_cfg = dataclasses.replace(rollout_cfg, seed=dp.rollout_seed(rollout_cfg.seed))
             problems = batch_at(train_problems, step, cfg.problems_per_step, cfg.seed)
-            metrics, trajectories = train_step(llm, model, optimizer, problems, sandbox, rollout_cfg, grpo_cfg, cfg)
-            metrics = {"step": step + 1, **metrics, "problem_ids": [p["id"] for p in problems]}
-            append_jsonl(metrics_path, metrics)
+            mine = dp.shard(problems, cfg.num_minibatches)  # this rank's whole groups
+            metrics, trajectories = train_step(llm, model, optimizer, mine, sandbox, rollout_cfg, grpo_cfg, cfg, dp=dp)
+            metrics = {"step": step + 1, **dp.reduce_metrics(metrics), "world_size": dp.world_size,
+                       "problem_ids": [p["id"] for p in problems]}
+            if dp.is_main:
+                append_jsonl(metrics_path, metrics)
             if (step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps:
-                save_checkpoint(run_dir, step + 1, model, optimizer, llm.get_tokenizer(), cfg.keep_checkpoints)
+                parts = dp.checkpoint_parts(model, optimizer)  # every rank: FSDP2 gathers its shards
+                if dp.is_main:
+                    save_checkpoint(run_dir, step + 1, *parts, llm.get_tokenizer(), cfg.keep_checkpoints)
+                dp.barrier()
             done, rng_done = step + 1, capture_rng()
             trackers.log(metrics)
-            bar.set_postfix(reward=f"{metrics['reward_mean']:+.2f}", code=f"{metrics['code_ratio']:.2f}")
-            tqdm.write(step_line(metrics))
+            if dp.is_main:
+                bar.set_postfix(reward=f"{metrics['reward_mean']:+.2f}", code=f"{metrics['code_ratio']:.2f}")
+                tqdm.write(step_line(metrics))
             STOP.release()  # the step is recorded: a stop that waited for it happens now
             if eval_due(step + 1):
                 run_eval(f"step {step + 1}", step + 1)
         run_eval("after RL", cfg.steps)
     except StopRequested as stop:
         final = run_dir / "checkpoints" / f"step-{done:06d}"
-        if done > 0 and not (final / "state.json").exists():
+        # Data parallel: rank 0 saves its replica alone (no collective: the other ranks may be
+        # anywhere); FSDP2 shards cannot be gathered then, so such a run resumes from its last save.
+        if done > 0 and not (final / "state.json").exists() and dp.is_main and dp.strategy != "fsdp":
             STOP.hold()  # a further signal while saving waits (a third one stops at once)
-            save_checkpoint(run_dir, done, model, optimizer, llm.get_tokenizer(), cfg.keep_checkpoints, rng=rng_done)
+            save_checkpoint(run_dir, done, dp.unwrap(model), optimizer, llm.get_tokenizer(), cfg.keep_checkpoints,
+                            rng=rng_done)
         saved = f"checkpoint {final}" if done > 0 else "no checkpoint (no step finished)"
         print(f"stopped by {signal.Signals(stop.signum).name} after step {done}: {saved}; "
               f"go on with --resume {run_dir}", file=sys.stderr)
@@ -257,6 +299,9 @@ def train(cfg: Config, run_dir: Path, resume: bool = False) -> None:
         STOP.uninstall()
         sandbox.close()
         trackers.close()
+    trajectories = dp.gather(trajectories)  # the last step's whole batch
+    if not dp.is_main:
+        return
     if trajectories:  # none when a resumed run only had its final evaluation left
         from rollout import render_html, save_trajectories
 
@@ -280,7 +325,7 @@ def rollout_config(cfg: Config, step: int):
     return rollout_cfg
 
 
-def start_sampler(cfg: Config, model_path: str, state: dict | None):
+def start_sampler(cfg: Config, model_path: str, state: dict | None, **engine_kwargs):
     """The vLLM engine over `model_path`, then the random state: the checkpoint's, or fresh from the seed.
 
     In that order because vLLM seeds Python's and torch's global generators when
@@ -291,7 +336,7 @@ def start_sampler(cfg: Config, model_path: str, state: dict | None):
     from rollout import make_llm
 
     llm = make_llm(model_path, dtype=cfg.dtype, max_model_len=cfg.max_model_len,
-                   gpu_memory_utilization=cfg.gpu_memory_utilization, seed=cfg.seed)
+                   gpu_memory_utilization=cfg.gpu_memory_utilization, seed=cfg.seed, **engine_kwargs)
     if state is not None:
         restore_rng(torch.load(Path(state["path"]) / "rng.pt", weights_only=False))
     else:
@@ -300,8 +345,11 @@ def start_sampler(cfg: Config, model_path: str, state: dict | None):
     return llm
 
 
-def train_step(llm, model, optimizer, problems, sandbox, rollout_cfg, grpo_cfg, cfg: Config):
-    """One RL step: sample, score, compare within groups, update, sync. Returns (metrics, trajectories)."""
+def train_step(llm, model, optimizer, problems, sandbox, rollout_cfg, grpo_cfg, cfg: Config, dp=None):
+    """One RL step: sample, score, compare within groups, update, sync. Returns (metrics, trajectories).
+
+    Under torchrun `problems` are this rank's share, and the metrics are this rank's.
+    """
     from grpo import group_advantages, grpo_step, sleep_sampler, sync_weights
     from reward import score_batch, total_reward
     from rollout import rollout
@@ -325,7 +373,8 @@ def train_step(llm, model, optimizer, problems, sandbox, rollout_cfg, grpo_cfg, 
     t0 = time.perf_counter()
     STOP.hold()  # from here the weights change: a stop waits until the loop has recorded this step
     sleep_sampler(llm)  # CUDA: hand vLLM's KV cache memory to the trainer
-    update = grpo_step(model, optimizer, trajectories, grpo_cfg)
+    update = grpo_step(model, optimizer, trajectories, grpo_cfg,
+                       global_normalizer=dp.global_normalizer if dp else None)  # the batch's token count
     timing["update_s"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     sync_weights(model, llm)
@@ -631,6 +680,12 @@ def check_config(cfg: Config, resuming: bool) -> None:
         problems.append(f"eval_k {cfg.eval_k} with greedy evaluation (eval_temperature 0) gives {cfg.eval_k} identical samples")
     if cfg.problems_per_step * cfg.group_size < cfg.num_minibatches:
         problems.append(f"{cfg.problems_per_step * cfg.group_size} trajectories cannot fill {cfg.num_minibatches} mini-batches")
+    world = int(os.environ.get("WORLD_SIZE", "1"))  # torchrun's ranks
+    if world > 1 and cfg.problems_per_step % (cfg.num_minibatches * world):
+        problems.append(f"problems_per_step ({cfg.problems_per_step}) must split evenly into num_minibatches"
+                        f" ({cfg.num_minibatches}) x {world} ranks")
+    if cfg.strategy not in ("ddp", "fsdp"):
+        problems.append(f"strategy must be ddp or fsdp, got '{cfg.strategy}'")
     if cfg.aggregation not in ("token-mean", "sequence-mean"):
         problems.append(f"aggregation must be token-mean or sequence-mean, got '{cfg.aggregation}'")
     if not 0 < cfg.lr < 1:
@@ -708,4 +763,8 @@ def _bool(text: str) -> bool:
 
 
 if __name__ == "__main__":
+    if "TORCHELASTIC_RUN_ID" in os.environ:  # under torchrun: its report names the failed rank, with the traceback
+        from torch.distributed.elastic.multiprocessing.errors import record
+
+        main = record(main)
     main()

@@ -1,7 +1,8 @@
 """Speed and memory of one GRPO step and of one weight sync into vLLM.
 
-    make bench-train                                   # tiny random model, CPU
+    make bench-train                                   # CPU: tiny random model; CUDA: --shape qwen2.5-math-1.5b
     make bench-train ARGS="--model /models/Qwen2.5-Math-1.5B --sequences 64 --response-len 3072"
+    make bench-train ARGS="--shape qwen2.5-math-7b --sequences 8"      # one 7B replica: does it fit?
 
 Prints, in one run: training tokens per second and peak memory of `grpo_step`,
 and the time of one `sync_weights`. The order mirrors the training loop: the
@@ -9,6 +10,13 @@ engine is built first, put to sleep (CUDA), the trainer steps, then the new
 weights go into the engine. The trajectories are synthetic (random tokens, ±1
 rewards in groups, one observation span per response), so the numbers measure
 the machinery, not learning.
+
+`--shape NAME` (the default on CUDA without --model) builds a random-init
+model with the named model's architecture from its config numbers, on the GPU:
+no download and no vLLM (it is not imported), at the torl-1.5b preset's
+lengths (400 prompt + 3072 response tokens) with gradient checkpointing. It
+then measures, instead of computing, the memory table of docs/06-train.md:
+weights, AdamW state, and the step's peak on top.
 
 Peak memory is the CUDA allocator's peak on a GPU; on CPU it is the growth of
 the process's peak resident memory during the steps (Linux's VmHWM, reset
@@ -25,8 +33,30 @@ import time
 import torch
 
 
+# Config numbers of the lab's target models (their config.json), for random-init models of the same shape.
+SHAPES = {
+    "qwen2.5-math-1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
+                              num_key_value_heads=2, vocab_size=151936, max_position_embeddings=4096,
+                              rope_theta=10000.0, rms_norm_eps=1e-6, tie_word_embeddings=True),
+    "qwen2.5-math-7b": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+                            num_key_value_heads=4, vocab_size=152064, max_position_embeddings=4096,
+                            rope_theta=10000.0, rms_norm_eps=1e-6, tie_word_embeddings=False),
+}
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    if args.shape is None and args.model is None and torch.cuda.is_available():
+        args.shape = "qwen2.5-math-1.5b"
+    shaped = args.shape is not None
+    # the torl-1.5b preset's lengths and micro-batch for a real shape; small ones for the tiny model
+    for name, real, tiny in (("prompt_len", 400, 128), ("response_len", 3072, 384), ("micro_batch_size", 4, 4),
+                             ("gradient_checkpointing", True, False)):
+        if getattr(args, name) is None:
+            setattr(args, name, real if shaped else tiny)
+    if shaped:
+        run_shape(args)
+        return
     if args.model:
         run(args, args.model)
         return
@@ -115,6 +145,68 @@ def run(args, model_path: str) -> None:
     fresh = sampled_trajectories(llm, args.group_size, args.group_size, args.prompt_len, args.response_len, seed=1)
     gap = sampler_trainer_gap(model, fresh, cfg)
     print(f"mismatch after sync : mean |dlogp| {gap[0]:.3e}, max {gap[1]:.3e} (new samples after {args.steps + 1} updates and the sync)")
+
+
+def run_shape(args) -> None:
+    """The trainer alone on a random-init model of a named shape: throughput and the memory budget, measured."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from grpo import GRPOConfig, grpo_step, make_optimizer
+
+    on_cuda = torch.cuda.is_available()
+    device = torch.device("cuda" if on_cuda else "cpu")
+    cfg = GRPOConfig(lr=1e-6, num_minibatches=args.num_minibatches, micro_batch_size=args.micro_batch_size,
+                     gradient_checkpointing=args.gradient_checkpointing)
+    config = Qwen2Config(**SHAPES[args.shape], attn_implementation="sdpa")
+    reset_peak_memory()
+    base = current_memory()
+    with device:  # initialise on the device: random init of 1.5B parameters on a CPU takes minutes
+        torch.manual_seed(0)
+        model = Qwen2ForCausalLM(config).float()
+    n_params = sum(p.numel() for p in model.parameters())
+    weights = current_memory() - base
+    trajectories = synthetic_trajectories(args.sequences, args.group_size, args.prompt_len, args.response_len,
+                                          config.vocab_size)
+    all_tokens = sum(len(t.prompt_ids) + len(t.token_ids) for t in trajectories)
+    model_tokens = sum(sum(t.loss_mask) for t in trajectories)
+    optimizer = make_optimizer(model, cfg)
+
+    t = time.perf_counter()
+    grpo_step(model, optimizer, trajectories, cfg)  # warm-up: creates AdamW's moments
+    synchronize()
+    warmup_s = time.perf_counter() - t
+    state = current_memory() - base  # weights + AdamW moments (gradients are freed after each update)
+    reset_peak_memory()
+    times = []
+    for _ in range(args.steps):
+        t = time.perf_counter()
+        grpo_step(model, optimizer, trajectories, cfg)
+        synchronize()
+        times.append(time.perf_counter() - t)
+    peak = peak_memory() - base
+    step_s = statistics.median(times)
+    gib = 2**30
+
+    print(f"device              : {torch.cuda.get_device_name() if on_cuda else 'cpu'}")
+    print(f"model               : random-init {args.shape} shape ({n_params:,} parameters, vocab {config.vocab_size})")
+    print(f"batch               : {args.sequences} sequences x ({args.prompt_len} prompt + {args.response_len} response)"
+          f" = {all_tokens} tokens, {model_tokens} model tokens (synthetic)")
+    print(f"step                : {args.num_minibatches} mini-batches, micro-batch {args.micro_batch_size},"
+          f" gradient checkpointing {'on' if args.gradient_checkpointing else 'off'}")
+    print(f"grpo_step           : {step_s:.2f} s (median of {args.steps}; warm-up {warmup_s:.1f} s)")
+    print(f"training throughput : {all_tokens / step_s:,.0f} tokens/s ({model_tokens / step_s:,.0f} model tokens/s)")
+    unit = "GiB allocated by torch" if on_cuda else "GiB resident (CPU: process RSS)"
+    print(f"memory, measured    : {unit}")
+    print(f"  weights float32   : {weights / gib:6.2f}   (computed: {4 * n_params / gib:.2f})")
+    print(f"  + AdamW m and v   : {(state - weights) / gib:6.2f}   (computed: {8 * n_params / gib:.2f})")
+    print(f"  peak of a step    : {peak / gib:6.2f}   (of which above weights+AdamW: {(peak - state) / gib:.2f}:"
+          f" gradients {4 * n_params / gib:.2f} computed, the rest logits and activations)")
+    if on_cuda:
+        print(f"  reserved by torch : {torch.cuda.max_memory_reserved() / gib:6.2f}   of"
+              f" {torch.cuda.get_device_properties(0).total_memory / gib:.1f} on the device")
+    import sys
+
+    print(f"vLLM imported       : {'yes' if 'vllm' in sys.modules else 'no'}")
 
 
 def sampled_trajectories(llm, n: int, group_size: int, prompt_len: int, response_len: int, seed: int = 0):
@@ -218,15 +310,18 @@ def parse_args(argv):
                                 epilog="\n\n".join(__doc__.split("\n\n")[1:]))
     # model
     p.add_argument("--model", help="model folder (Hugging Face format); default: build the tiny random model")
+    p.add_argument("--shape", choices=sorted(SHAPES),
+                   help="random-init model of this shape, trainer only, no vLLM (default on CUDA without --model)")
     # batch
     p.add_argument("--sequences", type=int, default=16, help="trajectories per step (default 16)")
     p.add_argument("--group-size", type=int, default=8, help="trajectories per problem (default 8)")
-    p.add_argument("--prompt-len", type=int, default=128, help="prompt tokens per trajectory (default 128)")
-    p.add_argument("--response-len", type=int, default=384, help="response tokens per trajectory (default 384)")
+    p.add_argument("--prompt-len", type=int, help="prompt tokens per trajectory (default 128; 400 with --shape)")
+    p.add_argument("--response-len", type=int, help="response tokens per trajectory (default 384; 3072 with --shape)")
     # the step
     p.add_argument("--num-minibatches", type=int, default=2, help="optimizer updates per step (default 2)")
-    p.add_argument("--micro-batch-size", type=int, default=4, help="sequences per forward/backward (default 4)")
-    p.add_argument("--gradient-checkpointing", action="store_true", help="recompute activations in backward")
+    p.add_argument("--micro-batch-size", type=int, help="sequences per forward/backward (default 4)")
+    p.add_argument("--gradient-checkpointing", action=argparse.BooleanOptionalAction,
+                   help="recompute activations in backward (default: on with --shape, off otherwise)")
     p.add_argument("--steps", type=int, default=3, help="timed steps after one warm-up step (default 3)")
     # the sampler
     p.add_argument("--no-sync", action="store_true", help="do not build vLLM; skip the sync timing")
