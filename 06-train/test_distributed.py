@@ -115,6 +115,28 @@ def test_combined_metrics_weigh_ranks_by_what_each_metric_counts():
     assert math.isnan(combine_metrics([b, {**b, "tool_calls": 0.0}])["code_pass_ratio"])
 
 
+def test_one_failing_rank_ends_the_run_instead_of_a_hang(tmp_path):
+    """Rank 1 raises while rank 0 waits for it in a collective: torchrun stops rank 0 and names rank 1."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "fail.py"
+    script.write_text(
+        "from torch.distributed.elastic.multiprocessing.errors import record\n"
+        "from distributed import setup\n"
+        "@record\n"
+        "def main():\n"
+        "    dp = setup()\n"
+        "    if dp.rank == 1:\n"
+        "        raise RuntimeError('sandbox exploded on rank 1')\n"
+        "    dp.barrier()  # would wait for rank 1 for the collective timeout (an hour)\n"
+        "main()\n")
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           str(script)], capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0
+    report = done.stdout + done.stderr
+    assert "sandbox exploded on rank 1" in report and "rank      : 1" in report
+
 @pytest.mark.vllm
 def test_torchrun_two_ranks_write_one_run_with_the_global_batch(tmp_path, tiny_model_path):
     """Two CPU ranks, each with its own vLLM engine: one metrics.jsonl, the global batch, then a resume."""
