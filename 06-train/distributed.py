@@ -227,7 +227,7 @@ def combine_metrics(per_rank: list[dict]) -> dict:
     - per-token means weigh each rank by its model tokens: entropy, mismatch_*, clip_*, ratio_mean, approx_kl;
     - outcome means weigh each rank by its trajectories; code_pass_ratio by its tool calls,
       code_ratio_correct / _incorrect by its correct / incorrect trajectories;
-    - the rest (loss, grad_norm, optimizer_steps, ...: equal or averaged across ranks) is the plain mean;
+    - the rest (loss, grad_norm, optimizer_steps, ...): as is when equal on every rank, else the plain mean;
     - lists (problem ids) are concatenated; anything else is rank 0's.
     """
     if len(per_rank) == 1:
@@ -267,6 +267,8 @@ def combine_metrics(per_rank: list[dict]) -> dict:
             pairs = [(v, weight(m, key)) for v, m in zip(values, per_rank) if not math.isnan(v) and weight(m, key) > 0]
             total = sum(w for _, w in pairs)
             out[key] = sum(v * w for v, w in pairs) / total if total else float("nan")
+        elif all(v == first for v in values):
+            out[key] = first  # the same on every rank (grad_norm after DDP, weight_version)
         else:
             out[key] = sum(values) / len(values)
     return out

@@ -139,7 +139,7 @@ def test_one_failing_rank_ends_the_run_instead_of_a_hang(tmp_path):
 
 @pytest.mark.vllm
 def test_torchrun_two_ranks_write_one_run_with_the_global_batch(tmp_path, tiny_model_path):
-    """Two CPU ranks, each with its own vLLM engine: one metrics.jsonl, the global batch, then a resume."""
+    """Two CPU ranks, each with its own vLLM engine: one metrics.jsonl, the global batch, synced engines, a resume."""
     import json
     import os
     import subprocess
@@ -152,23 +152,27 @@ def test_torchrun_two_ranks_write_one_run_with_the_global_batch(tmp_path, tiny_m
               str(repo / "05-retool" / "retool.py")]
     small = ["--model", str(tiny_model_path), "--problems-per-step", "4", "--group-size", "2",
              "--max-response-tokens", "16", "--eval-problems", "2", "--eval-max-response-tokens", "16",
-             "--micro-batch-size", "2"]
+             "--micro-batch-size", "2", "--lr", "1e-3"]  # a step that moves the sampler's log-probs visibly
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
 
     def launch(args):
         done = subprocess.run(common + args, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
 
-    launch(["--run-dir", str(run), "--steps", "1", *small])
-    launch(["--resume", str(run), "--steps", "2"])  # two ranks pick up rank 0's checkpoint
+    launch(["--run-dir", str(run), "--steps", "2", *small])
+    launch(["--resume", str(run), "--steps", "3"])  # two ranks pick up rank 0's checkpoint
 
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [1, 2]  # one writer, no duplicate lines
+    assert [r["step"] for r in rows] == [1, 2, 3]  # one writer, no duplicate lines
     for r in rows:
         assert r["world_size"] == 2
         assert r["trajectories"] == 4 * 2 and r["sequences"] == 4 * 2  # the global batch, not one rank's half
         assert len(set(r["problem_ids"])) == 4
-    assert rows[1]["weight_version"] == 2  # the resumed engines hold the step-1 checkpoint, then one sync
-    assert (run / "checkpoints" / "step-000002" / "state.json").exists()
+    # Step 2 sampled after step 1's sync: had any rank's engine kept the old weights, its
+    # log-probs would differ from its trainer's by far more than float32 rounding.
+    assert rows[0]["ratio_max"] > 1.001  # step 1's first update moved some token's probability by over 0.1 %
+    assert rows[1]["mismatch_abs"] < 1e-4
+    assert rows[2]["weight_version"] == 3  # the resumed engines hold the step-2 checkpoint, then one sync
+    assert (run / "checkpoints" / "step-000003" / "state.json").exists()
     evals = [json.loads(line)["tag"] for line in (run / "eval.jsonl").read_text().splitlines()]
     assert evals == ["before RL", "after RL", "after RL"]  # rank 0 alone evaluates (end of each launch)
