@@ -106,8 +106,10 @@ class DataParallel:
         if self.strategy == "fsdp":
             from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-            # bf16 compute on the gathered weights, float32 shards and gradient reduction
-            policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+            # GPU: bf16 compute on the gathered weights, float32 shards and gradient reduction
+            # (as autocast does without FSDP); CPU: float32 throughout, as everywhere on CPU
+            on_cuda = self.device.type == "cuda"
+            policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if on_cuda else None, reduce_dtype=torch.float32)
             for layer in model.model.layers:  # one all-gather per decoder layer, freed after use
                 fully_shard(layer, mp_policy=policy)
             fully_shard(model, mp_policy=policy)
@@ -116,7 +118,7 @@ class DataParallel:
 
         ids = [self.local_rank] if self.device.type == "cuda" else None
         # buffers (rotary frequencies) are constants: no broadcast before every forward
-        return DistributedDataParallel(model, device_ids=ids, broadcast_buffers=False)
+        return DistributedDataParallel(model, device_ids=ids, forward_sync_buffers=False)
 
     @staticmethod
     def unwrap(model):
@@ -277,11 +279,14 @@ def combine_metrics(per_rank: list[dict]) -> dict:
 class _FullModel:
     """A sharded model that saves like a Hugging Face model, from a gathered full state dict."""
 
-    def __init__(self, model, state_dict):
-        self.model, self.state_dict = model, state_dict
+    def __init__(self, model, full_state: dict):
+        self.model, self.full_state = model, full_state  # empty on ranks other than 0
+
+    def state_dict(self) -> dict:
+        return self.full_state
 
     def save_pretrained(self, path, **kwargs):
-        self.model.save_pretrained(path, state_dict=self.state_dict, **kwargs)
+        self.model.save_pretrained(path, state_dict=self.full_state, **kwargs)
 
 
 class _FullOptimizer:
