@@ -117,8 +117,7 @@ class DataParallel:
         from torch.nn.parallel import DistributedDataParallel
 
         ids = [self.local_rank] if self.device.type == "cuda" else None
-        # buffers (rotary frequencies) are constants: no broadcast before every forward
-        return DistributedDataParallel(model, device_ids=ids, forward_sync_buffers=False)
+        return DistributedDataParallel(model, device_ids=ids)
 
     @staticmethod
     def unwrap(model):
