@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> None:
     shaped = args.shape is not None
     # the torl-1.5b preset's lengths and micro-batch for a real shape; small ones for the tiny model
     for name, real, tiny in (("prompt_len", 400, 128), ("response_len", 3072, 384), ("micro_batch_size", 4, 4),
-                             ("gradient_checkpointing", True, False)):
+                             ("num_minibatches", 1, 2), ("gradient_checkpointing", True, False)):
         if getattr(args, name) is None:
             setattr(args, name, real if shaped else tiny)
     if shaped:
@@ -318,7 +318,7 @@ def parse_args(argv):
     p.add_argument("--prompt-len", type=int, help="prompt tokens per trajectory (default 128; 400 with --shape)")
     p.add_argument("--response-len", type=int, help="response tokens per trajectory (default 384; 3072 with --shape)")
     # the step
-    p.add_argument("--num-minibatches", type=int, default=2, help="optimizer updates per step (default 2)")
+    p.add_argument("--num-minibatches", type=int, help="optimizer updates per step (default 2; 1 with --shape)")
     p.add_argument("--micro-batch-size", type=int, help="sequences per forward/backward (default 4)")
     p.add_argument("--gradient-checkpointing", action=argparse.BooleanOptionalAction,
                    help="recompute activations in backward (default: on with --shape, off otherwise)")
