@@ -2,20 +2,24 @@
 
 Every hostile test also checks that the sandbox still answers the next call correctly.
 Docker tests skip, with the reason, when no engine or no sandbox image is reachable
-(.ci/docker.sh installs and starts one and builds the image).
+(.ci/docker.sh installs and starts one and builds the image); the local backend's
+namespace tests skip when not root, the one case where the kernel refuses them.
 """
 from __future__ import annotations
 
 import glob
 import os
 import socket
+import subprocess
+import sys
 import threading
 import time
 import uuid
 
 import pytest
 
-from sandbox import LAB_ROOT, ExecResult, Sandbox, SandboxConfig, format_observation
+import confinement
+from sandbox import LAB_ROOT, ExecResult, Sandbox, SandboxConfig, SandboxError, format_observation
 
 
 def docker_unavailable() -> str:
@@ -52,12 +56,19 @@ def make_config(backend: str, **overrides) -> SandboxConfig:
     return SandboxConfig(**settings)
 
 
+def needs_root() -> None:
+    if os.geteuid() != 0:
+        pytest.skip("the local backend's namespaces and cgroups need root (the plain-isolation tests still run)")
+
+
 @pytest.fixture(scope="module", params=BACKENDS)
 def backend(request) -> str:
     if request.param == "docker":
         reason = docker_unavailable()
         if reason:
             pytest.skip(f"docker backend: {reason}")
+    else:
+        needs_root()
     return request.param
 
 
@@ -65,12 +76,6 @@ def backend(request) -> str:
 def sb(backend):
     with Sandbox(make_config(backend)) as sandbox:
         yield sandbox
-
-
-def needs_isolation(sb: Sandbox) -> None:
-    """Skip tests whose containment needs namespaces (root) or a container."""
-    if sb.isolation == "plain":
-        pytest.skip("plain isolation (not root): the code shares the network, files and uid of the caller")
 
 
 def assert_still_answers(sb: Sandbox) -> None:
@@ -194,14 +199,12 @@ def test_secrets_in_the_callers_environment_are_not_visible(backend, monkeypatch
         "        pass\n"
     )
     with Sandbox(make_config(backend, concurrency=1)) as fresh:  # created after the secret was set
-        needs_isolation(fresh)  # in plain isolation /proc shows the caller's own environment
         r = fresh.run(code)
     assert r.ok
     assert "HF_TOKEN" not in r.stdout and "WANDB_API_KEY" not in r.stdout and secret not in r.stdout
 
 
 def test_no_network_connection_can_be_opened(sb):
-    needs_isolation(sb)
     listener = socket.create_server(("127.0.0.1", 0))  # something to reach on this machine
     port = listener.getsockname()[1]
     socket.create_connection(("127.0.0.1", port), timeout=5).close()  # reachable from outside the sandbox
@@ -226,7 +229,6 @@ def test_no_network_connection_can_be_opened(sb):
 
 
 def test_writing_outside_the_work_dir_never_reaches_the_machine(sb):
-    needs_isolation(sb)
     name = marker()
     targets = [os.path.join(LAB_ROOT, "02-sandbox", name), f"/tmp/{name}", f"/etc/{name}", f"/var/tmp/{name}",
                f"/run/lock/{name}", f"/dev/shm/{name}"]  # /run/lock is writable by anyone on this machine
@@ -243,7 +245,6 @@ def test_writing_outside_the_work_dir_never_reaches_the_machine(sb):
 
 
 def test_the_labs_own_files_cannot_be_read(sb):
-    needs_isolation(sb)
     r = sb.run(
         "import os\n"
         f"print(open({os.path.join(LAB_ROOT, '02-sandbox', 'sandbox.py')!r}).read()[:20])\n"
@@ -254,7 +255,6 @@ def test_the_labs_own_files_cannot_be_read(sb):
 
 
 def test_shared_memory_segments_do_not_outlive_the_call(sb):
-    needs_isolation(sb)
     key = int(uuid.uuid4().hex[:7], 16)
     shmget = "import ctypes\nshmget = ctypes.CDLL(None, use_errno=True).shmget\n"
     r = sb.run(shmget + f"print(shmget({key}, 4096, 0o1000 | 0o600) >= 0)")  # IPC_CREAT
@@ -269,7 +269,6 @@ def test_shared_memory_segments_do_not_outlive_the_call(sb):
 
 
 def test_killing_the_parent_does_not_take_the_sandbox_down(sb):
-    needs_isolation(sb)
     r = sb.run("import os\nos.kill(os.getppid(), 9)\nprint('still here')")
     assert isinstance(r, ExecResult)
     assert_still_answers(sb)
@@ -423,8 +422,7 @@ def test_calls_from_many_threads_each_get_their_own_result(sb):
 
 
 def test_the_local_backend_uses_namespaces_when_root():
-    if os.geteuid() != 0:
-        pytest.skip("namespaces need root")
+    needs_root()
     with Sandbox(make_config("local", concurrency=1)) as sb:
         assert sb.isolation == "namespaces"
         r = sb.run("import os\nprint(os.getpid(), os.getuid() != 0, sorted(os.listdir('/proc'))[:0])")
@@ -433,6 +431,7 @@ def test_the_local_backend_uses_namespaces_when_root():
 
 
 def test_the_warm_interpreter_already_has_sympy_and_random_state_is_fresh_per_call():
+    needs_root()
     with Sandbox(make_config("local", concurrency=1)) as sb:
         r = sb.run("import sys\nprint('sympy' in sys.modules, 'numpy' in sys.modules)")
         assert r.stdout == "True True\n"
@@ -441,11 +440,13 @@ def test_the_warm_interpreter_already_has_sympy_and_random_state_is_fresh_per_ca
 
 
 def test_plain_isolation_still_kills_an_escaped_daemon_and_stops_runaway_code():
-    """The fallback where namespaces are unavailable: no PID namespace, a child subreaper."""
+    """The explicit weaker choice: no PID namespace, a child subreaper; never root."""
     name = marker()
     work_dirs_before = set(glob.glob("/tmp/sandbox-work-*"))
     with Sandbox(make_config("local", isolation="plain", concurrency=1, preload=())) as sb:
         assert sb.isolation == "plain"
+        r = sb.run("import os\nprint(os.getuid() != 0, os.geteuid() != 0)")
+        assert r.stdout == "True True\n"  # even when the caller is root
         r = sb.run(
             "import ctypes, os, time\n"
             "if os.fork() == 0:\n"
@@ -469,6 +470,7 @@ def test_a_slot_that_served_a_call_starts_the_next_one_clean(monkeypatch):
     """One slot (concurrency 1) serves consecutive calls and retires every 3: nothing carries over."""
     import sandbox
 
+    needs_root()
     monkeypatch.setattr(sandbox, "SLOT_CALLS", 3)
     dirty = (
         "import ctypes, os\n"
@@ -479,23 +481,229 @@ def test_a_slot_that_served_a_call_starts_the_next_one_clean(monkeypatch):
     )
     check = (
         "import ctypes, os\n"
-        # /tmp may also hold the mount point that hides the lab, when the lab itself lives under /tmp
+        # /tmp may also hold the mount point of the interpreter's folder, when a venv lives under /tmp
         "print('left.txt' in os.listdir('/tmp'), os.listdir('/dev/shm'), os.listdir('.'),\n"
         "      ctypes.CDLL(None).shmget(0x5A5A5A, 0, 0) >= 0)\n"
     )
     with Sandbox(make_config("local", concurrency=1, preload=())) as sb:
-        needs_isolation(sb)
         for _ in range(4):  # crosses a retirement: old slot, new slot
             assert sb.run(dirty).stdout == "True\n"
             assert sb.run(check).stdout == "False [] [] False\n"
 
 
 def test_closing_the_sandbox_stops_its_fork_server():
+    needs_root()
     sb = Sandbox(make_config("local", concurrency=1, preload=()))
     assert_still_answers(sb)
     server = sb._backend._server._proc
     sb.close()
     assert server.poll() is not None
+
+
+# ---------------------------------------------------------------- the boundary: memory, kernel, files, residue, failing closed
+
+
+def test_memory_held_in_memory_files_is_charged_to_the_call(backend):
+    """memfds are outside RLIMIT_AS: only the call's memory cgroup (or the container's) stops them."""
+    code = (
+        "import os\n"
+        "held, files = 0, []\n"
+        "while held < 640:\n"
+        "    fd = os.memfd_create('hold')\n"
+        f"    for _ in range({MAX_FILE_MB - 1}):\n"
+        "        os.write(fd, b'x' * 1024 * 1024)\n"
+        f"    files.append(fd)\n"
+        f"    held += {MAX_FILE_MB - 1}\n"
+        "    print('held', held, flush=True)\n"
+    )
+    with Sandbox(make_config(backend, memory_mb=256, concurrency=1)) as sb:
+        r = sb.run(code)
+        assert not r.ok and not r.timed_out, r
+        held = [int(line.split()[1]) for line in r.stdout.splitlines() if line.startswith("held")]
+        limit = 256 if backend == "local" else 256 + 4 * MAX_FILE_MB + 64  # a container also holds its runner and tmpfs
+        assert max(held, default=0) < limit + MAX_FILE_MB, held  # never past the limit by more than one file
+        if backend == "local":
+            assert format_observation(r) == "MemoryError: the call used more than its 256 MB and was killed"
+        assert_still_answers(sb)
+
+
+SECCOMP_DENIED = ["keyctl", "add_key", "request_key", "ptrace", "mount", "umount2", "pivot_root", "unshare", "setns",
+                  "bpf", "perf_event_open", "userfaultfd", "kexec_load", "init_module"]
+
+
+def test_the_seccomp_filter_denies_what_math_code_never_needs():
+    """Called with zero arguments, most of these fail with EFAULT or EINVAL, or succeed
+    (unshare(0), ptrace(PTRACE_TRACEME)), without the filter; with it, each is EPERM."""
+    needs_root()
+    numbers = {name: confinement.SYSCALLS[name] for name in SECCOMP_DENIED}
+    with Sandbox(make_config("local", concurrency=1, preload=())) as sb:
+        r = sb.run(
+            "import ctypes\n"
+            "libc = ctypes.CDLL(None, use_errno=True)\n"
+            f"for name, number in {numbers!r}.items():\n"
+            "    ctypes.set_errno(0)\n"
+            "    print(name, libc.syscall(number, 0, 0, 0, 0, 0), ctypes.get_errno())\n"
+            "print('Seccomp', open('/proc/self/status').read().split('Seccomp:')[1].split()[0])\n"
+        )
+        assert r.ok, r
+        lines = r.stdout.splitlines()
+        assert lines[-1] == "Seccomp 2"  # a filter is installed
+        assert lines[:-1] == [f"{name} -1 1" for name in SECCOMP_DENIED]  # -1, errno EPERM
+        assert_still_answers(sb)
+
+
+def test_the_code_cannot_create_a_user_namespace_or_mount_a_tmpfs():
+    """A user namespace would give the code mounts of its own (a tmpfs is memory outside any cap)."""
+    needs_root()
+    with Sandbox(make_config("local", concurrency=1, preload=())) as sb:
+        r = sb.run(
+            "import ctypes, os, threading\n"
+            "libc = ctypes.CDLL(None, use_errno=True)\n"
+            f"print(libc.unshare({confinement.CLONE_NEWUSER | confinement.CLONE_NEWNS}), ctypes.get_errno())\n"
+            f"print(libc.syscall({confinement.SYSCALLS['clone']}, {confinement.CLONE_NEWUSER} | 17, 0, 0, 0, 0), ctypes.get_errno())\n"
+            "print(libc.mount(b'none', b'/tmp', b'tmpfs', 0, None), ctypes.get_errno())\n"
+            "pid = os.fork()\n"  # plain forks and threads still work
+            "if pid == 0:\n"
+            "    os._exit(7)\n"
+            "print(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))\n"
+            "t = threading.Thread(target=print, args=('thread',))\n"
+            "t.start(); t.join()\n"
+        )
+        assert r.ok, r
+        assert r.stdout == "-1 1\n-1 1\n-1 1\n7\nthread\n"
+        assert_still_answers(sb)
+
+
+def test_a_kernel_key_cannot_be_left_for_another_call():
+    """Keys are not namespaced: one call's key, readable by others, would outlive it."""
+    needs_root()
+    description = marker()
+    with Sandbox(make_config("local", concurrency=1, preload=())) as writer:
+        r = writer.run(
+            "import ctypes\n"
+            "libc = ctypes.CDLL(None, use_errno=True)\n"
+            f"key = libc.syscall({confinement.SYSCALLS['add_key']}, b'user', b'{description}', b'answer', 6, -4)\n"
+            "print(key, ctypes.get_errno())\n"  # -4: the user keyring
+        )
+        assert r.ok and r.stdout == "-1 1\n", r
+    with Sandbox(make_config("local", concurrency=1, preload=())) as reader:  # another uid, another sandbox
+        r = reader.run("print(open('/proc/keys').read())")
+        assert description not in r.stdout
+    with open("/proc/keys") as f:
+        assert description not in f.read()
+
+
+def test_a_later_call_finds_nothing_of_an_earlier_call_in_its_memory():
+    """The code and the output of a call never enter memory that a later call inherits.
+
+    The scan looks for each marker as two halves that must be adjacent, so that the
+    scanning code never holds the whole marker itself; a control string it builds
+    at run time shows that the scan does find what is in memory.
+    """
+    needs_root()
+    code_marker, output_marker = uuid.uuid4().hex, uuid.uuid4().hex
+    # Tens of KB each, as real code and output are: small buffers are soon reused, these linger.
+    earlier = f"secret = '{code_marker * 1000}'\nprint(''.join(reversed({output_marker[::-1]!r})) * 300)"
+    halves = [(m[:16], m[16:]) for m in (code_marker, output_marker)]
+    scan = (
+        "import ctypes, os, uuid\n"
+        "ctypes.CDLL(None).prctl(4, 1)  # PR_SET_DUMPABLE: what a determined reader would do first\n"
+        "control = uuid.uuid4().hex\n"
+        f"wanted = {halves!r} + [(control[:16], control[16:])]\n"
+        "found = [False] * len(wanted)\n"
+        "mem = os.open('/proc/self/mem', os.O_RDONLY)\n"
+        "for line in open('/proc/self/maps').read().splitlines():\n"
+        "    span, perms = line.split()[:2]\n"
+        "    if perms[0] != 'r' or line.endswith(('[vvar]', '[vsyscall]', '[vvar_vclock]')):\n"
+        "        continue\n"
+        "    start, end = (int(x, 16) for x in span.split('-'))\n"
+        "    try:\n"
+        "        data = os.pread(mem, end - start, start)\n"
+        "    except OSError:\n"
+        "        continue\n"
+        "    for i, (head, tail) in enumerate(wanted):\n"
+        "        at = data.find(head.encode())\n"
+        "        while at >= 0 and not found[i]:\n"
+        "            found[i] = data.startswith(tail.encode(), at + 16)\n"
+        "            at = data.find(head.encode(), at + 1)\n"
+        "print(found)\n"
+    )
+    with Sandbox(make_config("local", concurrency=1, preload=("math",), max_output_bytes=64 * 1024)) as sb:  # one slot
+        first = sb.run(earlier)
+        assert first.ok and first.stdout == output_marker * 300 + "\n"
+        for _ in range(3):
+            r = sb.run(scan)
+            assert r.ok, r
+            assert r.stdout == "[False, False, True]\n"  # neither marker; the control is found
+
+
+def test_the_code_sees_only_an_allow_listed_file_system():
+    needs_root()
+    secret_dir = f"/sbx-{uuid.uuid4().hex[:12]}"  # anywhere on the machine, outside the lab
+    os.mkdir(secret_dir, 0o755)
+    try:
+        with open(f"{secret_dir}/answers.txt", "w") as f:
+            f.write("42")
+        os.chmod(f"{secret_dir}/answers.txt", 0o644)  # readable by anyone: only the view protects it
+        paths = [f"{secret_dir}/answers.txt", os.path.join(LAB_ROOT, "02-sandbox", "sandbox.py"), "/etc/shadow",
+                 "/etc/hostname", "/sys/kernel", "/dev/fuse", "/dev/net/tun", "/home", "/opt", "/srv", "/mnt", "/boot",
+                 "/proc/1/cmdline"]
+        with Sandbox(make_config("local", concurrency=1, preload=())) as sb:
+            r = sb.run(
+                "import os\n"
+                f"print([p for p in {paths!r} if os.path.exists(p)])\n"
+                "print(sorted(os.listdir('/dev')))\n"
+                "print(sorted(os.listdir('/etc')))\n"
+                "print(sorted(os.listdir('/')))\n"
+                "open('/usr/lib/escaped', 'w')\n"
+            )
+    finally:
+        os.remove(f"{secret_dir}/answers.txt")
+        os.rmdir(secret_dir)
+    visible, devices, etc, top = r.stdout.splitlines()
+    assert visible == "[]"
+    assert devices == "['fd', 'null', 'shm', 'stderr', 'stdin', 'stdout', 'urandom', 'zero']"
+    assert set(eval(etc)) <= {"group", "hosts", "ld.so.cache", "passwd"}
+    assert set(eval(top)) <= {"dev", "etc", "lib", "lib32", "lib64", "libx32", "proc", "tmp", "usr", "var"} | {
+        p.split("/")[1] for p in confinement.interpreter_paths()}  # the interpreter's own folders, wherever they are
+    assert format_observation(r) == "OSError: [Errno 30] Read-only file system: '/usr/lib/escaped'"
+
+
+def test_the_fork_servers_command_line_names_no_path():
+    """Every process can read every command line (ps); the code could read PID 1's."""
+    needs_root()
+    with Sandbox(make_config("local", concurrency=1, preload=())) as sb:
+        assert_still_answers(sb)
+        server = sb._backend._server
+        with open(f"/proc/{server._proc.pid}/cmdline", "rb") as f:
+            cmdline = f.read().decode()
+        for secret in (server.socket_path, server.folder, LAB_ROOT):
+            assert secret not in cmdline
+        r = sb.run("print(open('/proc/1/cmdline').read())")  # PID 1 of the call is its slot, a fork of the server
+        assert format_observation(r) == "FileNotFoundError: [Errno 2] No such file or directory: '/proc/1/cmdline'"
+
+
+def test_isolation_that_cannot_be_set_up_is_an_error_never_a_fallback(tmp_path):
+    """Without a memory cgroup (here: hidden by a mount namespace) the sandbox refuses to run code."""
+    needs_root()
+    script = (
+        "import confinement\n"
+        "from sandbox import Sandbox, SandboxConfig, SandboxError\n"
+        "confinement.unshare(confinement.CLONE_NEWNS)\n"
+        "confinement.mount(None, '/', None, confinement.MS_REC | confinement.MS_PRIVATE)\n"
+        "confinement.mount('tmpfs', '/sys/fs/cgroup', 'tmpfs', 0)\n"
+        "try:\n"
+        "    with Sandbox(SandboxConfig(concurrency=1, preload=())) as sb:\n"
+        "        print('ran:', sb.run('print(1)').stdout)\n"
+        "except SandboxError as e:\n"
+        "    print('refused:', e)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert done.stdout.startswith("refused: isolation='namespaces' cannot be set up here: "), done
+    assert "cgroup" in done.stdout and "Nothing was run" in done.stdout
+    with pytest.raises(ValueError, match="isolation must be 'namespaces' or 'plain'"):
+        SandboxConfig(isolation="auto")
 
 
 # ---------------------------------------------------------------- what the model sees

@@ -1,0 +1,456 @@
+"""What contains a call of the local backend: namespaces, an allow-listed root, cgroups, seccomp.
+
+The fork server (fork_server.py) uses these; sandbox.py explains why each exists and
+docs/02-sandbox.md lists what each stops. Every function fails with an exception
+naming what could not be set up: the sandbox never runs code with less than it promised.
+
+    build_root()       once per slot: a fresh root holding only what Python needs, read-only
+    fresh_scratch()    per call: empty, size-capped tmpfs on /tmp, /var/tmp, /dev/shm
+    Cgroups            per call: a memory group and a pids group (cgroup v1 or v2)
+    install_seccomp()  in the code's process: deny the system calls math code never needs
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import platform
+import struct
+import sys
+import sysconfig
+
+# --------------------------------------------------------------------------------------
+# Linux calls Python 3.11 does not wrap (os.unshare and os.setns arrived in 3.12)
+# --------------------------------------------------------------------------------------
+
+CLONE_NEWNS, CLONE_NEWCGROUP, CLONE_NEWUTS, CLONE_NEWIPC = 0x00020000, 0x02000000, 0x04000000, 0x08000000
+CLONE_NEWUSER, CLONE_NEWPID, CLONE_NEWNET = 0x10000000, 0x20000000, 0x40000000
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 1, 2, 4, 8, 32, 4096, 16384, 1 << 18
+MNT_DETACH = 2
+PR_SET_PDEATHSIG, PR_SET_DUMPABLE, PR_SET_SECCOMP, PR_SET_CHILD_SUBREAPER, PR_SET_NO_NEW_PRIVS = 1, 4, 22, 36, 38
+_LIBC = ctypes.CDLL(None, use_errno=True)
+
+
+def _check(result: int, what: str) -> None:
+    if result != 0:
+        errno = ctypes.get_errno()
+        raise OSError(errno, f"{what}: {os.strerror(errno)}")
+
+
+def unshare(flags: int) -> None:
+    _check(_LIBC.unshare(ctypes.c_int(flags)), "unshare")
+
+
+def setns(fd: int, nstype: int) -> None:
+    _check(_LIBC.setns(ctypes.c_int(fd), ctypes.c_int(nstype)), "setns")
+
+
+def mount(source: str | None, target: str, fstype: str | None, flags: int, data: str | None = None) -> None:
+    args = [s.encode() if s is not None else None for s in (source, target, fstype, data)]
+    _check(_LIBC.mount(args[0], args[1], args[2], ctypes.c_ulong(flags), args[3]), f"mount {target}")
+
+
+def umount(target: str) -> None:
+    _check(_LIBC.umount2(target.encode(), ctypes.c_int(MNT_DETACH)), f"umount {target}")
+
+
+def prctl(option: int, value: int, pointer=None) -> None:
+    third = pointer if pointer is not None else ctypes.c_ulong(0)
+    _check(_LIBC.prctl(ctypes.c_int(option), ctypes.c_ulong(value), third, ctypes.c_ulong(0), ctypes.c_ulong(0)), "prctl")
+
+
+def _pivot_root(new_root: str, put_old: str) -> None:
+    _check(_LIBC.syscall(ctypes.c_long(SYSCALLS["pivot_root"]), new_root.encode(), put_old.encode()), "pivot_root")
+
+
+# --------------------------------------------------------------------------------------
+# The file system: a fresh root that holds only what Python needs
+# --------------------------------------------------------------------------------------
+
+SYSTEM_LIBRARIES = ("/lib", "/lib64", "/lib32", "/libx32", "/usr/lib", "/usr/lib64", "/usr/lib32", "/usr/libx32")
+DEVICES = ("/dev/null", "/dev/zero", "/dev/urandom")
+SCRATCH_DIRS = ("/tmp", "/var/tmp", "/dev/shm")  # the only places the code may write: an empty tmpfs each, per call
+WORKDIR = "/tmp/work"
+_BUILD_AT = "/tmp"  # where the new root is assembled in the slot's own mount namespace, before pivot_root
+_ETC = {  # a minimal /etc: who is who, and the loader's cache so that native libraries load as usual
+    "passwd": "root:x:0:0:root:/root:/bin/false\nnobody:x:65534:65534:nobody:/nonexistent:/bin/false\n",
+    "group": "root:x:0:\nnogroup:x:65534:\n",
+    "hosts": "127.0.0.1 localhost\n",
+}
+
+
+def interpreter_paths() -> list[str]:
+    """The interpreter's files: its executable, shared library, standard library and site-packages.
+
+    A virtual environment's prefix comes whole (it holds nothing else); a system prefix
+    such as /usr only through its Python folders, which the system libraries cover anyway.
+    """
+    paths = {os.path.realpath(sys.executable)}
+    for scheme_vars in ({}, {"base": sys.base_prefix, "platbase": sys.base_exec_prefix}):
+        found = sysconfig.get_paths(vars=scheme_vars)
+        paths.update(found[key] for key in ("stdlib", "platstdlib", "purelib", "platlib"))
+    paths.update(p for p in sys.path if p.endswith(("site-packages", "dist-packages", "lib-dynload")))
+    if sys.prefix != sys.base_prefix:
+        paths.add(sys.prefix)
+    library = os.path.join(sysconfig.get_config_var("LIBDIR") or "", sysconfig.get_config_var("LDLIBRARY") or "")
+    if sysconfig.get_config_var("Py_ENABLE_SHARED") and os.path.isfile(library):
+        paths.update({library, os.path.realpath(library)})
+    real = sorted({os.path.realpath(p) for p in paths if p and os.path.exists(p)})
+    # A path inside another kept path comes with it.
+    return [p for p in real if not any(_inside(p, q) for q in real)]
+
+
+def build_root() -> dict[str, int]:
+    """Once per slot, in its new mount namespace: pivot into a root that holds only the allow list.
+
+    The root is a small tmpfs, read-only once built: the interpreter's files, the system
+    libraries, a minimal /etc, three devices, a private /proc (mounted by the caller after
+    the PID namespace exists) and mount points for the scratch dirs. Everything else on the
+    machine (the lab, other folders, /dev/fuse, /sys) does not exist for the code.
+    Returns O_PATH descriptors of interpreter folders that lie inside a scratch dir (a venv
+    under /tmp), which every call's fresh scratch must bind back.
+    """
+    mount(None, "/", None, MS_REC | MS_PRIVATE)  # nothing mounted here reaches the host
+    binds = [p for p in interpreter_paths()]
+    binds += [p for p in SYSTEM_LIBRARIES if os.path.isdir(p) and not os.path.islink(p)]
+    links = {p: os.readlink(p) for p in SYSTEM_LIBRARIES if os.path.islink(p)}
+    loader_cache = "/etc/ld.so.cache"
+    files = [loader_cache] if os.path.isfile(loader_cache) else []
+    # Descriptors first: the sources may lie under the folder the new root is built on.
+    sources = {path: os.open(path, os.O_PATH) for path in binds + files + list(DEVICES)}
+    root = _BUILD_AT
+    mount("tmpfs", root, "tmpfs", MS_NOSUID | MS_NODEV, "size=1m,mode=0755")
+    for path, fd in sources.items():
+        target = root + path
+        os.makedirs(os.path.dirname(target), mode=0o755, exist_ok=True)
+        if os.path.isdir(f"/proc/self/fd/{fd}"):
+            os.makedirs(target, mode=0o755, exist_ok=True)
+        else:
+            open(target, "w").close()
+        device = path in DEVICES
+        mount(f"/proc/self/fd/{fd}", target, None, MS_BIND)
+        # Read-only and nosuid; devices keep dev (a nodev /dev/null cannot be opened).
+        mount(None, target, None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | (0 if device else MS_NODEV))
+        os.close(fd)
+    for path, target in links.items():
+        os.makedirs(os.path.dirname(root + path), mode=0o755, exist_ok=True)
+        os.symlink(target, root + path)
+    for name, text in _ETC.items():
+        os.makedirs(f"{root}/etc", mode=0o755, exist_ok=True)
+        with open(f"{root}/etc/{name}", "w") as f:
+            f.write(text)
+    for name, target in (("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"), ("stdout", "/proc/self/fd/1"),
+                         ("stderr", "/proc/self/fd/2")):
+        os.symlink(target, f"{root}/dev/{name}")
+    for path in ("/proc", *SCRATCH_DIRS):
+        os.makedirs(root + path, mode=0o755, exist_ok=True)
+    os.chdir(root)
+    _pivot_root(".", ".")  # the old root now sits on top of the new one ...
+    umount(".")  # ... and goes, with every mount of the machine under it
+    os.chdir("/")
+    mount(None, "/", None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV)
+    return {p: os.open(p, os.O_PATH) for p in binds if any(_inside(p, d) for d in SCRATCH_DIRS)}
+
+
+def mount_proc() -> None:
+    """A /proc of the slot's own PID namespace; hidepid=2: the code sees only its own processes."""
+    mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, "hidepid=2")
+
+
+_MOUNTED_SCRATCH: set[str] = set()  # scratch dirs that carry a tmpfs of ours in this slot
+
+
+def fresh_scratch(max_file_mb: int, keep: dict[str, int], uid: int) -> str:
+    """Per call: an empty tmpfs on each scratch dir (the previous call's are detached), a work dir for uid."""
+    for path in SCRATCH_DIRS:
+        if path in _MOUNTED_SCRATCH:
+            umount(path)
+        mount("tmpfs", path, "tmpfs", MS_NOSUID | MS_NODEV, f"size={4 * max_file_mb}m,mode=1777")
+        _MOUNTED_SCRATCH.add(path)
+        for kept, fd in keep.items():
+            if _inside(kept, path):
+                os.makedirs(kept, mode=0o755, exist_ok=True)
+                mount(f"/proc/self/fd/{fd}", kept, None, MS_BIND)
+                mount(None, kept, None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV)
+    os.mkdir(WORKDIR, 0o700)
+    os.chown(WORKDIR, uid, uid)
+    return WORKDIR
+
+
+def _inside(path: str, folder: str) -> bool:
+    return path != folder and path.startswith(folder.rstrip("/") + "/")
+
+
+def call_uid(token: int) -> int:
+    """A uid of its own per slot, so that RLIMIT_NPROC counts only this call; nobody where ids are scarce."""
+    uid = 100000 + ((os.getpid() % (1 << 20)) << 10 | token % 1024)  # called in the server: its pid and the slot's token
+    try:
+        with open("/proc/self/uid_map") as f:
+            for line in f:
+                inner, _, count = (int(x) for x in line.split())
+                if inner <= uid < inner + count:
+                    return uid
+    except (OSError, ValueError):
+        pass
+    return 65534
+
+
+# --------------------------------------------------------------------------------------
+# Cgroups: every page the call touches (heap, memfds, tmpfs, page cache) is charged to it
+# --------------------------------------------------------------------------------------
+
+
+class Cgroups:
+    """A group per call under a group of this server's own, in cgroup v1 (memory + pids) or v2.
+
+    Created with descriptors opened before pivot_root, so that slots, whose root holds no
+    /sys, can still make and remove groups. The code's process joins its call's group
+    itself, as root, before it drops its privileges (join()).
+    """
+
+    def __init__(self, name: str) -> None:
+        self.version, self.paths = _find_cgroups()
+        self.bases: list[int] = []
+        try:
+            for path in self.paths:
+                os.mkdir(f"{path}/{name}", 0o700)
+                self.bases.append(os.open(f"{path}/{name}", os.O_RDONLY | os.O_DIRECTORY))
+                if self.version == 2:
+                    _write(self.bases[-1], "cgroup.subtree_control", "+memory +pids")
+        except OSError as e:
+            self.close()
+            raise OSError(e.errno, f"cannot create a cgroup under {self.paths}: {e.strerror}") from None
+        self.paths = [f"{path}/{name}" for path in self.paths]
+
+    def prepare(self, name: str) -> CallGroup:
+        return CallGroup(self, name)
+
+    def close(self) -> None:
+        for fd in self.bases:
+            os.close(fd)
+        self.bases = []
+
+
+class CallGroup:
+    """One call's groups: limits written and joined by the code's process, removed after the call."""
+
+    def __init__(self, groups: Cgroups, name: str) -> None:
+        self.groups, self.name = groups, name
+        self.dirs = []
+        for base in groups.bases:
+            os.mkdir(name, 0o700, dir_fd=base)
+            self.dirs.append(os.open(name, os.O_RDONLY | os.O_DIRECTORY, dir_fd=base))
+
+    def join(self, memory_mb: int, max_processes: int) -> None:
+        """In the code's process, still root: set the limits, then move itself in."""
+        limit = str(memory_mb * 1024 * 1024)
+        if self.groups.version == 1:
+            memory, pids = self.dirs
+            _write(memory, "memory.limit_in_bytes", limit)
+            _write(memory, "memory.memsw.limit_in_bytes", limit, optional=True)  # swap counted too, where it is accounted
+            _write(memory, "memory.swappiness", "0", optional=True)
+            _write(pids, "pids.max", str(max_processes))
+        else:
+            (both,) = self.dirs
+            _write(both, "memory.max", limit)
+            _write(both, "memory.swap.max", "0", optional=True)
+            _write(both, "pids.max", str(max_processes))
+        for fd in self.dirs:
+            _write(fd, "cgroup.procs", "0")  # 0: the writing process itself
+        for fd in self.dirs:
+            os.close(fd)
+
+    def oom_killed(self) -> bool:
+        """Did the kernel kill a process of this call for exceeding its memory limit?"""
+        name = "memory.oom_control" if self.groups.version == 1 else "memory.events"
+        try:
+            fd = os.open(name, os.O_RDONLY, dir_fd=self.dirs[0])
+            with os.fdopen(fd) as f:
+                counts = dict(line.split() for line in f if line.strip())
+            return int(counts.get("oom_kill", "0")) > 0
+        except (OSError, ValueError):
+            return False
+
+    def remove(self) -> None:
+        for fd in self.dirs:
+            os.close(fd)
+        for base in self.groups.bases:
+            for _ in range(100):  # the last exiting tasks may take a moment to leave
+                try:
+                    os.rmdir(self.name, dir_fd=base)
+                    break
+                except FileNotFoundError:
+                    break
+                except OSError:
+                    os.sched_yield()
+
+
+def _write(dir_fd: int, name: str, text: str, optional: bool = False) -> None:
+    try:
+        fd = os.open(name, os.O_WRONLY, dir_fd=dir_fd)
+    except FileNotFoundError:
+        if optional:
+            return
+        raise
+    try:
+        os.write(fd, text.encode())
+    except OSError:
+        if not optional:
+            raise
+    finally:
+        os.close(fd)
+
+
+def _find_cgroups() -> tuple[int, list[str]]:
+    """(version, [folders to create groups in]): v1 memory and pids, else v2 with both controllers.
+
+    Raises OSError saying why neither works here (the sandbox then refuses to start).
+    """
+    mounts: dict[str, tuple[str, str]] = {}  # controller or "v2" -> (mount point, root of the mount)
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            left, right = line.split(" - ")
+            fields, (fstype, _, options) = left.split(), right.split()[:3]
+            if fstype == "cgroup":
+                for controller in ("memory", "pids"):
+                    if controller in options.split(","):
+                        mounts[controller] = (fields[4], fields[3])
+            elif fstype == "cgroup2":
+                mounts.setdefault("v2", (fields[4], fields[3]))
+    own: dict[str, str] = {}
+    with open("/proc/self/cgroup") as f:
+        for line in f:
+            _, controllers, path = line.rstrip("\n").split(":", 2)
+            for controller in controllers.split(",") if controllers else ["v2"]:
+                own[controller] = path
+
+    def folder(key: str) -> str:
+        point, root = mounts[key]
+        path = own.get(key, "/")
+        path = path[len(root):] if root != "/" and path.startswith(root) else path
+        return os.path.normpath(point + "/" + path)
+
+    if "memory" in mounts and "pids" in mounts:
+        paths = [folder("memory"), folder("pids")]
+        if all(os.access(p, os.W_OK) for p in paths):
+            return 1, paths
+        raise OSError(13, f"cgroup v1 memory and pids are mounted but {paths} are not writable (root is needed)")
+    if "v2" not in mounts:
+        raise OSError(2, "neither cgroup v1 memory and pids nor cgroup v2 is mounted")
+    path = folder("v2")
+    try:
+        with open(f"{path}/cgroup.controllers") as f:
+            available = f.read().split()
+    except OSError as e:
+        raise OSError(e.errno, f"cgroup v2 at {path} is not readable: {e.strerror}") from None
+    if not {"memory", "pids"} <= set(available):
+        raise OSError(2, f"cgroup v2 at {path} offers {available}, without memory and pids")
+    with open(f"{path}/cgroup.subtree_control") as f:
+        enabled = set(f.read().split())
+    if not {"memory", "pids"} <= enabled:
+        try:
+            with open(f"{path}/cgroup.subtree_control", "w") as f:
+                f.write("+memory +pids")
+        except OSError as e:
+            raise OSError(e.errno, f"cgroup v2: cannot enable memory and pids below {path} ({e.strerror}); "
+                          "run the lab in a delegated cgroup, e.g. systemd-run --scope -p Delegate=yes") from None
+    return 2, [path]
+
+
+# --------------------------------------------------------------------------------------
+# Seccomp: a small BPF program, installed through prctl in the code's own process
+# --------------------------------------------------------------------------------------
+
+# System calls math code never needs, with Docker's default profile as the reference.
+# The reason each is denied is in docs/02-sandbox.md; they fail with EPERM.
+DENIED = (
+    # kernel keyrings are not namespaced: a key outlives the call and can be shared across uids
+    "keyctl", "add_key", "request_key",
+    # reading or changing another process
+    "ptrace", "process_vm_readv", "process_vm_writev", "kcmp", "pidfd_getfd",
+    # the file view: mounts (a tmpfs mounted in a user namespace escapes the memory cgroup's view)
+    "mount", "umount2", "pivot_root", "chroot", "open_tree", "move_mount", "fsopen", "fsconfig",
+    "fsmount", "fspick", "mount_setattr", "open_by_handle_at", "name_to_handle_at",
+    # namespaces, user namespaces above all (clone with a CLONE_NEW* flag is denied below)
+    "unshare", "setns",
+    # large kernel interfaces with a history of exploits
+    "bpf", "perf_event_open", "userfaultfd", "io_uring_setup", "io_uring_enter", "io_uring_register",
+    # the machine's own state
+    "kexec_load", "kexec_file_load", "init_module", "finit_module", "delete_module", "reboot", "swapon",
+    "swapoff", "acct", "syslog", "settimeofday", "clock_settime", "clock_adjtime", "adjtimex", "quotactl",
+    "lookup_dcookie", "fanotify_init", "vhangup",
+)
+_TABLES = {  # system call numbers: asm/unistd_64.h (x86_64) and asm-generic/unistd.h (aarch64)
+    "x86_64": dict(
+        keyctl=250, add_key=248, request_key=249, ptrace=101, process_vm_readv=310, process_vm_writev=311,
+        kcmp=312, pidfd_getfd=438, mount=165, umount2=166, pivot_root=155, chroot=161, open_tree=428,
+        move_mount=429, fsopen=430, fsconfig=431, fsmount=432, fspick=433, mount_setattr=442,
+        open_by_handle_at=304, name_to_handle_at=303, unshare=272, setns=308, bpf=321, perf_event_open=298,
+        userfaultfd=323, io_uring_setup=425, io_uring_enter=426, io_uring_register=427, kexec_load=246,
+        kexec_file_load=320, init_module=175, finit_module=313, delete_module=176, reboot=169, swapon=167,
+        swapoff=168, acct=163, syslog=103, settimeofday=164, clock_settime=227, clock_adjtime=305,
+        adjtimex=159, quotactl=179, lookup_dcookie=212, fanotify_init=300, vhangup=153, clone=56, clone3=435,
+    ),
+    "aarch64": dict(
+        keyctl=219, add_key=217, request_key=218, ptrace=117, process_vm_readv=270, process_vm_writev=271,
+        kcmp=272, pidfd_getfd=438, mount=40, umount2=39, pivot_root=41, chroot=51, open_tree=428,
+        move_mount=429, fsopen=430, fsconfig=431, fsmount=432, fspick=433, mount_setattr=442,
+        open_by_handle_at=265, name_to_handle_at=264, unshare=97, setns=268, bpf=280, perf_event_open=241,
+        userfaultfd=282, io_uring_setup=425, io_uring_enter=426, io_uring_register=427, kexec_load=104,
+        kexec_file_load=294, init_module=105, finit_module=273, delete_module=106, reboot=142, swapon=224,
+        swapoff=225, acct=89, syslog=116, settimeofday=170, clock_settime=112, clock_adjtime=266,
+        adjtimex=171, quotactl=60, lookup_dcookie=18, fanotify_init=262, vhangup=58, clone=220, clone3=435,
+    ),
+}
+_AUDIT_ARCH = {"x86_64": 0xC000003E, "aarch64": 0xC00000B7}
+SYSCALLS = _TABLES.get(platform.machine(), {})
+NAMESPACE_FLAGS = CLONE_NEWNS | CLONE_NEWCGROUP | CLONE_NEWUTS | CLONE_NEWIPC | CLONE_NEWUSER | CLONE_NEWPID | CLONE_NEWNET
+
+_RET_KILL_PROCESS, _RET_ERRNO, _RET_ALLOW = 0x80000000, 0x00050000, 0x7FFF0000
+_EPERM, _ENOSYS = 1, 38
+_LD_ABS, _JEQ, _JGE, _JSET, _RET = 0x20, 0x15, 0x35, 0x45, 0x06  # BPF_LD|W|ABS, BPF_JMP|{JEQ,JGE,JSET}|K, BPF_RET|K
+_NR, _ARCH, _ARG0 = 0, 4, 16  # offsets in struct seccomp_data (arg0's low 32 bits: little-endian)
+
+
+def seccomp_program() -> bytes:
+    """The filter, one BPF instruction (code, jump if true, jump if false, constant) per line.
+
+    A jump skips that many instructions. Every denied call gets a test and a return:
+    "is it number N? then fail with EPERM". clone is allowed unless it asks for a new
+    namespace; clone3 passes its flags in memory a filter cannot read, so it reports
+    ENOSYS and the C library falls back to clone, as under Docker's profile.
+    """
+    machine = platform.machine()
+    if machine not in _TABLES:
+        raise OSError(_ENOSYS, f"no seccomp system-call table for {machine} (known: {sorted(_TABLES)})")
+    table = _TABLES[machine]
+    program = [
+        (_LD_ABS, 0, 0, _ARCH),
+        (_JEQ, 1, 0, _AUDIT_ARCH[machine]),  # a call through another ABI (32-bit) would bypass the numbers
+        (_RET, 0, 0, _RET_KILL_PROCESS),
+        (_LD_ABS, 0, 0, _NR),
+    ]
+    if machine == "x86_64":
+        program += [(_JGE, 0, 1, 0x40000000), (_RET, 0, 0, _RET_ERRNO | _EPERM)]  # the x32 ABI's numbers
+    for name in DENIED:
+        program += [(_JEQ, 0, 1, table[name]), (_RET, 0, 0, _RET_ERRNO | _EPERM)]
+    program += [
+        (_JEQ, 0, 1, table["clone3"]),
+        (_RET, 0, 0, _RET_ERRNO | _ENOSYS),
+        (_JEQ, 0, 3, table["clone"]),
+        (_LD_ABS, 0, 0, _ARG0),
+        (_JSET, 0, 1, NAMESPACE_FLAGS),
+        (_RET, 0, 0, _RET_ERRNO | _EPERM),
+        (_RET, 0, 0, _RET_ALLOW),
+    ]
+    return b"".join(struct.pack("HBBI", *instruction) for instruction in program)
+
+
+class _SockFprog(ctypes.Structure):
+    _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
+
+
+def install_seccomp(program: bytes) -> None:
+    """Install the filter on this process (and all it will start); needs no_new_privs, not root."""
+    buffer = ctypes.create_string_buffer(program, len(program))
+    fprog = _SockFprog(len(program) // 8, ctypes.cast(buffer, ctypes.c_void_p))
+    prctl(PR_SET_SECCOMP, 2, ctypes.byref(fprog))  # SECCOMP_MODE_FILTER

@@ -1,0 +1,204 @@
+"""The local backend's fork server: warm imports once, then slots that serve calls one at a time.
+
+Started by sandbox.py as `python -I -c <bootstrap>`: its options and its own source
+arrive on stdin, so its command line (which every process can read) names no path and
+no socket. It imports math, numpy and sympy once, then keeps `spares` slots running.
+A slot is forked once, enters its namespaces and pivots into the allow-listed root
+(confinement.py); then, call after call, it prepares a fresh network and IPC namespace,
+empty scratch dirs and a cgroup, waits in accept() and hands the connection to
+runner.serve_call. A slot never reads a request or an answer (see runner.py), retires
+after `slot_calls` calls (sandbox.SLOT_CALLS), and the server forks a new one. docs/02-sandbox.md has the why.
+"""
+from __future__ import annotations
+
+import gc
+import json
+import os
+import select
+import shutil
+import signal
+import socket
+import struct
+import sys
+import tempfile
+import time
+import traceback
+
+import confinement
+import runner
+
+def serve(options: dict) -> None:
+    """Run until the caller closes our stdin. The first stdout line says what isolation we got, or why none."""
+    runner.preload(options["preload"])
+    mode = options["isolation"]
+    try:
+        program = confinement.seccomp_program()
+        cgroups = confinement.Cgroups(f"tool-rl-lab-sandbox-{os.getpid()}") if mode == "namespaces" else None
+    except OSError as e:
+        return _hello(error=e.strerror or str(e))
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(options["socket"])
+    listener.listen(256)
+    listener.setblocking(False)  # several slots poll it; the losers of a race get EAGAIN
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the kernel reaps finished slots
+    gc.freeze()  # the warm objects stay out of every child's collections: fewer copied pages
+    alive_r, alive_w = os.pipe()  # idle slots see EOF here when the server is gone
+    leaving_r, leaving_w = os.pipe()  # a slot about to retire writes its token here
+    own_pid_ns = os.open("/proc/self/ns/pid", os.O_RDONLY) if mode == "namespaces" else None
+    slots: dict[int, int] = {}  # token -> pid
+    tokens = iter(range(1, 1 << 62))
+    slot_calls = options["slot_calls"]
+
+    def spawn() -> None:
+        """Fork a slot and wait until it says its isolation is in place (or why it is not)."""
+        token = next(tokens)
+        uid = confinement.call_uid(token) if mode == "namespaces" or os.geteuid() == 0 else None
+        report_r, report_w = os.pipe()
+        if own_pid_ns is not None:
+            confinement.unshare(confinement.CLONE_NEWPID)  # only the next child enters it, as its PID 1
+        pid = os.fork()
+        if pid == 0:
+            for fd in (alive_w, leaving_r, report_r):
+                os.close(fd)
+            _slot(listener, alive_r, leaving_w, report_w, token, uid, mode, options, cgroups, program, slot_calls)
+        os.close(report_w)
+        if own_pid_ns is not None:
+            confinement.setns(own_pid_ns, confinement.CLONE_NEWPID)
+        with os.fdopen(report_r, "rb") as f:
+            problem = f.read().decode(errors="replace")
+        if problem:
+            raise SystemExit(problem)
+        slots[token] = pid
+
+    try:
+        for _ in range(options["spares"]):
+            spawn()
+    except SystemExit as e:
+        return _hello(error=str(e))
+    _hello(isolation=mode, cgroups=cgroups.paths if cgroups else [])
+    poller = select.poll()
+    poller.register(0, select.POLLIN)  # the caller's pipe: readable only at EOF, when it is gone
+    poller.register(leaving_r, select.POLLIN)
+    while True:
+        events = poller.poll(1000)
+        for fd, _ in events:
+            if fd == 0:
+                os.close(alive_w)
+                _remove_groups(cgroups, list(slots.values()))
+                return
+            for (token,) in struct.iter_unpack("q", os.read(leaving_r, 8 * 512)):
+                slots.pop(token, None)
+                spawn()
+        if not events:  # a quiet second: replace any slot that died
+            for token, pid in list(slots.items()):
+                if not _alive(pid):
+                    del slots[token]
+                    spawn()
+
+
+def _hello(**fields) -> None:
+    sys.stdout.write(json.dumps(fields) + "\n")
+    sys.stdout.flush()
+
+
+def _slot(listener, alive: int, leaving: int, report: int, token: int, uid: int | None, mode: str,
+          options: dict, cgroups, program: bytes, slot_calls: int) -> None:
+    """One supervisor: set up isolation once, report, then serve calls one at a time."""
+    status = 1
+    try:
+        try:
+            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+            devnull = os.open(os.devnull, os.O_RDWR)
+            os.dup2(devnull, 0)  # the server's pipe from the caller stays with the server
+            os.close(devnull)
+            if mode == "namespaces":
+                confinement.unshare(confinement.CLONE_NEWNS)  # the PID namespace came with the fork
+                keep = confinement.build_root()
+                confinement.mount_proc()
+            else:
+                confinement.prctl(confinement.PR_SET_CHILD_SUBREAPER, 1)  # orphans of the code become ours to kill
+        except BaseException as e:
+            os.write(report, f"{type(e).__name__}: {e}".encode())
+            raise
+        finally:
+            os.close(report)
+
+        def lock() -> None:
+            confinement.install_seccomp(program)
+
+        for number in range(slot_calls):
+            # Prepared before the call arrives, so that it costs the call nothing.
+            group = None
+            if mode == "namespaces":
+                confinement.unshare(confinement.CLONE_NEWNET | confinement.CLONE_NEWIPC)  # the previous call's die with their last process
+                workdir = confinement.fresh_scratch(options["max_file_mb"], keep, uid)
+                group = cgroups.prepare(f"call-{token}-{number}")
+            else:
+                workdir = tempfile.mkdtemp(prefix="sandbox-work-")
+                if uid is not None:
+                    os.chown(workdir, uid, uid)
+            try:
+                conn = _accept(listener, alive)
+                if conn is None:
+                    status = 0
+                    return
+                with conn:
+                    runner.serve_call(conn.fileno(), conn.fileno(), workdir, uid, mode, group, lock)
+            finally:
+                if group is not None:
+                    group.remove()
+                if mode != "namespaces":  # in namespaces the tmpfs goes with the next call or the slot
+                    shutil.rmtree(workdir, ignore_errors=True)
+        os.write(leaving, struct.pack("q", token))
+        status = 0
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        os._exit(status)  # as PID 1: the kernel tears the namespaces down
+
+
+def _accept(listener: socket.socket, alive: int) -> socket.socket | None:
+    """Wait for a call; None when the server exited first."""
+    poller = select.poll()
+    poller.register(listener.fileno(), select.POLLIN)
+    poller.register(alive, select.POLLIN)
+    while True:
+        for fd, _ in poller.poll():
+            if fd == alive:
+                return None
+            try:
+                conn, _ = listener.accept()
+            except BlockingIOError:
+                continue  # another slot took it
+            conn.setblocking(True)
+            return conn
+
+
+def _remove_groups(cgroups, slot_pids: list[int]) -> None:
+    """At exit: give idle slots a moment to remove their prepared groups, then remove ours."""
+    if cgroups is None:
+        return
+    deadline = time.monotonic() + 2.0
+    while any(_alive(pid) for pid in slot_pids) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    for fd, path in zip(cgroups.bases, cgroups.paths):
+        for name in os.listdir(f"/proc/self/fd/{fd}"):
+            if name.startswith("call-"):
+                try:
+                    os.rmdir(name, dir_fd=fd)
+                except OSError:
+                    pass
+        try:
+            os.rmdir(path)
+        except OSError:
+            pass  # a call still running: the caller removes it later (sandbox.py)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True

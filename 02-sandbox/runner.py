@@ -1,0 +1,416 @@
+"""The runner: one call, from the request to the answer, inside the sandbox.
+
+Used by the fork server's slots (fork_server.py) and, as this one file sent with
+`python3 -I -c <source> --container OPTIONS`, by every Docker container. It needs only
+the standard library. serve_call() is the whole life of a call:
+
+1. fork the code's process first; that process reads the request itself, so the code
+   and its output never pass through the memory of the supervisor, which later calls
+   inherit (it sends its supervisor only two numbers: the time limit and the output cap);
+2. that process joins its call's cgroup, sets its rlimits, drops to an unprivileged uid,
+   installs the seccomp filter and runs the code with stdout and stderr in memory files;
+3. the supervisor waits up to the time limit, kills every process the call left, and
+   sends the answer: a small header, then head and tail of each memory file, copied by
+   the kernel (sendfile) straight from the file to the caller's socket.
+Why each step exists: docs/02-sandbox.md.
+"""
+from __future__ import annotations
+
+import argparse
+import atexit
+import builtins
+import io
+import json
+import linecache
+import os
+import resource
+import select
+import signal
+import struct
+import sys
+import tempfile
+import threading
+import time
+import traceback
+import types
+
+ANSWER_GRACE = 30.0  # seconds past the timeout before the caller gives up on an answer (a loaded machine is slow to fork and reap)
+REQUEST_GRACE = 30.0  # seconds the code's process may take to receive its request before it is killed
+IDLE_EXIT = 900.0  # seconds a warm container waits for its request before giving up
+DEFAULT_CAP = 64 * 1024  # output cap when a request never arrived (the answer then only says why)
+_OLD_STREAMS: list = []  # see _fresh_interpreter_state
+
+
+def clean_env() -> dict:
+    """The whole environment the sandbox's processes get: built from nothing, never copied."""
+    env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "USER": "sandbox", "MPLBACKEND": "Agg"}
+    for name in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "NUMEXPR_NUM_THREADS", "VECLIB_MAXIMUM_THREADS"):
+        env[name] = "1"
+    env["PYTHONDONTWRITEBYTECODE"] = "1"
+    return env
+
+
+def preload(modules: list[str]) -> None:
+    import importlib
+
+    for name in modules:
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            pass  # a missing optional library is imported (and fails) in the code, as usual
+
+
+# --------------------------------------------------------------------------------------
+# The supervisor's side of a call
+# --------------------------------------------------------------------------------------
+
+
+def serve_call(request_fd: int, answer_fd: int, workdir: str, uid: int | None, mode: str, group=None, lock=None) -> None:
+    """Run one call whose request waits on request_fd, and write its answer to answer_fd.
+
+    mode: "namespaces", "plain" or "container". group: the call's cgroups (joined and
+    read by the code's process and by us), lock: installs the seccomp filter; None where
+    the container runtime provides both.
+    """
+    out = os.memfd_create("stdout")
+    err = os.memfd_create("stderr")
+    limits_r, limits_w = os.pipe()
+    user = os.fork()
+    if user == 0:
+        os.close(limits_r)
+        _become_user_process(request_fd, limits_w, out, err, workdir, uid, mode, group, lock)  # never returns
+    os.close(limits_w)
+    limits = _read_limits(limits_r)
+    os.close(limits_r)
+    if limits is None:  # no request, or a malformed one: the code's process says why on its stderr
+        _kill_quietly(user)
+        status, timed_out = _wait_for(user, None), False
+        timeout, cap = 0.0, DEFAULT_CAP
+    else:
+        timeout, cap = limits
+        status, timed_out = _wait_for(user, timeout)
+    _kill_the_rest()  # before answering: when the caller has its result, nothing is left running
+    oom_killed = group.oom_killed() if group is not None else False
+    _send_answer(answer_fd, status, timed_out, oom_killed, out, err, cap, may_copy=mode == "container")
+    os.close(out)
+    os.close(err)
+
+
+def _read_limits(fd: int) -> tuple[float, int] | None:
+    """The two numbers the code's process sends once it has read the request; None if it never does."""
+    ready, _, _ = select.select([fd], [], [], REQUEST_GRACE)
+    data = os.read(fd, 16) if ready else b""
+    return struct.unpack("=dq", data) if len(data) == 16 else None
+
+
+def _wait_for(user: int, timeout: float | None) -> tuple[int, bool]:
+    """(wait status, timed out): wait for the code's process up to the time limit, then kill it."""
+    timed_out = False
+
+    def on_alarm(signum, frame):
+        raise TimeoutError
+
+    signal.signal(signal.SIGALRM, on_alarm)
+    if timeout is not None:
+        signal.setitimer(signal.ITIMER_REAL, timeout)
+    status = None
+    try:
+        while status is None:
+            pid, wait_status = os.waitpid(-1, 0)  # also reaps the code's orphans, which are ours
+            if pid == user:
+                status = wait_status
+    except TimeoutError:
+        timed_out = True
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+    if timed_out:
+        _kill_quietly(user)
+        _, status = os.waitpid(user, 0)
+    return status, timed_out
+
+
+def _send_answer(fd: int, status: int, timed_out: bool, oom_killed: bool, out: int, err: int, cap: int, may_copy: bool) -> None:
+    """A header (sizes, exit status), then head and tail of each stream, at most `cap` bytes each.
+
+    sendfile copies from the memory file to the socket inside the kernel: the output
+    never enters this process's memory. Only a container (single-use) may fall back to
+    reading it, where sendfile is refused.
+    """
+    header = {"returncode": os.waitstatus_to_exitcode(status), "timed_out": timed_out, "oom_killed": oom_killed}
+    pieces = []
+    for name, stream in (("stdout", out), ("stderr", err)):
+        size = os.fstat(stream).st_size
+        head, tail = (size, 0) if size <= cap else (cap - cap // 2, cap // 2)
+        header[name] = [size, head, tail]
+        pieces += [(stream, 0, head), (stream, size - tail, tail)]
+    data = json.dumps(header).encode()
+    _write_all(fd, struct.pack(">I", len(data)) + data)
+    for stream, offset, count in pieces:
+        while count > 0:
+            try:
+                sent = os.sendfile(fd, stream, offset, count)
+            except OSError:
+                if not may_copy:
+                    raise
+                sent = _write_all(fd, os.pread(stream, count, offset))
+            if sent == 0:
+                raise OSError("the output file ended early")
+            offset, count = offset + sent, count - sent
+
+
+def _write_all(fd: int, data: bytes) -> int:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
+    return len(data)
+
+
+def read_frame(fd: int) -> bytes:
+    """One length-prefixed message (4 bytes, big-endian, then the body) from fd."""
+    header = _read_exactly(fd, 4)
+    return _read_exactly(fd, struct.unpack(">I", header)[0])
+
+
+def _read_exactly(fd: int, size: int) -> bytes:
+    chunks = bytearray()
+    while len(chunks) < size:
+        chunk = os.read(fd, min(size - len(chunks), 1 << 20))
+        if not chunk:
+            raise EOFError(f"the request ended after {len(chunks)} of {size} bytes")
+        chunks += chunk
+    return bytes(chunks)
+
+
+def read_answer(read_exactly) -> dict:
+    """The caller's side of _send_answer: header, then head and tail of each stream, decoded.
+
+    read_exactly(n) returns exactly n bytes. Invalid UTF-8 is replaced, never raised; a
+    stream over the cap comes back as head, a line saying how much was cut, and tail.
+    """
+    header = json.loads(read_exactly(struct.unpack(">I", read_exactly(4))[0]))
+    answer = {"returncode": header["returncode"], "timed_out": header["timed_out"],
+              "oom_killed": header["oom_killed"], "truncated": False}
+    for name in ("stdout", "stderr"):
+        size, head, tail = header[name]
+        data = read_exactly(head)
+        if head + tail < size:
+            data += f"\n... [{size - head - tail} bytes cut] ...\n".encode() + read_exactly(tail)
+            answer["truncated"] = True
+        answer[name] = data.decode("utf-8", errors="replace")
+    return answer
+
+
+def failure(reason: str) -> dict:
+    """An answer for a call whose supervisor gave none (killed, crashed, too slow)."""
+    return {"stdout": "", "stderr": "", "returncode": -signal.SIGKILL, "timed_out": False, "oom_killed": False,
+            "truncated": False, "error": reason}
+
+
+def _kill_the_rest() -> None:
+    """Kill every process the code left behind (daemons, setsid, double forks) and reap it.
+
+    A PID namespace's init (a slot, or a container's runner) kills them all with
+    kill(-1). Without one, this supervisor is a child subreaper: every orphan of the
+    code is re-parented to it, so killing its children until none is left is enough.
+    """
+    if os.getpid() == 1:
+        _kill_quietly(-1)
+        try:
+            while True:
+                os.waitpid(-1, 0)
+        except ChildProcessError:
+            return
+    me = os.getpid()
+    while True:
+        children = _children_of(me)
+        for pid in children:
+            _kill_quietly(pid)
+        try:
+            while os.waitpid(-1, os.WNOHANG)[0] > 0:
+                pass
+        except ChildProcessError:
+            return
+        if not children:
+            time.sleep(0.001)
+
+
+def _children_of(parent: int) -> list[int]:
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == parent and fields[0] != "Z":
+                found.append(int(entry))
+    return found
+
+
+def _tasks_of_uid(uid: int) -> int:
+    """Processes and threads of a uid: what RLIMIT_NPROC counts."""
+    count = 0
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/status") as f:
+                    fields = dict(line.split(":", 1) for line in f if ":" in line)
+            except OSError:
+                continue
+            if int(fields["Uid"].split()[0]) == uid:
+                count += int(fields["Threads"])
+    return count
+
+
+def _kill_quietly(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+# --------------------------------------------------------------------------------------
+# The code's side of a call
+# --------------------------------------------------------------------------------------
+
+
+def _become_user_process(request_fd: int, limits_fd: int, out: int, err: int, workdir: str, uid: int | None,
+                         mode: str, group, lock) -> None:
+    """Turn this forked process into a fresh, unprivileged interpreter running the code."""
+    status = 1
+    try:
+        os.dup2(out, 1)
+        os.dup2(err, 2)
+        request = json.loads(read_frame(request_fd))
+        os.write(limits_fd, struct.pack("=dq", float(request["timeout"]), int(request["max_output_bytes"])))
+        if group is not None:  # before dropping root: the cgroup's files belong to root
+            group.join(request["memory_mb"], request["max_processes"])
+        os.setsid()  # a group of its own: a kill of the group never reaches the supervisor
+        stdin = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(stdin, 0)
+        os.closerange(3, resource.getrlimit(resource.RLIMIT_NOFILE)[0])  # no socket, pipe or cgroup of the sandbox stays reachable
+        os.chdir(workdir)
+        mb = 1024 * 1024
+        _set_limit(resource.RLIMIT_AS, request["memory_mb"] * mb)
+        _set_limit(resource.RLIMIT_CPU, int(request["timeout"]) + 2)
+        _set_limit(resource.RLIMIT_FSIZE, request["max_file_mb"] * mb)
+        if mode != "container" and uid is not None:  # the uid is this slot's own: the limit is this call's budget
+            _set_limit(resource.RLIMIT_NPROC, request["max_processes"])
+        elif mode == "plain":  # the uid is shared with the caller: a budget on top of what it runs
+            _set_limit(resource.RLIMIT_NPROC, _tasks_of_uid(os.getuid()) + request["max_processes"])
+        # In a container the pids cgroup is the budget: RLIMIT_NPROC would count every
+        # container's processes together, since they all run as uid 65534.
+        _set_limit(resource.RLIMIT_CORE, 0)
+        for number in (signal.SIGCHLD, signal.SIGALRM, signal.SIGXFSZ, signal.SIGXCPU, signal.SIGTERM):
+            signal.signal(number, signal.SIG_DFL)
+        if uid is not None:
+            os.setgroups([])
+            os.setgid(uid)
+            os.setuid(uid)
+        _prctl(38, 1)  # PR_SET_NO_NEW_PRIVS: setuid binaries cannot give root back
+        _prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: if the supervisor dies, so does the code
+        if lock is not None:
+            lock()  # the seccomp filter, last: the steps above need calls it denies
+        os.environ.clear()
+        os.environ.update(clean_env(), HOME=workdir, TMPDIR=workdir)
+        _fresh_interpreter_state()
+        status = _run_code(request["code"])
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        os._exit(status)
+
+
+def _set_limit(kind: int, value: int) -> None:
+    _, hard = resource.getrlimit(kind)
+    if hard != resource.RLIM_INFINITY:
+        value = min(value, hard)
+    resource.setrlimit(kind, (value, value))
+
+
+def _prctl(option: int, value: int) -> None:
+    import ctypes
+
+    ctypes.CDLL(None).prctl(ctypes.c_int(option), ctypes.c_ulong(value), ctypes.c_ulong(0), ctypes.c_ulong(0), ctypes.c_ulong(0))
+
+
+def _run_code(source: str) -> int:
+    """Run the code as `python -c` would and return its exit status."""
+    name = "<string>"
+    # Registering the source lets tracebacks show the offending line, as from a file.
+    linecache.cache[name] = (len(source), None, source.splitlines(True), name)
+    main = types.ModuleType("__main__")
+    main.__builtins__ = builtins
+    sys.modules["__main__"] = main
+    try:
+        exec(compile(source, name, "exec", dont_inherit=True), main.__dict__)
+        status = 0
+    except SystemExit as e:
+        status = _exit_status(e)
+    except BaseException as e:
+        # Skip this function's own frame: the model should see only its code's frames.
+        traceback.print_exception(type(e), e, e.__traceback__.tb_next)
+        status = 1
+    try:
+        for thread in threading.enumerate():  # the interpreter waits for non-daemon threads at exit
+            if thread is not threading.current_thread() and not thread.daemon:
+                thread.join()
+        atexit._run_exitfuncs()
+    except BaseException:
+        traceback.print_exc()
+    return status
+
+
+def _exit_status(e: SystemExit) -> int:
+    if e.code is None:
+        return 0
+    if isinstance(e.code, int):
+        return e.code & 0xFF
+    print(e.code, file=sys.stderr)
+    return 1
+
+
+def _fresh_interpreter_state() -> None:
+    """What a new interpreter would have and a fork does not."""
+    # The server's stream objects own fds 0-2, which are now the code's: collecting
+    # them would close those fds, so they are kept referenced until os._exit.
+    _OLD_STREAMS.extend([sys.stdin, sys.stdout, sys.stderr, sys.__stdin__, sys.__stdout__, sys.__stderr__])
+    sys.stdin = sys.__stdin__ = _io_text(0, "r")
+    sys.stdout = sys.__stdout__ = _io_text(1, "w")
+    sys.stderr = sys.__stderr__ = _io_text(2, "w")
+    sys.argv = ["-c"]
+    # Like `python -c`: the work dir first; folders that do not exist for the code are dropped.
+    sys.path[:] = [""] + [p for p in sys.path[1:] if os.path.isdir(p)]
+    import random
+
+    random.seed()
+    if "numpy.random" in sys.modules:  # not imported yet: it will seed itself when it is
+        sys.modules["numpy.random"].seed()
+
+
+def _io_text(fd: int, mode: str):
+    """Unbuffered text stream on fd: output survives os._exit and crashes."""
+    raw = io.FileIO(fd, mode, closefd=False)
+    if mode == "r":
+        return io.TextIOWrapper(io.BufferedReader(raw), encoding="utf-8", errors="replace")
+    return io.TextIOWrapper(raw, encoding="utf-8", errors="backslashreplace", write_through=True)
+
+
+# --------------------------------------------------------------------------------------
+# Inside a container: one call, then the container is removed
+# --------------------------------------------------------------------------------------
+
+
+def container_main(options: dict) -> None:
+    """Warm imports, wait for one request on stdin, answer on stdout."""
+    preload(options["preload"])
+    ready, _, _ = select.select([0], [], [], IDLE_EXIT)
+    if ready:
+        serve_call(0, 1, tempfile.mkdtemp(prefix="work-"), None, "container")
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description="The sandbox's runner inside a Docker container (started by sandbox.py).")
+    parser.add_argument("--container", metavar="OPTIONS", required=True, help='JSON, e.g. {"preload": ["sympy"]}')
+    container_main(json.loads(parser.parse_args().container))
