@@ -36,7 +36,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from sandbox import Sandbox, SandboxConfig, SandboxError, _clean_env  # noqa: E402
+from runner import clean_env  # noqa: E402
+from sandbox import Sandbox, SandboxConfig, SandboxError  # noqa: E402
 
 WORKLOADS = {
     "print(1+1)": "print(1+1)",
@@ -130,7 +131,7 @@ class Baseline:
         start = time.perf_counter()
         try:
             proc = subprocess.run([sys.executable, "-c", code], capture_output=True, cwd=workdir,
-                                  env=_clean_env(), preexec_fn=limits, timeout=cfg.timeout)
+                                  env=clean_env(), preexec_fn=limits, timeout=cfg.timeout)
             returncode, out, err, timed_out = proc.returncode, proc.stdout, proc.stderr, False
         except subprocess.TimeoutExpired as e:
             returncode, out, err, timed_out = -9, e.stdout or b"", e.stderr or b"", True

@@ -1,13 +1,13 @@
 """The local backend's fork server: warm imports once, then slots that serve calls one at a time.
 
-Started by sandbox.py as `python -I -c <bootstrap>`: its options and its own source
+Started by local_backend.py as `python -I -c <bootstrap>`: its options and its own source
 arrive on stdin, so its command line (which every process can read) names no path and
 no socket. It imports math, numpy and sympy once, then keeps `spares` slots running.
 A slot is forked once, enters its namespaces and pivots into the allow-listed root
 (confinement.py); then, call after call, it prepares a fresh network and IPC namespace,
 empty scratch dirs and a cgroup, waits in accept() and hands the connection to
 runner.serve_call. A slot never reads a request or an answer (see runner.py), retires
-after `slot_calls` calls (sandbox.SLOT_CALLS), and the server forks a new one. docs/02-sandbox.md has the why.
+after `slot_calls` calls (local_backend.SLOT_CALLS), and the server forks a new one. docs/02-sandbox.md has the why.
 """
 from __future__ import annotations
 

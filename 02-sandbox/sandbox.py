@@ -13,8 +13,9 @@ renderings; ToRL's own rule, byte for byte, is chapter 03's rollout.torl_observa
     python 02-sandbox/sandbox.py -c "print(1+1)"           # the same from a shell
 
 Key decisions (the why, the threat model and the figures: docs/02-sandbox.md):
-1. A warm fork server (fork_server.py) imports sympy once; a call costs one fork,
-   not a new interpreter. Calls are independent: one connection, one fresh process.
+1. A warm fork server (fork_server.py, started and called by local_backend.py)
+   imports sympy once; a call costs one fork, not a new interpreter. Calls are
+   independent: one connection, one fresh process.
 2. It fails closed: if the isolation asked for cannot be set up, Sandbox raises
    SandboxError. "plain" is an explicit, weaker choice, and never runs code as root.
 3. The code's process (runner.py) reads its own request and the answer is copied by
@@ -28,22 +29,12 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import dataclasses
-import json
 import os
-import select
-import shutil
 import signal
-import socket
-import struct
-import subprocess
 import sys
-import tempfile
 import threading
 import time
-import weakref
 from pathlib import Path
-
-import runner
 
 HERE = Path(__file__).resolve().parent
 LAB_ROOT = str(HERE.parent)  # never visible to the code: it holds the data sets and their answers
@@ -106,7 +97,9 @@ class Sandbox:
         self.config = config or SandboxConfig()
         self._slots = threading.BoundedSemaphore(self.config.concurrency)
         if self.config.backend == "local":
-            self._backend = _LocalBackend(self.config)
+            from local_backend import LocalBackend
+
+            self._backend = LocalBackend(self.config, SandboxError, lambda code: _request(code, self.config))
         else:
             from docker_backend import DockerBackend
 
@@ -227,192 +220,6 @@ def _reason(answer: dict, request: dict) -> str:
     except ValueError:
         name = str(signum)
     return reasons.get(signum, f"Killed by signal {name}")
-
-
-# --------------------------------------------------------------------------------------
-# The local backend: a fork server on a Unix socket, one connection per call
-# --------------------------------------------------------------------------------------
-
-# The server's command line is readable by every process, the code's included: it names
-# no path and no socket. Its own source and its options arrive on stdin instead.
-_BOOT = (
-    "import json, sys, types\n"
-    "boot = json.loads(sys.stdin.buffer.readline())\n"
-    "for name, source in boot['modules']:\n"
-    "    module = sys.modules[name] = types.ModuleType(name)\n"
-    "    exec(compile(source, name + '.py', 'exec'), module.__dict__)\n"
-    "sys.modules['fork_server'].serve(boot['options'])\n"
-)
-SLOT_CALLS = 200  # calls a slot serves before it retires: bounds how far its memory drifts from the server's
-_SERVER_MODULES = ("runner", "confinement", "fork_server")  # in import order
-# The first call of every server: the code is not root and reads the warm modules' files.
-_PROBE = (
-    "import os, sys\n"
-    "assert os.getuid() != 0 and os.geteuid() != 0, 'the code would run as root'\n"
-    "for name in {preload!r}:\n"
-    "    if getattr(sys.modules.get(name), '__file__', None):\n"
-    "        os.listdir(os.path.dirname(sys.modules[name].__file__))\n"
-    "import decimal, fractions\n"
-    "print('ready')\n"
-)
-
-
-class _LocalBackend:
-    """Talks to the fork server; starts a new one if it died."""
-
-    def __init__(self, cfg: SandboxConfig) -> None:
-        self._cfg = cfg
-        self._lock = threading.Lock()  # one thread at a time (re)starts the server
-        self._closed = False
-        self._server = _Server(cfg)  # starts importing now; waited for on first use
-
-    def execute(self, request: dict) -> dict:
-        server = self._ready_server()
-        try:
-            return server.call(request, request["timeout"] + runner.ANSWER_GRACE)
-        except (ConnectionRefusedError, FileNotFoundError):
-            # The server died (killed from outside): start a new one and try once more.
-            return self._ready_server(replace=server).call(request, request["timeout"] + runner.ANSWER_GRACE)
-
-    def isolation(self) -> str:
-        return self._ready_server().isolation
-
-    def ready(self) -> None:
-        self._ready_server()
-
-    def _ready_server(self, replace: _Server | None = None) -> _Server:
-        with self._lock:
-            if self._closed:
-                raise SandboxError("the sandbox is closed")
-            if self._server is replace or not self._server.alive():
-                self._server.stop()
-                self._server = _Server(self._cfg)
-            self._server.wait_ready()
-            return self._server
-
-    def close(self) -> None:
-        with self._lock:
-            self._closed = True
-            self._server.stop()
-
-
-class _Server:
-    """One fork-server process and the private folder holding its socket."""
-
-    def __init__(self, cfg: SandboxConfig) -> None:
-        self._cfg = cfg
-        self.folder = tempfile.mkdtemp(prefix="sandbox-server-")  # mode 0700: only our own uid reaches the socket
-        self.socket_path = os.path.join(self.folder, "socket")
-        self._log = open(os.path.join(self.folder, "server.log"), "wb")
-        options = {
-            "socket": self.socket_path,
-            "preload": list(cfg.preload),
-            "isolation": cfg.isolation,
-            "spares": cfg.concurrency,  # supervisors kept running: one per concurrent call
-            "max_file_mb": cfg.max_file_mb,
-            "slot_calls": SLOT_CALLS,
-        }
-        modules = [(name, (HERE / f"{name}.py").read_text()) for name in _SERVER_MODULES]
-        try:
-            self._proc = subprocess.Popen(
-                [cfg.python, "-I", "-c", _BOOT],
-                stdin=subprocess.PIPE,  # the boot line, then kept open: the server exits at its EOF, when we close or die
-                stdout=subprocess.PIPE,  # one line: what isolation it got, or why none
-                stderr=self._log,
-                env=runner.clean_env(),
-                cwd="/",
-                start_new_session=True,  # a Ctrl-C meant for the caller must not kill calls in flight
-            )
-            self._proc.stdin.write(json.dumps({"modules": modules, "options": options}).encode() + b"\n")
-            self._proc.stdin.flush()
-        except OSError as e:
-            raise SandboxError(f"cannot start the fork server with {cfg.python}: {e}") from None
-        self.isolation = ""
-        self.cgroups: list[str] = []
-        # Stops the server when the Sandbox is dropped without close(), or at exit.
-        self._finalizer = weakref.finalize(self, _stop_server, self._proc, self.folder, self._log, self.cgroups)
-
-    def wait_ready(self, timeout: float = 120.0) -> None:
-        if self.isolation:
-            return
-        ready, _, _ = select.select([self._proc.stdout], [], [], timeout)
-        line = self._proc.stdout.readline() if ready else b""
-        if not line:
-            self.stop()
-            raise SandboxError(f"the fork server did not start: {self._log_tail()}")
-        hello = json.loads(line)
-        if "error" in hello:
-            self.stop()
-            raise SandboxError(
-                f"isolation={self._cfg.isolation!r} cannot be set up here: {hello['error']}. Nothing was run. "
-                "Run as root on a machine with cgroups, or use backend='docker', or choose the weaker "
-                "isolation='plain' explicitly (docs/02-sandbox.md)")
-        self.cgroups.extend(hello["cgroups"])
-        probe = runner.failure("")
-        try:
-            request = _request(_PROBE.format(preload=list(self._cfg.preload)), self._cfg)
-            probe = self.call(request, request["timeout"] + runner.ANSWER_GRACE)
-        except OSError as e:
-            probe["error"] = str(e)
-        if probe["stdout"] != "ready\n":
-            self.stop()
-            last = (probe["stderr"].strip().splitlines() or [probe.get("error") or f"exit status {probe['returncode']}"])[-1]
-            raise SandboxError(f"the sandbox's first call failed, so it refuses to run code: {last}")
-        self.isolation = hello["isolation"]
-
-    def call(self, request: dict, timeout: float) -> dict:
-        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
-            conn.settimeout(timeout)
-            conn.connect(self.socket_path)
-            try:
-                data = json.dumps(request).encode()
-                conn.sendall(struct.pack(">I", len(data)) + data)
-                return runner.read_answer(lambda size: _recv_exactly(conn, size))
-            except socket.timeout:
-                return runner.failure(f"SandboxError: no answer from the supervisor within {timeout:.0f} s")
-            except (EOFError, ConnectionResetError):
-                return runner.failure("SandboxError: the supervisor of this call died without an answer")
-
-    def alive(self) -> bool:
-        return self._proc.poll() is None
-
-    def stop(self) -> None:
-        self._finalizer()
-
-    def _log_tail(self) -> str:
-        try:
-            lines = Path(self.folder, "server.log").read_text(errors="replace").strip().splitlines()
-            return lines[-1] if lines else f"exit status {self._proc.poll()}"
-        except OSError:
-            return f"exit status {self._proc.poll()}"
-
-
-def _recv_exactly(conn: socket.socket, size: int) -> bytes:
-    chunks = bytearray()
-    while len(chunks) < size:
-        chunk = conn.recv(min(size - len(chunks), 1 << 20))
-        if not chunk:
-            raise EOFError
-        chunks += chunk
-    return bytes(chunks)
-
-
-def _stop_server(proc: subprocess.Popen, folder: str, log, cgroups: list[str]) -> None:
-    try:
-        proc.stdin.close()
-        proc.wait(timeout=5)
-    except (OSError, subprocess.TimeoutExpired):
-        proc.kill()
-        proc.wait()
-    proc.stdout.close()
-    log.close()
-    shutil.rmtree(folder, ignore_errors=True)
-    for group in cgroups:  # left by a server that was killed, or a call still ending: empty once its processes die
-        for path in sorted(Path(group).glob("call-*")) + [Path(group)]:
-            try:
-                path.rmdir()
-            except OSError:
-                pass
 
 
 def _last_line(result: ExecResult) -> str:

@@ -19,7 +19,7 @@ import uuid
 import pytest
 
 import confinement
-from sandbox import LAB_ROOT, ExecResult, Sandbox, SandboxConfig, SandboxError, format_observation
+from sandbox import LAB_ROOT, ExecResult, Sandbox, SandboxConfig, format_observation
 
 
 def docker_unavailable() -> str:
@@ -468,10 +468,10 @@ def test_plain_isolation_still_kills_an_escaped_daemon_and_stops_runaway_code():
 
 def test_a_slot_that_served_a_call_starts_the_next_one_clean(monkeypatch):
     """One slot (concurrency 1) serves consecutive calls and retires every 3: nothing carries over."""
-    import sandbox
+    import local_backend
 
     needs_root()
-    monkeypatch.setattr(sandbox, "SLOT_CALLS", 3)
+    monkeypatch.setattr(local_backend, "SLOT_CALLS", 3)
     dirty = (
         "import ctypes, os\n"
         "open('/tmp/left.txt', 'w').write('x')\n"
