@@ -110,8 +110,9 @@ def build_root() -> dict[str, int]:
     under /tmp), which every call's fresh scratch must bind back.
     """
     mount(None, "/", None, MS_REC | MS_PRIVATE)  # nothing mounted here reaches the host
-    binds = [p for p in interpreter_paths()]
-    binds += [p for p in SYSTEM_LIBRARIES if os.path.isdir(p) and not os.path.islink(p)]
+    system = [p for p in SYSTEM_LIBRARIES if os.path.isdir(p) and not os.path.islink(p)]
+    # A system Python's own folders (/usr/lib/python3.11) come with the system libraries.
+    binds = [p for p in interpreter_paths() if not any(p == d or _inside(p, d) for d in system)] + system
     links = {p: os.readlink(p) for p in SYSTEM_LIBRARIES if os.path.islink(p)}
     loader_cache = "/etc/ld.so.cache"
     files = [loader_cache] if os.path.isfile(loader_cache) else []
@@ -310,6 +311,8 @@ def _find_cgroups() -> tuple[int, list[str]]:
         for line in f:
             left, right = line.split(" - ")
             fields, (fstype, _, options) = left.split(), right.split()[:3]
+            # A later mount over a folder hides the earlier ones at or below it.
+            mounts = {k: v for k, v in mounts.items() if not (v[0] == fields[4] or _inside(v[0], fields[4]))}
             if fstype == "cgroup":
                 for controller in ("memory", "pids"):
                     if controller in options.split(","):
@@ -336,7 +339,7 @@ def _find_cgroups() -> tuple[int, list[str]]:
         raise OSError(13, f"cgroup v1 memory and pids are mounted but {paths} are not writable (root is needed)")
     if "v2" not in mounts:
         raise OSError(2, "neither cgroup v1 memory and pids nor cgroup v2 is mounted")
-    path = folder("v2")
+    path, point = folder("v2"), mounts["v2"][0]
     try:
         with open(f"{path}/cgroup.controllers") as f:
             available = f.read().split()
@@ -344,16 +347,25 @@ def _find_cgroups() -> tuple[int, list[str]]:
         raise OSError(e.errno, f"cgroup v2 at {path} is not readable: {e.strerror}") from None
     if not {"memory", "pids"} <= set(available):
         raise OSError(2, f"cgroup v2 at {path} offers {available}, without memory and pids")
-    with open(f"{path}/cgroup.subtree_control") as f:
-        enabled = set(f.read().split())
-    if not {"memory", "pids"} <= enabled:
-        try:
-            with open(f"{path}/cgroup.subtree_control", "w") as f:
-                f.write("+memory +pids")
-        except OSError as e:
-            raise OSError(e.errno, f"cgroup v2: cannot enable memory and pids below {path} ({e.strerror}); "
-                          "run the lab in a delegated cgroup, e.g. systemd-run --scope -p Delegate=yes") from None
-    return 2, [path]
+    # A cgroup that holds processes (ours holds the caller) cannot hand controllers to
+    # children, except the root: our groups go under the nearest cgroup that already
+    # does, ours or an ancestor, or under the root, which we may enable.
+    candidate = path
+    while True:
+        with open(f"{candidate}/cgroup.subtree_control") as f:
+            if {"memory", "pids"} <= set(f.read().split()):
+                return 2, [candidate]
+        if candidate == point:
+            break
+        candidate = os.path.dirname(candidate)
+    try:
+        with open(f"{point}/cgroup.subtree_control", "w") as f:
+            f.write("+memory +pids")
+        return 2, [point]
+    except OSError as e:
+        raise OSError(e.errno, f"cgroup v2: no cgroup from {path} up to {point} hands memory and pids to its "
+                      f"children, and the root refuses ({e.strerror}); run the lab in a delegated cgroup, "
+                      "e.g. systemd-run --scope -p Delegate=yes") from None
 
 
 # --------------------------------------------------------------------------------------
