@@ -254,6 +254,7 @@ class CallGroup:
             (both,) = self.dirs
             _write(both, "memory.max", limit)
             _write(both, "memory.swap.max", "0", optional=True)
+            _write(both, "memory.oom.group", "1", optional=True)  # an OOM kill takes the whole call
             _write(both, "pids.max", str(max_processes))
         for fd in self.dirs:
             _write(fd, "cgroup.procs", "0")  # 0: the writing process itself

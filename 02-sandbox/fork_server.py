@@ -143,7 +143,10 @@ def _slot(listener, alive: int, leaving: int, report: int, token: int, uid: int 
                     status = 0
                     return
                 with conn:
-                    runner.serve_call(conn.fileno(), conn.fileno(), workdir, uid, mode, group, lock)
+                    try:
+                        runner.serve_call(conn.fileno(), conn.fileno(), workdir, uid, mode, group, lock)
+                    except (BrokenPipeError, ConnectionResetError):
+                        pass  # the caller gave up waiting; the call's processes are already gone
             finally:
                 if group is not None:
                     group.remove()
