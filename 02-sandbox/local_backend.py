@@ -151,7 +151,9 @@ class _Server:
         if probe["stdout"] != "ready\n":
             self.stop()
             last = (probe["stderr"].strip().splitlines() or [probe.get("error") or f"exit status {probe['returncode']}"])[-1]
-            raise self._error(f"the sandbox's first call failed, so it refuses to run code: {last}")
+            raise self._error(f"the sandbox's first call failed, so it refuses to run code: {last} "
+                              "(the code runs as an unprivileged uid: in plain isolation it must be able to read "
+                              f"the interpreter's files, {self._cfg.python})")
         self.isolation = hello["isolation"]
 
     def call(self, request: dict, timeout: float) -> dict:

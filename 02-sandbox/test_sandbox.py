@@ -439,11 +439,34 @@ def test_the_warm_interpreter_already_has_sympy_and_random_state_is_fresh_per_ca
         assert len(set(draws)) == 3  # a fork would otherwise repeat the server's generator state
 
 
+def readable_python() -> str:
+    """An interpreter an unprivileged uid can run from the real file system (plain isolation as root needs one)."""
+    if os.geteuid() != 0:
+        return sys.executable
+    for candidate in (sys.executable, "/usr/bin/python3", "/usr/local/bin/python3"):
+        real = os.path.realpath(candidate)
+        if not os.path.exists(real):
+            continue
+        base = subprocess.run([real, "-c", "import sys; print(sys.base_prefix)"], capture_output=True, text=True).stdout.strip()
+        folders = [os.path.dirname(real), base]
+        if all(_every_user_may_enter(folder) for folder in folders):
+            return candidate
+    pytest.skip("no Python on this machine that an unprivileged user can read (plain isolation drops root)")
+
+
+def _every_user_may_enter(folder: str) -> bool:
+    while folder not in ("/", ""):
+        if not os.stat(folder).st_mode & 0o001:
+            return False
+        folder = os.path.dirname(folder)
+    return True
+
+
 def test_plain_isolation_still_kills_an_escaped_daemon_and_stops_runaway_code():
     """The explicit weaker choice: no PID namespace, a child subreaper; never root."""
     name = marker()
     work_dirs_before = set(glob.glob("/tmp/sandbox-work-*"))
-    with Sandbox(make_config("local", isolation="plain", concurrency=1, preload=())) as sb:
+    with Sandbox(make_config("local", isolation="plain", concurrency=1, preload=(), python=readable_python())) as sb:
         assert sb.isolation == "plain"
         r = sb.run("import os\nprint(os.getuid() != 0, os.geteuid() != 0)")
         assert r.stdout == "True True\n"  # even when the caller is root
