@@ -24,7 +24,6 @@ from pathlib import Path
 import runner
 
 HERE = Path(__file__).resolve().parent
-# --------------------------------------------------------------------------------------
 
 # The server's command line is readable by every process, the code's included: it names
 # no path and no socket. Its own source and its options arrive on stdin instead.
