@@ -8,6 +8,7 @@ namespace tests skip when not root, the one case where the kernel refuses them.
 from __future__ import annotations
 
 import glob
+import json
 import os
 import socket
 import subprocess
@@ -673,21 +674,21 @@ def test_the_code_sees_only_an_allow_listed_file_system():
                  "/proc/1/cmdline"]
         with Sandbox(make_config("local", concurrency=1, preload=())) as sb:
             r = sb.run(
-                "import os\n"
-                f"print([p for p in {paths!r} if os.path.exists(p)])\n"
-                "print(sorted(os.listdir('/dev')))\n"
-                "print(sorted(os.listdir('/etc')))\n"
-                "print(sorted(os.listdir('/')))\n"
+                "import json, os\n"
+                f"print(json.dumps([p for p in {paths!r} if os.path.exists(p)]))\n"
+                "print(json.dumps(sorted(os.listdir('/dev'))))\n"
+                "print(json.dumps(sorted(os.listdir('/etc'))))\n"
+                "print(json.dumps(sorted(os.listdir('/'))))\n"
                 "open('/usr/lib/escaped', 'w')\n"
             )
     finally:
         os.remove(f"{secret_dir}/answers.txt")
         os.rmdir(secret_dir)
-    visible, devices, etc, top = r.stdout.splitlines()
-    assert visible == "[]"
-    assert devices == "['fd', 'null', 'shm', 'stderr', 'stdin', 'stdout', 'urandom', 'zero']"
-    assert set(eval(etc)) <= {"group", "hosts", "ld.so.cache", "passwd"}
-    assert set(eval(top)) <= {"dev", "etc", "lib", "lib32", "lib64", "libx32", "proc", "tmp", "usr", "var"} | {
+    visible, devices, etc, top = (json.loads(line) for line in r.stdout.splitlines())
+    assert visible == []
+    assert devices == ["fd", "null", "shm", "stderr", "stdin", "stdout", "urandom", "zero"]
+    assert set(etc) <= {"group", "hosts", "ld.so.cache", "passwd"}
+    assert set(top) <= {"dev", "etc", "lib", "lib32", "lib64", "libx32", "proc", "tmp", "usr", "var"} | {
         p.split("/")[1] for p in confinement.interpreter_paths()}  # the interpreter's own folders, wherever they are
     assert format_observation(r) == "OSError: [Errno 30] Read-only file system: '/usr/lib/escaped'"
 
