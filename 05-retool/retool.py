@@ -38,7 +38,10 @@ Decisions worth knowing:
   problems, whole groups each, and the averaged update equals one process's on
   the whole batch (06-train/distributed.py); rank 0 alone writes files.
 - A group whose rewards are all equal has zero advantages and teaches nothing;
-  it is kept (the count is logged as degenerate_groups), not resampled.
+  it is kept (the count is logged as degenerate_groups), not resampled, unless
+  `dynamic_sampling` is on. That and the other options from the field since
+  ToRL (tis_cap, mask_truncated, filter_void_turns, aggregation token-sum) are
+  off in the torl-* presets; docs/06-train.md says what each does.
 """
 from __future__ import annotations
 
@@ -137,6 +140,13 @@ class Config:
     micro_batch_size: int = 16
     scale_advantages: bool = False  # divide by the group's std (original GRPO)
     gradient_checkpointing: bool = False
+    skip_zero_advantage: bool = True  # no forward/backward for rows without gradient: the same update, faster
+    # options from the field since ToRL (docs/06-train.md); all off in the torl-* presets, as in ToRL
+    tis_cap: float = 0.0  # truncated importance sampling, min(pi_trainer / pi_sampler, cap) per token; 0 = off
+    dynamic_sampling: bool = False  # DAPO: sample more problems until every group of the step is informative
+    dynamic_sampling_rounds: int = 4  # the most extra rollout rounds a step may take for that
+    mask_truncated: bool = False  # DAPO's overlong filtering: budget-truncated trajectories get no gradient
+    filter_void_turns: bool = False  # SimpleTIR: a turn with neither complete code nor an answer keeps its trajectory out
     # sandbox (02-sandbox)
     sandbox_backend: str = "local"
     sandbox_timeout: float = 10.0
@@ -222,6 +232,7 @@ def train(cfg: Config, run_dir: Path, resume: bool = False, dp=None) -> None:
         lr=cfg.lr, eps_low=cfg.eps_low, eps_high=cfg.eps_high, aggregation=cfg.aggregation,
         num_minibatches=cfg.num_minibatches, micro_batch_size=cfg.micro_batch_size,
         temperature=cfg.temperature, gradient_checkpointing=cfg.gradient_checkpointing,
+        max_response_tokens=cfg.max_response_tokens, tis_cap=cfg.tis_cap, skip_zero_advantage=cfg.skip_zero_advantage,
     )
     optimizer = make_optimizer(model, grpo_cfg)
     if state is not None:
@@ -264,7 +275,10 @@ def train(cfg: Config, run_dir: Path, resume: bool = False, dp=None) -> None:
             rollout_cfg = dataclasses.replace(rollout_cfg, seed=dp.rollout_seed(rollout_cfg.seed))
             problems = batch_at(train_problems, step, cfg.problems_per_step, cfg.seed)
             mine = dp.shard(problems, cfg.num_minibatches)  # this rank's whole groups
-            metrics, trajectories = train_step(llm, model, optimizer, mine, sandbox, rollout_cfg, grpo_cfg, cfg, dp=dp)
+            more = lambda r, step=step: dp.shard(batch_at(train_problems, step, cfg.problems_per_step,
+                                                          extra_seed(cfg.seed, r)), cfg.num_minibatches)
+            metrics, trajectories = train_step(llm, model, optimizer, mine, sandbox, rollout_cfg, grpo_cfg, cfg, dp=dp,
+                                               more_problems=more)
             metrics = {"step": step + 1, **dp.reduce_metrics(metrics), "world_size": dp.world_size,
                        "problem_ids": [p["id"] for p in problems]}
             if dp.is_main:
@@ -345,44 +359,139 @@ def start_sampler(cfg: Config, model_path: str, state: dict | None, **engine_kwa
     return llm
 
 
-def train_step(llm, model, optimizer, problems, sandbox, rollout_cfg, grpo_cfg, cfg: Config, dp=None):
+def train_step(llm, model, optimizer, problems, sandbox, rollout_cfg, grpo_cfg, cfg: Config, dp=None,
+               more_problems=None):
     """One RL step: sample, score, compare within groups, update, sync. Returns (metrics, trajectories).
 
     Under torchrun `problems` are this rank's share, and the metrics are this rank's.
+    `more_problems(r)` gives the problems of extra round r (1, 2, ...) for dynamic sampling.
     """
     from grpo import group_advantages, grpo_step, sleep_sampler, sync_weights
     from reward import score_batch, total_reward
     from rollout import rollout
 
-    timing = {}
-    t0 = time.perf_counter()
-    stats: dict = {}
-    trajectories = rollout(llm, problems, sandbox, rollout_cfg, stats=stats)
-    timing["rollout_s"] = time.perf_counter() - t0
-    timing["generate_s"], timing["sandbox_s"] = stats["generate_s"], stats["sandbox_s"]
+    timing = {"rollout_s": 0.0, "generate_s": 0.0, "sandbox_s": 0.0, "reward_s": 0.0}
 
-    t0 = time.perf_counter()
-    results = score_batch([t.text for t in trajectories], [t.reference for t in trajectories])
-    for t, r in zip(trajectories, results):
-        t.reward = total_reward(r, t.execution_pass, cfg.exec_error_penalty)
+    def sample(batch, rollout_cfg):
+        t0 = time.perf_counter()
+        stats: dict = {}
+        trajectories = rollout(llm, batch, sandbox, rollout_cfg, stats=stats)
+        timing["rollout_s"] += time.perf_counter() - t0
+        timing["generate_s"] += stats["generate_s"]
+        timing["sandbox_s"] += stats["sandbox_s"]
+        t0 = time.perf_counter()
+        results = score_batch([t.text for t in trajectories], [t.reference for t in trajectories])
+        for t, r in zip(trajectories, results):
+            t.reward = total_reward(r, t.execution_pass, cfg.exec_error_penalty)
+        timing["reward_s"] += time.perf_counter() - t0
+        return trajectories, results
+
+    trajectories, results = sample(problems, rollout_cfg)
+    # Outcome metrics describe the step's own problems, so runs with and without
+    # dynamic sampling are compared on the same batches.
+    outcome = outcome_metrics(trajectories, results)
+
+    # ---- options from the field since ToRL (all off in the torl-* presets) -------------
+    options: dict = {}
+    if cfg.dynamic_sampling:
+        def more(r):
+            extra = more_problems(r)
+            return groups_of(*sample(extra, dataclasses.replace(rollout_cfg, seed=extra_seed(rollout_cfg.seed, r))),
+                             cfg.group_size)
+
+        groups, drawn, rounds = informative_groups(groups_of(trajectories, results, cfg.group_size), more,
+                                                   len(problems), cfg.dynamic_sampling_rounds)
+        trajectories = [t for g in groups for t, _ in g]
+        results = [r for g in groups for _, r in g]
+        options.update(problems_drawn=float(drawn), dynamic_rounds=float(rounds))
     advantages, degenerate = group_advantages([t.reward for t in trajectories], cfg.group_size, scale=cfg.scale_advantages)
     for t, a in zip(trajectories, advantages):
         t.advantage = a
-    timing["reward_s"] = time.perf_counter() - t0
+    void = [void_turns(t, llm.get_tokenizer()) > 0 for t in trajectories]
+    exclude = [False] * len(trajectories)
+    if cfg.mask_truncated:
+        exclude = [e or t.truncated for e, t in zip(exclude, trajectories)]
+        options["truncated_masked"] = float(sum(t.truncated for t in trajectories))
+    if cfg.filter_void_turns:
+        exclude = [e or v for e, v in zip(exclude, void)]
+        options["void_filtered"] = float(sum(void))
+    options["void_trajectories"] = float(sum(void))
+    # ------------------------------------------------------------------------------------
 
     t0 = time.perf_counter()
     STOP.hold()  # from here the weights change: a stop waits until the loop has recorded this step
     sleep_sampler(llm)  # CUDA: hand vLLM's KV cache memory to the trainer
-    update = grpo_step(model, optimizer, trajectories, grpo_cfg,
+    update = grpo_step(model, optimizer, trajectories, grpo_cfg, exclude=exclude,
                        global_normalizer=dp.global_normalizer if dp else None)  # the batch's token count
     timing["update_s"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     sync_weights(model, llm)
     timing["sync_s"] = time.perf_counter() - t0
 
-    metrics = {**outcome_metrics(trajectories, results), "degenerate_groups": degenerate,
+    metrics = {**outcome, "degenerate_groups": degenerate, **options,
                **update, **timing, "weight_version": llm.weight_version}
     return metrics, trajectories
+
+
+def groups_of(trajectories, results, group_size: int) -> list[list[tuple]]:
+    """(trajectory, reward result) pairs, one list per problem."""
+    pairs = list(zip(trajectories, results))
+    return [pairs[i: i + group_size] for i in range(0, len(pairs), group_size)]
+
+
+def informative_groups(groups, more, want: int, max_rounds: int):
+    """DAPO's dynamic sampling: keep groups whose rewards differ until `want` are held.
+
+    `groups` are the step's own; `more(r)` samples and scores extra round r
+    (1..max_rounds) and returns its groups. Returns (groups, problems drawn,
+    extra rounds). If the bound is hit first, degenerate groups fill the step
+    in the order they were drawn, so a step always has `want` groups.
+
+        rewards per group  [+1 +1] [-1 +1] [-1 -1]   want 2, more() gives [[+1 -1]]
+        kept               [-1 +1] [+1 -1]           drawn 4 problems, 1 extra round
+    """
+    informative, degenerate, drawn, rounds = [], [], 0, 0
+    while True:
+        for g in groups:
+            rewards = {t.reward for t, _ in g}
+            (informative if len(rewards) > 1 else degenerate).append(g)
+        drawn += len(groups)
+        if len(informative) >= want or rounds >= max_rounds:
+            break
+        rounds += 1
+        groups = more(rounds)
+    kept = informative[:want]
+    return kept + degenerate[: want - len(kept)], drawn, rounds
+
+
+def extra_seed(seed: int | None, r: int) -> int | None:
+    """A seed for extra round r that no step's own seed (seed * 100_003 + step) reuses in practice."""
+    return None if seed is None else seed + r * 1_000_000_007
+
+
+def void_turns(t, tokenizer) -> int:
+    """Model turns that hold neither a complete ```python block nor a \\boxed{} answer (SimpleTIR's void turns).
+
+    A turn is the model's text between observations. The first turn of
+    "```python\\nprint(1)\\n```\\n```output" holds a complete block; "Let me think"
+    cut by the budget holds neither; "```python\\nprint(" followed by ```output
+    holds an unclosed block: void.
+    """
+    from reward import extract_last_boxed
+    from rollout import STOP, extract_code
+
+    bounds = [0] + [b for c in t.tool_calls for b in (c.start, c.end)] + [len(t.token_ids)]
+    count = 0
+    for k, (start, end) in enumerate(zip(bounds[0::2], bounds[1::2])):
+        if end <= start:
+            continue  # the budget ended the trajectory inside an observation: no turn after it
+        text = tokenizer.decode(t.token_ids[start:end], skip_special_tokens=True)
+        if k < len(t.tool_calls):
+            # the code was looked for before the stop string, as the rollout did: its ``` is no fence
+            text = text[: text.rfind(STOP)] if STOP in text else text
+        if extract_code(text) is None and extract_last_boxed(text) is None:
+            count += 1
+    return count
 
 
 def outcome_metrics(trajectories, results) -> dict:
@@ -686,8 +795,16 @@ def check_config(cfg: Config, resuming: bool) -> None:
                         f" ({cfg.num_minibatches}) x {world} ranks")
     if cfg.strategy not in ("ddp", "fsdp"):
         problems.append(f"strategy must be ddp or fsdp, got '{cfg.strategy}'")
-    if cfg.aggregation not in ("token-mean", "sequence-mean"):
-        problems.append(f"aggregation must be token-mean or sequence-mean, got '{cfg.aggregation}'")
+    if cfg.aggregation not in ("token-mean", "sequence-mean", "token-sum"):
+        problems.append(f"aggregation must be token-mean, sequence-mean or token-sum, got '{cfg.aggregation}'")
+    if cfg.aggregation == "token-sum" and cfg.scale_advantages:
+        problems.append("aggregation token-sum is Dr. GRPO's objective, which drops the std scaling: set --scale-advantages false")
+    if cfg.tis_cap and not cfg.tis_cap >= 1:
+        problems.append(f"tis_cap {cfg.tis_cap}: a cap below 1 shrinks every token, use 0 (off) or at least 1 (2 is common)")
+    if cfg.tool_budget < 0:
+        problems.append(f"tool_budget must be 0 or more, got {cfg.tool_budget}")
+    if cfg.dynamic_sampling and cfg.dynamic_sampling_rounds < 1:
+        problems.append(f"dynamic_sampling_rounds must be at least 1, got {cfg.dynamic_sampling_rounds}")
     if not 0 < cfg.lr < 1:
         problems.append(f"lr {cfg.lr} is not a learning rate")
     try:

@@ -5,7 +5,8 @@
     make bench-train ARGS="--shape qwen2.5-math-7b --sequences 8"      # one 7B replica: does it fit?
 
 Prints, in one run: training tokens per second and peak memory of `grpo_step`,
-and the time of one `sync_weights`. The order mirrors the training loop: the
+the time saved by skipping rows whose advantage is zero (degenerate groups;
+the update is the same either way), and the time of one `sync_weights`. The order mirrors the training loop: the
 engine is built first, put to sleep (CUDA), the trainer steps, then the new
 weights go into the engine. The trajectories are synthetic (random tokens, ±1
 rewards in groups, one observation span per response), so the numbers measure
@@ -25,6 +26,7 @@ before them), which includes weights, gradients and optimizer state created then
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import statistics
 import tempfile
@@ -90,9 +92,11 @@ def run(args, model_path: str) -> None:
     n_params = sum(p.numel() for p in model.parameters())
     vocab = model.config.vocab_size
     if llm is not None:  # real samples, so the sampler/trainer mismatch means something
-        trajectories = sampled_trajectories(llm, args.sequences, args.group_size, args.prompt_len, args.response_len)
+        trajectories = sampled_trajectories(llm, args.sequences, args.group_size, args.prompt_len, args.response_len,
+                                            degenerate_frac=args.degenerate_frac)
     else:
-        trajectories = synthetic_trajectories(args.sequences, args.group_size, args.prompt_len, args.response_len, vocab)
+        trajectories = synthetic_trajectories(args.sequences, args.group_size, args.prompt_len, args.response_len, vocab,
+                                              degenerate_frac=args.degenerate_frac)
     all_tokens = sum(len(t.prompt_ids) + len(t.token_ids) for t in trajectories)
     model_tokens = sum(sum(t.loss_mask) for t in trajectories)
 
@@ -111,6 +115,16 @@ def run(args, model_path: str) -> None:
         times.append(time.perf_counter() - t)
     peak = peak_memory()
     step_s = statistics.median(times)
+    # The same steps without skipping: forward and backward also on rows whose advantage is zero.
+    no_skip = dataclasses.replace(cfg, skip_zero_advantage=False)
+    times_no_skip = []
+    for _ in range(args.steps):
+        t = time.perf_counter()
+        grpo_step(model, optimizer, trajectories, no_skip)
+        synchronize()
+        times_no_skip.append(time.perf_counter() - t)
+    no_skip_s = statistics.median(times_no_skip)
+    zero_rows = sum(t.advantage == 0 for t in trajectories)
 
     print(f"device              : {'cuda ' + torch.cuda.get_device_name() if on_cuda else 'cpu'} ({torch.get_num_threads()} threads)")
     print(f"model               : {model_path} ({n_params / 1e6:.1f} M parameters, vocab {vocab})")
@@ -120,6 +134,8 @@ def run(args, model_path: str) -> None:
           f" gradient checkpointing {'on' if args.gradient_checkpointing else 'off'}")
     print(f"grpo_step           : {step_s:.3f} s (median of {args.steps}; min {min(times):.3f} s)")
     print(f"training throughput : {all_tokens / step_s:,.0f} tokens/s ({model_tokens / step_s:,.0f} model tokens/s)")
+    print(f"skip zero advantage : {step_s:.3f} s with, {no_skip_s:.3f} s without (median of {args.steps}; saves"
+          f" {1 - step_s / no_skip_s:.0%}; {zero_rows} of {len(trajectories)} rows have advantage 0)")
     if on_cuda:
         print(f"peak memory         : {peak / 2**30:.2f} GiB allocated by torch during the steps"
               f" (weights+grads+AdamW alone: {16 * n_params / 2**30:.2f} GiB)")
@@ -209,9 +225,11 @@ def run_shape(args) -> None:
     print(f"vLLM imported       : {'yes' if 'vllm' in sys.modules else 'no'}")
 
 
-def sampled_trajectories(llm, n: int, group_size: int, prompt_len: int, response_len: int, seed: int = 0):
-    """n responses from vLLM to random prompts, group_size per prompt, ±1 rewards; a tenth of each
-    response is then marked as an observation span (mask 0), as the rollout marks interpreter output."""
+def sampled_trajectories(llm, n: int, group_size: int, prompt_len: int, response_len: int, seed: int = 0,
+                         degenerate_frac: float = 0.0):
+    """n responses from vLLM to random prompts, group_size per prompt, ±1 rewards (the first
+    `degenerate_frac` of groups all -1); a tenth of each response is then marked as an
+    observation span (mask 0), as the rollout marks interpreter output."""
     from vllm import SamplingParams
 
     from grpo import group_advantages
@@ -222,7 +240,7 @@ def sampled_trajectories(llm, n: int, group_size: int, prompt_len: int, response
     prompts = [torch.randint(0, high, (prompt_len,), generator=g).tolist() for _ in range(-(-n // group_size))]
     params = SamplingParams(n=group_size, max_tokens=response_len, temperature=1.0, logprobs=0, ignore_eos=True, seed=seed)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    rewards = (torch.randint(0, 2, (len(prompts) * group_size,), generator=g) * 2 - 1).tolist()
+    rewards = _rewards(len(prompts) * group_size, group_size, degenerate_frac, g)
     advantages, _ = group_advantages(rewards, group_size)
     out = []
     for i, (prompt, request) in enumerate(zip(prompts, outputs)):
@@ -253,13 +271,15 @@ def sampler_trainer_gap(model, trajectories, cfg) -> tuple[float, float]:
     return float(diff.mean()), float(diff.max())
 
 
-def synthetic_trajectories(n: int, group_size: int, prompt_len: int, response_len: int, vocab: int, seed: int = 0):
-    """Random trajectories with ±1 rewards in groups; a tenth of each response is an observation span."""
+def synthetic_trajectories(n: int, group_size: int, prompt_len: int, response_len: int, vocab: int, seed: int = 0,
+                           degenerate_frac: float = 0.0):
+    """Random trajectories with ±1 rewards in groups (the first `degenerate_frac` of groups all -1);
+    a tenth of each response is an observation span."""
     from grpo import group_advantages
     from rollout import Trajectory
 
     g = torch.Generator().manual_seed(seed)
-    rewards = (torch.randint(0, 2, (n,), generator=g) * 2 - 1).tolist()
+    rewards = _rewards(n, group_size, degenerate_frac, g)
     advantages, _ = group_advantages(rewards, group_size) if n % group_size == 0 else (rewards, 0)
     out = []
     for i in range(n):
@@ -274,6 +294,17 @@ def synthetic_trajectories(n: int, group_size: int, prompt_len: int, response_le
             reward=float(rewards[i]), advantage=float(advantages[i]),
         ))
     return out
+
+
+def _rewards(n: int, group_size: int, degenerate_frac: float, g: torch.Generator) -> list[float]:
+    """±1 at random, except the first `degenerate_frac` of groups, which are all -1 (nothing to compare)."""
+    rewards = (torch.randint(0, 2, (n,), generator=g) * 2 - 1).tolist()
+    flat = round(degenerate_frac * (n // group_size)) * group_size
+    rewards[:flat] = [-1] * flat
+    if 0 < degenerate_frac < 1:  # a random group can be degenerate by chance: make the others informative
+        for start in range(flat, n - group_size + 1, group_size):
+            rewards[start], rewards[start + 1] = 1, -1
+    return [float(r) for r in rewards]
 
 
 def synchronize() -> None:
@@ -323,6 +354,8 @@ def parse_args(argv):
     p.add_argument("--gradient-checkpointing", action=argparse.BooleanOptionalAction,
                    help="recompute activations in backward (default: on with --shape, off otherwise)")
     p.add_argument("--steps", type=int, default=3, help="timed steps after one warm-up step (default 3)")
+    p.add_argument("--degenerate-frac", type=float, default=0.5,
+                   help="share of groups whose rewards are all equal, so their rows have advantage 0 (default 0.5)")
     # the sampler
     p.add_argument("--no-sync", action="store_true", help="do not build vLLM; skip the sync timing")
     p.add_argument("--syncs", type=int, default=3, help="timed weight syncs (default 3)")

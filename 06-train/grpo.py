@@ -55,7 +55,15 @@ Design decisions, and why:
    a time, log-probs are taken as `logit[target] - logsumexp(logits)` (no second
    vocabulary-sized tensor kept for backward), and gradients are accumulated
    over micro-batches. Gradient checkpointing is an option for long sequences.
-9. Weight sync in memory: the engine runs in this process (see `make_llm` in
+9. Options from the field since ToRL, all off by default (docs/06-train.md
+   says where each comes from and what the CPU ablation measured):
+   `tis_cap` weighs each token by min(pi_old / pi_sampler, cap), truncated
+   importance sampling against the sampler/trainer mismatch; aggregation
+   "token-sum" divides by one constant (Dr. GRPO); `exclude` keeps chosen
+   trajectories (truncated, void turns) out of the loss and its denominator.
+   Rows that add no gradient (zero advantage) are skipped in the update, while
+   the denominator still counts them: the same update, less work.
+10. Weight sync in memory: the engine runs in this process (see `make_llm` in
    chapter 03), so the trainer's tensors are handed to vLLM's in-place weight
    reload directly; nothing is written to disk. Then the prefix cache is reset,
    because cached prefixes hold keys and values computed by the old weights, and
@@ -67,7 +75,7 @@ from __future__ import annotations
 import gc
 import math
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -82,13 +90,19 @@ class GRPOConfig:
     # the clipped objective
     eps_low: float = 0.2  # the ratio may fall to 1 - eps_low
     eps_high: float = 0.28  # and rise to 1 + eps_high (clip-higher)
-    aggregation: str = "token-mean"  # or "sequence-mean"
+    aggregation: str = "token-mean"  # or "sequence-mean", or "token-sum" (Dr. GRPO)
+    max_response_tokens: int = 0  # the response budget: token-sum divides by it times the sequences
+    tis_cap: float = 0.0  # truncated importance sampling: weight min(pi_old / pi_sampler, tis_cap); 0 = off
     # batching: one step = num_minibatches optimizer updates over the trajectories
     num_minibatches: int = 2
     micro_batch_size: int = 4  # sequences per forward/backward; gradients accumulate across them
     # numerics
     temperature: float = 1.0  # the sampler's temperature: logits are divided by it
     gradient_checkpointing: bool = False
+    skip_zero_advantage: bool = True  # no forward/backward for rows without gradient; the update is the same
+
+
+AGGREGATIONS = ("token-mean", "sequence-mean", "token-sum")
 
 
 # --------------------------------------------------------------------------- main line
@@ -124,37 +138,50 @@ def group_advantages(
     return centred.flatten().tolist(), int(degenerate.sum())
 
 
-def grpo_step(model, optimizer, trajectories, cfg: GRPOConfig, global_normalizer=None) -> dict[str, float]:
+def grpo_step(model, optimizer, trajectories, cfg: GRPOConfig, exclude=None, global_normalizer=None) -> dict[str, float]:
     """One GRPO step on trajectories that already carry `.advantage`; returns flat metrics.
 
     1. Old log-probs and entropy of every model token, with the current weights, no gradient.
-    2. The sampler/trainer mismatch: vLLM's recorded log-probs against those old log-probs.
+    2. The sampler/trainer mismatch: vLLM's recorded log-probs against those old log-probs
+       (and, with `cfg.tis_cap`, each token's truncated importance weight from the same gap).
     3. `cfg.num_minibatches` optimizer updates; each accumulates gradients over
        micro-batches of `cfg.micro_batch_size` sequences, clips the gradient norm
        to `cfg.max_grad_norm`, and steps AdamW. The first mini-batch sees ratio 1
        exactly (old and new weights are the same); later ones see how far the
        earlier updates moved the policy, and the clip limits that.
 
+    `exclude`, one bool per trajectory, keeps those out of the loss: their
+    tokens get no gradient and do not count in the denominator (DAPO's overlong
+    filtering, SimpleTIR's void-turn filter); the mismatch and entropy still cover them.
+
     Metrics (all floats, token-weighted over the whole step unless said otherwise):
     loss and grad_norm (means over mini-batches; grad_norm before clipping),
-    clip_low_frac / clip_high_frac (share of model tokens whose gradient the clip
+    clip_low_frac / clip_high_frac (share of trained tokens whose gradient the clip
     removed, on each side), ratio_mean, ratio_max, approx_kl (old -> new, k3
-    estimator), entropy (of the policy before the step), mismatch_abs,
-    mismatch_max, mismatch_kl (sampler -> trainer), tokens, sequences,
-    optimizer_steps, skipped_steps (non-finite gradient norm: no update).
+    estimator, over the rows the update ran on), entropy (of the policy before
+    the step), mismatch_abs, mismatch_max, mismatch_kl (sampler -> trainer),
+    tokens (in the loss), sequences, excluded_sequences, rows_skipped (zero
+    advantage: no forward or backward), optimizer_steps, skipped_steps
+    (non-finite gradient norm: no update); with tis_cap, tis_weight_mean and
+    tis_capped_frac over trained tokens.
 
     Trajectories with zero advantage (degenerate groups) add no gradient but do
-    count in the token-mean denominator; filter them out before the call to avoid that.
+    count in the denominator, as if they had run: skipping them changes no weight.
 
     Data parallel (`model` wrapped in DDP or sharded by FSDP2, see distributed.py):
     `global_normalizer` maps this process's mini-batch denominator to the one it
     must divide by so that the averaged gradient is the whole batch's; metrics
-    stay this process's own.
+    stay this process's own. There zero-advantage rows are not skipped: every rank
+    runs the same backward passes, whose collectives exchange the gradients.
     """
     if not trajectories:
         raise ValueError("grpo_step needs at least one trajectory")
-    if cfg.aggregation not in ("token-mean", "sequence-mean"):
-        raise ValueError(f"unknown aggregation {cfg.aggregation!r}")
+    if cfg.aggregation not in AGGREGATIONS:
+        raise ValueError(f"unknown aggregation {cfg.aggregation!r} (choose from {', '.join(AGGREGATIONS)})")
+    if cfg.aggregation == "token-sum" and cfg.max_response_tokens < 1:
+        raise ValueError("aggregation token-sum divides by the response budget: set GRPOConfig.max_response_tokens")
+    if exclude is not None and len(exclude) != len(trajectories):
+        raise ValueError(f"exclude has {len(exclude)} entries for {len(trajectories)} trajectories")
     batch = build_batch(trajectories)
     _set_gradient_checkpointing(model, cfg.gradient_checkpointing)
     model.train()  # Qwen2 has no dropout; train mode is what switches checkpointing on
@@ -162,7 +189,6 @@ def grpo_step(model, optimizer, trajectories, cfg: GRPOConfig, global_normalizer
     # 1. pi_old: the weights as they are now, before any update of this step.
     old_logprobs, entropy = _old_logprobs_and_entropy(model, batch, cfg)
     mask = batch.loss_mask.bool()
-    n_tokens = int(mask.sum())
 
     # 2. How far the sampler's numbers are from the trainer's for the same weights.
     gap = torch.where(mask, old_logprobs - batch.sampler_logprobs, 0.0)
@@ -171,33 +197,60 @@ def grpo_step(model, optimizer, trajectories, cfg: GRPOConfig, global_normalizer
         "mismatch_abs": _masked_mean(gap.abs(), mask),
         "mismatch_max": float(gap.abs().max()),
         "mismatch_kl": _masked_mean(torch.expm1(gap) - gap, mask),  # k3 of KL(sampler || trainer)
-        "tokens": float(n_tokens),
         "sequences": float(len(trajectories)),
     }
+    if exclude is not None and any(exclude):
+        out = torch.tensor([bool(e) for e in exclude])
+        batch = replace(batch, loss_mask=batch.loss_mask * ~out[:, None], advantages=batch.advantages * ~out[:, None])
+        mask = batch.loss_mask.bool()
+    metrics["excluded_sequences"] = float(sum(bool(e) for e in exclude or ()))
+    n_tokens = int(mask.sum())
+    metrics["tokens"] = float(n_tokens)
+    tis_weights = None
+    if cfg.tis_cap > 0:
+        # pi_old / pi_sampler per token, capped: the sample came from the sampler, the
+        # gradient is for the trainer's policy. A weight, never differentiated.
+        raw = torch.exp(gap)
+        tis_weights = torch.where(mask, raw.clamp(max=cfg.tis_cap), 0.0)
+        metrics["tis_weight_mean"] = _masked_mean(tis_weights, mask)
+        metrics["tis_capped_frac"] = _masked_mean(raw > cfg.tis_cap, mask)
 
     # 3. Updates. Within a mini-batch, rows are sorted by length so each
     # micro-batch pads to similar lengths; the gradient is a sum, order is free.
     totals = {"loss": 0.0, "grad_norm": 0.0, "clip_low": 0.0, "clip_high": 0.0,
-              "ratio_sum": 0.0, "kl_sum": 0.0, "ratio_max": 0.0}
-    steps = skipped = 0
+              "ratio_sum": 0.0, "kl_sum": 0.0, "ratio_max": 0.0, "seen": 0.0}
+    steps = skipped = rows_skipped = 0
     lengths = batch.attention_mask.sum(dim=1)
+    row_advantage = torch.tensor([float(t.advantage) for t in trajectories])
+    has_gradient = (row_advantage != 0) & mask.any(dim=1)
+    # Under DDP or FSDP2 every rank must run the same backward passes (they exchange
+    # gradients in them): a rank that skipped rows would leave the others waiting.
+    skip_rows = cfg.skip_zero_advantage and not _data_parallel(model)
     for rows in torch.arange(len(trajectories)).tensor_split(cfg.num_minibatches):
         if len(rows) == 0:
             continue
         rows = rows[torch.argsort(lengths[rows], descending=True, stable=True)]
-        normalizer = _normalizer(batch.loss_mask[rows], cfg.aggregation)
+        # The denominator counts every row of the mini-batch, including those skipped below.
+        normalizer = _normalizer(batch.loss_mask[rows], cfg.aggregation, cfg.max_response_tokens)
         if global_normalizer is not None:
             normalizer = global_normalizer(normalizer)
+        if skip_rows:
+            rows_skipped += int((~has_gradient[rows]).sum())
+            rows = rows[has_gradient[rows]]
         optimizer.zero_grad(set_to_none=True)
-        micro_batches = rows.split(cfg.micro_batch_size)
+        micro_batches = rows.split(cfg.micro_batch_size) if len(rows) else ()
         for micro_rows in micro_batches:
             micro = batch.select(micro_rows)
-            old = old_logprobs[micro_rows, : micro.loss_mask.shape[1]]
+            width = micro.loss_mask.shape[1]
+            old = old_logprobs[micro_rows, :width]
+            weights = None if tis_weights is None else tis_weights[micro_rows, :width]
             logprobs, _ = _forward(model, micro.input_ids, micro.attention_mask, cfg.temperature)
+            device = logprobs.device
             loss, stats = clipped_policy_loss(
-                logprobs, old.to(logprobs.device), micro.advantages.to(logprobs.device),
-                micro.loss_mask.to(logprobs.device), cfg.eps_low, cfg.eps_high,
+                logprobs, old.to(device), micro.advantages.to(device),
+                micro.loss_mask.to(device), cfg.eps_low, cfg.eps_high,
                 cfg.aggregation, normalizer=normalizer,
+                token_weights=None if weights is None else weights.to(device),
             )
             # ---- A KL penalty to a reference model would go here. ----------------
             # loss = loss + kl_coef * k3(ref_logprobs - logprobs) over model tokens,
@@ -208,11 +261,18 @@ def grpo_step(model, optimizer, trajectories, cfg: GRPOConfig, global_normalizer
                 loss.backward()
             totals["loss"] += float(loss.detach())
             micro_tokens = stats["tokens"]
+            totals["seen"] += micro_tokens
             totals["clip_low"] += stats["clip_low_frac"] * micro_tokens
             totals["clip_high"] += stats["clip_high_frac"] * micro_tokens
             totals["ratio_sum"] += stats["ratio_mean"] * micro_tokens
             totals["kl_sum"] += stats["approx_kl"] * micro_tokens
             totals["ratio_max"] = max(totals["ratio_max"], stats["ratio_max"])
+        if len(rows) == 0:
+            # Every row was skipped. Unskipped, backward would have left zero gradients
+            # and AdamW would still step (momentum, weight decay): give it those zeros.
+            for p in model.parameters():
+                if p.requires_grad:
+                    p.grad = torch.zeros_like(p)
         grad_norm = _full(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)).item()
         if math.isfinite(grad_norm):
             optimizer.step()
@@ -223,15 +283,17 @@ def grpo_step(model, optimizer, trajectories, cfg: GRPOConfig, global_normalizer
         optimizer.zero_grad(set_to_none=True)
 
     per_token = max(n_tokens, 1)
+    seen = max(totals["seen"], 1.0)
     n_minibatches = max(steps + skipped, 1)
     metrics.update({
         "loss": totals["loss"] / n_minibatches,
         "grad_norm": totals["grad_norm"] / max(steps, 1),
-        "clip_low_frac": totals["clip_low"] / per_token,
+        "clip_low_frac": totals["clip_low"] / per_token,  # zero-advantage tokens are never clipped
         "clip_high_frac": totals["clip_high"] / per_token,
-        "ratio_mean": totals["ratio_sum"] / per_token,
-        "ratio_max": totals["ratio_max"],
-        "approx_kl": totals["kl_sum"] / per_token,
+        "ratio_mean": totals["ratio_sum"] / seen if totals["seen"] else 1.0,
+        "ratio_max": totals["ratio_max"] if totals["seen"] else 1.0,
+        "approx_kl": totals["kl_sum"] / seen,
+        "rows_skipped": float(rows_skipped),
         "optimizer_steps": float(steps),
         "skipped_steps": float(skipped),
     })
@@ -404,14 +466,19 @@ def clipped_policy_loss(
     eps_high: float = 0.28,
     aggregation: str = "token-mean",
     normalizer: float | None = None,
+    token_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """PPO-clip surrogate `-min(r*A, clip(r, 1-eps_low, 1+eps_high)*A)` over model tokens; returns (loss, stats).
 
     All tensors are [B, T] (advantages may be [B], one per sequence).
     "token-mean": sum over model tokens / number of model tokens.
     "sequence-mean": each sequence's mean over its model tokens, then the mean
-    over sequences that have any. `normalizer` replaces the denominator (tokens
-    or sequences) so micro-batches of one mini-batch add up to the mini-batch's loss.
+    over sequences that have any. "token-sum" (Dr. GRPO): the sum over model
+    tokens divided by `normalizer`, which it requires: the response budget times
+    the number of sequences, one constant whatever the lengths. Otherwise
+    `normalizer` replaces the denominator (tokens or sequences) so micro-batches
+    of one mini-batch add up to the mini-batch's loss. `token_weights` ([B, T],
+    no gradient) multiply each token's term: truncated importance sampling.
 
     Where the clip is active the gradient is zero: with A > 0 once r > 1 + eps_high
     (already raised enough), with A < 0 once r < 1 - eps_low (already lowered
@@ -429,9 +496,15 @@ def clipped_policy_loss(
     ratio = torch.exp(log_ratio)
     clipped = torch.clamp(ratio, 1.0 - eps_low, 1.0 + eps_high)
     per_token = -torch.minimum(ratio * advantages, clipped * advantages)
+    if token_weights is not None:
+        per_token = per_token * token_weights.detach()
     per_token = torch.where(mask, per_token, 0.0)
 
-    if aggregation == "token-mean":
+    if aggregation == "token-sum":
+        if normalizer is None:
+            raise ValueError("token-sum needs normalizer = response budget x number of sequences")
+        loss = per_token.sum() / normalizer
+    elif aggregation == "token-mean":
         denominator = normalizer if normalizer is not None else mask.sum().clamp(min=1)
         loss = per_token.sum() / denominator
     elif aggregation == "sequence-mean":
@@ -507,11 +580,19 @@ def _reload_weights_in_worker(worker, weights) -> None:
         lm_head.quant_method.process_weights_after_loading(lm_head)
 
 
-def _normalizer(loss_mask: torch.Tensor, aggregation: str) -> float:
-    """The mini-batch's denominator: its model tokens (token-mean) or its sequences that have any."""
+def _normalizer(loss_mask: torch.Tensor, aggregation: str, max_response_tokens: int = 0) -> float:
+    """The mini-batch's denominator: its model tokens (token-mean), its sequences that have
+    any (sequence-mean), or the response budget times its sequences (token-sum)."""
+    if aggregation == "token-sum":
+        return float(max_response_tokens * loss_mask.shape[0])
     if aggregation == "token-mean":
         return max(float(loss_mask.sum()), 1.0)
     return max(float((loss_mask.sum(dim=1) > 0).sum()), 1.0)
+
+
+def _data_parallel(model) -> bool:
+    """Wrapped in DDP or sharded by FSDP2 (distributed.py)."""
+    return _unwrap(model) is not model or any(hasattr(p, "full_tensor") for p in model.parameters())
 
 
 def _unwrap(model):

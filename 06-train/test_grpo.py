@@ -219,13 +219,14 @@ def test_one_step_moves_the_trajectory_logprob_the_way_of_its_advantage(policy, 
     assert (after - before) * sign > 0.01
 
 
-@pytest.mark.parametrize("aggregation", ["token-mean", "sequence-mean"])
+@pytest.mark.parametrize("aggregation", ["token-mean", "sequence-mean", "token-sum"])
 def test_micro_batch_size_does_not_change_the_update(policy, aggregation):
     trajectories = random_trajectories(5)
     results = []
     for micro in (1, 2, 5):
         model = copy.deepcopy(policy)
-        cfg = GRPOConfig(num_minibatches=1, micro_batch_size=micro, aggregation=aggregation, max_grad_norm=1e9)
+        cfg = GRPOConfig(num_minibatches=1, micro_batch_size=micro, aggregation=aggregation, max_grad_norm=1e9,
+                         max_response_tokens=32)
         grpo_step(model, torch.optim.SGD(model.parameters(), lr=1.0), trajectories, cfg)
         results.append(torch.cat([p.detach().flatten() for p in model.parameters()]))
     start = torch.cat([p.detach().flatten() for p in policy.parameters()])
@@ -268,7 +269,7 @@ def test_metrics_are_flat_floats(policy):
     metrics = grpo_step(policy, make_optimizer(policy, cfg), random_trajectories(3), cfg)
     expected = {"loss", "grad_norm", "clip_low_frac", "clip_high_frac", "ratio_mean", "ratio_max",
                 "approx_kl", "entropy", "mismatch_abs", "mismatch_max", "mismatch_kl", "tokens",
-                "sequences", "optimizer_steps", "skipped_steps"}
+                "sequences", "excluded_sequences", "rows_skipped", "optimizer_steps", "skipped_steps"}
     assert expected <= set(metrics)
     assert all(type(k) is str and type(v) is float and math.isfinite(v) for k, v in metrics.items())
     assert metrics["tokens"] == sum(sum(t.loss_mask) for t in random_trajectories(3))
@@ -277,6 +278,127 @@ def test_metrics_are_flat_floats(policy):
 def test_bf16_master_weights_are_refused(policy):
     with pytest.raises(ValueError, match="float32"):
         make_optimizer(policy.to(torch.bfloat16), GRPOConfig())
+
+
+# --------------------------------------------------------------------------- options from the field
+
+
+def flat_weights(model):
+    return torch.cat([p.detach().flatten() for p in model.parameters()])
+
+
+def sgd_step(policy, trajectories, exclude=None, **cfg):
+    """Weights after one grpo_step with plain SGD (lr 1, no norm clip): the update is the raw gradient."""
+    model = copy.deepcopy(policy)
+    config = GRPOConfig(**{"num_minibatches": 1, "max_grad_norm": 1e9, **cfg})
+    metrics = grpo_step(model, torch.optim.SGD(model.parameters(), lr=1.0), trajectories, config, exclude=exclude)
+    return flat_weights(model), metrics
+
+
+def test_truncated_importance_weights_multiply_each_token_term_by_hand():
+    logprobs, old, adv, mask = hand_case()
+    weights = torch.tensor([[0.5, 2.0, 7.0], [1.0, 0.25, 2.0]])  # [0, 2] is padding
+    loss, _ = clipped_policy_loss(logprobs, old, adv, mask, 0.2, 0.28, "token-mean", token_weights=weights)
+    expected = (0.5 * -1.28 + 2.0 * -0.5 + 1.0 * 1.1 + 0.25 * 0.8 + 2.0 * 1.6) / 5
+    assert float(loss.detach()) == pytest.approx(expected, abs=1e-6)
+    loss.backward()
+    # a weight scales the gradient of its token and nothing else; the clipped stay at zero
+    assert float(logprobs.grad[0, 1]) == pytest.approx(2.0 * -0.5 / 5, abs=1e-6)
+    assert float(logprobs.grad[1, 2]) == pytest.approx(2.0 * 1.6 / 5, abs=1e-6)
+    assert logprobs.grad[0, 0] == 0 and logprobs.grad[1, 1] == 0 and logprobs.grad[0, 2] == 0
+
+
+def with_sampler_gap(policy, trajectories, factors):
+    """Set each trajectory's recorded log-probs so that pi_trainer / pi_sampler is `factors[i]` on every token."""
+    for t, k in zip(trajectories, factors):
+        lp = trainer_scores(policy, t).tolist()
+        it = iter(lp)
+        t.logprobs = [next(it) - math.log(k) if m else 0.0 for m in t.loss_mask]
+    return trajectories
+
+
+def test_tis_weight_is_trainer_over_sampler_capped_and_scales_the_update(policy):
+    base = random_trajectories(3)
+    plain, _ = sgd_step(policy, base)
+    start = flat_weights(policy)
+    # ratios 0.5 (kept), 1.5 (kept), 4.0 (capped at 2): weights 0.5, 1.5, 2.0 per trajectory
+    gapped = with_sampler_gap(policy, random_trajectories(3), [0.5, 1.5, 4.0])
+    tokens = [sum(t.loss_mask) for t in gapped]
+    tis, metrics = sgd_step(policy, gapped, tis_cap=2.0)
+    assert metrics["tis_weight_mean"] == pytest.approx((0.5 * tokens[0] + 1.5 * tokens[1] + 2.0 * tokens[2]) / sum(tokens), abs=1e-4)
+    assert metrics["tis_capped_frac"] == pytest.approx(tokens[2] / sum(tokens))
+    # the same weight on every token of a one-trajectory step scales the SGD update by that weight
+    for k, w in ((0.5, 0.5), (4.0, 2.0)):
+        one = with_sampler_gap(policy, random_trajectories(1), [k])
+        plain_one, _ = sgd_step(policy, random_trajectories(1))
+        weighted, m = sgd_step(policy, one, tis_cap=2.0)
+        assert torch.allclose(weighted - start, w * (plain_one - start), atol=1e-5, rtol=1e-3)
+        assert m["tis_capped_frac"] == (1.0 if k > 2 else 0.0)
+    assert not torch.allclose(tis, plain, atol=1e-5)
+
+
+def test_tis_off_logs_no_tis_metrics_and_leaves_the_update_alone(policy):
+    gapped = with_sampler_gap(policy, random_trajectories(3), [0.5, 1.5, 4.0])
+    plain, metrics = sgd_step(policy, random_trajectories(3))
+    off, metrics_off = sgd_step(policy, gapped)
+    assert torch.allclose(plain, off, atol=1e-6)
+    assert not any("tis" in k for k in metrics_off)
+
+
+def test_token_sum_divides_every_token_by_budget_times_sequences_by_hand():
+    logprobs, old, adv, mask = hand_case()
+    budget = 4
+    loss, _ = clipped_policy_loss(logprobs, old, adv, mask, 0.2, 0.28, "token-sum", normalizer=budget * 2)
+    assert float(loss.detach()) == pytest.approx((-1.28 - 0.5 + 1.1 + 0.8 + 1.6) / 8, abs=1e-6)
+    loss.backward()
+    # one constant for both sequences: 2 and 3 model tokens, the same 1/8 per token
+    assert float(logprobs.grad[0, 1]) == pytest.approx(-0.5 / 8, abs=1e-6)
+    assert float(logprobs.grad[1, 0]) == pytest.approx(1.1 / 8, abs=1e-6)
+    with pytest.raises(ValueError, match="normalizer"):
+        clipped_policy_loss(logprobs, old, adv, mask, aggregation="token-sum")
+
+
+def test_token_sum_step_equals_the_token_mean_step_rescaled(policy):
+    # One mini-batch: token-sum's constant is budget x sequences, token-mean's is the
+    # token count N, so the SGD updates differ by exactly N / (budget x sequences).
+    trajectories = random_trajectories(4)
+    start = flat_weights(policy)
+    mean_step, _ = sgd_step(policy, trajectories)
+    sum_step, _ = sgd_step(policy, trajectories, aggregation="token-sum", max_response_tokens=40)
+    n = sum(sum(t.loss_mask) for t in trajectories)
+    assert torch.allclose(sum_step - start, (mean_step - start) * n / (40 * 4), atol=1e-6, rtol=1e-3)
+    with pytest.raises(ValueError, match="max_response_tokens"):
+        sgd_step(policy, trajectories, aggregation="token-sum")
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+def test_skipping_zero_advantage_rows_changes_no_weight(policy, optimizer):
+    # Mini-batch 1 holds one row with gradient and one without; mini-batch 2 only
+    # rows without: skipped entirely, AdamW must still take its (momentum) step.
+    trajectories = random_trajectories(4)
+    for t, a in zip(trajectories, [1.5, 0.0, 0.0, 0.0]):
+        t.advantage = a
+    results = []
+    for skip in (False, True):
+        model = copy.deepcopy(policy)
+        cfg = GRPOConfig(lr=1e-3, num_minibatches=2, micro_batch_size=1, max_grad_norm=1e9, skip_zero_advantage=skip)
+        opt = torch.optim.SGD(model.parameters(), lr=1.0) if optimizer == "sgd" else make_optimizer(model, cfg)
+        metrics = grpo_step(model, opt, trajectories, cfg)
+        assert metrics["rows_skipped"] == (3 if skip else 0)
+        assert metrics["optimizer_steps"] == 2
+        results.append(flat_weights(model))
+    assert (results[0] - flat_weights(policy)).abs().max() > 1e-4
+    assert torch.allclose(results[0], results[1], atol=1e-6)
+
+
+def test_excluded_trajectory_gets_no_gradient_and_leaves_the_denominator(policy):
+    kept, dropped = random_trajectories(2)
+    alone, _ = sgd_step(policy, [kept])
+    together, metrics = sgd_step(policy, [kept, dropped], exclude=[False, True])
+    assert torch.allclose(alone, together, atol=1e-6)
+    assert metrics["excluded_sequences"] == 1 and metrics["tokens"] == sum(kept.loss_mask)
+    with pytest.raises(ValueError, match="exclude has 1 entries for 2"):
+        sgd_step(policy, [kept, dropped], exclude=[True])
 
 
 # --------------------------------------------------------------------------- with vLLM
@@ -350,3 +472,192 @@ def test_after_step_and_sync_vllm_scores_like_the_trainer(tiny_llm, tiny_model_p
 def test_sleep_sampler_does_nothing_on_cpu(tiny_llm):
     assert sleep_sampler(tiny_llm) is False
     assert not tiny_llm.llm_engine.is_sleeping()
+
+
+# --------------------------------------------------------------------------- several tool calls, through vLLM
+
+CODE_TURN = r"```python\nprint\([1-9] \* [1-9]\)\n```\n```output"
+ANSWER_TURN = r"So \\boxed\{[1-4]\}"
+
+
+class RecordingLLM:
+    """The shared engine, keeping every generate call's prompts and outputs."""
+
+    def __init__(self, llm) -> None:
+        self._llm = llm
+        self.calls: list[tuple[list, list]] = []
+
+    def generate(self, prompts, params, **kwargs):
+        outs = self._llm.generate(prompts, params, **kwargs)
+        self.calls.append((prompts, outs))
+        return outs
+
+    def __getattr__(self, name):
+        return getattr(self._llm, name)
+
+
+@pytest.mark.vllm
+def test_three_tool_calls_keep_spans_exact_from_sampler_to_trainer(tiny_llm, policy):
+    """C = 3: every observation masked, every model token kept with vLLM's log-prob, in the trainer's columns too.
+
+    The three code turns are forced (a random model writes no code); vLLM applies the
+    regex before it records log-probs, so there the sampler's numbers are those of the
+    constrained distribution, at least the trainer's. The fourth turn, after all three
+    observations, is free: there sampler and trainer must agree token for token.
+    """
+    from rollout import RolloutConfig, rollout
+    from sandbox import Sandbox, SandboxConfig
+
+    llm = RecordingLLM(tiny_llm)
+    cfg = RolloutConfig(group_size=2, tool_budget=3, max_response_tokens=160, seed=3,
+                        force_turns=(CODE_TURN, CODE_TURN, CODE_TURN))
+    problems = [{"id": "c3", "question": "What is 1 + 2?", "answer": "3"}]
+    with Sandbox(SandboxConfig(timeout=10)) as sandbox:
+        trajectories = rollout(llm, problems, sandbox, cfg)
+    returned = {}  # (context sent, sample index) -> (token ids, log-probs) as vLLM returned them
+    for prompts, outs in llm.calls:
+        for p, out in zip(prompts, outs):
+            for o in out.outputs:
+                returned[(tuple(p["prompt_token_ids"]), o.index)] = (list(o.token_ids), [o.logprobs[i][tok].logprob for i, tok in enumerate(o.token_ids)])
+    assert len(llm.calls) == 4
+    for t in trajectories:
+        assert t.num_tool_calls == 3 and all(c.ok for c in t.tool_calls)
+        observed = [i for c in t.tool_calls for i in range(c.start, c.end)]
+        assert [i for i, m in enumerate(t.loss_mask) if m == 0] == observed  # every observation token masked
+        starts = [0] + [c.end for c in t.tool_calls]
+        ends = [c.start for c in t.tool_calls] + [len(t.token_ids)]
+        for k, (a, b) in enumerate(zip(starts, ends)):  # every model turn kept whole, with its log-probs
+            ids, lps = returned[(tuple(t.prompt_ids + t.token_ids[:a]), t.group_index if k == 0 else 0)]
+            assert t.token_ids[a:b] == ids and t.logprobs[a:b] == lps and t.loss_mask[a:b] == [1] * len(ids)
+        assert ends[-1] > starts[-1], "the free fourth turn must have written something"
+        assert sum(b - a for a, b in zip(starts, ends)) + len(observed) == len(t.token_ids)
+        # In the trainer's batch: the scored columns hold exactly the model's tokens and their log-probs.
+        t.advantage = 1.0
+        batch = build_batch([t])
+        scored = batch.loss_mask[0].bool()
+        model_tokens = [i for i, m in enumerate(t.loss_mask) if m]
+        assert batch.input_ids[0, 1:][scored].tolist() == [t.token_ids[i] for i in model_tokens]
+        assert batch.sampler_logprobs[0][scored].tolist() == torch.tensor([t.logprobs[i] for i in model_tokens]).tolist()
+        trainer = trainer_scores(policy, t)
+        sampler = torch.tensor([t.logprobs[i] for i in model_tokens])
+        free = torch.tensor([i >= starts[-1] for i in model_tokens])
+        assert (trainer[free] - sampler[free]).abs().max() < LOGPROB_TOL  # after three observations, still aligned
+        assert (sampler[~free] >= trainer[~free] - LOGPROB_TOL).all()  # forced: renormalised over what the regex allows
+
+
+# --------------------------------------------------------------------------- the options in the loop (05-retool)
+
+
+def test_informative_groups_keeps_groups_whose_rewards_differ_then_fills_at_the_bound():
+    from retool import informative_groups
+
+    def group(*rewards):
+        return [(Trajectory("p", i, "", [1], [2], [0.0], [1], "", reward=r), None) for i, r in enumerate(rewards)]
+
+    first = [group(1, 1), group(-1, 1), group(-1, -1)]
+    asked = []
+
+    def more(r):
+        asked.append(r)
+        return [group(1, -1), group(1, 1)]
+
+    kept, drawn, rounds = informative_groups(first, more, want=2, max_rounds=3)
+    assert [[t.reward for t, _ in g] for g in kept] == [[-1, 1], [1, -1]]
+    assert (drawn, rounds, asked) == (5, 1, [1])
+    # nothing informative to be had: the bound stops it, degenerate groups fill the step in order
+    asked.clear()
+    kept, drawn, rounds = informative_groups([group(1, 1), group(-1, -1)], lambda r: asked.append(r) or [group(-1, -1)],
+                                             want=2, max_rounds=2)
+    assert (drawn, rounds, asked) == (4, 2, [1, 2])
+    assert [[t.reward for t, _ in g] for g in kept] == [[1, 1], [-1, -1]]
+
+
+def test_void_turn_is_a_turn_with_neither_complete_code_nor_an_answer(tiny_tokenizer):
+    from retool import void_turns
+    from rollout import ToolCall
+
+    def traj(*segments):
+        """Segments alternate model text, observation text, model text, ..."""
+        ids, calls = [], []
+        for k, text in enumerate(segments):
+            piece = tiny_tokenizer.encode(text, add_special_tokens=False)
+            if k % 2:
+                calls.append(ToolCall("x", True, False, 0, 0.0, text, len(ids), len(ids) + len(piece)))
+            ids += piece
+        return Trajectory("p", 0, "", [1], ids, [0.0] * len(ids), [1] * len(ids), "", tool_calls=calls)
+
+    code = "```python\nprint(2)\n```\n```output"
+    assert void_turns(traj(code, "\n2\n```\n", "So \\boxed{2}."), tiny_tokenizer) == 0
+    assert void_turns(traj("The answer is \\boxed{7}."), tiny_tokenizer) == 0
+    assert void_turns(traj("Let me think about it"), tiny_tokenizer) == 1  # e.g. cut by the budget
+    assert void_turns(traj("```python\nprint(2)\n```output", "\nError\n```\n", "So \\boxed{2}."), tiny_tokenizer) == 1
+    assert void_turns(traj(code, "\n2\n```\n", code, "\n2\n```\n", "hmm"), tiny_tokenizer) == 1  # the third turn
+
+
+def test_options_are_off_in_the_torl_presets_and_flags_of_the_loop():
+    from retool import PRESETS, make_config, parse_args
+
+    for name in PRESETS:
+        if name.startswith("torl"):
+            cfg = make_config(name, {})
+            assert (cfg.tis_cap, cfg.dynamic_sampling, cfg.mask_truncated, cfg.filter_void_turns) == (0.0, False, False, False)
+            assert cfg.aggregation != "token-sum"
+    args, overrides = parse_args(["--tis-cap", "2.0", "--dynamic-sampling", "true", "--mask-truncated", "true",
+                                  "--filter-void-turns", "true", "--tool-budget", "2", "--aggregation", "token-sum"])
+    cfg = make_config(args.preset, overrides)
+    assert (cfg.tis_cap, cfg.dynamic_sampling, cfg.mask_truncated, cfg.filter_void_turns, cfg.tool_budget) == (2.0, True, True, True, 2)
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(aggregation="token-sum", scale_advantages=True), "drops the std scaling"),
+    (dict(tis_cap=0.5), "a cap below 1"),
+    (dict(dynamic_sampling=True, dynamic_sampling_rounds=0), "dynamic_sampling_rounds must be at least 1"),
+    (dict(aggregation="sum"), "token-sum, got 'sum'"),
+])
+def test_bad_option_combinations_fail_with_one_line(change, message):
+    from retool import Config, check_config
+
+    with pytest.raises(SystemExit) as e:
+        check_config(Config(**change), resuming=False)
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.vllm
+def test_all_options_run_together_in_a_real_step(tiny_llm, tiny_model_path, policy):
+    """--tis-cap 2 --dynamic-sampling --mask-truncated --filter-void-turns --tool-budget 2, one real step."""
+    import dataclasses
+
+    from retool import Config, train_step, void_turns
+    from rollout import RolloutConfig
+    from sandbox import Sandbox, SandboxConfig
+
+    cfg = Config(tis_cap=2.0, dynamic_sampling=True, dynamic_sampling_rounds=2, mask_truncated=True,
+                 filter_void_turns=True, tool_budget=2, group_size=4, problems_per_step=2, max_response_tokens=64)
+    # Turn one either closes its block (a real call) or leaves it open (a void turn); the
+    # answer is a guess at 1..4, so groups are sometimes informative; some run out of budget.
+    unclosed = r"```python\nprint\(3\)\n```output"
+    rollout_cfg = RolloutConfig(group_size=4, tool_budget=2, max_response_tokens=64, seed=11,
+                                force_turns=(f"({CODE_TURN}|{unclosed})", f"({ANSWER_TURN}|[a-z ]{{60}})"))
+    grpo_cfg = GRPOConfig(lr=1e-3, num_minibatches=2, micro_batch_size=4, tis_cap=2.0, max_response_tokens=64)
+    problems = [{"id": f"q{i}", "question": f"What is {i} + 1?", "answer": str(i + 1)} for i in range(2)]
+    version = tiny_llm.weight_version = getattr(tiny_llm, "weight_version", 0)
+    try:
+        with Sandbox(SandboxConfig(timeout=10)) as sandbox:
+            metrics, trajectories = train_step(tiny_llm, policy, make_optimizer(policy, grpo_cfg), problems, sandbox,
+                                               rollout_cfg, grpo_cfg, cfg, more_problems=lambda r: problems)
+    finally:  # the engine is shared by the whole session: put the original weights back
+        sync_weights(load_policy(tiny_model_path, device="cpu"), tiny_llm)
+        tiny_llm.weight_version = version
+    assert len(trajectories) == 8 and metrics["weight_version"] == version + 1
+    assert metrics["problems_drawn"] >= 2 and metrics["problems_drawn"] == 2 * (1 + metrics["dynamic_rounds"])
+    assert metrics["degenerate_groups"] == 0 or metrics["dynamic_rounds"] == 2
+    void = [void_turns(t, tiny_llm.get_tokenizer()) > 0 for t in trajectories]
+    assert metrics["void_filtered"] == sum(void) == metrics["void_trajectories"]
+    assert metrics["truncated_masked"] == sum(t.truncated for t in trajectories)
+    assert metrics["excluded_sequences"] == sum(v or t.truncated for v, t in zip(void, trajectories))
+    # forced tokens: the sampler's log-probs are the regex-constrained ones, at least the
+    # trainer's, so every weight is at most 1 and the cap of 2 never binds (0 when nothing is trained)
+    assert (0 < metrics["tis_weight_mean"] <= 1 + 1e-4) if metrics["tokens"] else metrics["tis_weight_mean"] == 0
+    assert metrics["tis_capped_frac"] == 0.0
+    assert any("truncat" in k for k in metrics) and any("void" in k for k in metrics)
+    assert all(math.isfinite(v) for v in metrics.values() if isinstance(v, float))

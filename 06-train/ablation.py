@@ -1,0 +1,183 @@
+"""Each option from the field since ToRL against the baseline, on the CPU demo, from one base model.
+
+    .venv/bin/python 05-retool/cold_start.py --out runs/abl/base               # once, about 4.5 minutes
+    .venv/bin/python 06-train/ablation.py run --base runs/abl/base --out runs/abl --seeds 0 1
+    .venv/bin/python 06-train/ablation.py report --out runs/abl --img docs/img
+
+`run` trains one RL run per (arm, seed) with 05-retool/retool.py from the same
+base and the same settings, changing only the arm's flags; rollouts are seeded,
+so two arms draw the same random numbers until their policies differ; a run whose final
+evaluation exists is not redone, so `run` can be called in batches (`--arms`).
+`report` draws one small plot per option (reward per step, the option against
+the baseline, one line per seed) and prints the markdown table of
+docs/06-train.md: held-out accuracy after RL and mean reward of the last five
+steps, per seed, and what each option's own metrics said.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+RETOOL = Path(__file__).resolve().parent.parent / "05-retool" / "retool.py"
+
+# name -> (flags, what it changes, the arm it is compared with, metrics worth a column)
+ARMS: dict[str, tuple[list[str], str, str, list[str]]] = {
+    "baseline": ([], "ToRL's loss on the CPU demo (float32 sampler)", "", ["degenerate_groups", "rows_skipped"]),
+    "dynamic": (["--dynamic-sampling", "true"], "dynamic sampling (DAPO), at most 4 extra rounds", "baseline",
+                ["problems_drawn", "dynamic_rounds", "degenerate_groups", "rows_skipped"]),
+    "mask-truncated": (["--mask-truncated", "true"], "truncated trajectories get no gradient (DAPO)", "baseline",
+                       ["truncated_masked", "truncation_rate"]),
+    "void-filter": (["--filter-void-turns", "true"], "void-turn filter (SimpleTIR)", "baseline",
+                    ["void_filtered"]),
+    "budget-3": (["--tool-budget", "3", "--filter-void-turns", "true"], "3 tool calls, void-turn filter", "baseline",
+                 ["tool_calls", "void_filtered"]),
+    "token-sum": (["--aggregation", "token-sum"], "Dr. GRPO: sum / (96 x sequences)", "baseline",
+                  ["grad_norm", "response_length"]),
+    "bf16": (["--dtype", "bfloat16"], "bf16 sampler, no correction", "", ["mismatch_abs"]),
+    "bf16-tis": (["--dtype", "bfloat16", "--tis-cap", "2.0"], "bf16 sampler + truncated IS, cap 2", "bf16",
+                 ["tis_weight_mean", "tis_capped_frac", "mismatch_abs"]),
+}
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if args.command == "run":
+        run(args)
+    else:
+        print(report(Path(args.out), Path(args.img) if args.img else None))
+
+
+def run(args) -> None:
+    if not (Path(args.base) / "config.json").exists():
+        raise SystemExit(f"error: --base {args.base}: not a model folder (cold-start one with 05-retool/cold_start.py)")
+    for seed in args.seeds:
+        for arm in args.arms:
+            run_dir = Path(args.out) / f"{arm}-s{seed}"
+            if finished(run_dir):
+                print(f"{run_dir}: done already")
+                continue
+            shutil.rmtree(run_dir, ignore_errors=True)  # a run cut short starts over: same base, same seed
+            cmd = [sys.executable, str(RETOOL), "--model", args.base, "--run-dir", str(run_dir), "--seed", str(seed),
+                   "--steps", str(args.steps), "--eval-every", "0", "--keep-checkpoints", "1",
+                   "--save-every", str(args.steps), "--seed-rollouts", "true", *ARMS[arm][0]]
+            print(" ".join(cmd), flush=True)
+            subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+
+
+def finished(run_dir: Path) -> bool:
+    return any(r["tag"] == "after RL" for r in read_jsonl(run_dir / "eval.jsonl"))
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(l) for l in path.read_text().splitlines() if l.strip()] if path.exists() else []
+
+
+def report(out: Path, img: Path | None) -> str:
+    runs = {}  # (arm, seed) -> (metric rows, eval rows)
+    for run_dir in sorted(out.glob("*-s*")):
+        arm, seed = run_dir.name.rsplit("-s", 1)
+        if arm in ARMS and finished(run_dir):
+            runs[arm, int(seed)] = (read_jsonl(run_dir / "metrics.jsonl"), read_jsonl(run_dir / "eval.jsonl"))
+    if not runs:
+        raise SystemExit(f"error: {out}: no finished ablation runs in it")
+    seeds = sorted({s for _, s in runs})
+    lines = ["| arm | what changes | held-out accuracy after RL | reward, last 5 steps | s / step | its own metrics (mean over steps) |",
+             "| --- | --- | --- | --- | --- | --- |"]
+    for arm, (_, what, _, keys) in ARMS.items():
+        have = [s for s in seeds if (arm, s) in runs]
+        if not have:
+            continue
+        acc = " / ".join(f"{after_accuracy(runs[arm, s][1]):.2f}" for s in have)
+        reward = " / ".join(f"{last_reward(runs[arm, s][0]):+.2f}" for s in have)
+        cost = " / ".join(f"{step_seconds(runs[arm, s][0]):.1f}" for s in have)
+        own = ", ".join(f"{k} {mean_of(runs[arm, s][0], k):.3g}" for k in keys for s in have[:1])
+        lines.append(f"| {arm} | {what} | {acc} | {reward} | {cost} | {own} |")
+    if img:
+        for arm, (_, _, against, _) in ARMS.items():
+            if against and any((arm, s) in runs for s in seeds):
+                plot(arm, against, ARMS[arm][3][0], runs, seeds, img / f"06-ablation-{arm}.png")
+    seeds_note = f"seeds {' / '.join(map(str, seeds))}" if len(seeds) > 1 else f"seed {seeds[0]}"
+    return f"({seeds_note}; before RL every run scores {before_accuracy(runs):.2f})\n\n" + "\n".join(lines)
+
+
+def after_accuracy(evals: list[dict]) -> float:
+    return accuracy(next(r for r in evals if r["tag"] == "after RL"))
+
+
+def before_accuracy(runs) -> float:
+    return accuracy(next(r for _, evals in runs.values() for r in evals if r["tag"] == "before RL"))
+
+
+def accuracy(evaluation: dict) -> float:
+    sets = evaluation["sets"]  # one entry per data source, plus "all" when there are several
+    return (sets.get("all") or next(iter(sets.values())))["avg@1"]
+
+
+def last_reward(rows: list[dict], n: int = 5) -> float:
+    tail = [r["reward_mean"] for r in rows[-n:]]
+    return sum(tail) / len(tail)
+
+
+def step_seconds(rows: list[dict]) -> float:
+    """Mean wall seconds of a step's rollout, reward, update and sync."""
+    return sum(r["rollout_s"] + r["reward_s"] + r["update_s"] + r["sync_s"] for r in rows) / len(rows)
+
+
+def mean_of(rows: list[dict], key: str) -> float:
+    values = [r[key] for r in rows if key in r]
+    return sum(values) / len(values) if values else float("nan")
+
+
+def plot(arm: str, against: str, own: str, runs, seeds, path: Path) -> None:
+    """Reward per step (the option in blue, what it is compared with in grey) and the option's own metric."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax, side) = plt.subplots(1, 2, figsize=(8, 2.6), gridspec_kw={"width_ratios": [3, 2]})
+    for name, colour in ((against, "0.55"), (arm, "tab:blue")):
+        for seed, style in zip(seeds, ("-", "--", ":")):
+            if (name, seed) in runs:
+                rows = runs[name, seed][0]
+                steps = [r["step"] for r in rows]
+                ax.plot(steps, [r["reward_mean"] for r in rows], style, color=colour,
+                        label=f"{name}, seed {seed}: held-out {after_accuracy(runs[name, seed][1]):.2f}")
+                side.plot(steps, [r.get(own, float("nan")) for r in rows], style, color=colour)
+    ax.set_xlabel("RL step")
+    ax.set_ylabel("mean reward")
+    ax.set_ylim(-1.05, 1.05)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, loc="lower right")
+    ax.set_title(f"{arm} vs {against}", fontsize=9)
+    side.set_xlabel("RL step")
+    side.set_title(own, fontsize=9)
+    side.grid(alpha=0.3)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog="\n\n".join(__doc__.split("\n\n")[1:]))
+    sub = p.add_subparsers(dest="command", required=True)
+    r = sub.add_parser("run", help="train the runs that are not done yet")
+    r.add_argument("--base", required=True, help="the cold-started base model folder every run starts from")
+    r.add_argument("--out", default="runs/ablation", help="folder of the run folders (default runs/ablation)")
+    r.add_argument("--seeds", type=int, nargs="+", default=[0], help="RL seeds (default 0)")
+    r.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS), help="which arms (default all)")
+    r.add_argument("--steps", type=int, default=30, help="RL steps per run (default 30, the CPU demo's)")
+    s = sub.add_parser("report", help="plots and the markdown table from finished runs")
+    s.add_argument("--out", default="runs/ablation", help="folder of the run folders (default runs/ablation)")
+    s.add_argument("--img", help="write one PNG per option here (e.g. docs/img)")
+    return p.parse_args(argv)
+
+
+if __name__ == "__main__":
+    main()
