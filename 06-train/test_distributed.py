@@ -10,7 +10,9 @@ from grpo import GRPOConfig, group_advantages, grpo_step, load_policy, make_opti
 from rollout import Trajectory
 
 PROBLEMS, GROUP = 8, 4
-CFG = GRPOConfig(lr=1e-3, num_minibatches=2, micro_batch_size=3)  # 3 does not divide a rank's 8 rows
+# 3 does not divide a rank's 8 rows. Ranks never skip zero-advantage rows (grpo_step), so
+# neither does the one-process reference: ratio_mean and approx_kl then cover the same rows.
+CFG = GRPOConfig(lr=1e-3, num_minibatches=2, micro_batch_size=3, skip_zero_advantage=False)
 
 
 def group_trajectories(seed=0):
