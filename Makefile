@@ -61,13 +61,8 @@ test: $(STAMP)
 run-01: $(STAMP)
 	$(PY) 01-data/prepare_data.py $(ARGS)
 
-<<<<<<< HEAD
-run-05: $(STAMP)
-	$(if $(filter-out 1,$(NPROC)),$(VENV)/bin/torchrun --standalone --nproc-per-node $(NPROC),$(PY)) 05-retool/retool.py $(if $(PRESET),--preset $(PRESET)) $(ARGS)
-=======
 run-05: $(STAMP) $(if $(filter smollm2,$(PRESET)),$(SMOLLM2_STAMP))
-	$(PY) 05-retool/retool.py $(if $(PRESET),--preset $(PRESET)) $(ARGS)
->>>>>>> 0b133f2 (A real pretrained model learns to delegate arithmetic on the CPU: make run-05 PRESET=smollm2)
+	$(if $(filter-out 1,$(NPROC)),$(VENV)/bin/torchrun --standalone --nproc-per-node $(NPROC),$(PY)) 05-retool/retool.py $(if $(PRESET),--preset $(PRESET)) $(ARGS)
 
 eval-05: $(STAMP)
 	$(PY) 05-retool/eval.py $(ARGS)

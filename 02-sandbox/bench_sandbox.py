@@ -19,7 +19,7 @@ process, the server, its slots, the user processes, the baseline's interpreters)
 read from a cgroup this script puts itself into where it can (root, cgroup v1
 cpuacct or v2); the Docker engine's own work is not in it.
 
-Targets (issue 3): the fork server at least 20x the baseline's calls/s on the sympy
+Targets: the fork server at least 20x the baseline's calls/s on the sympy
 snippet, and no slower on print(1+1).
 """
 from __future__ import annotations

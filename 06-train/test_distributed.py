@@ -55,6 +55,9 @@ def _rank(rank, world, store, model_path, out, global_denominator, strategy):
         weights = dp.checkpoint_parts(model, optimizer)[0].state_dict()  # FSDP2: gathered from the shards
         if rank == 0:
             torch.save({"weights": weights, "metrics": metrics}, out)
+        # Tear down together: a rank that leaves while the other still holds the
+        # connection can abort in gloo's teardown (seen once on a loaded machine).
+        torch.distributed.barrier()
     finally:
         torch.distributed.destroy_process_group()
 
