@@ -107,23 +107,20 @@ def run(args, model_path: str) -> None:
     first = grpo_step(model, optimizer, trajectories, cfg)
     reset_peak_memory()
     before = current_memory()
-    times = []
-    for _ in range(args.steps):
-        t = time.perf_counter()
-        grpo_step(model, optimizer, trajectories, cfg)
-        synchronize()
-        times.append(time.perf_counter() - t)
+    def timed_steps(step_cfg) -> list[float]:
+        times = []
+        for _ in range(args.steps):
+            t = time.perf_counter()
+            grpo_step(model, optimizer, trajectories, step_cfg)
+            synchronize()
+            times.append(time.perf_counter() - t)
+        return times
+
+    times = timed_steps(cfg)
     peak = peak_memory()
     step_s = statistics.median(times)
     # The same steps without skipping: forward and backward also on rows whose advantage is zero.
-    no_skip = dataclasses.replace(cfg, skip_zero_advantage=False)
-    times_no_skip = []
-    for _ in range(args.steps):
-        t = time.perf_counter()
-        grpo_step(model, optimizer, trajectories, no_skip)
-        synchronize()
-        times_no_skip.append(time.perf_counter() - t)
-    no_skip_s = statistics.median(times_no_skip)
+    no_skip_s = statistics.median(timed_steps(dataclasses.replace(cfg, skip_zero_advantage=False)))
     zero_rows = sum(t.advantage == 0 for t in trajectories)
 
     print(f"device              : {'cuda ' + torch.cuda.get_device_name() if on_cuda else 'cpu'} ({torch.get_num_threads()} threads)")
