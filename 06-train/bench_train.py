@@ -107,20 +107,12 @@ def run(args, model_path: str) -> None:
     first = grpo_step(model, optimizer, trajectories, cfg)
     reset_peak_memory()
     before = current_memory()
-    def timed_steps(step_cfg) -> list[float]:
-        times = []
-        for _ in range(args.steps):
-            t = time.perf_counter()
-            grpo_step(model, optimizer, trajectories, step_cfg)
-            synchronize()
-            times.append(time.perf_counter() - t)
-        return times
-
-    times = timed_steps(cfg)
+    times = timed_steps(model, optimizer, trajectories, cfg, args.steps)
     peak = peak_memory()
     step_s = statistics.median(times)
     # The same steps without skipping: forward and backward also on rows whose advantage is zero.
-    no_skip_s = statistics.median(timed_steps(dataclasses.replace(cfg, skip_zero_advantage=False)))
+    no_skip_s = statistics.median(timed_steps(model, optimizer, trajectories,
+                                              dataclasses.replace(cfg, skip_zero_advantage=False), args.steps))
     zero_rows = sum(t.advantage == 0 for t in trajectories)
 
     print(f"device              : {'cuda ' + torch.cuda.get_device_name() if on_cuda else 'cpu'} ({torch.get_num_threads()} threads)")
@@ -190,12 +182,7 @@ def run_shape(args) -> None:
     warmup_s = time.perf_counter() - t
     state = current_memory() - base  # weights + AdamW moments (gradients are freed after each update)
     reset_peak_memory()
-    times = []
-    for _ in range(args.steps):
-        t = time.perf_counter()
-        grpo_step(model, optimizer, trajectories, cfg)
-        synchronize()
-        times.append(time.perf_counter() - t)
+    times = timed_steps(model, optimizer, trajectories, cfg, args.steps)
     peak = peak_memory() - base
     step_s = statistics.median(times)
     gib = 2**30
@@ -302,6 +289,19 @@ def _rewards(n: int, group_size: int, degenerate_frac: float, g: torch.Generator
         for start in range(flat, n - group_size + 1, group_size):
             rewards[start], rewards[start + 1] = 1, -1
     return [float(r) for r in rewards]
+
+
+def timed_steps(model, optimizer, trajectories, cfg, steps: int) -> list[float]:
+    """Wall seconds of `steps` GRPO steps, each waited for on the device."""
+    from grpo import grpo_step
+
+    times = []
+    for _ in range(steps):
+        t = time.perf_counter()
+        grpo_step(model, optimizer, trajectories, cfg)
+        synchronize()
+        times.append(time.perf_counter() - t)
+    return times
 
 
 def synchronize() -> None:
