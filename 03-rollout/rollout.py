@@ -13,6 +13,9 @@ their log-probs, and which tokens the model wrote (loss_mask 1) or the tool (0).
     python 03-rollout/rollout.py demo --out runs/rollout-demo.jsonl    # tiny model, CPU, ~1 min
     python 03-rollout/rollout.py view runs/rollout-demo.jsonl > page.html
 
+Beside it: trajectory_view.py draws a trajectory token by token (HTML and text);
+rollout_cli.py is the command line above.
+
 Key decisions (the docs page compares each with ToRL's code):
 1. Token-exact: model tokens and log-probs are vLLM's own; an observation is
    tokenized once, as plain text (a printed "<|im_end|>" stays text); later
@@ -30,9 +33,6 @@ Key decisions (the docs page compares each with ToRL's code):
 """
 from __future__ import annotations
 
-import argparse
-import codecs
-import html
 import json
 import os
 import sys
@@ -186,44 +186,46 @@ def rollout(llm, problems: list[dict], sandbox, cfg: RolloutConfig | None = None
     spent = {"generate_s": 0.0, "sandbox_s": 0.0, "rounds": 0}
 
     # Round 0: one request per problem; its group_size samples share the prompt's prefill.
-    live: list[_Live] = []
-    heads = [_head(p, i, tokenizer, cfg, context) for i, p in enumerate(problems)]
-    requests = [prompt_ids for _, prompt_ids, _ in heads]
+    in_flight: list[_InFlight] = []
+    prompts = [_tokenize_prompt(p, i, tokenizer, cfg, context) for i, p in enumerate(problems)]
+    requests = [prompt_ids for _, prompt_ids, _ in prompts]
     params = [_params(cfg, 0, limit, cfg.group_size, _seed(cfg.seed, i, 0, 0), cfg.tool_budget > 0)
-              for i, (_, _, limit) in enumerate(heads)]
-    for number, ((problem, prompt_ids, limit), out) in enumerate(zip(heads, _generate(llm, requests, params, spent))):
+              for i, (_, _, limit) in enumerate(prompts)]
+    for problem_index, ((problem, prompt_ids, limit), out) in enumerate(
+            zip(prompts, _generate(llm, requests, params, spent))):
         for sample in sorted(out.outputs, key=lambda o: o.index):
             traj = Trajectory(
                 problem_id=str(problem["id"]), group_index=sample.index, reference=str(problem["answer"]),
                 prompt_ids=list(prompt_ids), token_ids=[], logprobs=[], loss_mask=[], text="",
                 weight_version=version, model=model,
             )
-            lv = _Live(traj, number, limit, limit < cfg.max_response_tokens, cfg.tool_budget)
-            lv.absorb(sample)
-            live.append(lv)
+            state = _InFlight(traj, problem_index, limit, limit < cfg.max_response_tokens, cfg.tool_budget)
+            state.append_turn(sample)
+            in_flight.append(state)
 
-    # Later rounds: run this round's code, append the observations, continue every live trajectory.
+    # Later rounds: run this round's code, append the observations, continue every unfinished trajectory.
     while True:
-        waiting = [lv for lv in live if lv.code is not None]
+        waiting = [state for state in in_flight if state.wants_tool]
         if waiting:
             t0 = time.perf_counter()
-            codes = {id(lv): lv.code for lv in waiting if lv.code}  # "" had no complete block: nothing to run
-            results = dict(zip(codes, sandbox.run_many(list(codes.values())) if codes else []))
+            to_run = {id(state): state.code for state in waiting if state.code}  # "": no complete block, nothing runs
+            results = dict(zip(to_run, sandbox.run_many(list(to_run.values())) if to_run else []))
             spent["sandbox_s"] += time.perf_counter() - t0
-            for lv in waiting:
-                lv.observe(results.get(id(lv)), tokenizer, cfg.observation_style)
-        going = [lv for lv in live if not lv.done]
-        if not going:
+            for state in waiting:
+                state.append_observation(results.get(id(state)), tokenizer, cfg.observation_style)
+        unfinished = [state for state in in_flight if not state.done]
+        if not unfinished:
             break
-        requests = [lv.traj.prompt_ids + lv.traj.token_ids for lv in going]
+        requests = [state.traj.prompt_ids + state.traj.token_ids for state in unfinished]
         params = [
-            _params(cfg, lv.turn, lv.room, 1, _seed(cfg.seed, lv.number, lv.traj.group_index, lv.turn), lv.calls_left > 0)
-            for lv in going
+            _params(cfg, state.turn, state.room, 1,
+                    _seed(cfg.seed, state.problem_index, state.traj.group_index, state.turn), state.calls_left > 0)
+            for state in unfinished
         ]
-        for lv, out in zip(going, _generate(llm, requests, params, spent)):
-            lv.absorb(out.outputs[0])
+        for state, out in zip(unfinished, _generate(llm, requests, params, spent)):
+            state.append_turn(out.outputs[0])
 
-    trajectories = [lv.traj for lv in live]
+    trajectories = [state.traj for state in in_flight]
     for t in trajectories:
         t.text = tokenizer.decode(t.token_ids, skip_special_tokens=True)
     if stats is not None:
@@ -325,16 +327,17 @@ _RESHAPING = ("top_k", "min_p", "logit_bias", "allowed_token_ids", "bad_words",
               "presence_penalty", "frequency_penalty", "repetition_penalty")
 
 
-class _Live:
-    """One trajectory while it is being sampled: the record plus the loop's state."""
+class _InFlight:
+    """One trajectory while it is being sampled: the record plus where its sampling stands."""
 
-    def __init__(self, traj: Trajectory, number: int, limit: int, context_binds: bool, calls_left: int) -> None:
+    def __init__(self, traj: Trajectory, problem_index: int, limit: int, context_binds: bool, calls_left: int) -> None:
         self.traj = traj
-        self.number = number  # the problem's position in the batch (for seeds)
+        self.problem_index = problem_index  # the problem's position in the batch (for seeds)
         self.limit = limit  # the most tokens the response may hold: budget or context, whichever is smaller
         self.context_binds = context_binds  # the limit comes from max_model_len, not the response budget
         self.calls_left = calls_left
-        self.code: str | None = None  # code waiting for the sandbox; "" = the turn had no complete block
+        self.wants_tool = False  # the last turn ended on STOP: an observation must follow before it goes on
+        self.code = ""  # what that turn asks to run; "" when it held no complete block (nothing runs)
         self.done = False
 
     @property
@@ -345,7 +348,7 @@ class _Live:
     def turn(self) -> int:
         return len(self.traj.tool_calls)
 
-    def absorb(self, sample) -> None:
+    def append_turn(self, sample) -> None:
         """Append one model turn exactly as vLLM returned it, and decide what comes next."""
         t = self.traj
         t.token_ids += sample.token_ids
@@ -354,7 +357,7 @@ class _Live:
         if sample.finish_reason == "stop" and sample.stop_reason == STOP:
             if self.room > 0:
                 # sample.text is cut at the stop string, which is the text the code comes from.
-                self.code = extract_code(sample.text) or ""
+                self.code, self.wants_tool = extract_code(sample.text) or "", True
             else:
                 self._end()  # no room left for an observation: the code is not run
         elif sample.finish_reason == "stop":  # EOS or another stop token: the model's own decision
@@ -364,7 +367,7 @@ class _Live:
         else:  # "abort", "error", "repetition": vLLM ended it, not the model and not a budget
             self._end(str(sample.finish_reason))
 
-    def observe(self, result, tokenizer, style: str) -> None:
+    def append_observation(self, result, tokenizer, style: str) -> None:
         """Append the observation for the code this turn asked to run (result None: nothing ran)."""
         t = self.traj
         text = observation_text(result, style) if result is not None else f"\n{NO_CODE_OUTPUT}\n```\n"
@@ -387,7 +390,7 @@ class _Live:
             end=len(t.token_ids),
             passed=bool(result is not None and execution_pass(result)),
         ))
-        self.code = None
+        self.code, self.wants_tool = "", False
         self.calls_left -= 1
         if self.room == 0:
             self._end()
@@ -408,13 +411,14 @@ def encode_plain(tokenizer, text: str) -> list[int]:
     return tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True)
 
 
-def _head(problem: dict, number: int, tokenizer, cfg: RolloutConfig, context: int) -> tuple[dict, list[int], int]:
+def _tokenize_prompt(problem: dict, problem_index: int, tokenizer, cfg: RolloutConfig,
+                     context: int) -> tuple[dict, list[int], int]:
     """Check one problem and tokenize its prompt; return it with the response's token limit."""
     if not isinstance(problem, dict):
-        raise ValueError(f"rollout: problem #{number} is a {type(problem).__name__}, not a dict")
+        raise ValueError(f"rollout: problem #{problem_index} is a {type(problem).__name__}, not a dict")
     for key in ("id", "question", "answer"):
         if key not in problem:
-            raise ValueError(f"rollout: problem #{number} has no {key!r} (keys: {sorted(problem)})")
+            raise ValueError(f"rollout: problem #{problem_index} has no {key!r} (keys: {sorted(problem)})")
     prompt_ids = tokenizer.encode(render_prompt(problem["question"], cfg.template), add_special_tokens=False)
     limit = min(cfg.max_response_tokens, context - len(prompt_ids))
     if limit < 1:
@@ -473,10 +477,11 @@ def _check_logprobs_mode(llm) -> None:
                          f"from; build it with make_llm (logprobs_mode='processed_logprobs')")
 
 
-def _seed(seed: int | None, number: int, sample: int, turn: int) -> int | None:
+def _seed(seed: int | None, problem_index: int, sample: int, turn: int) -> int | None:
+    """A request's own seed, from the run's seed and its place: problem, sample, turn."""
     if seed is None:
         return None
-    return zlib.crc32(f"{seed}/{number}/{sample}/{turn}".encode())
+    return zlib.crc32(f"{seed}/{problem_index}/{sample}/{turn}".encode())
 
 
 def save_trajectories(trajectories: list[Trajectory], path: str | os.PathLike) -> None:
@@ -552,292 +557,7 @@ def make_llm(
     )
 
 
-# --------------------------------------------------------------------------------------
-# Seeing a trajectory: a standalone HTML page, one box per token
-# --------------------------------------------------------------------------------------
+if __name__ == "__main__":  # the command line (demo, sample, view) lives beside the core
+    from rollout_cli import main
 
-
-def render_html(trajectories: list[Trajectory], tokenizer, rewards: list | None = None, title: str = "rollouts") -> str:
-    """A standalone page: per trajectory its summary, its tool calls and every token as a box.
-
-    Prompt tokens are grey, model tokens (loss mask 1) blue, observation tokens
-    (loss mask 0) orange; neighbouring boxes alternate shade so that token
-    boundaries show; hovering a box shows its position, id, mask and log-prob.
-    `rewards` are chapter 04's RewardResults, one per trajectory (None: show the
-    stored reward only).
-    """
-    parts = [_PAGE_HEAD.format(title=html.escape(title), n=len(trajectories))]
-    for k, t in enumerate(trajectories):
-        scored = rewards[k] if rewards else None
-        parts.append(_render_one(t, tokenizer, scored))
-    parts.append("</body></html>\n")
-    return "".join(parts)
-
-
-def _render_one(t: Trajectory, tokenizer, scored) -> str:
-    reward = t.reward if t.reward is not None else (scored.reward if scored is not None else None)
-    model_n = sum(t.loss_mask)
-    facts = [
-        f"reward <b>{'—' if reward is None else f'{reward:+g}'}</b>",
-        f"finish <b>{html.escape(t.finish_reason)}</b>{' (truncated)' if t.truncated else ''}",
-        f"{model_n} model + {len(t.token_ids) - model_n} observation tokens",
-        f"{t.num_tool_calls} tool call(s), code_ok={t.code_ok}",
-        f"weights v{t.weight_version}",
-        f"reference <code>{html.escape(t.reference)}</code>",
-    ]
-    if scored is not None:
-        answer = "none" if scored.answer is None else f"<code>{html.escape(scored.answer)}</code>"
-        facts.append(f"boxed answer {answer}, correct={scored.correct}")
-    if t.advantage is not None:
-        facts.append(f"advantage {t.advantage:+.3f}")
-    out = [
-        f'<section><h2>problem {html.escape(t.problem_id)} · sample {t.group_index}</h2>',
-        f'<p class="facts">{" · ".join(facts)}</p>',
-    ]
-    if t.tool_calls:
-        out.append("<table><tr><th>#</th><th>code</th><th>ok</th><th>exit</th><th>timed out</th>"
-                   "<th>latency</th><th>observation (as the model saw it)</th><th>tokens</th></tr>")
-        for i, c in enumerate(t.tool_calls):
-            out.append(
-                f"<tr><td>{i}</td><td><pre>{html.escape(c.code) or '<i>no complete block</i>'}</pre></td>"
-                f"<td>{c.ok}</td><td>{c.returncode}</td><td>{c.timed_out}</td><td>{c.latency * 1000:.0f} ms</td>"
-                f"<td><pre>{html.escape(c.observation)}</pre></td><td>{c.start}–{c.end}</td></tr>"
-            )
-        out.append("</table>")
-    pieces_prompt = token_pieces(tokenizer, t.prompt_ids)
-    pieces = token_pieces(tokenizer, t.token_ids)
-    out.append('<details><summary>prompt: %d tokens</summary><div class="toks">' % len(t.prompt_ids))
-    out += [_box("p", i, tok, piece, None) for i, (tok, piece) in enumerate(zip(t.prompt_ids, pieces_prompt))]
-    out.append('</div></details><div class="toks">')
-    for i, (tok, piece, m, lp) in enumerate(zip(t.token_ids, pieces, t.loss_mask, t.logprobs)):
-        out.append(_box("m" if m else "o", i, tok, piece, lp if m else None))
-    out.append("</div></section>\n")
-    return "".join(out)
-
-
-def _box(kind: str, pos: int, tok: int, piece: str, logprob: float | None) -> str:
-    mask = {"p": "prompt", "m": "mask 1", "o": "mask 0"}[kind]
-    tip = f"#{pos} id {tok} {mask}" + ("" if logprob is None else f" logprob {logprob:.3f}")
-    shown = html.escape(piece).replace("\n", "↵\n") if piece else "∅"
-    return f'<span class="{kind}{pos % 2}" title="{tip}">{shown}</span>'
-
-
-def token_pieces(tokenizer, ids: list[int]) -> list[str]:
-    """The text each token adds, so that the pieces join into the decoded text.
-
-    A byte-level BPE token may hold half of a character; its piece is then empty
-    and the next token's piece carries the whole character. Tokenizers that are
-    not byte-level fall back to decoding each token on its own.
-    """
-    if not _is_byte_level(tokenizer):
-        return [tokenizer.decode([i]) for i in ids]
-    byte_of = _byte_level_alphabet()
-    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-    pieces = []
-    for token in tokenizer.convert_ids_to_tokens(ids):
-        raw = b"".join(bytes([byte_of[ch]]) if ch in byte_of else ch.encode() for ch in token)
-        pieces.append(decoder.decode(raw))
-    if pieces:
-        pieces[-1] += decoder.decode(b"", final=True)
-    return pieces
-
-
-def draw_tokens(t: Trajectory, tokenizer) -> str:
-    """The response as text, one line per segment, tokens separated by "|".
-
-        model (mask 1, 4 tokens):       ```|output|...
-        observation (mask 0, 3 tokens): ↵|56088|↵
-    """
-    pieces = [p.replace("\n", "↵") or "∅" for p in token_pieces(tokenizer, t.token_ids)]
-    lines, start = [f"prompt: {len(t.prompt_ids)} tokens"], 0
-    for end in range(1, len(t.token_ids) + 1):
-        if end == len(t.token_ids) or t.loss_mask[end] != t.loss_mask[start]:
-            kind = "model (mask 1" if t.loss_mask[start] else "observation (mask 0"
-            lines.append(f"{kind}, {end - start} tokens): " + "|".join(pieces[start:end]))
-            start = end
-    return "\n".join(lines)
-
-
-def _is_byte_level(tokenizer) -> bool:
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    return backend is not None and type(backend.decoder).__name__ == "ByteLevel"
-
-
-def _byte_level_alphabet() -> dict[str, int]:
-    """Inverse of byte-level BPE's byte-to-character map (GPT-2's convention).
-
-    Printable Latin-1 bytes stand for themselves; the other 68 bytes are shifted
-    to code points 256 and up, in byte order, so that no token holds a control
-    character or a space.
-    """
-    keep = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
-    char_of = {b: chr(b) for b in keep}
-    shifted = 0
-    for b in range(256):
-        if b not in char_of:
-            char_of[b] = chr(256 + shifted)
-            shifted += 1
-    return {c: b for b, c in char_of.items()}
-
-
-_PAGE_HEAD = """<!doctype html>
-<html><head><meta charset="utf-8"><title>{title}</title>
-<style>
-body {{ font: 14px/1.45 system-ui, sans-serif; margin: 1.5em; color: #222; }}
-section {{ border-top: 2px solid #ccc; margin-top: 1.5em; }}
-.facts {{ color: #444; }}
-table {{ border-collapse: collapse; margin: .5em 0; }}
-td, th {{ border: 1px solid #ccc; padding: 2px 6px; vertical-align: top; text-align: left; }}
-pre {{ margin: 0; white-space: pre-wrap; }}
-.toks {{ font: 13px/1.9 ui-monospace, monospace; white-space: pre-wrap; word-break: break-all; }}
-.toks span {{ border-radius: 2px; box-shadow: inset -1px 0 0 #fff; }}
-.p0 {{ background: #e4e4e4; }} .p1 {{ background: #d0d0d0; }}
-.m0 {{ background: #d4e6ff; }} .m1 {{ background: #9ec2f5; }}
-.o0 {{ background: #ffe2bf; }} .o1 {{ background: #fbbd72; }}
-.legend span {{ padding: 1px 6px; }}
-</style></head><body>
-<h1>{title}: {n} trajectories</h1>
-<p class="legend">Each box is one token. <span class="p0">prompt</span> <span class="m0">model</span><span class="m1">token</span>
-(loss mask 1: the trainer learns from these) <span class="o0">observation</span><span class="o1">token</span>
-(loss mask 0: the tool wrote these). ↵ is a newline inside a token, ∅ a token that holds only part of a character.
-Hover a box for its position, id and log-prob.</p>
-"""
-
-
-# --------------------------------------------------------------------------------------
-# Command line
-# --------------------------------------------------------------------------------------
-
-# The demo's forced turns: a random tiny model writes this shape only when told to.
-DEMO_QUESTION = "What is 123 * 456?"
-DEMO_TURNS = (
-    r"Let me compute it with Python\.\n```python\nprint\(123 \* 456\)\n```\n```output",
-    r"The answer is \\boxed\{56088\}\.",
-)
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        description="Token-exact tool-integrated rollouts with vLLM (chapter 03).",
-        epilog="examples:\n  python 03-rollout/rollout.py demo --out runs/rollout-demo.jsonl\n"
-               "  python 03-rollout/rollout.py view runs/rollout-demo.jsonl > page.html",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    sub = parser.add_subparsers(dest="command", required=True)
-
-    view = sub.add_parser("view", help="write a standalone HTML page of saved trajectories to stdout")
-    view.add_argument("file", help="a .jsonl file written by save_trajectories")
-    view.add_argument("--tokenizer", help="model folder or name for the tokenizer (default: the one each trajectory records)")
-    view.add_argument("--limit", type=int, default=50, help="show at most this many trajectories (default 50)")
-    view.add_argument("--no-score", action="store_true", help="do not run chapter 04's reward on trajectories without one")
-
-    demo = sub.add_parser("demo", help="one real rollout with the tiny random model, its tool call forced (CPU, about a minute)")
-    demo.add_argument("--out", default="runs/rollout-demo.jsonl", help="where to save the trajectories")
-    demo.add_argument("--model", help="a model folder (default: build the tiny model in a temporary folder)")
-    demo.add_argument("--group-size", type=int, default=2)
-
-    sample = sub.add_parser("sample", help="roll out a model on a problems file and save the trajectories")
-    sample.add_argument("--model", required=True, help="model folder or name (e.g. Qwen/Qwen2.5-Math-1.5B)")
-    sample.add_argument("--problems", required=True, help=".jsonl with one {id, question, answer, source} per line")
-    sample.add_argument("--out", required=True, help="where to save the trajectories (.jsonl)")
-    sample.add_argument("--limit", type=int, help="use only the first N problems")
-    sample.add_argument("--group-size", type=int, default=8)
-    sample.add_argument("--max-response-tokens", type=int, default=3072)
-    sample.add_argument("--tool-budget", type=int, default=1)
-    sample.add_argument("--template", default="torl", choices=sorted(TEMPLATES))
-    sample.add_argument("--max-model-len", type=int, default=4096)
-    sample.add_argument("--dtype", default="auto")
-    sample.add_argument("--seed", type=int, default=0)
-
-    args = parser.parse_args(argv)
-    try:
-        if args.command == "view":
-            sys.stdout.write(_cmd_view(args))
-        elif args.command == "demo":
-            _cmd_demo(args)
-        else:
-            _cmd_sample(args)
-    except (OSError, ValueError) as e:
-        print(f"rollout.py {args.command}: {e}", file=sys.stderr)
-        return 2
-    return 0
-
-
-def _cmd_view(args) -> str:
-    trajs = load_trajectories(args.file)[: args.limit]
-    if not trajs:
-        raise ValueError(f"{args.file}: no trajectories in it")
-    source = args.tokenizer or trajs[0].model
-    if not source:
-        raise ValueError(f"{args.file}: the trajectories do not name their model; pass --tokenizer PATH")
-    from transformers import AutoTokenizer
-
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(source)
-    except Exception as e:  # a missing folder, no hub, a broken file: one line, naming what
-        raise ValueError(f"cannot load a tokenizer from {source!r} ({type(e).__name__}); pass --tokenizer PATH") from None
-    rewards = None
-    if not args.no_score:
-        from reward import score_batch
-
-        rewards = score_batch([t.text for t in trajs], [t.reference for t in trajs])
-    return render_html(trajs, tokenizer, rewards, title=Path(args.file).name)
-
-
-def _cmd_demo(args) -> None:
-    import tempfile
-
-    from sandbox import Sandbox, SandboxConfig
-
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # the trajectories, not the engine's log
-    model = args.model
-    if model is None:
-        from tiny_model import build_tiny_model
-
-        model = str(build_tiny_model(Path(tempfile.mkdtemp(prefix="tiny-model-")), seed=0))
-    llm = make_llm(model, dtype="float32", max_model_len=2048)
-    cfg = RolloutConfig(group_size=args.group_size, max_response_tokens=256, force_turns=DEMO_TURNS, seed=0)
-    problems = [{"id": "demo-1", "question": DEMO_QUESTION, "answer": "56088", "source": "demo"}]
-    stats: dict = {}
-    with Sandbox(SandboxConfig()) as sandbox:
-        trajs = rollout(llm, problems, sandbox, cfg, stats)
-    _save_and_report(trajs, args.out, stats, llm.get_tokenizer())
-
-
-def _cmd_sample(args) -> None:
-    problems = _read_problems(args.problems)[: args.limit]
-    from sandbox import Sandbox, SandboxConfig
-
-    llm = make_llm(args.model, dtype=args.dtype, max_model_len=args.max_model_len, seed=args.seed)
-    cfg = RolloutConfig(group_size=args.group_size, max_response_tokens=args.max_response_tokens,
-                        tool_budget=args.tool_budget, template=args.template, seed=args.seed)
-    stats: dict = {}
-    with Sandbox(SandboxConfig()) as sandbox:
-        trajs = rollout(llm, problems, sandbox, cfg, stats)
-    _save_and_report(trajs, args.out, stats)
-
-
-def _save_and_report(trajs: list[Trajectory], out: str, stats: dict, tokenizer=None) -> None:
-    Path(out).parent.mkdir(parents=True, exist_ok=True)
-    save_trajectories(trajs, out)
-    if tokenizer is not None:
-        for t in trajs:
-            print(f"--- problem {t.problem_id}, sample {t.group_index}: {t.finish_reason}, {t.num_tool_calls} tool call(s)")
-            print(draw_tokens(t, tokenizer))
-    print(json.dumps({"out": out, "trajectories": len(trajs), **{k: round(v, 3) for k, v in stats.items()}}))
-
-
-def _read_problems(path: str) -> list[dict]:
-    rows = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if line.strip():
-                try:
-                    rows.append(json.loads(line))
-                except json.JSONDecodeError as e:
-                    raise ValueError(f"{path}:{lineno}: not JSON ({e})") from None
-    return rows
-
-
-if __name__ == "__main__":
     sys.exit(main())

@@ -25,16 +25,15 @@ from rollout import (
     execution_pass,
     extract_code,
     load_trajectories,
-    main,
     observation_text,
-    render_html,
     render_prompt,
     rollout,
     save_trajectories,
-    token_pieces,
     torl_observation,
 )
+from rollout_cli import main
 from sandbox import ExecResult, Sandbox, SandboxConfig, format_observation
+from trajectory_view import render_html, token_pieces
 
 # Turn 1 writes one code block and asks for its output; turn 2 answers.
 CODE_TURN = r"```python\nprint\([1-9][0-9]? \* [1-9]\)\n```\n```output"

@@ -35,8 +35,9 @@ def main(argv: list[str] | None = None) -> int:
     from vllm.inputs import TokensPrompt
     from vllm.sampling_params import StructuredOutputsParams
 
-    from rollout import STOP, make_llm, render_prompt, token_pieces
+    from rollout import STOP, make_llm, render_prompt
     from tiny_model import build_tiny_model
+    from trajectory_view import token_pieces
 
     model = build_tiny_model(Path(tempfile.mkdtemp(prefix="tiny-model-")), seed=0)
     llm = make_llm(model, dtype="float32", max_model_len=2048)

@@ -372,7 +372,8 @@ def train(cfg: Config, run_dir: Path, resume: bool = False, dp=None) -> None:
     if not dp.is_main:
         return
     if trajectories:  # none when a resumed run only had its final evaluation left
-        from rollout import render_html, save_trajectories
+        from rollout import save_trajectories
+        from trajectory_view import render_html
 
         save_trajectories(trajectories, run_dir / "last_step.jsonl")
         (run_dir / "last_step.html").write_text(render_html(trajectories[: 2 * cfg.group_size], llm.get_tokenizer(),

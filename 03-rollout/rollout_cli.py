@@ -1,0 +1,153 @@
+"""Chapter 03's command line: `demo`, `sample` and `view` (run as `python 03-rollout/rollout.py ...`).
+
+    python 03-rollout/rollout.py demo --out runs/rollout-demo.jsonl    # tiny model, CPU, ~1 min
+    python 03-rollout/rollout.py sample --model M --problems P.jsonl --out T.jsonl
+    python 03-rollout/rollout.py view runs/rollout-demo.jsonl > page.html
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+from rollout import TEMPLATES, RolloutConfig, Trajectory, load_trajectories, make_llm, rollout, save_trajectories
+from trajectory_view import draw_tokens, render_html
+
+
+# The demo's forced turns: a random tiny model writes this shape only when told to.
+DEMO_QUESTION = "What is 123 * 456?"
+DEMO_TURNS = (
+    r"Let me compute it with Python\.\n```python\nprint\(123 \* 456\)\n```\n```output",
+    r"The answer is \\boxed\{56088\}\.",
+)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description="Token-exact tool-integrated rollouts with vLLM (chapter 03).",
+        epilog="examples:\n  python 03-rollout/rollout.py demo --out runs/rollout-demo.jsonl\n"
+               "  python 03-rollout/rollout.py view runs/rollout-demo.jsonl > page.html",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    view = sub.add_parser("view", help="write a standalone HTML page of saved trajectories to stdout")
+    view.add_argument("file", help="a .jsonl file written by save_trajectories")
+    view.add_argument("--tokenizer", help="model folder or name for the tokenizer (default: the one each trajectory records)")
+    view.add_argument("--limit", type=int, default=50, help="show at most this many trajectories (default 50)")
+    view.add_argument("--no-score", action="store_true", help="do not run chapter 04's reward on trajectories without one")
+
+    demo = sub.add_parser("demo", help="one real rollout with the tiny random model, its tool call forced (CPU, about a minute)")
+    demo.add_argument("--out", default="runs/rollout-demo.jsonl", help="where to save the trajectories")
+    demo.add_argument("--model", help="a model folder (default: build the tiny model in a temporary folder)")
+    demo.add_argument("--group-size", type=int, default=2)
+
+    sample = sub.add_parser("sample", help="roll out a model on a problems file and save the trajectories")
+    sample.add_argument("--model", required=True, help="model folder or name (e.g. Qwen/Qwen2.5-Math-1.5B)")
+    sample.add_argument("--problems", required=True, help=".jsonl with one {id, question, answer, source} per line")
+    sample.add_argument("--out", required=True, help="where to save the trajectories (.jsonl)")
+    sample.add_argument("--limit", type=int, help="use only the first N problems")
+    sample.add_argument("--group-size", type=int, default=8)
+    sample.add_argument("--max-response-tokens", type=int, default=3072)
+    sample.add_argument("--tool-budget", type=int, default=1)
+    sample.add_argument("--template", default="torl", choices=sorted(TEMPLATES))
+    sample.add_argument("--max-model-len", type=int, default=4096)
+    sample.add_argument("--dtype", default="auto")
+    sample.add_argument("--seed", type=int, default=0)
+
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "view":
+            sys.stdout.write(_cmd_view(args))
+        elif args.command == "demo":
+            _cmd_demo(args)
+        else:
+            _cmd_sample(args)
+    except (OSError, ValueError) as e:
+        print(f"rollout.py {args.command}: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _cmd_view(args) -> str:
+    trajs = load_trajectories(args.file)[: args.limit]
+    if not trajs:
+        raise ValueError(f"{args.file}: no trajectories in it")
+    source = args.tokenizer or trajs[0].model
+    if not source:
+        raise ValueError(f"{args.file}: the trajectories do not name their model; pass --tokenizer PATH")
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source)
+    except Exception as e:  # a missing folder, no hub, a broken file: one line, naming what
+        raise ValueError(f"cannot load a tokenizer from {source!r} ({type(e).__name__}); pass --tokenizer PATH") from None
+    rewards = None
+    if not args.no_score:
+        from reward import score_batch
+
+        rewards = score_batch([t.text for t in trajs], [t.reference for t in trajs])
+    return render_html(trajs, tokenizer, rewards, title=Path(args.file).name)
+
+
+def _cmd_demo(args) -> None:
+    import tempfile
+
+    from sandbox import Sandbox, SandboxConfig
+
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # the trajectories, not the engine's log
+    model = args.model
+    if model is None:
+        from tiny_model import build_tiny_model
+
+        model = str(build_tiny_model(Path(tempfile.mkdtemp(prefix="tiny-model-")), seed=0))
+    llm = make_llm(model, dtype="float32", max_model_len=2048)
+    cfg = RolloutConfig(group_size=args.group_size, max_response_tokens=256, force_turns=DEMO_TURNS, seed=0)
+    problems = [{"id": "demo-1", "question": DEMO_QUESTION, "answer": "56088", "source": "demo"}]
+    stats: dict = {}
+    with Sandbox(SandboxConfig()) as sandbox:
+        trajs = rollout(llm, problems, sandbox, cfg, stats)
+    _save_and_report(trajs, args.out, stats, llm.get_tokenizer())
+
+
+def _cmd_sample(args) -> None:
+    problems = _read_problems(args.problems)[: args.limit]
+    from sandbox import Sandbox, SandboxConfig
+
+    llm = make_llm(args.model, dtype=args.dtype, max_model_len=args.max_model_len, seed=args.seed)
+    cfg = RolloutConfig(group_size=args.group_size, max_response_tokens=args.max_response_tokens,
+                        tool_budget=args.tool_budget, template=args.template, seed=args.seed)
+    stats: dict = {}
+    with Sandbox(SandboxConfig()) as sandbox:
+        trajs = rollout(llm, problems, sandbox, cfg, stats)
+    _save_and_report(trajs, args.out, stats)
+
+
+def _save_and_report(trajs: list[Trajectory], out: str, stats: dict, tokenizer=None) -> None:
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    save_trajectories(trajs, out)
+    if tokenizer is not None:
+        for t in trajs:
+            print(f"--- problem {t.problem_id}, sample {t.group_index}: {t.finish_reason}, {t.num_tool_calls} tool call(s)")
+            print(draw_tokens(t, tokenizer))
+    print(json.dumps({"out": out, "trajectories": len(trajs), **{k: round(v, 3) for k, v in stats.items()}}))
+
+
+def _read_problems(path: str) -> list[dict]:
+    rows = []
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if line.strip():
+                try:
+                    rows.append(json.loads(line))
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{path}:{lineno}: not JSON ({e})") from None
+    return rows
+
+
+
+
+if __name__ == "__main__":
+    sys.exit(main())
