@@ -1,26 +1,14 @@
-"""Chapter 01: verifiable problems in, one clean schema out.
-
-RL with an outcome reward can only learn from problems whose answer a program
-can check. This module turns whatever a data set looks like into one schema,
+"""Chapter 01: verifiable problems in, one clean schema out. The story: docs/01-data.md.
 
     {"id": "deepscaler-3f2a9c1b7e", "question": "...", "answer": "204", "source": "deepscaler"}
 
-and throws away, with a count per reason, every row the reward (chapter 04)
-could not judge fairly:
-
-- empty answer: nothing to compare with;
-- proof: "prove that ..." has no single final answer;
-- multi-part: "(a) ... (b) ..." or an answer like "3; 5" asks for several
-  answers where the reward reads one box;
-- duplicate question: the same problem twice weighs it twice, and leaks from
-  train into test when splits are made by row.
-
-Sources are named data sets on the Hugging Face hub (a small table below), any
-hub id `org/name`, or local `.jsonl` / `.parquet` files in this schema or in
-ToRL's release schema (`data_source`, `prompt` as a list of chat messages whose
-user message is the problem, `reward_model.ground_truth`). The toy task of the
-CPU demo is made here too: multiplication of multi-digit numbers, an answer a
-few lines of Python compute exactly and a tiny model cannot guess.
+Key decisions:
+1. Only problems a program can check: rows with an empty answer, a proof, several
+   parts or a repeated question are dropped, with a count per reason.
+2. Any source, one schema: named hub sets (NAMED_SOURCES), any hub id, local
+   .jsonl/.parquet in this schema or in ToRL's release schema.
+3. Written atomically: a failed run leaves no half-written file.
+The CPU demo's toy task (products of two 3-digit numbers) is made here too.
 
     python 01-data/prepare_data.py                    # toy task + default train and AIME sets
     python 01-data/prepare_data.py --train my.jsonl --eval aime24 aime25 --no-toy

@@ -1,10 +1,8 @@
 """The code interpreter: run model-written Python in a fresh, contained process, fast.
 
-During RL the policy writes thousands of programs per step; some loop forever, fill
-memory, print without end, fork, or read what they should not (secrets, the network,
-the answers of the data set). Each call here runs the code in a fresh process with
-limits and returns what the model reads next (format_observation: the lab's two
-renderings; ToRL's own rule, byte for byte, is chapter 03's rollout.torl_observation).
+Each call runs the code in a fresh process with limits and returns what the
+model reads next (format_observation: the lab's two renderings; ToRL's own rule
+is chapter 03's rollout.torl_observation).
 
     from sandbox import Sandbox, SandboxConfig, format_observation
     with Sandbox(SandboxConfig(timeout=10)) as sb:

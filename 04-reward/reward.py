@@ -1,29 +1,15 @@
-"""Chapter 04: the outcome-only reward, +1 for a right final answer and -1 otherwise.
+r"""Chapter 04: the outcome-only reward, +1 for a right final answer and -1 otherwise.
+The story, rule by rule with examples: docs/04-reward.md.
 
-The reward is the only thing RL optimises, so its rules are the lab's contract.
-They are deliberately few and strict, as in ToRL and ReTool:
-
-1. Only the end of the response counts: the last ANSWER_WINDOW_CHARS (300)
-   characters, not tokens, so the rule does not depend on the tokenizer. An
-   answer buried early in a long response, then argued away, does not score.
-2. The answer is the content of the LAST `\\boxed{` in that window, read up to
-   its matching brace (nested braces counted). If that last box never closes,
-   there is no answer: no fallback to an earlier box, or the policy would learn
-   to hedge with one box early and garbage at the end.
-3. Only the exact marker `\\boxed{` counts: `\\boxed {3}`, `boxed{3}` and
-   `\\fbox{3}` are not answers. A strict format is a cheap lesson for the model.
-4. An answer is right when math-verify finds it equivalent to the reference
-   (`1/2` = `\\frac{1}{2}` = `0.5`). Any error while parsing or verifying, and
-   any answer that takes longer than the time bound, counts as not equivalent.
-5. No answer and a wrong answer both give -1; `valid_format` tells them apart
-   in the logs. There is no partial credit and no reward for using the tool.
-
-math-verify bounds its own time with signals, which only work in a process's
-main thread; from the worker threads of a training loop they raise, and a
-reward that swallowed that error would score every answer wrong. So every
-equivalence check here runs in a small worker process with a deadline: the
-verdict is the same from any thread, and a pathological answer such as
-`9^{9^{9^{9}}}` costs at most `timeout` seconds before its worker is replaced.
+Key decisions:
+1. The answer is the content of the LAST `\boxed{` in the last 300 characters
+   (ANSWER_WINDOW_CHARS); a last box that never closes is no answer, with no
+   fallback to an earlier box. Only the exact marker `\boxed{` counts.
+2. Right means math-verify finds it equivalent to the reference; any error or
+   overrun while checking counts as not equivalent. No partial credit, no
+   reward for using the tool; `valid_format` tells "no answer" from "wrong".
+3. Every check runs in a worker process with a deadline, so the verdict is the
+   same from any thread (math-verify's own timeouts work only in the main thread).
 """
 from __future__ import annotations
 
