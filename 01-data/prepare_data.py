@@ -1,9 +1,9 @@
 """Chapter 01: verifiable problems in, one clean schema out. The story: docs/01-data.md.
 
-    {"id": "deepscaler-3f2a9c1b7e", "question": "...", "answer": "204", "source": "deepscaler"}
+    {"id": "aime24-3980c787bd", "question": "Every morning Aya goes for ...", "answer": "204", "source": "aime24"}
 
 Key decisions:
-1. Only problems a program can check: rows with an empty answer, a proof, several
+1. Only problems a program can check: rows with an empty question or answer, a proof, several
    parts or a repeated question are dropped, with a count per reason.
 2. Any source, one schema: named hub sets (NAMED_SOURCES), any hub id, local
    .jsonl/.parquet in this schema or in ToRL's release schema.
@@ -166,8 +166,8 @@ def make_toy_task(n_train: int, n_test: int, seed: int = 0, digits: int = 3) -> 
     """Multiplication problems with products of 2*digits digits, deterministic under `seed`, no question in both splits.
 
     >>> train, test = make_toy_task(2, 1, seed=0)
-    >>> train[0]["question"], train[0]["answer"]   # doctest: +SKIP
-    ('What is 394 * 731?', '288014')
+    >>> train[0]["question"], train[0]["answer"]
+    ('What is 964 * 494?', '476216')
     """
     rng = random.Random(seed)
     lo, hi = 10 ** (digits - 1), 10**digits - 1
@@ -297,15 +297,22 @@ def read_problems(path: str | os.PathLike) -> list[dict]:
     return rows
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows defaults, except None: --train and --eval name theirs in the help, since None means "not given"."""
+
+    def _get_help_string(self, action):
+        return action.help if action.default is None else super()._get_help_string(action)
+
+
 def parse_args(argv):
     p = argparse.ArgumentParser(
         description="Prepare verifiable math problems in one schema {id, question, answer, source}.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=_HelpFormatter,
     )
     p.add_argument("--out", default="data", help="folder the .jsonl files are written to")
-    p.add_argument("--train", metavar="SOURCE", help=f"training set: a name ({', '.join(NAMED_SOURCES)}), a hub id or a .jsonl/.parquet file [default: {DEFAULT_TRAIN}]")
-    p.add_argument("--eval", metavar="SOURCE", nargs="*", help=f"evaluation sets, same kinds of source [default: {' '.join(DEFAULT_EVAL)}]")
-    p.add_argument("--limit", type=int, help="keep at most this many rows per source (after filtering)")
+    p.add_argument("--train", metavar="SOURCE", help=f"training set: a name ({', '.join(NAMED_SOURCES)}), a hub id or a .jsonl/.parquet file (default: {DEFAULT_TRAIN})")
+    p.add_argument("--eval", metavar="SOURCE", nargs="*", help=f"evaluation sets, same kinds of source (default: {' '.join(DEFAULT_EVAL)}; none with --no-eval)")
+    p.add_argument("--limit", type=int, help="keep at most this many rows per source, after filtering (default: all)")
     p.add_argument("--no-train", action="store_true", help="skip the training set")
     p.add_argument("--no-eval", action="store_true", help="skip the evaluation sets")
     p.add_argument("--no-toy", action="store_true", help="skip the toy task of the CPU demo")
