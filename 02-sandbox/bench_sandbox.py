@@ -48,10 +48,10 @@ EXPECTED = {"print(1+1)": "2\n", "sympy factorint": "{3: 1, 5: 1, 17: 1, 257: 1,
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--calls", type=int, default=200, help="calls per round for the sandbox")
+    parser.add_argument("--calls", type=int, default=200, help="calls per round for the sandbox (default: %(default)s)")
     parser.add_argument("--baseline-calls", type=int, default=None, help="calls per round for the baseline and docker (default: 50, and 20 on sympy)")
-    parser.add_argument("--rounds", type=int, default=3, help="rounds in which the designs take turns")
-    parser.add_argument("--concurrency", type=int, default=os.cpu_count() or 2, help="threads issuing calls")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds in which the designs take turns (default: %(default)s)")
+    parser.add_argument("--concurrency", type=int, default=os.cpu_count() or 2, help="threads issuing calls (default: the CPU count, %(default)s)")
     parser.add_argument("--docker", action="store_true", help="also measure the Docker backend")
     args = parser.parse_args()
     if args.calls < 1 or args.rounds < 1 or args.concurrency < 1:

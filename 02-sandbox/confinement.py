@@ -1,7 +1,7 @@
 """What contains a call of the local backend: namespaces, an allow-listed root, cgroups, seccomp.
 
-The fork server (fork_server.py) uses these; sandbox.py explains why each exists and
-docs/02-sandbox.md lists what each stops. Every function fails with an exception
+The fork server (fork_server.py) uses these; docs/02-sandbox.md says why each exists
+and what each stops. Every function fails with an exception
 naming what could not be set up: the sandbox never runs code with less than it promised.
 
     build_root()       once per slot: a fresh root holding only what Python needs, read-only

@@ -194,7 +194,7 @@ def _remove_groups(cgroups, slot_pids: list[int]) -> None:
         try:
             os.rmdir(path)
         except OSError:
-            pass  # a call still running: the caller removes it later (sandbox.py)
+            pass  # a call still running: the caller removes it later (local_backend._stop_server)
 
 
 def _alive(pid: int) -> bool:

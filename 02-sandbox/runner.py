@@ -411,6 +411,6 @@ def container_main(options: dict) -> None:
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description="The sandbox's runner inside a Docker container (started by sandbox.py).")
+    parser = argparse.ArgumentParser(description="The sandbox's runner inside a Docker container (started by docker_backend.py).")
     parser.add_argument("--container", metavar="OPTIONS", required=True, help='JSON, e.g. {"preload": ["sympy"]}')
     container_main(json.loads(parser.parse_args().container))

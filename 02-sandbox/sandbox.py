@@ -244,12 +244,15 @@ def main(argv: list[str] | None = None) -> int:
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("-c", dest="code", help="the code to run")
     source.add_argument("file", nargs="?", help="a .py file to run")
-    parser.add_argument("--backend", choices=["local", "docker"], default="local")
+    parser.add_argument("--backend", choices=["local", "docker"], default="local",
+                        help="local (the fork server) or docker (default: %(default)s)")
     parser.add_argument("--isolation", choices=["namespaces", "plain"], default=SandboxConfig.isolation,
-                        help="local backend: namespaces (needs root) or the weaker plain")
-    parser.add_argument("--timeout", type=float, default=SandboxConfig.timeout, help="wall-clock seconds")
-    parser.add_argument("--memory-mb", type=int, default=SandboxConfig.memory_mb)
-    parser.add_argument("--style", choices=["short", "full"], default="short", help="how the observation is formatted")
+                        help="local backend: namespaces (needs root) or the weaker plain (default: %(default)s)")
+    parser.add_argument("--timeout", type=float, default=SandboxConfig.timeout, help="wall-clock seconds (default: %(default)s)")
+    parser.add_argument("--memory-mb", type=int, default=SandboxConfig.memory_mb,
+                        help="address-space cap and memory cgroup of the call, in MB (default: %(default)s)")
+    parser.add_argument("--style", choices=["short", "full"], default="short",
+                        help="how the observation is formatted (default: %(default)s)")
     args = parser.parse_args(argv)
     if args.file:
         try:
