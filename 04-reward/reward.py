@@ -145,7 +145,7 @@ class _Verifier:
     so a learner's three-line script without an `if __name__ == "__main__":`
     guard would start workers that run that script again. Nor forked: the parent
     may hold threads (vLLM, tqdm) that a fork would copy in a broken state. The
-    first call pays the child's start-up (importing math-verify, about a second);
+    first call pays the child's start-up (importing math-verify, about half a second);
     later calls cost a socket round trip.
     """
 
