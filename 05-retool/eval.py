@@ -185,7 +185,7 @@ def main(argv: list[str] | None = None) -> dict:
         sys.exit(f"error: --max-response-tokens {args.max_response_tokens} leaves no room for the prompt in --max-model-len {args.max_model_len}")
     if args.temperature == 0 and args.k > 1:
         sys.exit(f"error: --k {args.k} with greedy decoding gives {args.k} identical samples; add --temperature 1.0 (or another)")
-    from retool import position_limit
+    from configuration import position_limit
 
     limit = position_limit(args.model)
     if limit is not None and args.max_model_len > limit:

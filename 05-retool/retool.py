@@ -1,48 +1,20 @@
-"""Chapter 05: the training loop. A plain Python loop that turns the chapters into RL.
+"""Chapter 05: the training loop, a plain Python loop that turns the earlier chapters into RL.
 
-    make run-05                          # cpu-demo: cold start + RL on the toy task, on the CPU
-    make run-05 PRESET=torl-1.5b         # Qwen2.5-Math-1.5B with ToRL's recipe, on one GPU
-    make run-05 PRESET=smollm2           # a real pretrained model (SmolLM2-135M) learns to delegate, on the CPU
-    .venv/bin/python 05-retool/retool.py --preset cpu-demo --steps 40 --lr 3e-4
-    .venv/bin/python 05-retool/retool.py --resume runs/cpu-demo-20261129-1200
-    .venv/bin/python 05-retool/retool.py --plot runs/cpu-demo-20261129-1200
-    torchrun --nproc-per-node 8 05-retool/retool.py --preset torl-1.5b   # 8 GPUs (make run-05 NPROC=8)
+    make run-05                      # cpu-demo: cold start + RL on the toy task, on the CPU
+    make run-05 PRESET=torl-1.5b     # Qwen2.5-Math-1.5B with ToRL's recipe, on one GPU
+    make run-05 PRESET=smollm2       # SmolLM2-135M learns to hand arithmetic to Python, on the CPU
+    .venv/bin/python 05-retool/retool.py --steps 60 --lr 1e-5     # every Config field is a flag
+    .venv/bin/python 05-retool/retool.py --resume RUN_DIR         # (--plot RUN_DIR redraws plots.png)
 
-One step, top to bottom (the whole of `train_step` below):
-
-    problems     = next batch of problems                      (01-data)
-    trajectories = rollout(llm, problems, sandbox, cfg)        (03-rollout, with 02-sandbox)
-    rewards      = score_batch(texts, references)              (04-reward)
-    advantages   = group_advantages(rewards, group_size)       (06-train)
-    metrics      = grpo_step(model, optimizer, trajectories)   (06-train)
-    sync_weights(model, llm)                                   (06-train)
-
-Around it: a metrics line per step (metrics.jsonl), a checkpoint every
-`save_every` steps that vLLM and transformers load directly, an evaluation on
-held-out problems every `eval_every` steps, and plots at the end. SIGTERM or
-Ctrl-C saves a checkpoint of the last finished step before exiting (a stop that
-arrives during a weight update waits for the update's bookkeeping; a second
-Ctrl-C does not wait). A kill (SIGKILL, a crash) loses at most the steps since
-the last checkpoint. `--resume RUN_DIR` goes on from the latest checkpoint with
-the same data order and random state; resuming a finished run says so and exits.
-
-Decisions worth knowing:
-- The trainer (transformers, float32 master weights) and the sampler (vLLM)
-  live in one process and hold separate copies of the weights; after every
-  update the trainer's are copied into vLLM in memory. On a GPU vLLM sleeps
-  during the update so the trainer gets its memory.
-- Sampling is at temperature 1.0 and the update is on-policy: the trajectories
-  of a step are used for `num_minibatches` updates and then thrown away. With
-  one mini-batch (ToRL's recipe) the ratio is exactly 1, the clip never fires,
-  and the update is the plain policy gradient.
-- Under torchrun each rank samples and trains on its own share of the step's
-  problems, whole groups each, and the averaged update equals one process's on
-  the whole batch (06-train/distributed.py); rank 0 alone writes files.
-- A group whose rewards are all equal has zero advantages and teaches nothing;
-  it is kept (the count is logged as degenerate_groups), not resampled, unless
-  `dynamic_sampling` is on. That and the other options from the field since
-  ToRL (tis_cap, mask_truncated, filter_void_turns, aggregation token-sum) are
-  off in the torl-* presets; docs/06-train.md says what each does.
+One step (`train_step`): sample groups with the sandbox in the loop (03, 02),
+score them (04), compare within each group and update the policy (06), copy
+the new weights into vLLM (06). Key decisions: the trainer and vLLM live in
+one process and the weights are copied in memory after every update; the
+update is on-policy, at the sampling temperature; every step is recorded
+(metrics.jsonl, checkpoints) so that SIGTERM, Ctrl-C or a kill loses little
+and `--resume` goes on with the same data and random state; under torchrun
+each rank takes whole groups and rank 0 alone writes files.
+The story: docs/05-retool.md.
 """
 from __future__ import annotations
 
@@ -51,13 +23,16 @@ import dataclasses
 import json
 import os
 import random
-import shutil
-import signal
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from beyond_torl import excluded_from_loss, extra_seed, keep_informative_groups
+from checkpoints import (append_jsonl, capture_rng, has_eval_row, latest_checkpoint, load_optimizer, restore_rng,
+                         save_checkpoint, stop_with_checkpoint, truncate_jsonl)
+from configuration import check_config, cuda_available, parse_with_field_flags
+from plots import plot_run
+from run_inputs import cold_started_model, drop_long_prompts, load_data, local_model, needs_cold_start, trainer_threads
 from stopping import STOP, StopRequested, signal_self_for_tests
 
 PRESETS: dict[str, dict] = {
@@ -209,7 +184,6 @@ class Config:
     gpu_memory_utilization: float = 0.3
     log: str = ""  # also log to tensorboard, wandb or "tensorboard,wandb" (metrics.jsonl is always written)
 
-
 def main(argv: list[str] | None = None) -> Path:
     args, overrides = parse_args(argv)
     if args.plot:
@@ -219,7 +193,7 @@ def main(argv: list[str] | None = None) -> Path:
         run_dir = Path(args.resume)
         cfg = load_config(run_dir, overrides)
     else:
-        if args.preset in GPU_PRESETS and not _cuda_available():
+        if args.preset in GPU_PRESETS and not cuda_available():
             raise SystemExit(f"error: preset {args.preset} needs a CUDA GPU and this machine has none; "
                              "on a CPU run the demo: make run-05 (--preset cpu-demo)")
         cfg = make_config(args.preset, overrides)
@@ -236,11 +210,37 @@ def main(argv: list[str] | None = None) -> Path:
     return run_dir
 
 
+def parse_args(argv):
+    """(args, overrides): the run's own flags, and the Config fields given on the command line."""
+    parser = argparse.ArgumentParser(
+        description="Tool-integrated RL: rollout with a sandbox, ±1 reward, GRPO, weights back into vLLM.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument("--preset", default="cpu-demo", help=f"one of: {', '.join(PRESETS)}")
+    parser.add_argument("--run-dir", help="run folder [default: runs/PRESET-TIMESTAMP]")
+    parser.add_argument("--resume", metavar="RUN_DIR", help="continue a run from its latest checkpoint")
+    parser.add_argument("--plot", metavar="RUN_DIR", help="only redraw plots.png of an existing run")
+    return parse_with_field_flags(parser, Config, argv)
+
+
+def make_config(preset: str, overrides: dict) -> Config:
+    if preset not in PRESETS:
+        raise SystemExit(f"error: unknown preset '{preset}' (choose from {', '.join(PRESETS)})")
+    return Config(**{**PRESETS[preset], **overrides})
+
+
+def load_config(run_dir: Path, overrides: dict) -> Config:
+    path = run_dir / "config.json"
+    if not path.exists():
+        raise SystemExit(f"error: --resume {run_dir}: no config.json there (not a run folder)")
+    return Config(**{**json.loads(path.read_text()), **overrides})
+
+
 def train(cfg: Config, run_dir: Path, resume: bool = False, dp=None) -> None:
     if cfg.trainer_threads:  # before torch starts: it reads this once; vLLM's engine then leaves it
         os.environ["OMP_NUM_THREADS"] = str(trainer_threads(cfg))
     state = latest_checkpoint(run_dir) if resume else None
-    if state is not None and state["step"] >= cfg.steps and _evaluated(run_dir, cfg.steps, "after RL"):
+    if state is not None and state["step"] >= cfg.steps and has_eval_row(run_dir, cfg.steps, "after RL"):
         print(f"{run_dir} already finished: {state['step']} of {cfg.steps} steps done and evaluated; "
               f"nothing to do (pass --steps N to train further)")
         return
@@ -249,7 +249,7 @@ def train(cfg: Config, run_dir: Path, resume: bool = False, dp=None) -> None:
 
     from distributed import DataParallel
     from eval import evaluate, summary_line
-    from grpo import GRPOConfig, load_policy, make_optimizer
+    from grpo import load_policy, make_optimizer
     from sandbox import Sandbox, SandboxConfig
     from trackers import open_trackers
 
@@ -261,13 +261,14 @@ def train(cfg: Config, run_dir: Path, resume: bool = False, dp=None) -> None:
     with dp.main_first():  # rank 0 writes the toy task if missing; the others then read it
         train_problems, eval_problems = load_data(cfg)
 
-    # The policy: the latest checkpoint, the given model, or a cold-started tiny one.
+    # The policy: the latest checkpoint, the given model, or a cold-started one.
     if state is not None:
         model_path, step = state["path"], state["step"]
         print(f"resuming {run_dir} from step {step}")
     else:
         with dp.main_first():  # rank 0 trains the cold-start model; the others find it done
-            model_path, step = (cold_start(cfg, run_dir) if needs_cold_start(cfg) else local_model(cfg.model)), 0
+            model_path = cold_started_model(cfg, run_dir) if needs_cold_start(cfg) else local_model(cfg.model)
+        step = 0
     if cfg.max_prompt_tokens:
         train_problems = drop_long_prompts(train_problems, model_path, cfg)
     policy = load_policy(model_path, device=dp.device)
@@ -276,12 +277,7 @@ def train(cfg: Config, run_dir: Path, resume: bool = False, dp=None) -> None:
 
         print(f"training the top {cfg.train_layers} layers: {freeze_all_but_top(policy, cfg.train_layers):,} weights")
     model = dp.wrap(policy)
-    grpo_cfg = GRPOConfig(
-        lr=cfg.lr, eps_low=cfg.eps_low, eps_high=cfg.eps_high, aggregation=cfg.aggregation,
-        num_minibatches=cfg.num_minibatches, micro_batch_size=cfg.micro_batch_size,
-        temperature=cfg.temperature, gradient_checkpointing=cfg.gradient_checkpointing,
-        max_response_tokens=cfg.max_response_tokens, tis_cap=cfg.tis_cap, skip_zero_advantage=cfg.skip_zero_advantage,
-    )
+    grpo_cfg = grpo_config(cfg)
     optimizer = make_optimizer(model, grpo_cfg)
     if state is not None:
         load_optimizer(state, dp.restorable_optimizer(model, optimizer))
@@ -313,11 +309,11 @@ def train(cfg: Config, run_dir: Path, resume: bool = False, dp=None) -> None:
         return at_step == 0 or (cfg.eval_every > 0 and at_step % cfg.eval_every == 0 and at_step < cfg.steps)
 
     trajectories = []
-    done, rng_done = step, capture_rng()  # the last finished step and the random state right after it
+    finished_step, finished_rng = step, capture_rng()  # the last finished step and the random state right after it
     STOP.install()
     try:
         # a stop during this evaluation lost it; rank 0's reading decides for every rank
-        if dp.broadcast(eval_due(step) and not _evaluated(run_dir, step)):
+        if dp.broadcast(eval_due(step) and not has_eval_row(run_dir, step)):
             run_eval("before RL" if step == 0 else f"step {step}", step)
             if cfg.eval_text and step == 0:
                 run_eval("before RL", 0, mode="text")
@@ -327,11 +323,14 @@ def train(cfg: Config, run_dir: Path, resume: bool = False, dp=None) -> None:
             rollout_cfg = rollout_config(cfg, step)
             rollout_cfg = dataclasses.replace(rollout_cfg, seed=dp.rollout_seed(rollout_cfg.seed))
             problems = batch_at(train_problems, step, cfg.problems_per_step, cfg.seed)
-            mine = dp.shard(problems, cfg.num_minibatches)  # this rank's whole groups
-            more = lambda r, step=step: dp.shard(batch_at(train_problems, step, cfg.problems_per_step,
-                                                          extra_seed(cfg.seed, r)), cfg.num_minibatches)
-            metrics, trajectories = train_step(llm, model, optimizer, mine, sandbox, rollout_cfg, grpo_cfg, cfg, dp=dp,
-                                               more_problems=more)
+            rank_problems = dp.shard(problems, cfg.num_minibatches)  # this rank's whole groups
+
+            def extra_problems(extra_round, step=step):  # dynamic sampling's further problems, this rank's share
+                extra = batch_at(train_problems, step, cfg.problems_per_step, extra_seed(cfg.seed, extra_round))
+                return dp.shard(extra, cfg.num_minibatches)
+
+            metrics, trajectories = train_step(llm, model, optimizer, rank_problems, sandbox, rollout_cfg, grpo_cfg,
+                                               cfg, dp=dp, more_problems=extra_problems)
             metrics = {"step": step + 1, **dp.reduce_metrics(metrics), "world_size": dp.world_size,
                        "problem_ids": [p["id"] for p in problems]}
             if dp.is_main:
@@ -341,7 +340,7 @@ def train(cfg: Config, run_dir: Path, resume: bool = False, dp=None) -> None:
                 if dp.is_main:
                     save_checkpoint(run_dir, step + 1, *parts, llm.get_tokenizer(), cfg.keep_checkpoints)
                 dp.barrier()
-            done, rng_done = step + 1, capture_rng()
+            finished_step, finished_rng = step + 1, capture_rng()
             trackers.log(metrics)
             if dp.is_main:
                 bar.set_postfix(reward=f"{metrics['reward_mean']:+.2f}", code=f"{metrics['code_ratio']:.2f}")
@@ -352,18 +351,9 @@ def train(cfg: Config, run_dir: Path, resume: bool = False, dp=None) -> None:
         run_eval("after RL", cfg.steps)
         if cfg.eval_text:
             run_eval("after RL", cfg.steps, mode="text")
-    except StopRequested as stop:
-        final = run_dir / "checkpoints" / f"step-{done:06d}"
-        # Data parallel: rank 0 saves its replica alone (no collective: the other ranks may be
-        # anywhere); FSDP2 shards cannot be gathered then, so such a run resumes from its last save.
-        if done > 0 and not (final / "state.json").exists() and dp.is_main and dp.strategy != "fsdp":
-            STOP.hold()  # a further signal while saving waits (a third one stops at once)
-            save_checkpoint(run_dir, done, dp.unwrap(model), optimizer, llm.get_tokenizer(), cfg.keep_checkpoints,
-                            rng=rng_done)
-        saved = f"checkpoint {final}" if done > 0 else "no checkpoint (no step finished)"
-        print(f"stopped by {signal.Signals(stop.signum).name} after step {done}: {saved}; "
-              f"go on with --resume {run_dir}", file=sys.stderr)
-        raise SystemExit(128 + stop.signum) from None
+    except StopRequested as stop:  # save the last finished step, then exit with 128 + the signal
+        stop_with_checkpoint(stop, run_dir, finished_step, finished_rng, model, optimizer, llm.get_tokenizer(),
+                             cfg.keep_checkpoints, dp)
     finally:
         STOP.uninstall()
         sandbox.close()
@@ -382,6 +372,19 @@ def train(cfg: Config, run_dir: Path, resume: bool = False, dp=None) -> None:
     print(f"run folder: {run_dir}  (metrics.jsonl, eval.jsonl, plots.png, last_step.html, checkpoints/)")
 
 
+def batch_at(problems: list[dict], step: int, size: int, seed: int) -> list[dict]:
+    """The problems of step `step`: epoch-wise shuffles fixed by the seed, so a resumed run sees the same data."""
+    start = step * size
+    out = []
+    while len(out) < size:
+        epoch, offset = divmod(start + len(out), len(problems))
+        order = list(range(len(problems)))
+        random.Random(seed * 1_000_003 + epoch).shuffle(order)
+        take = order[offset: offset + size - len(out)]
+        out.extend(problems[i] for i in take)
+    return out
+
+
 def rollout_config(cfg: Config, step: int):
     """The sampler's settings for one step: unseeded unless cfg.seed_rollouts, refused if not on-policy."""
     from rollout import RolloutConfig, check_on_policy
@@ -393,6 +396,18 @@ def rollout_config(cfg: Config, step: int):
     )
     check_on_policy(rollout_cfg)
     return rollout_cfg
+
+
+def grpo_config(cfg: Config):
+    """The update's settings (06-train's GRPOConfig), from the run's Config."""
+    from grpo import GRPOConfig
+
+    return GRPOConfig(
+        lr=cfg.lr, eps_low=cfg.eps_low, eps_high=cfg.eps_high, aggregation=cfg.aggregation,
+        num_minibatches=cfg.num_minibatches, micro_batch_size=cfg.micro_batch_size,
+        temperature=cfg.temperature, gradient_checkpointing=cfg.gradient_checkpointing,
+        max_response_tokens=cfg.max_response_tokens, tis_cap=cfg.tis_cap, skip_zero_advantage=cfg.skip_zero_advantage,
+    )
 
 
 def start_sampler(cfg: Config, model_path: str, state: dict | None, **engine_kwargs):
@@ -446,531 +461,64 @@ def train_step(llm, model, optimizer, problems, sandbox, rollout_cfg, grpo_cfg, 
     # Outcome metrics describe the step's own problems, so runs with and without
     # dynamic sampling are compared on the same batches.
     outcome = outcome_metrics(trajectories, results)
-
-    # ---- options from the field since ToRL (all off in the torl-* presets) -------------
-    options: dict = {}
+    options: dict = {}  # the options from the field since ToRL (beyond_torl.py): all off in the torl-* presets
     if cfg.dynamic_sampling:
-        def more(r):
-            extra = more_problems(r)
-            return groups_of(*sample(extra, dataclasses.replace(rollout_cfg, seed=extra_seed(rollout_cfg.seed, r))),
-                             cfg.group_size)
+        def sample_extra_round(extra_round):
+            seed = extra_seed(rollout_cfg.seed, extra_round)
+            return sample(more_problems(extra_round), dataclasses.replace(rollout_cfg, seed=seed))
 
-        groups, drawn, rounds = informative_groups(groups_of(trajectories, results, cfg.group_size), more,
-                                                   len(problems), cfg.dynamic_sampling_rounds)
-        trajectories = [t for g in groups for t, _ in g]
-        results = [r for g in groups for _, r in g]
-        options.update(problems_drawn=float(drawn), dynamic_rounds=float(rounds))
+        trajectories, results, options = keep_informative_groups(trajectories, results, sample_extra_round,
+                                                                 cfg.group_size, cfg.dynamic_sampling_rounds)
     advantages, degenerate = group_advantages([t.reward for t in trajectories], cfg.group_size, scale=cfg.scale_advantages)
-    for t, a in zip(trajectories, advantages):
-        t.advantage = a
-    void = [void_turns(t, llm.get_tokenizer()) > 0 for t in trajectories]
-    exclude = [False] * len(trajectories)
-    if cfg.mask_truncated:
-        exclude = [e or t.truncated for e, t in zip(exclude, trajectories)]
-        options["truncated_masked"] = float(sum(t.truncated for t in trajectories))
-    if cfg.filter_void_turns:
-        exclude = [e or v for e, v in zip(exclude, void)]
-        options["void_filtered"] = float(sum(void))
-    options["void_trajectories"] = float(sum(void))
-    # ------------------------------------------------------------------------------------
+    for t, advantage in zip(trajectories, advantages):
+        t.advantage = advantage
+    excluded, exclusions = excluded_from_loss(trajectories, llm.get_tokenizer(), cfg.mask_truncated, cfg.filter_void_turns)
 
     t0 = time.perf_counter()
     STOP.hold()  # from here the weights change: a stop waits until the loop has recorded this step
     sleep_sampler(llm)  # CUDA: hand vLLM's KV cache memory to the trainer
-    update = grpo_step(model, optimizer, trajectories, grpo_cfg, exclude=exclude,
+    update = grpo_step(model, optimizer, trajectories, grpo_cfg, exclude=excluded,
                        global_normalizer=dp.global_normalizer if dp else None)  # the batch's token count
     timing["update_s"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     sync_weights(model, llm)
     timing["sync_s"] = time.perf_counter() - t0
 
-    metrics = {**outcome, "degenerate_groups": degenerate, **options,
+    metrics = {**outcome, "degenerate_groups": degenerate, **options, **exclusions,
                **update, **timing, "weight_version": llm.weight_version}
     return metrics, trajectories
 
 
-def groups_of(trajectories, results, group_size: int) -> list[list[tuple]]:
-    """(trajectory, reward result) pairs, one list per problem."""
-    pairs = list(zip(trajectories, results))
-    return [pairs[i: i + group_size] for i in range(0, len(pairs), group_size)]
-
-
-def informative_groups(groups, more, want: int, max_rounds: int):
-    """DAPO's dynamic sampling: keep groups whose rewards differ until `want` are held.
-
-    `groups` are the step's own; `more(r)` samples and scores extra round r
-    (1..max_rounds) and returns its groups. Returns (groups, problems drawn,
-    extra rounds). If the bound is hit first, degenerate groups fill the step
-    in the order they were drawn, so a step always has `want` groups.
-
-        rewards per group  [+1 +1] [-1 +1] [-1 -1]   want 2, more() gives [[+1 -1]]
-        kept               [-1 +1] [+1 -1]           drawn 4 problems, 1 extra round
-    """
-    informative, degenerate, drawn, rounds = [], [], 0, 0
-    while True:
-        for g in groups:
-            rewards = {t.reward for t, _ in g}
-            (informative if len(rewards) > 1 else degenerate).append(g)
-        drawn += len(groups)
-        if len(informative) >= want or rounds >= max_rounds:
-            break
-        rounds += 1
-        groups = more(rounds)
-    kept = informative[:want]
-    return kept + degenerate[: want - len(kept)], drawn, rounds
-
-
-def extra_seed(seed: int | None, r: int) -> int | None:
-    """A seed for extra round r that no step's own seed (seed * 100_003 + step) reuses in practice."""
-    return None if seed is None else seed + r * 1_000_000_007
-
-
-def void_turns(t, tokenizer) -> int:
-    """Model turns that hold neither a complete ```python block nor a \\boxed{} answer (SimpleTIR's void turns).
-
-    A turn is the model's text between observations. The first turn of
-    "```python\\nprint(1)\\n```\\n```output" holds a complete block; "Let me think"
-    cut by the budget holds neither; "```python\\nprint(" followed by ```output
-    holds an unclosed block: void.
-    """
-    from reward import extract_last_boxed
-    from rollout import STOP, extract_code
-
-    bounds = [0] + [b for c in t.tool_calls for b in (c.start, c.end)] + [len(t.token_ids)]
-    count = 0
-    for k, (start, end) in enumerate(zip(bounds[0::2], bounds[1::2])):
-        if end <= start:
-            continue  # the budget ended the trajectory inside an observation: no turn after it
-        text = tokenizer.decode(t.token_ids[start:end], skip_special_tokens=True)
-        if k < len(t.tool_calls):
-            # the code was looked for before the stop string, as the rollout did: its ``` is no fence
-            text = text[: text.rfind(STOP)] if STOP in text else text
-        if extract_code(text) is None and extract_last_boxed(text) is None:
-            count += 1
-    return count
-
-
 def outcome_metrics(trajectories, results) -> dict:
     """What the policy did this step: reward, accuracy, format, tool use, length, truncation."""
-    n = len(trajectories)
-    used = [t.num_tool_calls > 0 for t in trajectories]
+    called_tool = [t.num_tool_calls > 0 for t in trajectories]
     correct = [r.correct for r in results]
-    calls = [c for t in trajectories for c in t.tool_calls]
+    calls = [call for t in trajectories for call in t.tool_calls]
 
-    def ratio(values):
+    def mean(values):
         return sum(values) / len(values) if values else float("nan")
 
     return {
-        "reward_mean": ratio([t.reward for t in trajectories]),
-        "accuracy": ratio(correct),
-        "format_rate": ratio([r.valid_format for r in results]),
-        "code_ratio": ratio(used),
-        "code_pass_ratio": ratio([c.ok for c in calls]),
-        "code_ratio_correct": ratio([u for u, c in zip(used, correct) if c]),
-        "code_ratio_incorrect": ratio([u for u, c in zip(used, correct) if not c]),
-        "tool_calls": ratio([t.num_tool_calls for t in trajectories]),
-        "response_length": ratio([len(t.token_ids) for t in trajectories]),
-        "truncation_rate": ratio([t.truncated for t in trajectories]),
-        "trajectories": float(n),
+        "reward_mean": mean([t.reward for t in trajectories]),
+        "accuracy": mean(correct),
+        "format_rate": mean([r.valid_format for r in results]),
+        "code_ratio": mean(called_tool),
+        "code_pass_ratio": mean([call.ok for call in calls]),
+        "code_ratio_correct": mean([used for used, right in zip(called_tool, correct) if right]),
+        "code_ratio_incorrect": mean([used for used, right in zip(called_tool, correct) if not right]),
+        "tool_calls": mean([t.num_tool_calls for t in trajectories]),
+        "response_length": mean([len(t.token_ids) for t in trajectories]),
+        "truncation_rate": mean([t.truncated for t in trajectories]),
+        "trajectories": float(len(trajectories)),
     }
 
 
-def step_line(m: dict) -> str:
-    return (f"step {m['step']:4d} | reward {m['reward_mean']:+.3f} acc {m['accuracy']:.3f} "
-            f"code {m['code_ratio']:.2f} pass {m['code_pass_ratio']:.2f} len {m['response_length']:.0f} "
-            f"| clip {m['clip_low_frac'] + m['clip_high_frac']:.3f} gnorm {m['grad_norm']:.3f} "
-            f"mismatch {m['mismatch_abs']:.4f} | {m['rollout_s']:.1f}s rollout {m['update_s']:.1f}s update")
-
-
-# --------------------------------------------------------------------------- data
-
-
-def load_data(cfg: Config) -> tuple[list[dict], list[dict]]:
-    """Training and evaluation problems in 01-data's schema; says what 01-data's filter dropped."""
-    from prepare_data import load_problems, make_toy_task, write_jsonl
-
-    toy = {str(Path("data/toy_train.jsonl")), str(Path("data/toy_test.jsonl"))}
-    if {cfg.train_file, cfg.eval_file} <= toy and not all(Path(f).exists() for f in toy):
-        train_rows, test_rows = make_toy_task(2000, 200, seed=0)  # what `make run-01` writes
-        write_jsonl(train_rows, Path("data/toy_train.jsonl"))
-        write_jsonl(test_rows, Path("data/toy_test.jsonl"))
-    word = {str(Path("data/word_train.jsonl")), str(Path("data/word_test.jsonl"))}
-    if {cfg.train_file, cfg.eval_file} <= word and not all(Path(f).exists() for f in word):
-        from word_problems import make_word_problems
-
-        train_rows, test_rows = make_word_problems(2000, 200, seed=0)  # what word_problems.py writes
-        write_jsonl(train_rows, Path("data/word_train.jsonl"))
-        write_jsonl(test_rows, Path("data/word_test.jsonl"))
-    loaded = []
-    for path in (cfg.train_file, cfg.eval_file):
-        rows, dropped = load_problems(path)
-        if dropped:  # e.g. ToRL's test file holds each AIME problem four times
-            print(f"{path}: kept {len(rows)} problems; dropped " + ", ".join(f"{n} ({why})" for why, n in dropped.items()))
-        loaded.append(rows)
-    return loaded[0], loaded[1]
-
-
-def batch_at(problems: list[dict], step: int, size: int, seed: int) -> list[dict]:
-    """The problems of step `step`: epoch-wise shuffles fixed by the seed, so a resumed run sees the same data."""
-    start = step * size
-    out = []
-    while len(out) < size:
-        epoch, offset = divmod(start + len(out), len(problems))
-        order = list(range(len(problems)))
-        random.Random(seed * 1_000_003 + epoch).shuffle(order)
-        take = order[offset: offset + size - len(out)]
-        out.extend(problems[i] for i in take)
-    return out
-
-
-def drop_long_prompts(problems: list[dict], model_path: str, cfg: Config) -> list[dict]:
-    """The problems whose rendered prompt has at most `cfg.max_prompt_tokens` tokens; prints how many were dropped.
-
-    ToRL's loader does the same before training (its limit: 400 - 10 tokens of
-    the tir_base_0309 prompt), so no prompt is ever cut and the response budget
-    is the same for every problem.
-    """
-    from transformers import AutoTokenizer
-
-    from rollout import render_prompt
-
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
-    prompts = [render_prompt(p["question"], cfg.template) for p in problems]
-    lengths = [len(ids) for ids in tokenizer(prompts, add_special_tokens=False)["input_ids"]]
-    kept = [p for p, n in zip(problems, lengths) if n <= cfg.max_prompt_tokens]
-    print(f"{cfg.train_file}: kept {len(kept)} of {len(problems)} problems; dropped {len(problems) - len(kept)} "
-          f"whose prompt is over {cfg.max_prompt_tokens} tokens")
-    if not kept:
-        raise SystemExit(f"error: {cfg.train_file}: every prompt is over max_prompt_tokens ({cfg.max_prompt_tokens})")
-    return kept
-
-
-def trainer_threads(cfg: Config) -> int:
-    return (os.cpu_count() or 1) if cfg.trainer_threads < 0 else cfg.trainer_threads
-
-
-def needs_cold_start(cfg: Config) -> bool:
-    """A tiny model is always cold-started; the SmolLM2 model when cold_start_steps > 0."""
-    from smollm2 import HUB_ID
-
-    return not cfg.model or (cfg.model == HUB_ID and cfg.cold_start_steps > 0)
-
-
-def local_model(model: str) -> str:
-    """SmolLM2's hub id becomes a local folder (hub, else the package's GGUF converted); anything else is as given."""
-    from smollm2 import HUB_ID, ModelUnavailable, smollm2_path
-
-    if model != HUB_ID:
-        return model
-    try:
-        return smollm2_path()
-    except ModelUnavailable as e:
-        raise SystemExit(f"error: {e}")
-
-
-def cold_start(cfg: Config, run_dir: Path) -> str:
-    import cold_start as cs
-
-    base = run_dir / "base"
-    if (base / "cold_start.json").exists():
-        return str(base)
-    argv = ["--train-file", cfg.train_file, "--out", str(base), "--steps", str(cfg.cold_start_steps),
-            "--tool-fraction", str(cfg.cold_start_tool_fraction), "--template", cfg.template,
-            "--seed", str(cfg.seed), "--tool-only-steps", str(cfg.cold_start_tool_only_steps),
-            "--lr", str(cfg.cold_start_lr), "--batch-size", str(cfg.cold_start_batch_size)]
-    if cfg.model:  # a pretrained model: find it (hub, else the package's GGUF), check its template, fine-tune it
-        from smollm2 import check_template
-
-        source = local_model(cfg.model)
-        check_template(source, cfg.template)
-        argv += ["--model", source, "--train-layers", str(cfg.train_layers), "--warmup-steps", "10", "--threads", str(trainer_threads(cfg) or 1)]
-    cs.main(argv)
-    return str(base)
-
-
-# --------------------------------------------------------------------------- checkpoints
-
-
-def save_checkpoint(run_dir: Path, step: int, model, optimizer, tokenizer, keep: int, rng: dict | None = None) -> Path:
-    """Hugging Face weights + tokenizer + optimizer + RNG state, written to a temporary folder then renamed.
-
-    A checkpoint folder either is complete or does not exist: a kill mid-write
-    leaves only a `.tmp` folder, which the next save or resume ignores. Every
-    file is flushed to disk before the rename, so a power cut right after it
-    cannot leave a complete-looking folder of empty files. `rng` is the random
-    state to record (default: the current one).
-    """
-    import torch
-
-    root = run_dir / "checkpoints"
-    final = root / f"step-{step:06d}"
-    tmp = root / f".step-{step:06d}.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
-    torch.save(rng if rng is not None else capture_rng(), tmp / "rng.pt")
-    (tmp / "state.json").write_text(json.dumps({"step": step}))
-    for path in sorted(tmp.rglob("*")):
-        if path.is_file():
-            _fsync(path)
-    _fsync(tmp)
-    shutil.rmtree(final, ignore_errors=True)
-    os.replace(tmp, final)
-    _fsync(root)  # the rename itself
-    for old in sorted(root.glob("step-*"))[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
-    return final
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def latest_checkpoint(run_dir: Path) -> dict | None:
-    done = sorted(p for p in (run_dir / "checkpoints").glob("step-*") if (p / "state.json").exists())
-    if not done:
-        return None
-    path = done[-1]
-    return {"path": str(path), **json.loads((path / "state.json").read_text())}
-
-
-def load_optimizer(state: dict, optimizer) -> None:
-    """The checkpoint's optimizer state, read onto the CPU first; `load_state_dict` moves it to the weights' device.
-
-    Read straight to where it was saved from, a GPU would briefly hold a second
-    copy of AdamW's moments (twice the model in float32) beside the live ones.
-    """
-    import torch
-
-    optimizer.load_state_dict(torch.load(Path(state["path"]) / "optimizer.pt", map_location="cpu"))
-
-
-def capture_rng() -> dict:
-    import torch
-
-    rng = {"python": random.getstate(), "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        rng["cuda"] = torch.cuda.get_rng_state_all()
-    return rng
-
-
-def restore_rng(rng: dict) -> None:
-    import torch
-
-    random.setstate(rng["python"])
-    torch.set_rng_state(rng["torch"])
-    if "cuda" in rng and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(rng["cuda"])
-
-
-def truncate_jsonl(path: Path, step: int) -> None:
-    """Drop the lines of steps after `step` from metrics.jsonl or eval.jsonl, atomically."""
-    if not path.exists():
-        return
-    lines = [l for l in path.read_text().splitlines() if l.strip() and json.loads(l)["step"] <= step]
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text("".join(l + "\n" for l in lines))
-    _fsync(tmp)
-    os.replace(tmp, path)
-
-
-def _evaluated(run_dir: Path, step: int, tag: str | None = None) -> bool:
-    """Whether eval.jsonl has a row for `step` (with `tag`, if given)."""
-    path = run_dir / "eval.jsonl"
-    if not path.exists():
-        return False
-    rows = [json.loads(l) for l in path.read_text().splitlines() if l.strip()]
-    return any(r["step"] == step and (tag is None or r.get("tag") == tag) for r in rows)
-
-
-def append_jsonl(path: Path, row: dict) -> None:
-    with open(path, "a", encoding="utf-8") as f:
-        f.write(json.dumps(row) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-
-
-# --------------------------------------------------------------------------- plots
-
-
-def plot_run(run_dir: Path) -> Path:
-    """plots.png from metrics.jsonl: reward, accuracy, code ratio and pass ratio, response length."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    path = run_dir / "metrics.jsonl"
-    if not path.exists():
-        raise SystemExit(f"error: {path}: no metrics to plot")
-    rows = [json.loads(l) for l in path.read_text().splitlines() if l.strip()]
-    steps = [r["step"] for r in rows]
-    panels = [
-        ("reward (mean, ±1 scale)", ["reward_mean"]),
-        ("accuracy", ["accuracy"]),
-        ("tool use", ["code_ratio", "code_pass_ratio"]),
-        ("response length (tokens)", ["response_length"]),
-    ]
-    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.2))
-    for ax, (title, keys) in zip(axes, panels):
-        for key in keys:
-            values = [r.get(key, float("nan")) for r in rows]
-            ax.plot(steps, values, marker=".", label=key)
-        ax.set_title(title)
-        ax.set_xlabel("RL step")
-        ax.grid(alpha=0.3)
-        if len(keys) > 1:
-            ax.legend(fontsize=8)
-    fig.suptitle(run_dir.name)
-    fig.tight_layout()
-    out = run_dir / "plots.png"
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
-
-
-# --------------------------------------------------------------------------- configuration
-
-
-def make_config(preset: str, overrides: dict) -> Config:
-    if preset not in PRESETS:
-        raise SystemExit(f"error: unknown preset '{preset}' (choose from {', '.join(PRESETS)})")
-    return Config(**{**PRESETS[preset], **overrides})
-
-
-def load_config(run_dir: Path, overrides: dict) -> Config:
-    path = run_dir / "config.json"
-    if not path.exists():
-        raise SystemExit(f"error: --resume {run_dir}: no config.json there (not a run folder)")
-    return Config(**{**json.loads(path.read_text()), **overrides})
-
-
-def check_config(cfg: Config, resuming: bool) -> None:
-    """Refuse, with one line, a configuration that would fail later or silently do the wrong thing."""
-    from trackers import missing_package
-
-    problems = []
-    if cfg.model and not Path(cfg.model).exists() and cfg.model.count("/") != 1:
-        problems.append(f"model '{cfg.model}' is neither a folder nor a hub id (org/name)")
-    for name in ("train_file", "eval_file"):
-        path = getattr(cfg, name)
-        if not Path(path).exists() and "toy_" not in path and "word_" not in path:
-            hint = ("put ToRL's data/torl_data/ folder under data/, or pass --" + name.replace("_", "-")
-                    if "torl_data" in path else "run `make run-01` to prepare data")
-            problems.append(f"{name} '{path}' does not exist ({hint})")
-    if cfg.max_response_tokens >= cfg.max_model_len:
-        problems.append(f"max_response_tokens ({cfg.max_response_tokens}) leaves no room for the prompt in max_model_len ({cfg.max_model_len})")
-    if cfg.max_prompt_tokens and cfg.max_prompt_tokens + cfg.max_response_tokens > cfg.max_model_len:
-        problems.append(f"max_prompt_tokens ({cfg.max_prompt_tokens}) + max_response_tokens ({cfg.max_response_tokens}) "
-                        f"do not fit in max_model_len ({cfg.max_model_len})")
-    if cfg.eval_max_response_tokens >= cfg.max_model_len:
-        problems.append(f"eval_max_response_tokens ({cfg.eval_max_response_tokens}) does not fit in max_model_len ({cfg.max_model_len})")
-    if cfg.group_size < 2:
-        problems.append(f"group_size {cfg.group_size}: a group of one has no one to be compared with")
-    for name in ("steps", "problems_per_step", "num_minibatches", "micro_batch_size", "save_every", "keep_checkpoints", "eval_k"):
-        if getattr(cfg, name) < 1:
-            problems.append(f"{name} must be at least 1, got {getattr(cfg, name)}")
-    for name in ("eval_problems", "eval_every", "max_prompt_tokens"):
-        if getattr(cfg, name) < 0:
-            problems.append(f"{name} must be 0 or more, got {getattr(cfg, name)}")
-    if cfg.eval_temperature == 0 and cfg.eval_k > 1:
-        problems.append(f"eval_k {cfg.eval_k} with greedy evaluation (eval_temperature 0) gives {cfg.eval_k} identical samples")
-    if cfg.problems_per_step * cfg.group_size < cfg.num_minibatches:
-        problems.append(f"{cfg.problems_per_step * cfg.group_size} trajectories cannot fill {cfg.num_minibatches} mini-batches")
-    world = int(os.environ.get("WORLD_SIZE", "1"))  # torchrun's ranks
-    if world > 1 and cfg.problems_per_step % (cfg.num_minibatches * world):
-        problems.append(f"problems_per_step ({cfg.problems_per_step}) must split evenly into num_minibatches"
-                        f" ({cfg.num_minibatches}) x {world} ranks")
-    if cfg.strategy not in ("ddp", "fsdp"):
-        problems.append(f"strategy must be ddp or fsdp, got '{cfg.strategy}'")
-    if cfg.aggregation not in ("token-mean", "sequence-mean", "token-sum"):
-        problems.append(f"aggregation must be token-mean, sequence-mean or token-sum, got '{cfg.aggregation}'")
-    if cfg.aggregation == "token-sum" and cfg.scale_advantages:
-        problems.append("aggregation token-sum is Dr. GRPO's objective, which drops the std scaling: set --scale-advantages false")
-    if cfg.tis_cap and not cfg.tis_cap >= 1:
-        problems.append(f"tis_cap {cfg.tis_cap}: a cap below 1 shrinks every token, use 0 (off) or at least 1 (2 is common)")
-    if cfg.tool_budget < 0:
-        problems.append(f"tool_budget must be 0 or more, got {cfg.tool_budget}")
-    if cfg.dynamic_sampling and cfg.dynamic_sampling_rounds < 1:
-        problems.append(f"dynamic_sampling_rounds must be at least 1, got {cfg.dynamic_sampling_rounds}")
-    if not 0 < cfg.lr < 1:
-        problems.append(f"lr {cfg.lr} is not a learning rate")
-    try:
-        missing = missing_package(cfg.log)  # also refuses an unknown name
-    except ValueError as e:
-        problems.append(str(e))
-    else:
-        if missing:
-            problems.append(missing)
-    if cfg.model and not problems:
-        limit = position_limit(cfg.model)
-        if limit is not None and cfg.max_model_len > limit:
-            problems.append(f"max_model_len {cfg.max_model_len} is above the position limit of {cfg.model}, "
-                            f"{limit} tokens (max_position_embeddings)")
-    if problems:
-        raise SystemExit(f"error: {problems[0]}")
-
-
-def position_limit(model: str) -> int | None:
-    """The longest context `model` was built for (max_position_embeddings), or None when unknown.
-
-    Read from the model's folder or the local hub cache only, never the network.
-    With RoPE scaling the usable window is longer and vLLM judges it itself.
-    """
-    from transformers import AutoConfig
-
-    try:
-        config = AutoConfig.from_pretrained(model, local_files_only=True)
-    except Exception:  # not downloaded yet: vLLM checks after the download
-        return None
-    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
-    if rope.get("rope_type", rope.get("type", "default")) != "default":
-        return None
-    return getattr(config, "max_position_embeddings", None)
-
-
-def _cuda_available() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
-
-
-def parse_args(argv):
-    p = argparse.ArgumentParser(
-        description="Tool-integrated RL: rollout with a sandbox, ±1 reward, GRPO, weights back into vLLM.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
-    p.add_argument("--preset", default="cpu-demo", help=f"one of: {', '.join(PRESETS)}")
-    p.add_argument("--run-dir", help="run folder [default: runs/PRESET-TIMESTAMP]")
-    p.add_argument("--resume", metavar="RUN_DIR", help="continue a run from its latest checkpoint")
-    p.add_argument("--plot", metavar="RUN_DIR", help="only redraw plots.png of an existing run")
-    fields = p.add_argument_group("configuration (every field; a preset sets some, these override)")
-    for f in dataclasses.fields(Config):
-        flag = "--" + f.name.replace("_", "-")
-        if f.type in ("bool", bool):
-            fields.add_argument(flag, type=_bool, metavar="BOOL", default=argparse.SUPPRESS, help=f"[default: {f.default}]")
-        else:
-            kind = {"int": int, "float": float}.get(str(f.type), str)
-            fields.add_argument(flag, type=kind, default=argparse.SUPPRESS, help=f"[default: {f.default!r}]")
-    p.error = lambda message: sys.exit(f"error: {message} (see --help)")  # one line, not a usage dump
-    args = p.parse_args(argv)
-    names = {f.name for f in dataclasses.fields(Config)}
-    overrides = {k: v for k, v in vars(args).items() if k in names}
-    return args, overrides
-
-
-def _bool(text: str) -> bool:
-    if text.lower() in ("1", "true", "yes", "on"):
-        return True
-    if text.lower() in ("0", "false", "no", "off"):
-        return False
-    raise argparse.ArgumentTypeError(f"'{text}' is not a boolean")
+def step_line(row: dict) -> str:
+    """The console's line for a step, from its metrics.jsonl row."""
+    return (f"step {row['step']:4d} | reward {row['reward_mean']:+.3f} acc {row['accuracy']:.3f} "
+            f"code {row['code_ratio']:.2f} pass {row['code_pass_ratio']:.2f} len {row['response_length']:.0f} "
+            f"| clip {row['clip_low_frac'] + row['clip_high_frac']:.3f} gnorm {row['grad_norm']:.3f} "
+            f"mismatch {row['mismatch_abs']:.4f} | {row['rollout_s']:.1f}s rollout {row['update_s']:.1f}s update")
 
 
 if __name__ == "__main__":

@@ -8,11 +8,14 @@ from pathlib import Path
 
 import pytest
 
+import checkpoints
 import retool
+import run_inputs
 import stopping
+from configuration import check_config
 from eval import markdown_table, paper_table, pass_at_k, summarise
 from prepare_data import make_toy_task, write_jsonl
-from retool import Config, batch_at, check_config, make_config, parse_args, rollout_config
+from retool import Config, batch_at, make_config, parse_args, rollout_config
 
 REPO = Path(__file__).resolve().parent.parent
 RETOOL = REPO / "05-retool" / "retool.py"
@@ -274,8 +277,8 @@ def test_long_training_prompts_are_dropped_at_load_with_a_count(tiny_model_path,
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_path)
     lengths = [len(tokenizer.encode(render_prompt(q, "torl"), add_special_tokens=False)) for q in questions]
     assert max(lengths[:5]) <= 64 < lengths[5]
-    train_rows, _ = retool.load_data(dataclass_replace(cfg, eval_file=cfg.train_file))
-    kept = retool.drop_long_prompts(train_rows, str(tiny_model_path), cfg)
+    train_rows, _ = run_inputs.load_data(dataclass_replace(cfg, eval_file=cfg.train_file))
+    kept = run_inputs.drop_long_prompts(train_rows, str(tiny_model_path), cfg)
     assert [p["question"] for p in kept] == questions[:5]
     assert "kept 5 of 6 problems; dropped 1 whose prompt is over 64 tokens" in capsys.readouterr().out
 
@@ -297,7 +300,7 @@ def test_metrics_and_eval_lines_after_the_checkpoint_are_cut(tmp_path):
     for name in ("metrics.jsonl", "eval.jsonl"):
         path = tmp_path / name
         path.write_text("".join(json.dumps({"step": s, "x": s}) + "\n" for s in (0, 2, 4, 6)))
-        retool.truncate_jsonl(path, 4)
+        checkpoints.truncate_jsonl(path, 4)
         assert [json.loads(l)["step"] for l in path.read_text().splitlines()] == [0, 2, 4]
     assert not list(tmp_path.glob(".*tmp*"))
 
@@ -310,7 +313,7 @@ def test_random_state_is_restored_after_the_engine_reseeds_it(tmp_path, monkeypa
 
     random.seed(123)
     torch.manual_seed(123)
-    torch.save(retool.capture_rng(), tmp_path / "rng.pt")
+    torch.save(checkpoints.capture_rng(), tmp_path / "rng.pt")
     expected = (random.random(), torch.rand(1).item())
 
     def engine_that_reseeds(*args, **kwargs):  # what vLLM's worker does at start
@@ -343,7 +346,7 @@ def test_checkpoint_files_reach_the_disk_before_the_folder_is_renamed(tiny_model
 
     monkeypatch.setattr(os, "fsync", fsync)
     monkeypatch.setattr(os, "replace", replace)
-    final = retool.save_checkpoint(tmp_path, 7, model, optimizer, tiny_tokenizer, keep=2)
+    final = checkpoints.save_checkpoint(tmp_path, 7, model, optimizer, tiny_tokenizer, keep=2)
     rename = events.index(("rename", str(tmp_path / "checkpoints" / ".step-000007.tmp")))
     synced = {Path(path).name for kind, path in events[:rename] if kind == "fsync"}
     files = {p.name for p in final.iterdir()}
@@ -354,7 +357,7 @@ def test_checkpoint_files_reach_the_disk_before_the_folder_is_renamed(tiny_model
     loads = []
     real_load = torch.load
     monkeypatch.setattr(torch, "load", lambda *a, **k: loads.append(k.get("map_location")) or real_load(*a, **k))
-    retool.load_optimizer({"path": str(final)}, make_optimizer(model, GRPOConfig()))
+    checkpoints.load_optimizer({"path": str(final)}, make_optimizer(model, GRPOConfig()))
     assert loads == ["cpu"]  # onto the CPU first, never straight to the device it was saved from
 
 

@@ -154,7 +154,9 @@ def test_the_chat_template_check_accepts_chatml_and_refuses_a_base_model_prompt(
 
 
 def test_the_smollm2_preset_is_a_valid_configuration_that_cold_starts_the_hub_model():
-    from retool import check_config, make_config, needs_cold_start
+    from configuration import check_config
+    from retool import make_config
+    from run_inputs import needs_cold_start
 
     cfg = make_config("smollm2", {})
     check_config(cfg, resuming=False)

@@ -140,7 +140,7 @@ class DataParallel:
                 _FullOptimizer(model, optimizer, get_optimizer_state_dict(model, optimizer, options=options)))
 
     def restorable_optimizer(self, model, optimizer):
-        """What retool's restore_state loads into: the optimizer, or (FSDP2) a view that re-shards a full state."""
+        """What retool's load_optimizer loads into: the optimizer, or (FSDP2) a view that re-shards a full state."""
         if self.strategy != "fsdp" or not self.distributed:
             return optimizer
         return _FullOptimizer(model, optimizer, None)

@@ -549,7 +549,7 @@ def test_three_tool_calls_keep_spans_exact_from_sampler_to_trainer(tiny_llm, pol
 
 
 def test_informative_groups_keeps_groups_whose_rewards_differ_then_fills_at_the_bound():
-    from retool import informative_groups
+    from beyond_torl import informative_groups
 
     def group(*rewards):
         return [(Trajectory("p", i, "", [1], [2], [0.0], [1], "", reward=r), None) for i, r in enumerate(rewards)]
@@ -573,7 +573,7 @@ def test_informative_groups_keeps_groups_whose_rewards_differ_then_fills_at_the_
 
 
 def test_void_turn_is_a_turn_with_neither_complete_code_nor_an_answer(tiny_tokenizer):
-    from retool import void_turns
+    from beyond_torl import void_turns
     from rollout import ToolCall
 
     def traj(*segments):
@@ -615,7 +615,8 @@ def test_options_are_off_in_the_torl_presets_and_flags_of_the_loop():
     (dict(aggregation="sum"), "token-sum, got 'sum'"),
 ])
 def test_bad_option_combinations_fail_with_one_line(change, message):
-    from retool import Config, check_config
+    from configuration import check_config
+    from retool import Config
 
     with pytest.raises(SystemExit) as e:
         check_config(Config(**change), resuming=False)
@@ -627,7 +628,8 @@ def test_all_options_run_together_in_a_real_step(tiny_llm, tiny_model_path, poli
     """--tis-cap 2 --dynamic-sampling --mask-truncated --filter-void-turns --tool-budget 2, one real step."""
     import dataclasses
 
-    from retool import Config, train_step, void_turns
+    from beyond_torl import void_turns
+    from retool import Config, train_step
     from rollout import RolloutConfig
     from sandbox import Sandbox, SandboxConfig
 

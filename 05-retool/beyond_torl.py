@@ -1,0 +1,102 @@
+"""The loop's options from the field since ToRL: DAPO's dynamic sampling, and what leaves the loss.
+
+Each is a Config field, off by default and in the torl-* presets, because ToRL
+had none of them. Dynamic sampling draws extra problems until every group of
+the step differs in reward (bounded rounds; degenerate groups fill the rest);
+DAPO's overlong filtering and SimpleTIR's void turns keep trajectories out of
+the loss without dropping them from the batch. What each does and why:
+docs/06-train.md, "Beyond ToRL"; the story of the loop: docs/05-retool.md.
+"""
+from __future__ import annotations
+
+
+def keep_informative_groups(trajectories, results, sample_extra_round, group_size: int, max_rounds: int):
+    """Dynamic sampling over a step's scored batch: (trajectories, results, metrics) with as many groups.
+
+    `sample_extra_round(r)` samples and scores extra round r (1, 2, ...) and
+    returns (trajectories, results) like the step's own.
+    """
+    def extra_groups(extra_round):
+        return groups_of(*sample_extra_round(extra_round), group_size)
+
+    groups, drawn, rounds = informative_groups(groups_of(trajectories, results, group_size), extra_groups,
+                                               len(trajectories) // group_size, max_rounds)
+    trajectories = [t for group in groups for t, _ in group]
+    results = [r for group in groups for _, r in group]
+    return trajectories, results, {"problems_drawn": float(drawn), "dynamic_rounds": float(rounds)}
+
+
+def groups_of(trajectories, results, group_size: int) -> list[list[tuple]]:
+    """(trajectory, reward result) pairs, one list per problem."""
+    pairs = list(zip(trajectories, results))
+    return [pairs[i: i + group_size] for i in range(0, len(pairs), group_size)]
+
+
+def informative_groups(groups, more, want: int, max_rounds: int):
+    """DAPO's dynamic sampling: keep groups whose rewards differ until `want` are held.
+
+    `groups` are the step's own; `more(r)` samples and scores extra round r
+    (1..max_rounds) and returns its groups. Returns (groups, problems drawn,
+    extra rounds). If the bound is hit first, degenerate groups fill the step
+    in the order they were drawn, so a step always has `want` groups.
+
+        rewards per group  [+1 +1] [-1 +1] [-1 -1]   want 2, more() gives [[+1 -1]]
+        kept               [-1 +1] [+1 -1]           drawn 4 problems, 1 extra round
+    """
+    informative, degenerate, drawn, rounds = [], [], 0, 0
+    while True:
+        for group in groups:
+            rewards = {t.reward for t, _ in group}
+            (informative if len(rewards) > 1 else degenerate).append(group)
+        drawn += len(groups)
+        if len(informative) >= want or rounds >= max_rounds:
+            break
+        rounds += 1
+        groups = more(rounds)
+    kept = informative[:want]
+    return kept + degenerate[: want - len(kept)], drawn, rounds
+
+
+def extra_seed(seed: int | None, extra_round: int) -> int | None:
+    """A seed for an extra round that no step's own seed (seed * 100_003 + step) reuses in practice."""
+    return None if seed is None else seed + extra_round * 1_000_000_007
+
+
+def excluded_from_loss(trajectories, tokenizer, mask_truncated: bool, filter_void_turns: bool):
+    """(one flag per trajectory: kept out of the loss, metrics); void turns are counted whether filtered or not."""
+    has_void_turn = [void_turns(t, tokenizer) > 0 for t in trajectories]
+    excluded = [False] * len(trajectories)
+    metrics = {}
+    if mask_truncated:
+        excluded = [e or t.truncated for e, t in zip(excluded, trajectories)]
+        metrics["truncated_masked"] = float(sum(t.truncated for t in trajectories))
+    if filter_void_turns:
+        excluded = [e or v for e, v in zip(excluded, has_void_turn)]
+        metrics["void_filtered"] = float(sum(has_void_turn))
+    metrics["void_trajectories"] = float(sum(has_void_turn))
+    return excluded, metrics
+
+
+def void_turns(t, tokenizer) -> int:
+    """Model turns that hold neither a complete ```python block nor a \\boxed{} answer (SimpleTIR's void turns).
+
+    A turn is the model's text between observations. The first turn of
+    "```python\\nprint(1)\\n```\\n```output" holds a complete block; "Let me think"
+    cut by the budget holds neither; "```python\\nprint(" followed by ```output
+    holds an unclosed block: void.
+    """
+    from reward import extract_last_boxed
+    from rollout import STOP, extract_code
+
+    bounds = [0] + [b for call in t.tool_calls for b in (call.start, call.end)] + [len(t.token_ids)]
+    count = 0
+    for turn, (start, end) in enumerate(zip(bounds[0::2], bounds[1::2])):
+        if end <= start:
+            continue  # the budget ended the trajectory inside an observation: no turn after it
+        text = tokenizer.decode(t.token_ids[start:end], skip_special_tokens=True)
+        if turn < len(t.tool_calls):
+            # the code was looked for before the stop string, as the rollout did: its ``` is no fence
+            text = text[: text.rfind(STOP)] if STOP in text else text
+        if extract_code(text) is None and extract_last_boxed(text) is None:
+            count += 1
+    return count

@@ -1,0 +1,130 @@
+"""A run's configuration from the command line to the loop: one flag per Config field, one-line refusals.
+
+Key decisions: every field of retool.Config is a flag of the same name (a
+preset sets some, flags override); a configuration that would fail later, or
+silently do the wrong thing, stops at start with one line, before any model
+or engine loads. The story: docs/05-retool.md, "Checkpoints, resume, stop,
+bad configuration".
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+from pathlib import Path
+
+
+def parse_with_field_flags(parser: argparse.ArgumentParser, config_class, argv) -> tuple[argparse.Namespace, dict]:
+    """Add a flag per field of `config_class` to `parser`, parse `argv`: (args, the fields given on the line)."""
+    fields = parser.add_argument_group("configuration (every field; a preset sets some, these override)")
+    for f in dataclasses.fields(config_class):
+        flag = "--" + f.name.replace("_", "-")
+        if f.type in ("bool", bool):
+            fields.add_argument(flag, type=parse_bool, metavar="BOOL", default=argparse.SUPPRESS,
+                                help=f"[default: {f.default}]")
+        else:
+            kind = {"int": int, "float": float}.get(str(f.type), str)
+            fields.add_argument(flag, type=kind, default=argparse.SUPPRESS, help=f"[default: {f.default!r}]")
+    parser.error = lambda message: sys.exit(f"error: {message} (see --help)")  # one line, not a usage dump
+    args = parser.parse_args(argv)
+    names = {f.name for f in dataclasses.fields(config_class)}
+    return args, {k: v for k, v in vars(args).items() if k in names}
+
+
+def parse_bool(text: str) -> bool:
+    if text.lower() in ("1", "true", "yes", "on"):
+        return True
+    if text.lower() in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"'{text}' is not a boolean")
+
+
+def check_config(cfg, resuming: bool) -> None:
+    """Refuse, with one line, a retool.Config that would fail later or silently do the wrong thing."""
+    from trackers import missing_package
+
+    problems = []
+    if cfg.model and not Path(cfg.model).exists() and cfg.model.count("/") != 1:
+        problems.append(f"model '{cfg.model}' is neither a folder nor a hub id (org/name)")
+    for name in ("train_file", "eval_file"):
+        path = getattr(cfg, name)
+        if not Path(path).exists() and "toy_" not in path and "word_" not in path:
+            hint = ("put ToRL's data/torl_data/ folder under data/, or pass --" + name.replace("_", "-")
+                    if "torl_data" in path else "run `make run-01` to prepare data")
+            problems.append(f"{name} '{path}' does not exist ({hint})")
+    if cfg.max_response_tokens >= cfg.max_model_len:
+        problems.append(f"max_response_tokens ({cfg.max_response_tokens}) leaves no room for the prompt in max_model_len ({cfg.max_model_len})")
+    if cfg.max_prompt_tokens and cfg.max_prompt_tokens + cfg.max_response_tokens > cfg.max_model_len:
+        problems.append(f"max_prompt_tokens ({cfg.max_prompt_tokens}) + max_response_tokens ({cfg.max_response_tokens}) "
+                        f"do not fit in max_model_len ({cfg.max_model_len})")
+    if cfg.eval_max_response_tokens >= cfg.max_model_len:
+        problems.append(f"eval_max_response_tokens ({cfg.eval_max_response_tokens}) does not fit in max_model_len ({cfg.max_model_len})")
+    if cfg.group_size < 2:
+        problems.append(f"group_size {cfg.group_size}: a group of one has no one to be compared with")
+    for name in ("steps", "problems_per_step", "num_minibatches", "micro_batch_size", "save_every", "keep_checkpoints", "eval_k"):
+        if getattr(cfg, name) < 1:
+            problems.append(f"{name} must be at least 1, got {getattr(cfg, name)}")
+    for name in ("eval_problems", "eval_every", "max_prompt_tokens"):
+        if getattr(cfg, name) < 0:
+            problems.append(f"{name} must be 0 or more, got {getattr(cfg, name)}")
+    if cfg.eval_temperature == 0 and cfg.eval_k > 1:
+        problems.append(f"eval_k {cfg.eval_k} with greedy evaluation (eval_temperature 0) gives {cfg.eval_k} identical samples")
+    if cfg.problems_per_step * cfg.group_size < cfg.num_minibatches:
+        problems.append(f"{cfg.problems_per_step * cfg.group_size} trajectories cannot fill {cfg.num_minibatches} mini-batches")
+    world = int(os.environ.get("WORLD_SIZE", "1"))  # torchrun's ranks
+    if world > 1 and cfg.problems_per_step % (cfg.num_minibatches * world):
+        problems.append(f"problems_per_step ({cfg.problems_per_step}) must split evenly into num_minibatches"
+                        f" ({cfg.num_minibatches}) x {world} ranks")
+    if cfg.strategy not in ("ddp", "fsdp"):
+        problems.append(f"strategy must be ddp or fsdp, got '{cfg.strategy}'")
+    if cfg.aggregation not in ("token-mean", "sequence-mean", "token-sum"):
+        problems.append(f"aggregation must be token-mean, sequence-mean or token-sum, got '{cfg.aggregation}'")
+    if cfg.aggregation == "token-sum" and cfg.scale_advantages:
+        problems.append("aggregation token-sum is Dr. GRPO's objective, which drops the std scaling: set --scale-advantages false")
+    if cfg.tis_cap and not cfg.tis_cap >= 1:
+        problems.append(f"tis_cap {cfg.tis_cap}: a cap below 1 shrinks every token, use 0 (off) or at least 1 (2 is common)")
+    if cfg.tool_budget < 0:
+        problems.append(f"tool_budget must be 0 or more, got {cfg.tool_budget}")
+    if cfg.dynamic_sampling and cfg.dynamic_sampling_rounds < 1:
+        problems.append(f"dynamic_sampling_rounds must be at least 1, got {cfg.dynamic_sampling_rounds}")
+    if not 0 < cfg.lr < 1:
+        problems.append(f"lr {cfg.lr} is not a learning rate")
+    try:
+        missing = missing_package(cfg.log)  # also refuses an unknown name
+    except ValueError as e:
+        problems.append(str(e))
+    else:
+        if missing:
+            problems.append(missing)
+    if cfg.model and not problems:
+        limit = position_limit(cfg.model)
+        if limit is not None and cfg.max_model_len > limit:
+            problems.append(f"max_model_len {cfg.max_model_len} is above the position limit of {cfg.model}, "
+                            f"{limit} tokens (max_position_embeddings)")
+    if problems:
+        raise SystemExit(f"error: {problems[0]}")
+
+
+def position_limit(model: str) -> int | None:
+    """The longest context `model` was built for (max_position_embeddings), or None when unknown.
+
+    Read from the model's folder or the local hub cache only, never the network.
+    With RoPE scaling the usable window is longer and vLLM judges it itself.
+    """
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(model, local_files_only=True)
+    except Exception:  # not downloaded yet: vLLM checks after the download
+        return None
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    if rope.get("rope_type", rope.get("type", "default")) != "default":
+        return None
+    return getattr(config, "max_position_embeddings", None)
+
+
+def cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()

@@ -1,0 +1,105 @@
+"""What a run starts from: its problems and its first policy.
+
+Key decisions: the toy task and the word problems are written on first use
+(what `make run-01` writes), so the demos run without a data step; ToRL's
+long prompts are dropped at load, not cut; the first policy is a model
+cold-started in the run folder (cold_start.py) when the Config asks for one,
+else the model as given (SmolLM2's hub id found locally by smollm2.py).
+The story: docs/05-retool.md.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def load_data(cfg) -> tuple[list[dict], list[dict]]:
+    """Training and evaluation problems in 01-data's schema; says what 01-data's filter dropped."""
+    from prepare_data import load_problems, make_toy_task, write_jsonl
+
+    toy = {str(Path("data/toy_train.jsonl")), str(Path("data/toy_test.jsonl"))}
+    if {cfg.train_file, cfg.eval_file} <= toy and not all(Path(f).exists() for f in toy):
+        train_rows, test_rows = make_toy_task(2000, 200, seed=0)  # what `make run-01` writes
+        write_jsonl(train_rows, Path("data/toy_train.jsonl"))
+        write_jsonl(test_rows, Path("data/toy_test.jsonl"))
+    word = {str(Path("data/word_train.jsonl")), str(Path("data/word_test.jsonl"))}
+    if {cfg.train_file, cfg.eval_file} <= word and not all(Path(f).exists() for f in word):
+        from word_problems import make_word_problems
+
+        train_rows, test_rows = make_word_problems(2000, 200, seed=0)  # what word_problems.py writes
+        write_jsonl(train_rows, Path("data/word_train.jsonl"))
+        write_jsonl(test_rows, Path("data/word_test.jsonl"))
+    loaded = []
+    for path in (cfg.train_file, cfg.eval_file):
+        rows, dropped = load_problems(path)
+        if dropped:  # e.g. ToRL's test file holds each AIME problem four times
+            print(f"{path}: kept {len(rows)} problems; dropped " + ", ".join(f"{n} ({why})" for why, n in dropped.items()))
+        loaded.append(rows)
+    return loaded[0], loaded[1]
+
+
+def drop_long_prompts(problems: list[dict], model_path: str, cfg) -> list[dict]:
+    """The problems whose rendered prompt has at most `cfg.max_prompt_tokens` tokens; prints how many were dropped.
+
+    ToRL's loader does the same before training (its limit: 400 - 10 tokens of
+    the tir_base_0309 prompt), so no prompt is ever cut and the response budget
+    is the same for every problem.
+    """
+    from transformers import AutoTokenizer
+
+    from rollout import render_prompt
+
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    prompts = [render_prompt(p["question"], cfg.template) for p in problems]
+    lengths = [len(ids) for ids in tokenizer(prompts, add_special_tokens=False)["input_ids"]]
+    kept = [p for p, length in zip(problems, lengths) if length <= cfg.max_prompt_tokens]
+    print(f"{cfg.train_file}: kept {len(kept)} of {len(problems)} problems; dropped {len(problems) - len(kept)} "
+          f"whose prompt is over {cfg.max_prompt_tokens} tokens")
+    if not kept:
+        raise SystemExit(f"error: {cfg.train_file}: every prompt is over max_prompt_tokens ({cfg.max_prompt_tokens})")
+    return kept
+
+
+def trainer_threads(cfg) -> int:
+    """Torch threads for training: cfg.trainer_threads, with -1 meaning every core."""
+    return (os.cpu_count() or 1) if cfg.trainer_threads < 0 else cfg.trainer_threads
+
+
+def needs_cold_start(cfg) -> bool:
+    """A tiny model is always cold-started; the SmolLM2 model when cold_start_steps > 0."""
+    from smollm2 import HUB_ID
+
+    return not cfg.model or (cfg.model == HUB_ID and cfg.cold_start_steps > 0)
+
+
+def local_model(model: str) -> str:
+    """SmolLM2's hub id becomes a local folder (hub, else the package's GGUF converted); anything else is as given."""
+    from smollm2 import HUB_ID, ModelUnavailable, smollm2_path
+
+    if model != HUB_ID:
+        return model
+    try:
+        return smollm2_path()
+    except ModelUnavailable as e:
+        raise SystemExit(f"error: {e}")
+
+
+def cold_started_model(cfg, run_dir: Path) -> str:
+    """The folder RUN_DIR/base, cold-started by cold_start.py with the Config's cold_start_* settings (once)."""
+    import cold_start
+
+    base = run_dir / "base"
+    if (base / "cold_start.json").exists():
+        return str(base)
+    argv = ["--train-file", cfg.train_file, "--out", str(base), "--steps", str(cfg.cold_start_steps),
+            "--tool-fraction", str(cfg.cold_start_tool_fraction), "--template", cfg.template,
+            "--seed", str(cfg.seed), "--tool-only-steps", str(cfg.cold_start_tool_only_steps),
+            "--lr", str(cfg.cold_start_lr), "--batch-size", str(cfg.cold_start_batch_size)]
+    if cfg.model:  # a pretrained model: find it (hub, else the package's GGUF), check its template, fine-tune it
+        from smollm2 import check_template
+
+        source = local_model(cfg.model)
+        check_template(source, cfg.template)
+        argv += ["--model", source, "--train-layers", str(cfg.train_layers), "--warmup-steps", "10", "--threads", str(trainer_threads(cfg) or 1)]
+    cold_start.main(argv)
+    return str(base)
