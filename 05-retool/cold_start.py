@@ -1,13 +1,11 @@
-"""The cold start of the CPU demo: a tiny model trained from scratch into a base policy worth RL.
+"""The cold start: supervised learning on tool traces, so that RL has a behaviour to reinforce.
 
-RL can only reinforce what the policy already does now and then. ReTool starts
-from a model fine-tuned on traces that call a code interpreter; ToRL starts
-from a base model that writes code on its own. A tiny model trained from
-scratch does neither, so this script gives it a cold start by supervised
-learning on synthetic traces of the toy task (products of 3-digit numbers),
-two kinds of them:
+RL can only reinforce what the policy already does now and then. This script
+trains the CPU demo's tiny model from scratch (or fine-tunes a pretrained one
+with `--model`, as the smollm2 preset does) on synthetic traces of 01-data's
+problems, of two kinds:
 
-    tool trace (a fraction `tool_fraction`, default 0.4):
+    tool trace (a fraction `--tool-fraction`, default 0.4):
         ```python
         print(964 * 494)
         ```
@@ -19,49 +17,15 @@ two kinds of them:
     direct trace (the rest):
         The answer is \\boxed{471286}.     <- a guess: right first digit and length, the rest made up
 
-The first token decides everything: after "Assistant:" the model has learned to
-open a code block about 40% of the time, whatever the question. When it
-does, it copies the factors into the code, and the sandbox does the arithmetic,
-so it is right; when it answers directly, it is almost always wrong. That is
-the starting point ToRL's curves show in miniature: a base policy that calls
-the tool on part of the problems and is right mostly when it does. RL then has
-one thing to discover: starting with the tool pays.
+Key decisions: the traces are built with the lab's own parts (03's template
+and observation, 02's sandbox), each segment tokenized on its own as a
+rollout appends it, and only the model's tokens carry loss; the first
+`--tool-only-steps` train on tool traces alone; one torch thread by default.
+Why each, as measured: docs/05-retool.md, "The CPU demo".
 
-The traces are built with the lab's own parts, so they are token-exact with
-what a rollout produces: the prompt from chapter 03's template, the tool output
-from chapter 02's sandbox and `format_observation`, each segment tokenized on
-its own (model text, observation, model text) exactly as the rollout appends
-them. Only the model's tokens carry loss, as in RL.
-
-Two things that decided whether this works in minutes on two CPU cores,
-measured while building it:
-- Training on tool traces alone first. Copying the factors into the code is
-  a position lookup the model must discover; in the 40/60 mix the random
-  digits of the direct guesses drown that signal, and after 1200 steps not one
-  held-out tool trace was reproduced exactly. On tool traces alone the copy
-  appears, and the 200 mixed steps after it set the tool rate to about 40%
-  without losing it.
-- Width. With hidden size 128 (two heads) the copy appeared after 250 to over
-  400 steps depending on the seed, and sampled at temperature 1 the model
-  still miscopied a digit in most traces. With 256 (four heads) it appears by
-  step 100, and by step 300 a sampled tool trace is exact with probability
-  about 1.0 (teacher-forced check on 64 held-out problems).
-- One torch thread. On two cores shared with other processes, torch's second
-  thread spins waiting for the first: a step took 5 s with two threads and
-  0.19 s with one.
-
-The same traces serve a real pretrained model (`--model`, the smollm2 preset):
-SmolLM2-135M-Instruct, prompted in its chat format, writes a code block in
-about one sample of six and never a `\\boxed{}`. A few dozen steps on tool
-and direct traces of 01-data's word problems (`--train-file
-data/word_train.jsonl`; `trace_code` recovers each problem's one line of
-Python) teach it the protocol and set how often it reaches for the tool;
-its own tokenizer is kept, and `--train-layers` limits training to the top
-layers, as in the RL that follows.
-
-    python 05-retool/cold_start.py --out runs/demo/base
+    python 05-retool/cold_start.py --out runs/demo/base                 # the cpu-demo preset's base
     python 05-retool/cold_start.py --model ~/.cache/tool-rl-lab/SmolLM2-135M-Instruct --train-file data/word_train.jsonl \\
-        --template smollm2-chat --steps 60 --tool-only-steps 20 --batch-size 8 --lr 5e-5 --train-layers 8 --threads 2 --out runs/sft
+        --template smollm2-chat --steps 60 --tool-only-steps 20 --batch-size 8 --lr 1e-4 --warmup-steps 10 --train-layers 8 --threads 2 --out runs/sft
 """
 from __future__ import annotations
 
@@ -90,12 +54,12 @@ def main(argv: list[str] | None = None) -> Path:
     threads = torch.get_num_threads()
     torch.set_num_threads(args.threads)
     try:
-        return _cold_start(args)
+        return build_base_policy(args)
     finally:
         torch.set_num_threads(threads)
 
 
-def _cold_start(args) -> Path:
+def build_base_policy(args) -> Path:
     torch.manual_seed(args.seed)
     rng = random.Random(args.seed)
     problems = read_problems(args.train_file)
@@ -204,18 +168,18 @@ def guess(product: int, rng: random.Random) -> int:
     if len(digits) == 1:
         return rng.choice([d for d in range(10) if d != product])
     while True:
-        g = int(digits[0] + "".join(rng.choice("0123456789") for _ in digits[1:]))
-        if g != product:
-            return g
+        candidate = int(digits[0] + "".join(rng.choice("0123456789") for _ in digits[1:]))
+        if candidate != product:
+            return candidate
 
 
 def tokenize_trace(trace: dict, tokenizer) -> tuple[list[int], list[int]]:
     """Token ids and a loss mask: each segment tokenized on its own, as a rollout appends them."""
     ids, mask = [], []
     for kind, text in trace["segments"]:
-        seg = encode_plain(tokenizer, text) if kind == "observation" else tokenizer(text, add_special_tokens=False)["input_ids"]
-        ids += seg
-        mask += [int(kind == "model")] * len(seg)
+        segment_ids = encode_plain(tokenizer, text) if kind == "observation" else tokenizer(text, add_special_tokens=False)["input_ids"]
+        ids += segment_ids
+        mask += [int(kind == "model")] * len(segment_ids)
     ids.append(tokenizer.eos_token_id)  # the model must learn to stop
     mask.append(1)
     return ids, mask

@@ -6,27 +6,14 @@
     .venv/bin/python 05-retool/eval.py --model ... --mode text      # same model, no tool: the tool's contribution
     .venv/bin/python 05-retool/eval.py --model runs/cpu-demo-.../checkpoints/step-000030 --data data/toy_test.jsonl
 
-The default is ToRL's protocol: greedy decoding, one response per problem, on
-AIME24, AIME25 and MATH500 (by name from the hub, or any file in ToRL's test-set
-schema, whose `data_source` names the set); the table then shows the paper's
-numbers beside the measured ones. With `--k K --temperature T` it samples K
-responses per problem. Per data set (the `source` of each problem) it reports:
-- avg@k: the mean accuracy over all k samples of all problems (with k = 1 and
-  greedy decoding, ToRL's accuracy);
-- pass@j for j = 1, 2, 4, ... k: the chance that at least one of j samples is
-  right, with the unbiased estimator 1 - C(n-c, j) / C(n, j) from n samples of
-  which c are right (drawing only j would make it noisier, not different);
-- format rate (a closed \\boxed{} in the answer window), code ratio (samples
-  with a tool call), code pass ratio (calls that ran without error), tool calls
-  per sample, response length in tokens.
-
-It writes one JSONL line per sample and a summary JSON to `--out`, and prints a
-markdown table. Modes: `tir` runs the tool loop of chapter 03 with the `torl`
-prompt; `text` gives the model no tool (generation does not stop at ```output
-and no code runs) and a prompt that never mentions one (`cot`: Qwen2.5-Math's
-"Please reason step by step, ..."), so the same model's plain chain of thought
-is measured on the same problems. A tool prompt in text mode would make the
-model write code anyway and invent its output.
+Key decisions: the default is ToRL's protocol (greedy, one response per
+problem, AIME24, AIME25 and MATH500, the paper's numbers beside the measured
+ones); pass@j uses the unbiased estimator 1 - C(n-c, j) / C(n, j) over n
+samples of which c are right; every metric is reported per data set (each
+problem's `source`); `--mode text` gives the model no tool and a prompt that
+never mentions one (`cot`), since a tool prompt without the tool makes a model
+write code and invent its output. The loop (retool.py) calls `evaluate` for
+its own evaluations. The story: docs/05-retool.md, "eval.py".
 """
 from __future__ import annotations
 
@@ -86,8 +73,8 @@ def evaluate(llm, problems: list[dict], sandbox, k: int = 1, mode: str = "tir", 
 
         write_jsonl(samples, Path(samples_path))
     by_source = defaultdict(list)
-    for s in samples:
-        by_source[s["source"]].append(s)
+    for sample in samples:
+        by_source[sample["source"]].append(sample)
     summary = {source: summarise(rows, k) for source, rows in sorted(by_source.items())}
     if len(by_source) > 1:
         summary["all"] = summarise(samples, k)
@@ -95,24 +82,24 @@ def evaluate(llm, problems: list[dict], sandbox, k: int = 1, mode: str = "tir", 
 
 
 def summarise(samples: list[dict], k: int) -> dict:
-    per_problem = defaultdict(list)
-    for s in samples:
-        per_problem[s["problem_id"]].append(s["correct"])
-    calls = [ok for s in samples for ok in s["code_ok"]]
-    out = {"problems": len(per_problem), "samples": len(samples),
-           f"avg@{k}": mean([s["correct"] for s in samples])}
+    outcomes = defaultdict(list)  # problem id -> right or wrong, one per sample
+    for sample in samples:
+        outcomes[sample["problem_id"]].append(sample["correct"])
+    calls = [ok for sample in samples for ok in sample["code_ok"]]
+    out = {"problems": len(outcomes), "samples": len(samples),
+           f"avg@{k}": mean([sample["correct"] for sample in samples])}
     j = 1
     while j <= k:
-        out[f"pass@{j}"] = mean([pass_at_k(len(c), sum(c), j) for c in per_problem.values()])
+        out[f"pass@{j}"] = mean([pass_at_k(len(o), sum(o), j) for o in outcomes.values()])
         j *= 2
     if f"pass@{k}" not in out:
-        out[f"pass@{k}"] = mean([pass_at_k(len(c), sum(c), k) for c in per_problem.values()])
+        out[f"pass@{k}"] = mean([pass_at_k(len(o), sum(o), k) for o in outcomes.values()])
     out.update({
-        "format_rate": mean([s["valid_format"] for s in samples]),
-        "code_ratio": mean([s["tool_calls"] > 0 for s in samples]),
+        "format_rate": mean([sample["valid_format"] for sample in samples]),
+        "code_ratio": mean([sample["tool_calls"] > 0 for sample in samples]),
         "code_pass_ratio": mean(calls) if calls else float("nan"),
-        "tool_calls": mean([s["tool_calls"] for s in samples]),
-        "response_length": mean([s["response_tokens"] for s in samples]),
+        "tool_calls": mean([sample["tool_calls"] for sample in samples]),
+        "response_length": mean([sample["response_tokens"] for sample in samples]),
     })
     return out
 
@@ -138,9 +125,9 @@ def mean(values) -> float:
 def summary_line(result: dict) -> str:
     k = result["k"]
     parts = []
-    for name, s in result["sets"].items():
-        parts.append(f"{name}: avg@{k} {s[f'avg@{k}']:.3f} pass@{k} {s[f'pass@{k}']:.3f} "
-                     f"code {s['code_ratio']:.2f} format {s['format_rate']:.2f}")
+    for name, summary in result["sets"].items():
+        parts.append(f"{name}: avg@{k} {summary[f'avg@{k}']:.3f} pass@{k} {summary[f'pass@{k}']:.3f} "
+                     f"code {summary['code_ratio']:.2f} format {summary['format_rate']:.2f}")
     return " | ".join(parts)
 
 
@@ -149,8 +136,8 @@ def markdown_table(result: dict) -> str:
     passes = [key for key in next(iter(result["sets"].values())) if key.startswith("pass@")]
     cols = ["problems", f"avg@{k}", *passes, "format_rate", "code_ratio", "code_pass_ratio", "tool_calls", "response_length"]
     lines = [f"| set ({result['mode']}) | " + " | ".join(cols) + " |", "|---" * (len(cols) + 1) + "|"]
-    for name, s in result["sets"].items():
-        cells = [f"{s[c]:.3f}" if isinstance(s[c], float) else str(s[c]) for c in cols]
+    for name, summary in result["sets"].items():
+        cells = [f"{summary[c]:.3f}" if isinstance(summary[c], float) else str(summary[c]) for c in cols]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -162,14 +149,14 @@ def paper_table(result: dict) -> str:
     a measurement is comparable only under the same protocol and the same sets.
     """
     k = result["k"]
-    rows = [(name, s) for name, s in result["sets"].items() if name in PAPER]
+    rows = [(name, summary) for name, summary in result["sets"].items() if name in PAPER]
     if not rows:
         return ""
     models = list(next(iter(PAPER.values())))
     lines = [f"| set | problems | measured avg@{k} ({result['mode']}) | " + " | ".join(f"{m} (paper)" for m in models) + " |",
              "|---" * (len(models) + 3) + "|"]
-    for name, s in rows:
-        lines.append(f"| {name} | {s['problems']} | {100 * s[f'avg@{k}']:.1f} | "
+    for name, summary in rows:
+        lines.append(f"| {name} | {summary['problems']} | {100 * summary[f'avg@{k}']:.1f} | "
                      + " | ".join(f"{PAPER[name][m]:.1f}" for m in models) + " |")
     greedy = result.get("temperature") == 0 and k == 1
     lines.append("" if greedy else f"(measured with k={k}, temperature {result.get('temperature')}: "

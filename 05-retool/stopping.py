@@ -5,7 +5,9 @@ when a step starts changing the weights and `STOP.release()` once that step's
 metrics and checkpoint are written. A signal outside that window raises
 `StopRequested` at once (the weights are those of the last finished step); a
 signal inside it waits for `release`. The loop catches `StopRequested`, saves a
-checkpoint of the last finished step and exits with 128 + the signal number.
+checkpoint of the last finished step and exits with 128 + the signal number
+(checkpoints.stop_with_checkpoint). The story: docs/05-retool.md, "Checkpoints,
+resume, stop, bad configuration".
 """
 from __future__ import annotations
 
@@ -13,7 +15,6 @@ import os
 import signal
 import sys
 import threading
-
 
 
 class StopRequested(BaseException):

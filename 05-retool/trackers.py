@@ -8,7 +8,8 @@ metrics.jsonl and eval.jsonl stay the record: resume reads them and the plots
 are drawn from them. A tracker gets each row as it is written, under the same
 keys (eval rows as `eval/<set>/<metric>`), and nothing else. Neither package is
 installed by default; each is imported only when asked for, and a missing one
-is a one-line error at start, before any model is loaded.
+is a one-line error at start, before any model is loaded. The story:
+docs/05-retool.md, "Logs".
 """
 from __future__ import annotations
 
@@ -79,19 +80,19 @@ class Trackers:
     def log(self, row: dict) -> None:
         """A metrics.jsonl row: its numbers under their own keys, at its step."""
         scalars = scalars_of(row)
-        for w in self.writers:
-            w.log(scalars, int(row["step"]))
+        for writer in self.writers:
+            writer.log(scalars, int(row["step"]))
 
     def log_eval(self, row: dict) -> None:
         """An eval.jsonl row: every number of every set as eval/<set>/<metric>, at its step."""
         scalars = {f"eval/{name}/{key}": value for name, summary in row["sets"].items()
                    for key, value in scalars_of(summary).items()}
-        for w in self.writers:
-            w.log(scalars, int(row["step"]))
+        for writer in self.writers:
+            writer.log(scalars, int(row["step"]))
 
     def close(self) -> None:
-        for w in self.writers:
-            w.close()
+        for writer in self.writers:
+            writer.close()
 
 
 def scalars_of(row: dict) -> dict[str, float]:
