@@ -160,7 +160,8 @@ def grpo_step(model, optimizer, trajectories, cfg: GRPOConfig, exclude=None, glo
     removed, on each side), ratio_mean, ratio_max, approx_kl (old -> new, k3
     estimator, over the rows the update ran on), entropy (of the policy before
     the step), mismatch_abs, mismatch_max, mismatch_kl (sampler -> trainer),
-    tokens (in the loss), sequences, excluded_sequences, rows_skipped (zero
+    tokens (in the loss), informative_frac (share of those tokens whose advantage
+    is not zero), sequences, excluded_sequences, rows_skipped (zero
     advantage: no forward or backward), optimizer_steps, skipped_steps
     (non-finite gradient norm: no update); with tis_cap, tis_weight_mean and
     tis_capped_frac over trained tokens.
@@ -223,6 +224,9 @@ def grpo_step(model, optimizer, trajectories, cfg: GRPOConfig, exclude=None, glo
     lengths = batch.attention_mask.sum(dim=1)
     row_advantage = torch.tensor([float(t.advantage) for t in trajectories])
     has_gradient = (row_advantage != 0) & mask.any(dim=1)
+    # Token-mean divides by every trained token, informative or not: this share is
+    # the factor by which zero-advantage rows shrink the step (docs/06, exercise 2).
+    metrics["informative_frac"] = float(mask[has_gradient].sum()) / max(n_tokens, 1)
     # Under DDP or FSDP2 every rank must run the same backward passes (they exchange
     # gradients in them): a rank that skipped rows would leave the others waiting.
     skip_rows = cfg.skip_zero_advantage and not _data_parallel(model)
