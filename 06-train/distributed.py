@@ -24,7 +24,7 @@ Each rank owns one device, its own vLLM engine and its own trainer replica
    group torchrun made instead of making its own, and each engine (tensor
    parallel 1) samples independently.
 5. Rank 0 alone writes files; metrics are combined from every rank's
-   (`reduce_metrics`); the evaluation runs on rank 0 while the others wait.
+   (`reduce_metrics`, by `combine_metrics`' rules); the evaluation runs on rank 0 while the others wait.
 6. A rank that fails exits non-zero; torchrun then stops the others and prints
    the failed rank's traceback (`record` writes it for torchrun), so a failure
    ends the run instead of leaving the other ranks blocked in a collective.
@@ -225,7 +225,8 @@ def combine_metrics(per_rank: list[dict]) -> dict:
     - counts add: trajectories, tokens, sequences, degenerate_groups;
     - timings (`*_s`) take the slowest rank: the step waits for it;
     - maxima take the max: mismatch_max, ratio_max;
-    - per-token means weigh each rank by its model tokens: entropy, mismatch_*, clip_*, ratio_mean, approx_kl;
+    - per-token means weigh each rank by its model tokens: entropy, mismatch_*, clip_*, ratio_mean,
+      approx_kl, informative_frac;
     - outcome means weigh each rank by its trajectories; code_pass_ratio by its tool calls,
       code_ratio_correct / _incorrect by its correct / incorrect trajectories;
     - the rest (loss, grad_norm, optimizer_steps, ...): as is when equal on every rank, else the plain mean;
@@ -235,7 +236,8 @@ def combine_metrics(per_rank: list[dict]) -> dict:
         return dict(per_rank[0])
     sums = {"trajectories", "tokens", "sequences", "degenerate_groups"}
     maxima = {"mismatch_max", "ratio_max"}
-    per_token = {"entropy", "mismatch_abs", "mismatch_kl", "clip_low_frac", "clip_high_frac", "ratio_mean", "approx_kl"}
+    per_token = {"entropy", "mismatch_abs", "mismatch_kl", "clip_low_frac", "clip_high_frac", "ratio_mean", "approx_kl",
+                 "informative_frac"}
 
     def weight(m: dict, key: str) -> float:
         n = m.get("trajectories", 1.0)
