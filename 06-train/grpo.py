@@ -136,8 +136,8 @@ def grpo_step(model, optimizer, trajectories, cfg: GRPOConfig, exclude=None, glo
         "sequences": float(len(trajectories)),
     }
     if exclude is not None and any(exclude):
-        out = torch.tensor([bool(e) for e in exclude])
-        batch = replace(batch, loss_mask=batch.loss_mask * ~out[:, None], advantages=batch.advantages * ~out[:, None])
+        kept = ~torch.tensor([bool(e) for e in exclude])[:, None]
+        batch = replace(batch, loss_mask=batch.loss_mask * kept, advantages=batch.advantages * kept)
         mask = batch.loss_mask.bool()
     metrics["excluded_sequences"] = float(sum(bool(e) for e in exclude or ()))
     n_tokens = int(mask.sum())
@@ -146,16 +146,16 @@ def grpo_step(model, optimizer, trajectories, cfg: GRPOConfig, exclude=None, glo
     if cfg.tis_cap > 0:
         # pi_old / pi_sampler per token, capped: the sample came from the sampler, the
         # gradient is for the trainer's policy. A weight, never differentiated.
-        raw = torch.exp(gap)
-        tis_weights = torch.where(mask, raw.clamp(max=cfg.tis_cap), 0.0)
+        trainer_over_sampler = torch.exp(gap)
+        tis_weights = torch.where(mask, trainer_over_sampler.clamp(max=cfg.tis_cap), 0.0)
         metrics["tis_weight_mean"] = _masked_mean(tis_weights, mask)
-        metrics["tis_capped_frac"] = _masked_mean(raw > cfg.tis_cap, mask)
+        metrics["tis_capped_frac"] = _masked_mean(trainer_over_sampler > cfg.tis_cap, mask)
 
     # 3. Updates. Within a mini-batch, rows are sorted by length so each
     # micro-batch pads to similar lengths; the gradient is a sum, order is free.
     totals = {"loss": 0.0, "grad_norm": 0.0, "ratio_max": 0.0, "seen": 0.0}  # seen: tokens the update ran on
     token_sums = dict.fromkeys(("clip_low_frac", "clip_high_frac", "ratio_mean", "approx_kl"), 0.0)
-    steps = skipped = rows_skipped = 0
+    updates = skipped_updates = rows_skipped = 0
     lengths = batch.attention_mask.sum(dim=1)
     row_advantage = torch.tensor([float(t.advantage) for t in trajectories])
     has_gradient = (row_advantage != 0) & mask.any(dim=1)
@@ -183,7 +183,7 @@ def grpo_step(model, optimizer, trajectories, cfg: GRPOConfig, exclude=None, glo
             width = micro.loss_mask.shape[1]
             old = old_logprobs[micro_rows, :width]
             weights = None if tis_weights is None else tis_weights[micro_rows, :width]
-            logprobs, _ = _forward(model, micro.input_ids, micro.attention_mask, cfg.temperature)
+            logprobs, _ = _target_logprobs(model, micro.input_ids, micro.attention_mask, cfg.temperature)
             device = logprobs.device
             loss, stats = clipped_policy_loss(
                 logprobs, old.to(device), micro.advantages.to(device),
@@ -213,25 +213,25 @@ def grpo_step(model, optimizer, trajectories, cfg: GRPOConfig, exclude=None, glo
         if math.isfinite(grad_norm):
             optimizer.step()
             totals["grad_norm"] += grad_norm
-            steps += 1
+            updates += 1
         else:  # a NaN/inf gradient would poison every weight it touches: drop this update
-            skipped += 1
+            skipped_updates += 1
         optimizer.zero_grad(set_to_none=True)
 
     per_token = max(n_tokens, 1)
     seen = max(totals["seen"], 1.0)
-    n_minibatches = max(steps + skipped, 1)
+    n_minibatches = max(updates + skipped_updates, 1)
     metrics.update({
         "loss": totals["loss"] / n_minibatches,
-        "grad_norm": totals["grad_norm"] / max(steps, 1),
+        "grad_norm": totals["grad_norm"] / max(updates, 1),
         "clip_low_frac": token_sums["clip_low_frac"] / per_token,  # zero-advantage tokens are never clipped
         "clip_high_frac": token_sums["clip_high_frac"] / per_token,
         "ratio_mean": token_sums["ratio_mean"] / seen if totals["seen"] else 1.0,
         "ratio_max": totals["ratio_max"] if totals["seen"] else 1.0,
         "approx_kl": token_sums["approx_kl"] / seen,
         "rows_skipped": float(rows_skipped),
-        "optimizer_steps": float(steps),
-        "skipped_steps": float(skipped),
+        "optimizer_steps": float(updates),
+        "skipped_steps": float(skipped_updates),
     })
     return metrics
 
@@ -413,7 +413,7 @@ def token_logprobs(model, batch: Batch, temperature: float = 1.0, micro_batch_si
     pieces = []
     for chunk in rows.split(micro_batch_size or len(rows)):
         micro = batch.select(chunk)
-        logprobs, _ = _forward(model, micro.input_ids, micro.attention_mask, temperature)
+        logprobs, _ = _target_logprobs(model, micro.input_ids, micro.attention_mask, temperature)
         pieces.append(torch.nn.functional.pad(logprobs, (0, width - logprobs.shape[1])))
     return torch.cat(pieces)
 
@@ -429,7 +429,7 @@ def _check_step_inputs(trajectories, cfg: GRPOConfig, exclude) -> None:
         raise ValueError(f"exclude has {len(exclude)} entries for {len(trajectories)} trajectories")
 
 
-def _forward(model, input_ids, attention_mask, temperature: float, with_entropy: bool = False):
+def _target_logprobs(model, input_ids, attention_mask, temperature: float, with_entropy: bool = False):
     """Log-probs [b, T-1] of the targets (and their entropy if asked) for one micro-batch."""
     device = _device(model)
     input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
@@ -459,7 +459,7 @@ def _old_logprobs_and_entropy(model, batch: Batch, cfg: GRPOConfig):
     rows = torch.argsort(lengths, descending=True, stable=True)
     for chunk in rows.split(cfg.micro_batch_size):
         micro = batch.select(chunk)
-        lp, ent = _forward(model, micro.input_ids, micro.attention_mask, cfg.temperature, with_entropy=True)
+        lp, ent = _target_logprobs(model, micro.input_ids, micro.attention_mask, cfg.temperature, with_entropy=True)
         old[chunk, : lp.shape[1]] = lp.float().cpu()
         entropy[chunk, : lp.shape[1]] = ent.float().cpu()
     return old, entropy
