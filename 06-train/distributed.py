@@ -24,7 +24,8 @@ Each rank owns one device, its own vLLM engine and its own trainer replica
    group torchrun made instead of making its own, and each engine (tensor
    parallel 1) samples independently.
 5. Rank 0 alone writes files; metrics are combined from every rank's
-   (`reduce_metrics`, by `combine_metrics`' rules); the evaluation runs on rank 0 while the others wait.
+   (`reduce_metrics`, by `combine_metrics`' rules); the evaluation runs on
+   rank 0 while the others wait.
 6. A rank that fails exits non-zero; torchrun then stops the others and prints
    the failed rank's traceback (`record` writes it for torchrun), so a failure
    ends the run instead of leaving the other ranks blocked in a collective.
