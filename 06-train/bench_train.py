@@ -116,7 +116,8 @@ def run(args, model_path: str) -> None:
     zero_rows = sum(t.advantage == 0 for t in trajectories)
 
     print(f"device              : {'cuda ' + torch.cuda.get_device_name() if on_cuda else 'cpu'} ({torch.get_num_threads()} threads)")
-    print(f"model               : {model_path} ({n_params / 1e6:.1f} M parameters, vocab {vocab})")
+    name = args.model or "the tests' tiny random model"  # not its temporary folder, gone after the run
+    print(f"model               : {name} ({n_params / 1e6:.1f} M parameters, vocab {vocab})")
     print(f"batch               : {args.sequences} sequences x ({args.prompt_len} prompt + {args.response_len} response) tokens"
           f" = {all_tokens} tokens, {model_tokens} model tokens ({'sampled by vLLM' if llm else 'synthetic'})")
     print(f"step                : {args.num_minibatches} mini-batches, micro-batch {args.micro_batch_size},"

@@ -24,7 +24,8 @@ Each rank owns one device, its own vLLM engine and its own trainer replica
    group torchrun made instead of making its own, and each engine (tensor
    parallel 1) samples independently.
 5. Rank 0 alone writes files; metrics are combined from every rank's
-   (`reduce_metrics`); the evaluation runs on rank 0 while the others wait.
+   (`reduce_metrics`, by `combine_metrics`' rules); the evaluation runs on
+   rank 0 while the others wait.
 6. A rank that fails exits non-zero; torchrun then stops the others and prints
    the failed rank's traceback (`record` writes it for torchrun), so a failure
    ends the run instead of leaving the other ranks blocked in a collective.
@@ -33,7 +34,7 @@ from __future__ import annotations
 
 import math
 import os
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 
 import torch
@@ -42,6 +43,38 @@ import torch.distributed as dist
 # How long a rank waits in a collective for the others. The evaluation runs on
 # rank 0 alone while the others wait in a barrier, so this bounds an eval too.
 COLLECTIVE_TIMEOUT = timedelta(minutes=60)
+
+
+# ------------------------------------------------------------------- a wrapped or sharded model, seen by the update
+
+
+def unwrap(model):
+    """The Hugging Face model inside a DDP wrapper; any other model as it is (FSDP2 shards in place: no wrapper)."""
+    return getattr(model, "module", model)
+
+
+def is_data_parallel(model) -> bool:
+    """Wrapped in DDP or sharded by FSDP2."""
+    return unwrap(model) is not model or any(hasattr(p, "full_tensor") for p in model.parameters())
+
+
+def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """The whole tensor from an FSDP2 shard (a DTensor: a collective, every rank must call it)."""
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+
+
+def gradient_sync(model, sync: bool):
+    """DDP: average gradients across ranks on the mini-batch's last backward only.
+
+    Earlier micro-batches accumulate locally: one exchange per optimizer step
+    instead of one per micro-batch. FSDP2 reduce-scatters after every backward
+    on purpose: skipping it would hold an unsharded float32 gradient (28 GiB for
+    a 7B model) on every GPU. A plain model has nothing to exchange.
+    """
+    return model.no_sync() if hasattr(model, "no_sync") and not sync else nullcontext()
+
+
+# ------------------------------------------------------------------- this process's place in the world
 
 
 class DataParallel:
@@ -119,10 +152,7 @@ class DataParallel:
         ids = [self.local_rank] if self.device.type == "cuda" else None
         return DistributedDataParallel(model, device_ids=ids)
 
-    @staticmethod
-    def unwrap(model):
-        """The Hugging Face model inside a DDP wrapper (FSDP2 shards the model in place: no wrapper)."""
-        return getattr(model, "module", model)
+    unwrap = staticmethod(unwrap)
 
     def checkpoint_parts(self, model, optimizer):
         """(model, optimizer) to hand to save_checkpoint on rank 0; every rank must call it.
@@ -225,7 +255,8 @@ def combine_metrics(per_rank: list[dict]) -> dict:
     - counts add: trajectories, tokens, sequences, degenerate_groups;
     - timings (`*_s`) take the slowest rank: the step waits for it;
     - maxima take the max: mismatch_max, ratio_max;
-    - per-token means weigh each rank by its model tokens: entropy, mismatch_*, clip_*, ratio_mean, approx_kl;
+    - per-token means weigh each rank by its model tokens: entropy, mismatch_*, clip_*, ratio_mean,
+      approx_kl, informative_frac;
     - outcome means weigh each rank by its trajectories; code_pass_ratio by its tool calls,
       code_ratio_correct / _incorrect by its correct / incorrect trajectories;
     - the rest (loss, grad_norm, optimizer_steps, ...): as is when equal on every rank, else the plain mean;
@@ -235,7 +266,8 @@ def combine_metrics(per_rank: list[dict]) -> dict:
         return dict(per_rank[0])
     sums = {"trajectories", "tokens", "sequences", "degenerate_groups"}
     maxima = {"mismatch_max", "ratio_max"}
-    per_token = {"entropy", "mismatch_abs", "mismatch_kl", "clip_low_frac", "clip_high_frac", "ratio_mean", "approx_kl"}
+    per_token = {"entropy", "mismatch_abs", "mismatch_kl", "clip_low_frac", "clip_high_frac", "ratio_mean", "approx_kl",
+                 "informative_frac"}
 
     def weight(m: dict, key: str) -> float:
         n = m.get("trajectories", 1.0)

@@ -1,83 +1,25 @@
-"""Chapter 06: the GRPO update, written by hand in torch, and the copy of its weights into vLLM.
-
-One training step, top to bottom:
+"""Chapter 06: the GRPO update, written by hand in torch. The story: docs/06-train.md.
 
     adv, n_degenerate = group_advantages(rewards, group_size)   # ±1 rewards -> advantages
-    for t, a in zip(trajectories, adv): t.advantage = a
-    sleep_sampler(llm)                                           # CUDA: free vLLM's KV cache
     metrics = grpo_step(model, optimizer, trajectories, cfg)     # old log-probs, clipped loss, AdamW
-    sync_weights(model, llm)                                     # new weights into vLLM, in memory
+    sync_weights(model, llm)                                     # new weights into vLLM (weight_sync.py)
 
-The objective, for a mini-batch of trajectories, with r_t = pi(y_t | y_<t) / pi_old(y_t | y_<t)
-and A the trajectory's advantage, over the tokens the model wrote:
-
-    loss = - mean_t  min( r_t * A,  clip(r_t, 1 - eps_low, 1 + eps_high) * A )
-
-Design decisions, and why:
-
-1. Advantage = reward minus the mean of its group, not divided by the group's
-   standard deviation (`scale=False`). Dividing makes a group where 15 of 16
-   answers agree weigh as much as a split group: nearly solved and hopeless
-   problems get their rare outlier amplified. `scale=True` restores the original
-   GRPO. A group whose rewards are all equal teaches nothing: its advantages are
-   zero and the count is reported, so the loop can log how much of a batch was wasted.
-2. Only tokens the model wrote carry gradient. The prompt and the interpreter's
-   output are in the sequence (the model must read them) but the model did not
-   choose them; pushing their probability up or down would teach the model to
-   predict the interpreter, not to use it. `loss_mask` selects model tokens;
-   masked positions are removed with `torch.where`, so their gradient is exactly 0.
-3. Old log-probs are recomputed by the trainer, with the weights it is about to
-   update, instead of reusing the ones vLLM recorded while sampling. The two
-   come from different kernels (and on a GPU from bf16 weights in vLLM), so a
-   ratio against vLLM's numbers would not start at exactly 1 and the clip would
-   fire for reasons unrelated to learning. The gap between the two is reported
-   instead (`mismatch_abs`, `mismatch_kl`): it should be near zero; if it is not,
-   the sampler is not running the policy being trained (a failed weight sync,
-   a different temperature, a tokenisation mismatch).
-4. Clip-higher: the ratio may rise to 1 + 0.28 but fall only to 1 - 0.2
-   (DAPO). With a symmetric clip a token at probability 0.01 can only reach
-   0.012 per update while one at 0.5 is barely limited: exploration tokens stay
-   rare and entropy collapses. A wider upper bound lets rare good tokens grow.
-5. Token-mean aggregation by default: every model token of a mini-batch weighs
-   the same. With sequence-mean (the original GRPO) each trajectory weighs the
-   same, so a token of a long answer weighs less than one of a short answer: long
-   wrong answers are punished less per token, and length drifts upward.
-6. No KL penalty to a reference model: ToRL sets its coefficient to 0, and
-   leaving it out saves a frozen copy of the model. The place where it would go
-   is marked in `grpo_step`. The clip alone bounds how far one step moves.
-7. Precision: float32 master weights, bf16 autocast for the forward on CUDA.
-   AdamW's first steps move each weight by about lr = 1e-6; a weight of size
-   0.02 stored in bf16 has a resolution of about 1e-4, so the update would round
-   away to nothing. The matmuls run in bf16 (fast); the weights, gradients and
-   optimizer state stay in float32. On CPU everything is float32.
-8. Memory: the logits of one micro-batch (sequence x vocabulary, 152k for Qwen)
-   are the largest tensor of the step. They are made float32 one micro-batch at
-   a time, log-probs are taken as `logit[target] - logsumexp(logits)` (no second
-   vocabulary-sized tensor kept for backward), and gradients are accumulated
-   over micro-batches. Gradient checkpointing is an option for long sequences.
-9. Options from the field since ToRL, all off by default (docs/06-train.md
-   says where each comes from and what the CPU ablation measured):
-   `tis_cap` weighs each token by min(pi_old / pi_sampler, cap), truncated
-   importance sampling against the sampler/trainer mismatch; aggregation
-   "token-sum" divides by one constant (Dr. GRPO); `exclude` keeps chosen
-   trajectories (truncated, void turns) out of the loss and its denominator.
-   Rows that add no gradient (zero advantage) are skipped in the update, while
-   the denominator still counts them: the same update, less work.
-10. Weight sync in memory: the engine runs in this process (see `make_llm` in
-   chapter 03), so the trainer's tensors are handed to vLLM's in-place weight
-   reload directly; nothing is written to disk. Then the prefix cache is reset,
-   because cached prefixes hold keys and values computed by the old weights, and
-   `llm.weight_version` is bumped so every trajectory sampled afterwards carries
-   the version of the policy that wrote it.
+Key decisions: the advantage is the reward minus its group's mean (no std);
+only tokens the model wrote carry gradient (`loss_mask`); pi_old is recomputed
+by the trainer, so the first mini-batch's ratio is exactly 1 and the gap to
+vLLM's log-probs is logged as a mismatch; clip-higher (0.2 below, 0.28 above);
+token-mean aggregation; no KL term; float32 master weights.
 """
 from __future__ import annotations
 
-import gc
 import math
 from contextlib import nullcontext
 from dataclasses import dataclass, replace
 
 import torch
+
+from distributed import full_tensor, gradient_sync, is_data_parallel, unwrap
+from weight_sync import sleep_sampler, sync_weights  # re-exported: the loop takes the chapter's parts from here
 
 
 @dataclass
@@ -160,7 +102,8 @@ def grpo_step(model, optimizer, trajectories, cfg: GRPOConfig, exclude=None, glo
     removed, on each side), ratio_mean, ratio_max, approx_kl (old -> new, k3
     estimator, over the rows the update ran on), entropy (of the policy before
     the step), mismatch_abs, mismatch_max, mismatch_kl (sampler -> trainer),
-    tokens (in the loss), sequences, excluded_sequences, rows_skipped (zero
+    tokens (in the loss), informative_frac (share of those tokens whose advantage
+    is not zero), sequences, excluded_sequences, rows_skipped (zero
     advantage: no forward or backward), optimizer_steps, skipped_steps
     (non-finite gradient norm: no update); with tis_cap, tis_weight_mean and
     tis_capped_frac over trained tokens.
@@ -174,14 +117,7 @@ def grpo_step(model, optimizer, trajectories, cfg: GRPOConfig, exclude=None, glo
     stay this process's own. There zero-advantage rows are not skipped: every rank
     runs the same backward passes, whose collectives exchange the gradients.
     """
-    if not trajectories:
-        raise ValueError("grpo_step needs at least one trajectory")
-    if cfg.aggregation not in AGGREGATIONS:
-        raise ValueError(f"unknown aggregation {cfg.aggregation!r} (choose from {', '.join(AGGREGATIONS)})")
-    if cfg.aggregation == "token-sum" and cfg.max_response_tokens < 1:
-        raise ValueError("aggregation token-sum divides by the response budget: set GRPOConfig.max_response_tokens")
-    if exclude is not None and len(exclude) != len(trajectories):
-        raise ValueError(f"exclude has {len(exclude)} entries for {len(trajectories)} trajectories")
+    _check_step_inputs(trajectories, cfg, exclude)
     batch = build_batch(trajectories)
     _set_gradient_checkpointing(model, cfg.gradient_checkpointing)
     model.train()  # Qwen2 has no dropout; train mode is what switches checkpointing on
@@ -200,8 +136,8 @@ def grpo_step(model, optimizer, trajectories, cfg: GRPOConfig, exclude=None, glo
         "sequences": float(len(trajectories)),
     }
     if exclude is not None and any(exclude):
-        out = torch.tensor([bool(e) for e in exclude])
-        batch = replace(batch, loss_mask=batch.loss_mask * ~out[:, None], advantages=batch.advantages * ~out[:, None])
+        kept = ~torch.tensor([bool(e) for e in exclude])[:, None]
+        batch = replace(batch, loss_mask=batch.loss_mask * kept, advantages=batch.advantages * kept)
         mask = batch.loss_mask.bool()
     metrics["excluded_sequences"] = float(sum(bool(e) for e in exclude or ()))
     n_tokens = int(mask.sum())
@@ -210,22 +146,25 @@ def grpo_step(model, optimizer, trajectories, cfg: GRPOConfig, exclude=None, glo
     if cfg.tis_cap > 0:
         # pi_old / pi_sampler per token, capped: the sample came from the sampler, the
         # gradient is for the trainer's policy. A weight, never differentiated.
-        raw = torch.exp(gap)
-        tis_weights = torch.where(mask, raw.clamp(max=cfg.tis_cap), 0.0)
+        trainer_over_sampler = torch.exp(gap)
+        tis_weights = torch.where(mask, trainer_over_sampler.clamp(max=cfg.tis_cap), 0.0)
         metrics["tis_weight_mean"] = _masked_mean(tis_weights, mask)
-        metrics["tis_capped_frac"] = _masked_mean(raw > cfg.tis_cap, mask)
+        metrics["tis_capped_frac"] = _masked_mean(trainer_over_sampler > cfg.tis_cap, mask)
 
     # 3. Updates. Within a mini-batch, rows are sorted by length so each
     # micro-batch pads to similar lengths; the gradient is a sum, order is free.
-    totals = {"loss": 0.0, "grad_norm": 0.0, "clip_low": 0.0, "clip_high": 0.0,
-              "ratio_sum": 0.0, "kl_sum": 0.0, "ratio_max": 0.0, "seen": 0.0}
-    steps = skipped = rows_skipped = 0
+    totals = {"loss": 0.0, "grad_norm": 0.0, "ratio_max": 0.0, "seen": 0.0}  # seen: tokens the update ran on
+    token_sums = dict.fromkeys(("clip_low_frac", "clip_high_frac", "ratio_mean", "approx_kl"), 0.0)
+    updates = skipped_updates = rows_skipped = 0
     lengths = batch.attention_mask.sum(dim=1)
     row_advantage = torch.tensor([float(t.advantage) for t in trajectories])
     has_gradient = (row_advantage != 0) & mask.any(dim=1)
+    # Token-mean divides by every trained token, informative or not: this share is
+    # the factor by which zero-advantage rows shrink the step (docs/06, exercise 2).
+    metrics["informative_frac"] = float(mask[has_gradient].sum()) / max(n_tokens, 1)
     # Under DDP or FSDP2 every rank must run the same backward passes (they exchange
     # gradients in them): a rank that skipped rows would leave the others waiting.
-    skip_rows = cfg.skip_zero_advantage and not _data_parallel(model)
+    skip_rows = cfg.skip_zero_advantage and not is_data_parallel(model)
     for rows in torch.arange(len(trajectories)).tensor_split(cfg.num_minibatches):
         if len(rows) == 0:
             continue
@@ -244,7 +183,7 @@ def grpo_step(model, optimizer, trajectories, cfg: GRPOConfig, exclude=None, glo
             width = micro.loss_mask.shape[1]
             old = old_logprobs[micro_rows, :width]
             weights = None if tis_weights is None else tis_weights[micro_rows, :width]
-            logprobs, _ = _forward(model, micro.input_ids, micro.attention_mask, cfg.temperature)
+            logprobs, _ = _target_logprobs(model, micro.input_ids, micro.attention_mask, cfg.temperature)
             device = logprobs.device
             loss, stats = clipped_policy_loss(
                 logprobs, old.to(device), micro.advantages.to(device),
@@ -257,15 +196,12 @@ def grpo_step(model, optimizer, trajectories, cfg: GRPOConfig, exclude=None, glo
             # with ref_logprobs from a frozen copy of the initial model, computed in
             # step 1 beside old_logprobs. ToRL uses kl_coef = 0, so the lab keeps
             # neither the copy nor its memory.
-            with _gradient_sync(model, micro_rows is micro_batches[-1]):
+            with gradient_sync(model, micro_rows is micro_batches[-1]):
                 loss.backward()
             totals["loss"] += float(loss.detach())
-            micro_tokens = stats["tokens"]
-            totals["seen"] += micro_tokens
-            totals["clip_low"] += stats["clip_low_frac"] * micro_tokens
-            totals["clip_high"] += stats["clip_high_frac"] * micro_tokens
-            totals["ratio_sum"] += stats["ratio_mean"] * micro_tokens
-            totals["kl_sum"] += stats["approx_kl"] * micro_tokens
+            totals["seen"] += stats["tokens"]
+            for key in token_sums:
+                token_sums[key] += stats[key] * stats["tokens"]
             totals["ratio_max"] = max(totals["ratio_max"], stats["ratio_max"])
         if len(rows) == 0:
             # Every row was skipped. Unskipped, backward would have left zero gradients
@@ -273,85 +209,35 @@ def grpo_step(model, optimizer, trajectories, cfg: GRPOConfig, exclude=None, glo
             for p in model.parameters():
                 if p.requires_grad:
                     p.grad = torch.zeros_like(p)
-        grad_norm = _full(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)).item()
+        grad_norm = full_tensor(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)).item()
         if math.isfinite(grad_norm):
             optimizer.step()
             totals["grad_norm"] += grad_norm
-            steps += 1
+            updates += 1
         else:  # a NaN/inf gradient would poison every weight it touches: drop this update
-            skipped += 1
+            skipped_updates += 1
         optimizer.zero_grad(set_to_none=True)
 
     per_token = max(n_tokens, 1)
     seen = max(totals["seen"], 1.0)
-    n_minibatches = max(steps + skipped, 1)
+    n_minibatches = max(updates + skipped_updates, 1)
     metrics.update({
         "loss": totals["loss"] / n_minibatches,
-        "grad_norm": totals["grad_norm"] / max(steps, 1),
-        "clip_low_frac": totals["clip_low"] / per_token,  # zero-advantage tokens are never clipped
-        "clip_high_frac": totals["clip_high"] / per_token,
-        "ratio_mean": totals["ratio_sum"] / seen if totals["seen"] else 1.0,
+        "grad_norm": totals["grad_norm"] / max(updates, 1),
+        "clip_low_frac": token_sums["clip_low_frac"] / per_token,  # zero-advantage tokens are never clipped
+        "clip_high_frac": token_sums["clip_high_frac"] / per_token,
+        "ratio_mean": token_sums["ratio_mean"] / seen if totals["seen"] else 1.0,
         "ratio_max": totals["ratio_max"] if totals["seen"] else 1.0,
-        "approx_kl": totals["kl_sum"] / seen,
+        "approx_kl": token_sums["approx_kl"] / seen,
         "rows_skipped": float(rows_skipped),
-        "optimizer_steps": float(steps),
-        "skipped_steps": float(skipped),
+        "optimizer_steps": float(updates),
+        "skipped_steps": float(skipped_updates),
     })
     return metrics
 
 
-def sync_weights(model, llm) -> int:
-    """Copy the trainer's weights into the running vLLM engine, in memory; return the new version.
-
-    The engine must run in this process (`make_llm` in chapter 03 arranges it):
-    the weights are handed over as tensors, no checkpoint is written. Steps:
-    wake the engine's weights if `sleep_sampler` put it to sleep; run vLLM's
-    in-place reload with the trainer's (Hugging Face named) parameters, which
-    also redoes any kernel-specific repacking; wake the KV cache; reset the
-    prefix cache (its blocks hold keys and values of the old weights); bump
-    `llm.weight_version`. Casting float32 trainer weights to the engine's dtype
-    (bf16 on a GPU) happens in the copy.
-    """
-    from vllm.v1.engine.core_client import InprocClient
-
-    if not isinstance(llm.llm_engine.engine_core, InprocClient):
-        raise RuntimeError(
-            "sync_weights needs the vLLM engine in this process: build it with make_llm "
-            "(VLLM_ENABLE_V1_MULTIPROCESSING=0)"
-        )
-    asleep = llm.llm_engine.is_sleeping()
-    if asleep:
-        llm.wake_up(tags=["weights"])  # the weights' memory first; the KV cache after the copy
-    # full tensors under their Hugging Face names, also from a DDP or FSDP2 model
-    weights = ((name, _full(param.detach())) for name, param in _unwrap(model).named_parameters())
-    llm.collective_rpc(_reload_weights_in_worker, args=(weights,))
-    if asleep:
-        gc.collect()
-        torch.cuda.empty_cache()  # hand the trainer's cached blocks back before vLLM maps its KV cache
-        llm.wake_up(tags=["kv_cache"])
-    if not llm.reset_prefix_cache():
-        raise RuntimeError("vLLM refused to reset its prefix cache: requests are still running")
-    llm.weight_version = getattr(llm, "weight_version", 0) + 1  # rollout stamps this on trajectories
-    return llm.weight_version
-
-
-def sleep_sampler(llm, level: int = 1) -> bool:
-    """On CUDA, put vLLM to sleep for the update; returns whether it slept.
-
-    Sleep frees the KV cache (most of vLLM's memory) for the trainer's
-    activations and optimizer state; level 1 also moves vLLM's weights to host
-    memory (a 1.5B model: 3 GB). `sync_weights` wakes it. On CPU, vLLM has no
-    sleep mode and this does nothing.
-    """
-    config = llm.llm_engine.vllm_config.model_config
-    if not (torch.cuda.is_available() and config.enable_sleep_mode):
-        return False
-    llm.sleep(level=level)
-    return True
-
-
 def make_optimizer(model, cfg: GRPOConfig) -> torch.optim.Optimizer:
-    """AdamW over the model's parameters, which must be float32 (design decision 7)."""
+    """AdamW over the model's parameters, which must be float32 (docs/06: "Precision")."""
     params = [p for p in model.parameters() if p.requires_grad]
     not_fp32 = {str(p.dtype) for p in params if p.dtype != torch.float32}
     if not_fp32:
@@ -435,26 +321,7 @@ def build_batch(trajectories) -> Batch:
     return Batch(input_ids, attention_mask, loss_mask, advantages, sampler_logprobs)
 
 
-# --------------------------------------------------------------------------- log-probs and loss
-
-
-def token_logprobs(model, batch: Batch, temperature: float = 1.0, micro_batch_size: int | None = None) -> torch.Tensor:
-    """[B, T-1] log-prob of every target token of `batch` under `model`, logits divided by `temperature`.
-
-    Positions whose target is padding hold whatever the model says about token
-    0 there; multiply by `batch.loss_mask` (or index with it) before use. With
-    `micro_batch_size` the rows run in chunks, so only one chunk's logits exist
-    in float32 at a time; call it under `torch.no_grad()` then, or every chunk's
-    graph is kept for backward. The result is on the model's device.
-    """
-    rows = torch.arange(batch.input_ids.shape[0])
-    width = batch.loss_mask.shape[1]
-    pieces = []
-    for chunk in rows.split(micro_batch_size or len(rows)):
-        micro = batch.select(chunk)
-        logprobs, _ = _forward(model, micro.input_ids, micro.attention_mask, temperature)
-        pieces.append(torch.nn.functional.pad(logprobs, (0, width - logprobs.shape[1])))
-    return torch.cat(pieces)
+# --------------------------------------------------------------------------- the loss
 
 
 def clipped_policy_loss(
@@ -532,7 +399,37 @@ def clipped_policy_loss(
 # --------------------------------------------------------------------------- helpers
 
 
-def _forward(model, input_ids, attention_mask, temperature: float, with_entropy: bool = False):
+def token_logprobs(model, batch: Batch, temperature: float = 1.0, micro_batch_size: int | None = None) -> torch.Tensor:
+    """[B, T-1] log-prob of every target token of `batch` under `model`, logits divided by `temperature`.
+
+    Positions whose target is padding hold whatever the model says about token
+    0 there; multiply by `batch.loss_mask` (or index with it) before use. With
+    `micro_batch_size` the rows run in chunks, so only one chunk's logits exist
+    in float32 at a time; call it under `torch.no_grad()` then, or every chunk's
+    graph is kept for backward. The result is on the model's device.
+    """
+    rows = torch.arange(batch.input_ids.shape[0])
+    width = batch.loss_mask.shape[1]
+    pieces = []
+    for chunk in rows.split(micro_batch_size or len(rows)):
+        micro = batch.select(chunk)
+        logprobs, _ = _target_logprobs(model, micro.input_ids, micro.attention_mask, temperature)
+        pieces.append(torch.nn.functional.pad(logprobs, (0, width - logprobs.shape[1])))
+    return torch.cat(pieces)
+
+
+def _check_step_inputs(trajectories, cfg: GRPOConfig, exclude) -> None:
+    if not trajectories:
+        raise ValueError("grpo_step needs at least one trajectory")
+    if cfg.aggregation not in AGGREGATIONS:
+        raise ValueError(f"unknown aggregation {cfg.aggregation!r} (choose from {', '.join(AGGREGATIONS)})")
+    if cfg.aggregation == "token-sum" and cfg.max_response_tokens < 1:
+        raise ValueError("aggregation token-sum divides by the response budget: set GRPOConfig.max_response_tokens")
+    if exclude is not None and len(exclude) != len(trajectories):
+        raise ValueError(f"exclude has {len(exclude)} entries for {len(trajectories)} trajectories")
+
+
+def _target_logprobs(model, input_ids, attention_mask, temperature: float, with_entropy: bool = False):
     """Log-probs [b, T-1] of the targets (and their entropy if asked) for one micro-batch."""
     device = _device(model)
     input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
@@ -562,22 +459,10 @@ def _old_logprobs_and_entropy(model, batch: Batch, cfg: GRPOConfig):
     rows = torch.argsort(lengths, descending=True, stable=True)
     for chunk in rows.split(cfg.micro_batch_size):
         micro = batch.select(chunk)
-        lp, ent = _forward(model, micro.input_ids, micro.attention_mask, cfg.temperature, with_entropy=True)
+        lp, ent = _target_logprobs(model, micro.input_ids, micro.attention_mask, cfg.temperature, with_entropy=True)
         old[chunk, : lp.shape[1]] = lp.float().cpu()
         entropy[chunk, : lp.shape[1]] = ent.float().cpu()
     return old, entropy
-
-
-def _reload_weights_in_worker(worker, weights) -> None:
-    """Runs inside vLLM's worker (in this process): in-place reload, then the CPU fix-up."""
-    worker.reload_weights(weights_iterator=weights, is_checkpoint_format=True)
-    # vLLM's CPU backend keeps a pre-packed copy of the output projection for its
-    # matmul kernel. A tied lm_head (Qwen's small models) receives no weights of
-    # its own during a reload, so that copy would keep the old embedding matrix:
-    # repack it. On a GPU there is no such copy (lm_head *is* the embedding tensor).
-    lm_head = getattr(worker.model_runner.get_model(), "lm_head", None)
-    if lm_head is not None and hasattr(lm_head, "cpu_linear"):
-        lm_head.quant_method.process_weights_after_loading(lm_head)
 
 
 def _normalizer(loss_mask: torch.Tensor, aggregation: str, max_response_tokens: int = 0) -> float:
@@ -590,32 +475,6 @@ def _normalizer(loss_mask: torch.Tensor, aggregation: str, max_response_tokens: 
     return max(float((loss_mask.sum(dim=1) > 0).sum()), 1.0)
 
 
-def _data_parallel(model) -> bool:
-    """Wrapped in DDP or sharded by FSDP2 (distributed.py)."""
-    return _unwrap(model) is not model or any(hasattr(p, "full_tensor") for p in model.parameters())
-
-
-def _unwrap(model):
-    """The Hugging Face model inside a DDP wrapper; any other model as it is."""
-    return getattr(model, "module", model)
-
-
-def _full(tensor: torch.Tensor) -> torch.Tensor:
-    """The whole tensor from an FSDP2 shard (a DTensor: a collective, every rank must call it)."""
-    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
-
-
-def _gradient_sync(model, sync: bool):
-    """DDP: average gradients across ranks on the mini-batch's last backward only.
-
-    Earlier micro-batches accumulate locally: one exchange per optimizer step
-    instead of one per micro-batch. FSDP2 reduce-scatters after every backward
-    on purpose: skipping it would hold an unsharded float32 gradient (28 GiB for
-    a 7B model) on every GPU. A plain model has nothing to exchange.
-    """
-    return model.no_sync() if hasattr(model, "no_sync") and not sync else nullcontext()
-
-
 def _masked_mean(values: torch.Tensor, mask: torch.Tensor) -> float:
     n = int(mask.sum())
     return float(torch.where(mask, values.float(), 0.0).sum() / n) if n else 0.0
@@ -626,7 +485,7 @@ def _device(model) -> torch.device:
 
 
 def _set_gradient_checkpointing(model, on: bool) -> None:
-    model = _unwrap(model)
+    model = unwrap(model)
     if on and not model.is_gradient_checkpointing:
         # non-reentrant: works when the inputs (token ids) need no gradient
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

@@ -98,7 +98,8 @@ def test_two_ranks_on_half_batches_take_the_same_step_as_one_process_on_the_whol
     assert max_difference(single, initial) > 1e-3  # the step moved the weights
     # float32 sums in another order (FSDP2 reduces after every micro-batch); a wrong denominator gives > 1e-4
     assert max_difference(ranks["weights"], single) < 2e-5
-    for key in ("loss", "grad_norm", "tokens", "sequences", "entropy", "clip_low_frac", "ratio_mean", "mismatch_abs"):
+    for key in ("loss", "grad_norm", "tokens", "sequences", "entropy", "clip_low_frac", "ratio_mean", "mismatch_abs",
+                "informative_frac"):
         assert ranks["metrics"][key] == pytest.approx(single_metrics[key], rel=1e-4, abs=1e-6), key
 
 

@@ -269,7 +269,7 @@ def test_metrics_are_flat_floats(policy):
     metrics = grpo_step(policy, make_optimizer(policy, cfg), random_trajectories(3), cfg)
     expected = {"loss", "grad_norm", "clip_low_frac", "clip_high_frac", "ratio_mean", "ratio_max",
                 "approx_kl", "entropy", "mismatch_abs", "mismatch_max", "mismatch_kl", "tokens",
-                "sequences", "excluded_sequences", "rows_skipped", "optimizer_steps", "skipped_steps"}
+                "informative_frac", "sequences", "excluded_sequences", "rows_skipped", "optimizer_steps", "skipped_steps"}
     assert expected <= set(metrics)
     assert all(type(k) is str and type(v) is float and math.isfinite(v) for k, v in metrics.items())
     assert metrics["tokens"] == sum(sum(t.loss_mask) for t in random_trajectories(3))
@@ -389,6 +389,23 @@ def test_skipping_zero_advantage_rows_changes_no_weight(policy, optimizer):
         results.append(flat_weights(model))
     assert (results[0] - flat_weights(policy)).abs().max() > 1e-4
     assert torch.allclose(results[0], results[1], atol=1e-6)
+
+
+def test_zero_advantage_tokens_shrink_the_token_mean_step_by_the_informative_share(policy):
+    # Under token-mean the zero-advantage rows add no gradient but count in the
+    # denominator: the step is the informative rows' own step times their token share.
+    informative = random_trajectories(2)
+    idle = random_trajectories(3, seed=1)
+    for t in idle:
+        t.advantage = 0.0
+    alone, _ = sgd_step(policy, informative)
+    diluted, metrics = sgd_step(policy, informative + idle)
+    share = sum(sum(t.loss_mask) for t in informative) / sum(sum(t.loss_mask) for t in informative + idle)
+    assert metrics["informative_frac"] == pytest.approx(share)
+    assert 0.2 < share < 0.8
+    start = flat_weights(policy)
+    assert torch.allclose(diluted - start, share * (alone - start), atol=1e-6)
+    assert sgd_step(policy, informative)[1]["informative_frac"] == 1.0
 
 
 def test_excluded_trajectory_gets_no_gradient_and_leaves_the_denominator(policy):

@@ -1,0 +1,89 @@
+"""Chosen metrics of one or more runs, step by step, from their metrics.jsonl: a table, and a plot if asked.
+
+    .venv/bin/python 06-train/show_metrics.py runs/demo --keys reward_mean degenerate_groups informative_frac grad_norm
+    .venv/bin/python 06-train/show_metrics.py runs/demo runs/clip --keys clip_high_frac ratio_max --plot clip.png
+
+The exercises of docs/06-train.md read the clipped update and the degenerate
+groups off a CPU-demo run this way. Each run gets one column per key; the last
+row is the mean over steps.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+from pathlib import Path
+
+from ablation import read_jsonl
+
+
+def table(runs: dict[str, list[dict]], keys: list[str]) -> str:
+    """A markdown table: one row per step, one column per (run, key), then the mean over steps."""
+    columns = [(name, key) for name in runs for key in keys]
+    many = len(runs) > 1
+    header = ["step"] + [f"{name}: {key}" if many else key for name, key in columns]
+    lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
+    steps = sorted({r["step"] for rows in runs.values() for r in rows})
+    by_step = {name: {r["step"]: r for r in rows} for name, rows in runs.items()}
+    for step in steps:
+        cells = [_cell(by_step[name].get(step, {}).get(key)) for name, key in columns]
+        lines.append(f"| {step} | " + " | ".join(cells) + " |")
+    means = [_cell(_mean([r[key] for r in runs[name] if key in r])) for name, key in columns]
+    lines.append("| mean | " + " | ".join(means) + " |")
+    return "\n".join(lines)
+
+
+def plot(runs: dict[str, list[dict]], keys: list[str], path: Path) -> None:
+    """One panel per key, one line per run."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(keys), figsize=(3.6 * len(keys), 2.8), squeeze=False)
+    for ax, key in zip(axes[0], keys):
+        for name, rows in runs.items():
+            have = [r for r in rows if key in r]
+            ax.plot([r["step"] for r in have], [r[key] for r in have], marker=".", label=name)
+        ax.set_title(key, fontsize=9)
+        ax.set_xlabel("RL step")
+        ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=7)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values) if values else math.nan
+
+
+def _cell(value) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return ""
+    return f"{value:.3g}"
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog="\n\n".join(__doc__.split("\n\n")[1:]))
+    p.add_argument("runs", nargs="+", help="run folders (each with a metrics.jsonl)")
+    p.add_argument("--keys", nargs="+", required=True, help="metrics.jsonl fields to show, e.g. clip_high_frac ratio_max")
+    p.add_argument("--plot", metavar="PNG", help="also draw one panel per key into this file")
+    args = p.parse_args(argv)
+    runs = {}
+    for folder in map(Path, args.runs):
+        rows = read_jsonl(folder / "metrics.jsonl")
+        if not rows:
+            raise SystemExit(f"error: {folder}: no metrics.jsonl with steps in it")
+        runs[folder.name] = rows
+    missing = [k for k in args.keys if not any(k in r for rows in runs.values() for r in rows)]
+    if missing:
+        raise SystemExit(f"error: no run has {', '.join(missing)} in its metrics.jsonl")
+    print(table(runs, args.keys))
+    if args.plot:
+        plot(runs, args.keys, Path(args.plot))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,75 @@
+"""The trainer's new weights into the running vLLM engine, in memory; see docs/06-train.md, "The weight sync".
+
+`sleep_sampler` frees vLLM's GPU memory for the update (CUDA only), `sync_weights`
+copies the weights in, wakes the engine, resets its prefix cache and bumps
+`llm.weight_version`. The engine must run in this process (chapter 03's `make_llm`).
+"""
+from __future__ import annotations
+
+import gc
+
+import torch
+
+from distributed import full_tensor, unwrap
+
+
+def sync_weights(model, llm) -> int:
+    """Copy the trainer's weights into the running vLLM engine, in memory; return the new version.
+
+    The engine must run in this process (`make_llm` in chapter 03 arranges it):
+    the weights are handed over as tensors, no checkpoint is written. Steps:
+    wake the engine's weights if `sleep_sampler` put it to sleep; run vLLM's
+    in-place reload with the trainer's (Hugging Face named) parameters, which
+    also redoes any kernel-specific repacking; wake the KV cache; reset the
+    prefix cache (its blocks hold keys and values of the old weights); bump
+    `llm.weight_version`. Casting float32 trainer weights to the engine's dtype
+    (bf16 on a GPU) happens in the copy.
+    """
+    from vllm.v1.engine.core_client import InprocClient
+
+    if not isinstance(llm.llm_engine.engine_core, InprocClient):
+        raise RuntimeError(
+            "sync_weights needs the vLLM engine in this process: build it with make_llm "
+            "(VLLM_ENABLE_V1_MULTIPROCESSING=0)"
+        )
+    asleep = llm.llm_engine.is_sleeping()
+    if asleep:
+        llm.wake_up(tags=["weights"])  # the weights' memory first; the KV cache after the copy
+    # full tensors under their Hugging Face names, also from a DDP or FSDP2 model
+    weights = ((name, full_tensor(param.detach())) for name, param in unwrap(model).named_parameters())
+    llm.collective_rpc(reload_weights_in_worker, args=(weights,))
+    if asleep:
+        gc.collect()
+        torch.cuda.empty_cache()  # hand the trainer's cached blocks back before vLLM maps its KV cache
+        llm.wake_up(tags=["kv_cache"])
+    if not llm.reset_prefix_cache():
+        raise RuntimeError("vLLM refused to reset its prefix cache: requests are still running")
+    llm.weight_version = getattr(llm, "weight_version", 0) + 1  # rollout stamps this on trajectories
+    return llm.weight_version
+
+
+def sleep_sampler(llm, level: int = 1) -> bool:
+    """On CUDA, put vLLM to sleep for the update; returns whether it slept.
+
+    Sleep frees the KV cache (most of vLLM's memory) for the trainer's
+    activations and optimizer state; level 1 also moves vLLM's weights to host
+    memory (a 1.5B model: 3 GB). `sync_weights` wakes it. On CPU, vLLM has no
+    sleep mode and this does nothing.
+    """
+    config = llm.llm_engine.vllm_config.model_config
+    if not (torch.cuda.is_available() and config.enable_sleep_mode):
+        return False
+    llm.sleep(level=level)
+    return True
+
+
+def reload_weights_in_worker(worker, weights) -> None:
+    """Runs inside vLLM's worker (in this process): in-place reload, then the CPU fix-up."""
+    worker.reload_weights(weights_iterator=weights, is_checkpoint_format=True)
+    # vLLM's CPU backend keeps a pre-packed copy of the output projection for its
+    # matmul kernel. A tied lm_head (Qwen's small models) receives no weights of
+    # its own during a reload, so that copy would keep the old embedding matrix:
+    # repack it. On a GPU there is no such copy (lm_head *is* the embedding tensor).
+    lm_head = getattr(worker.model_runner.get_model(), "lm_head", None)
+    if lm_head is not None and hasattr(lm_head, "cpu_linear"):
+        lm_head.quant_method.process_weights_after_loading(lm_head)
