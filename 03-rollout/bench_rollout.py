@@ -1,39 +1,47 @@
-"""What the tool loop costs on top of bare generation, measured on one engine.
+"""What the tool loop costs on top of bare generation, for both schedules, measured on one engine.
 
-    make bench-rollout                                   # tiny random model on CPU, a few minutes
+    make bench-rollout                                   # tiny random model on CPU, about three minutes
     python 03-rollout/bench_rollout.py --model Qwen/Qwen2.5-Math-1.5B --dtype bfloat16 --max-response-tokens 3072
 
-The workload: `--problems` toy questions, `--group-size` samples each. Every
-sample's first turn writes a code block and stops on ```output (forced with
-structured outputs: a random model never writes code by itself), the sandbox
-runs it, the output is appended, and the second turn samples freely up to the
-response budget (EOS ignored, so that every sample is as long as the budget
-allows and the count of tokens is the same from run to run).
+Two workloads, each run with the overlapped rollout (the default) and with rounds:
 
-The baseline is ONE bare `llm.generate` on the same prompts with `n=group_size`,
-the same sampling parameters and log-probs, producing as many tokens per sample
-as the rollout's samples wrote on average. The ratio
+1. Equal lengths: `--problems` x `--group-size` samples. Every first turn writes a
+   short code block and stops on ```output (forced with structured outputs: a
+   random model never writes code by itself); the second turn samples to the
+   response budget with EOS ignored, so every sample is about as long as every
+   other. This is the kindest case for rounds.
+2. Long-tailed: `--tail-problems` x `--group-size` samples whose lengths follow a
+   heavy tail, as real RL responses do (most end early, a few run long). Each of
+   the two turns opens with a marker letter that picks its length class: classes
+   run from `--tail-shortest` tokens upwards, doubling, and a class twice as long
+   is half as likely (P(length >= x) ~ 1/x). The tool call comes after the first
+   turn's class, so at a different point in each sample, and its code sleeps
+   `--tool-sleep` seconds, a sandbox call that takes a realistic time. Its
+   sandbox admits every sample's call at once: sleeping takes no core.
 
-    overhead = rollout wall time / baseline wall time, scaled to equal token counts
+The baseline for each is a bare `llm.generate` of the same tokens: one request per
+sample, as many tokens as that sample's model tokens, the same sampling, seeds and
+log-probs. For the long-tailed workload the baseline is also constrained by a
+grammar of the same length (digits, then EOS), so that both pay the same
+per-token masking and the ratio measures the schedule. The ratio
 
-is shown with the sandbox's time excluded (the cost of the loop itself: two
-rounds instead of one, the wait for the round's slowest sample, prefilling the
-observations, the bookkeeping) and included. The wait is also counted in
-decode steps, which no other load on the machine changes: each round decodes
-until its longest turn ends. A third run, `rollout()` with no
-tool and the same number of tokens, is one round: its ratio is the cost of the
-bookkeeping alone (log-probs, masks, decoding). Each figure is shown as the best and
-the median of `--repeats` runs after one warm-up run of each kind: on a machine
-shared with other work, the fastest run is the least disturbed one.
+    rollout wall time / baseline wall time, scaled to equal token counts
 
-The forced first turn carries a grammar the baseline does not; it is a few
-dozen tokens of the budget, and real models do not need it.
+is shown with the sandbox's time (time the engine had nothing to decode while
+code ran) excluded and included. Run k is seeded with k: within a run every kind
+samples the same tokens, and each run is a new draw of the lengths (times are
+per token, shown for the mean token count). Each figure is the best and the
+median of `--repeats` runs after one warm-up run of each kind: on a machine
+shared with other work, the fastest run is the least disturbed one. The last
+line is the default rollout on the long-tailed workload, sandbox included.
 """
 from __future__ import annotations
 
 import argparse
 import os
+import re
 import statistics
+import string
 import sys
 import tempfile
 import time
@@ -42,105 +50,169 @@ from pathlib import Path
 
 # A code block with the problem's product, then ```output: the shape ToRL's model writes.
 FORCED_CODE_TURN = r"```python\nprint\([1-9][0-9]{0,2} \* [1-9][0-9]{0,2}\)\n```\n```output"
+SCHEDULES = ("rounds", "overlap")
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # the figures, not the engine's log
-    from rollout import RolloutConfig, make_llm, rollout
+    from rollout import RolloutConfig, make_llm
     from sandbox import Sandbox, SandboxConfig
 
     model = args.model or str(_tiny_model())
     llm = make_llm(model, dtype=args.dtype, max_model_len=args.max_model_len, seed=0)
-    problems = [{"id": f"toy-{i}", "question": f"What is {101 + 37 * i} * {211 + 53 * i}?",
-                 "answer": str((101 + 37 * i) * (211 + 53 * i)), "source": "bench"} for i in range(args.problems)]
-    tool = RolloutConfig(group_size=args.group_size, max_response_tokens=args.max_response_tokens,
-                         force_turns=(FORCED_CODE_TURN,), extra_sampling={"ignore_eos": True})
-    samples = args.problems * args.group_size
-
-    runs: dict[str, list[dict]] = {"tool": [], "plain": [], "bare": []}
+    default = RolloutConfig().schedule
+    tail = heavy_tail(args.tail_shortest, args.tail_classes)
+    # Seeded (run k uses seed k), so that both schedules and the baseline sample the same tokens
+    # within a run, and each run is another draw of the lengths.
+    equal = RolloutConfig(group_size=args.group_size, max_response_tokens=args.max_response_tokens, seed=0,
+                          force_turns=(FORCED_CODE_TURN,), extra_sampling={"ignore_eos": True})
+    longtail = RolloutConfig(group_size=args.group_size, max_response_tokens=args.max_model_len - 256, seed=0,  # never binds
+                             force_turns=(tail + tool_call_regex(args.tool_sleep), tail))
     load = os.getloadavg()
-    with Sandbox(SandboxConfig()) as sandbox:
-        for run in range(args.repeats + 1):  # run 0 warms up compilation, the grammar and the sandbox
-            row = {}
-            for kind in ("tool", "plain", "bare"):
-                stats: dict = {}
-                if kind == "tool":
-                    trajs = rollout(llm, problems, sandbox, tool, stats)
-                    per_sample = round(stats["model_tokens"] / samples)
-                    stats["decode_steps"] = _decode_steps(trajs)
-                elif kind == "plain":
-                    # The same number of tokens without the tool: one round, the loop's bookkeeping alone.
-                    rollout(llm, problems, sandbox, replace(tool, tool_budget=0, force_turns=(), max_response_tokens=per_sample), stats)
-                else:
-                    stats = bare_generate(llm, problems, tool, per_sample)
-                row[kind] = stats
-            if run:
-                for kind in runs:
-                    runs[kind].append(row[kind])
-            print(f"run {run}{' (warm-up)' if not run else ''}: " + ", ".join(
-                f"{kind} {r['wall_s']:.2f} s" for kind, r in row.items()), file=sys.stderr, flush=True)
+    runs = {}
+    with Sandbox(SandboxConfig()) as quick, Sandbox(SandboxConfig(concurrency=args.tail_problems * args.group_size)) as slow:
+        runs["equal"] = measure(llm, toy_problems(args.problems), quick, equal, args.repeats, "equal", plain=True)
+        runs["tail"] = measure(llm, toy_problems(args.tail_problems), slow, longtail, args.repeats, "long-tailed")
 
-    def time_of(kind: str, sandbox_too: bool = True) -> tuple[float, float]:
-        """Best and median seconds per token of one kind of run."""
-        per_token = [(r["wall_s"] - (0.0 if sandbox_too else r["sandbox_s"])) / r["model_tokens"] for r in runs[kind]]
-        return min(per_token), statistics.median(per_token)
-
-    def line(kind: str) -> str:
-        r = runs[kind][-1]
-        best, med = time_of(kind)
-        return (f"{r['model_tokens']} tokens, best {best * r['model_tokens']:.2f} s (median {med * r['model_tokens']:.2f} s)"
-                f" = {1 / best:.0f} tokens/s")
-
-    def ratio(kind: str, sandbox_too: bool) -> str:
-        (best, med), (bare_best, bare_med) = time_of(kind, sandbox_too), time_of("bare")
-        return f"{best / bare_best:.3f} (median {med / bare_med:.3f})"
-
-    t = runs["tool"][-1]
-    own = statistics.median(r["wall_s"] - r["generate_s"] - r["sandbox_s"] for r in runs["tool"])
-    print(f"bench-rollout: {args.problems} problems x {args.group_size} samples, response budget "
-          f"{args.max_response_tokens} tokens, EOS ignored; best and median of {args.repeats} runs")
-    print(f"  model: {model if args.model else 'tiny random Qwen2 (tiny_model.py)'}, dtype {args.dtype}")
-    print(f"  rollout(), one tool call each: {line('tool')}")
-    print(f"      {t['observation_tokens']} observation tokens, {t['rounds']} rounds; "
-          f"sandbox {statistics.median(r['sandbox_s'] for r in runs['tool']):.3f} s, "
-          f"outside generate and sandbox {own:.3f} s (medians)")
-    print(f"      a round lasts as long as its longest turn: {t['decode_steps'][0]} + {t['decode_steps'][1]} = "
-          f"{sum(t['decode_steps'])} sequential decode steps, against {per_sample} for bare generate")
-    print(f"  rollout(), no tool (1 round):  {line('plain')}")
-    print(f"  bare llm.generate:             {line('bare')}")
-    print("  overhead ratio vs bare generate, equal token counts, best/best:")
-    print(f"    rollout() with tool, sandbox time excluded: {ratio('tool', False)}   target <= 1.15")
-    print(f"    rollout() with tool, sandbox time included: {ratio('tool', True)}")
-    print(f"    rollout() without tool (bookkeeping only):  {ratio('plain', True)}")
-    print(f"  machine load (1-minute average) at start {load[0]:.1f}, at end {os.getloadavg()[0]:.1f}, "
-          f"on {os.cpu_count()} cores: other work on the machine slows runs at random")
+    t = runs["tail"]["rounds"]
+    tokens = statistics.mean(r["model_tokens"] for r in t)
+    print(f"bench-rollout: best and median of {args.repeats} runs; model "
+          f"{model if args.model else 'tiny random Qwen2 (tiny_model.py)'}, dtype {args.dtype}")
+    print(f"  equal lengths: {args.problems} problems x {args.group_size} samples, one tool call, then to the "
+          f"{args.max_response_tokens}-token budget with EOS ignored")
+    print(f"  long-tailed:   {args.tail_problems} problems x {args.group_size} samples, turns of "
+          f"{args.tail_shortest}..{args.tail_shortest * 2 ** (args.tail_classes - 1)} tokens (P(length >= x) ~ 1/x), "
+          f"one tool call of {args.tool_sleep} s each; {tokens:.0f} model tokens a run, a sample {tokens / (args.tail_problems * args.group_size):.0f} on average")
+    print(f"  the barrier, in sequential decode steps (medians): rounds {statistics.median(r['round_steps'] for r in t):.0f}"
+          f" (longest first turn + longest second turn), the longest sample {statistics.median(r['longest'] for r in t):.0f}")
+    print(f"  {'workload':14} {'rollout':26} {'tokens':>6} {'best s':>7} {'median s':>9}  "
+          f"{'vs bare, sandbox excluded':>26}  {'sandbox included':>16}  {'engine idle':>11}")
+    for name, label in (("equal", "equal lengths"), ("tail", "long-tailed")):
+        for kind in (*SCHEDULES, "plain", "bare"):
+            if kind not in runs[name]:
+                continue
+            rows = runs[name][kind]
+            tokens = statistics.mean(r["model_tokens"] for r in rows)  # seconds below: per token, times this
+            best, med = (x * tokens for x in per_token(rows))
+            title = {"plain": "rollout, no tool", "bare": "bare llm.generate"}.get(kind, f"rollout, {kind}" + (" (default)" if kind == default else ""))
+            line = f"  {label:14} {title:26} {tokens:>6.0f} {best:>7.2f} {med:>9.2f}"
+            if kind != "bare":
+                idle = statistics.median(r["sandbox_s"] for r in rows)
+                line += (f"  {ratio(runs[name], kind, False):>26}  {ratio(runs[name], kind, True):>16}"
+                         f"  {idle:>9.2f} s")
+            print(line)
+    print(f"  engine idle: seconds with nothing to decode while code ran (median); machine load (1-minute average) "
+          f"{load[0]:.1f} at start, {os.getloadavg()[0]:.1f} at end, on {os.cpu_count()} cores")
+    print(f"long-tailed workload, default rollout ({default}) over bare llm.generate, sandbox included: "
+          f"{ratio(runs['tail'], default, True)}")
     return 0
 
 
-def _decode_steps(trajs) -> tuple[int, int]:
-    """Longest first turn and longest second turn: each round decodes until its longest turn ends."""
-    first = max(t.tool_calls[0].start if t.tool_calls else len(t.token_ids) for t in trajs)
-    second = max((len(t.token_ids) - t.tool_calls[0].end) if t.tool_calls else 0 for t in trajs)
-    return first, second
+def measure(llm, problems: list[dict], sandbox, cfg, repeats: int, name: str, plain: bool = False) -> dict[str, list[dict]]:
+    """`repeats` runs of each kind after one warm-up: both schedules, (no tool,) and the bare baseline."""
+    from rollout import rollout
+
+    runs: dict[str, list[dict]] = {}
+    for run in range(repeats + 1):  # run 0 warms up compilation, the grammars and the sandbox
+        row = {}
+        cfg = replace(cfg, seed=run)
+        for schedule in SCHEDULES:
+            stats: dict = {}
+            trajs = rollout(llm, problems, sandbox, replace(cfg, schedule=schedule), stats)
+            stats["longest"] = max(sum(t.loss_mask) for t in trajs)
+            stats["round_steps"] = sum(map(max, zip(*(turn_lengths(t) for t in trajs))))
+            row[schedule] = stats
+        lengths = [sum(t.loss_mask) for t in trajs]  # both schedules sample the same tokens: same seeds
+        if plain:
+            # The same number of tokens without the tool: one turn each, the loop's bookkeeping alone.
+            stats = {}
+            rollout(llm, problems, sandbox, replace(cfg, tool_budget=0, force_turns=(), max_response_tokens=round(
+                statistics.mean(lengths))), stats)
+            row["plain"] = stats
+        row["bare"] = bare_generate(llm, problems, cfg, lengths, grammar=not cfg.extra_sampling.get("ignore_eos"))
+        if run:
+            for kind, stats in row.items():
+                runs.setdefault(kind, []).append(stats)
+        print(f"{name} run {run}{' (warm-up)' if not run else ''}: " + ", ".join(
+            f"{kind} {r['wall_s']:.2f} s" for kind, r in row.items()), file=sys.stderr, flush=True)
+    return runs
 
 
-def bare_generate(llm, problems: list[dict], cfg, tokens_per_sample: int) -> dict:
-    """One generate call on the same prompts: n=group_size, same sampling, no stop, fixed length."""
+def turn_lengths(t) -> tuple[int, int]:
+    """Model tokens before the first tool call and after it: a round decodes until its longest turn ends."""
+    if not t.tool_calls:
+        return sum(t.loss_mask), 0
+    return t.tool_calls[0].start, sum(t.loss_mask[t.tool_calls[0].end:])
+
+
+def per_token(rows: list[dict], sandbox_too: bool = True) -> tuple[float, float]:
+    """Best and median seconds per model token of one kind of run."""
+    values = [(r["wall_s"] - (0.0 if sandbox_too else r["sandbox_s"])) / r["model_tokens"] for r in rows]
+    return min(values), statistics.median(values)
+
+
+def ratio(runs: dict[str, list[dict]], kind: str, sandbox_too: bool) -> str:
+    """Seconds per token of `kind` over those of the bare baseline, best/best and median/median."""
+    (best, med), (bare_best, bare_med) = per_token(runs[kind], sandbox_too), per_token(runs["bare"])
+    return f"{best / bare_best:.3f} (median {med / bare_med:.3f})"
+
+
+def heavy_tail(shortest: int, classes: int) -> str:
+    """A regex whose first token picks a length class: `shortest` * 2**k digits, half as likely per doubling.
+
+    A random model picks among the allowed marker letters about uniformly, so class
+    k is chosen with probability about 2**-(k+1) (the last two classes share the
+    rest), and the digits that follow are one token each.
+    """
+    letters = iter(string.ascii_letters)  # 2**(classes-1) of them: 32 for 6 classes
+    parts = []
+    for k in range(classes):
+        count = 2 ** (classes - 2 - k) if k < classes - 1 else 1
+        parts.append(f"[{''.join(next(letters) for _ in range(count))}][0-9]{{{shortest * 2 ** k}}}")
+    return "(" + "|".join(parts) + ")"
+
+
+def tool_call_regex(sleep: float) -> str:
+    """A code block that takes `sleep` seconds in the sandbox and prints a number, then ```output."""
+    return rf"\n```python\nimport time\ntime\.sleep\({re.escape(str(sleep))}\)\nprint\([1-9][0-9]?\)\n```\n```output"
+
+
+def toy_problems(n: int) -> list[dict]:
+    return [{"id": f"toy-{i}", "question": f"What is {101 + 37 * i} * {211 + 53 * i}?",
+             "answer": str((101 + 37 * i) * (211 + 53 * i)), "source": "bench"} for i in range(n)]
+
+
+def bare_generate(llm, problems: list[dict], cfg, lengths: list[int], grammar: bool) -> dict:
+    """One generate call on the same prompts: one request per sample, its length fixed, no stop string.
+
+    Without `grammar` EOS is ignored and `max_tokens` fixes the length; with it, a
+    regex of length-1 digits is followed by the EOS the grammar forces.
+    """
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
+    from vllm.sampling_params import StructuredOutputsParams
 
     from rollout import render_prompt
 
     tok = llm.get_tokenizer()
-    prompts = [TokensPrompt(prompt_token_ids=tok.encode(render_prompt(p["question"], cfg.template), add_special_tokens=False))
-               for p in problems]
-    params = [SamplingParams(n=cfg.group_size, temperature=cfg.temperature, top_p=cfg.top_p, max_tokens=tokens_per_sample,
-                             ignore_eos=True, logprobs=0, flat_logprobs=True, seed=cfg.seed + i) for i in range(len(problems))]
+    k = cfg.group_size
+    prompts, params = [], []
+    for i, p in enumerate(problems):
+        ids = tok.encode(render_prompt(p["question"], cfg.template), add_special_tokens=False)
+        for j in range(k):
+            n = lengths[i * k + j]
+            extra = {"structured_outputs": StructuredOutputsParams(regex=f"[0-9]{{{n - 1}}}")} if grammar else {"ignore_eos": True}
+            prompts.append(TokensPrompt(prompt_token_ids=ids))
+            params.append(SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, max_tokens=n, logprobs=0,
+                                         flat_logprobs=True, seed=(cfg.seed or 0) + i * k + j, **extra))
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - t0
-    return {"wall_s": elapsed, "sandbox_s": 0.0, "model_tokens": sum(len(o.token_ids) for out in outs for o in out.outputs)}
+    made = [len(o.outputs[0].token_ids) for o in outs]
+    if made != lengths:
+        raise RuntimeError(f"bare generate made {sum(made)} tokens where the rollout made {sum(lengths)}")
+    return {"wall_s": elapsed, "sandbox_s": 0.0, "model_tokens": sum(made)}
 
 
 def _tiny_model() -> Path:
@@ -150,18 +222,29 @@ def _tiny_model() -> Path:
 
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(description="Overhead of rollout() over one bare llm.generate of the same token count.")
+    p = argparse.ArgumentParser(description="Overhead of rollout(), overlapped and in rounds, over a bare llm.generate "
+                                            "of the same tokens, on an equal-length and a long-tailed workload.")
     p.add_argument("--model", help="model folder or name (default: build the tiny random model)")
     p.add_argument("--dtype", default="float32", help="float32 for the tiny model on CPU; bfloat16 on a GPU")
-    p.add_argument("--problems", type=int, default=4)
+    p.add_argument("--problems", type=int, default=4, help="problems of the equal-length workload")
     p.add_argument("--group-size", type=int, default=8)
-    p.add_argument("--max-response-tokens", type=int, default=256)
-    p.add_argument("--max-model-len", type=int, default=2048)
-    p.add_argument("--repeats", type=int, default=8)
+    p.add_argument("--max-response-tokens", type=int, default=256, help="budget of the equal-length workload")
+    p.add_argument("--tail-problems", type=int, default=4, help="problems of the long-tailed workload")
+    p.add_argument("--tail-shortest", type=int, default=64, help="tokens of a turn's shortest length class")
+    p.add_argument("--tail-classes", type=int, default=5, help="length classes, each twice the one before (at most 6)")
+    p.add_argument("--tool-sleep", type=float, default=0.2, help="seconds each long-tailed sample's code sleeps")
+    p.add_argument("--max-model-len", type=int, default=4096)
+    p.add_argument("--repeats", type=int, default=6)
     args = p.parse_args(argv)
-    for name in ("problems", "group_size", "max_response_tokens", "repeats"):
+    for name in ("problems", "group_size", "max_response_tokens", "tail_problems", "tail_shortest", "tail_classes", "repeats"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1")
+    if not 2 <= args.tail_classes <= 6:
+        p.error("--tail-classes must be between 2 and 6")
+    if args.tool_sleep < 0:
+        p.error("--tool-sleep must be 0 or more")
+    if 2 * args.tail_shortest * 2 ** (args.tail_classes - 1) + 256 > args.max_model_len - 256:
+        p.error("--max-model-len is too small for two turns of the longest length class (raise it or shorten the tail)")
     return args
 
 
