@@ -86,6 +86,8 @@ def check_config(cfg, resuming: bool) -> None:
         problems.append(f"tis_cap {cfg.tis_cap}: a cap below 1 shrinks every token, use 0 (off) or at least 1 (2 is common)")
     if cfg.tool_budget < 0:
         problems.append(f"tool_budget must be 0 or more, got {cfg.tool_budget}")
+    if cfg.rollout_schedule not in ("rounds", "overlap"):
+        problems.append(f"rollout_schedule must be rounds or overlap, got '{cfg.rollout_schedule}'")
     if cfg.dynamic_sampling and cfg.dynamic_sampling_rounds < 1:
         problems.append(f"dynamic_sampling_rounds must be at least 1, got {cfg.dynamic_sampling_rounds}")
     if not 0 < cfg.lr < 1:

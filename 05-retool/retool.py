@@ -135,6 +135,7 @@ class Config:
     temperature: float = 1.0  # the trainer divides logits by the same value
     observation_style: str = "torl"  # ToRL's rule; on the toy task "short" would show the same text
     seed_rollouts: bool = False  # per-request seeds: reproducible rollouts, but vLLM's slow sampling path on a GPU
+    rollout_schedule: str = "rounds"  # rollout's default; "overlap": each trajectory on its own (docs/03 measures both)
     # reward
     exec_error_penalty: float = 0.0  # ToRL's optional -0.5 for failed code; off, as in its script
     # update (06-train)
@@ -393,6 +394,7 @@ def rollout_config(cfg: Config, step: int):
         group_size=cfg.group_size, temperature=cfg.temperature, max_response_tokens=cfg.max_response_tokens,
         tool_budget=cfg.tool_budget, observation_style=cfg.observation_style, template=cfg.template,
         seed=cfg.seed * 100_003 + step if cfg.seed_rollouts else None,  # a new seed each step, the same on resume
+        schedule=cfg.rollout_schedule,
     )
     check_on_policy(rollout_cfg)
     return rollout_cfg

@@ -67,6 +67,7 @@ def test_training_rollouts_are_unseeded_unless_asked():
         (dict(group_size=1), "a group of one"),
         (dict(train_file="data/nope.jsonl"), "does not exist"),
         (dict(steps=0), "steps must be at least 1"),
+        (dict(rollout_schedule="async"), "rollout_schedule must be rounds or overlap"),
     ],
 )
 def test_bad_configuration_fails_at_start_with_one_line(change, message):
