@@ -12,7 +12,7 @@ import os
 import sys
 from pathlib import Path
 
-from rollout import TEMPLATES, RolloutConfig, Trajectory, load_trajectories, make_llm, rollout, save_trajectories
+from rollout import SCHEDULES, TEMPLATES, RolloutConfig, Trajectory, load_trajectories, make_llm, rollout, save_trajectories
 from trajectory_view import draw_tokens, render_html
 
 
@@ -56,6 +56,8 @@ def main(argv: list[str] | None = None) -> int:
     sample.add_argument("--max-model-len", type=int, default=4096)
     sample.add_argument("--dtype", default="auto")
     sample.add_argument("--seed", type=int, default=0)
+    sample.add_argument("--schedule", default=RolloutConfig.schedule, choices=SCHEDULES,
+                        help=f"how turns and tool calls interleave (docs/03) [default: {RolloutConfig.schedule}]")
 
     args = parser.parse_args(argv)
     try:
@@ -118,7 +120,7 @@ def _cmd_sample(args) -> None:
 
     llm = make_llm(args.model, dtype=args.dtype, max_model_len=args.max_model_len, seed=args.seed)
     cfg = RolloutConfig(group_size=args.group_size, max_response_tokens=args.max_response_tokens,
-                        tool_budget=args.tool_budget, template=args.template, seed=args.seed)
+                        tool_budget=args.tool_budget, template=args.template, seed=args.seed, schedule=args.schedule)
     stats: dict = {}
     with Sandbox(SandboxConfig()) as sandbox:
         trajs = rollout(llm, problems, sandbox, cfg, stats)
