@@ -30,11 +30,13 @@ Key decisions (the docs page compares each with ToRL's code):
    sampling settings the trainer cannot reproduce.
 5. Unseeded unless `seed` is given: per-request seeds are vLLM's slow sampling
    path; tests and evaluation pass one.
-6. Two schedules, the same trajectories for a seed: in rounds, every unfinished
-   turn goes into one `generate` call, then all their code into one `run_many`;
-   overlapped, each trajectory moves on its own through vLLM's engine
-   (`add_request`, `step`), its code running in a sandbox thread while the
-   others decode.
+6. Two schedules, the same trajectories for a seed: overlapped (the default),
+   each trajectory moves on its own through vLLM's engine (`add_request`,
+   `step`), its code running in a sandbox thread while the others decode
+   (overlap_schedule.py); in rounds, every unfinished turn goes into one
+   `generate` call, then all their code into one `run_many`. `make bench-rollout`
+   measures overlap faster on long-tailed lengths, where a round waits for its
+   longest turn.
 """
 from __future__ import annotations
 
@@ -111,9 +113,9 @@ class RolloutConfig:
     observation_style: str = "torl"  # one of OBSERVATION_STYLES: how a result is shown to the model
     template: str = "torl"  # key of TEMPLATES
     seed: int | None = None  # per-request seeds derived from it (reproducible, slower); None = the engine's stream
-    # "rounds": every unfinished turn, then all their code, then the next round; "overlap":
-    # each trajectory moves on its own and code runs while others decode (docs/03).
-    schedule: str = "rounds"
+    # "overlap": each trajectory moves on its own and code runs while others decode; "rounds":
+    # every unfinished turn, then all their code, then the next round. docs/03 measures both.
+    schedule: str = "overlap"
     # Regexes, one per turn, that constrain what the model writes (vLLM structured
     # outputs). For tests and demos: a random tiny model never writes code by itself.
     force_turns: tuple[str, ...] = ()

@@ -81,6 +81,7 @@ class RecordingEngine:
     def __init__(self, engine, calls: list) -> None:
         self._engine, self._calls, self._pending = engine, calls, {}
         self.on_add = None  # called with each prompt as it is added
+        self.on_finished = None  # called with each finished output before the rollout sees it
 
     def add_request(self, request_id, prompt, params, **kwargs):
         self._pending[request_id] = (prompt, params)
@@ -92,6 +93,8 @@ class RecordingEngine:
         outs = self._engine.step()
         for out in outs:
             if out.finished:
+                if self.on_finished:
+                    self.on_finished(out)
                 prompt, params = self._pending.pop(out.request_id)
                 self._calls.append(([prompt], [params], [out]))
         return outs
@@ -512,29 +515,35 @@ def test_repetition_stop_is_a_marked_truncation_not_eos(tiny_llm, sandbox, sched
 
 
 class EndingLLM(RecordingLLM):
-    """The shared engine, but its first call's outputs report `reason`, as vLLM does for an aborted request."""
+    """The shared engine, but every first turn's output reports `reason`, as vLLM does for an aborted request."""
 
-    def __init__(self, llm, reason: str) -> None:
+    def __init__(self, llm, reason: str, first_prompt: list[int]) -> None:
         super().__init__(llm)
-        self.reason = reason
+        self.reason, self.first_prompt = reason, first_prompt
+        self.llm_engine.on_finished = self._end  # the overlapped schedule's outputs come from step()
 
     def generate(self, prompts, params, **kwargs):
         outs = super().generate(prompts, params, **kwargs)
-        if len(self.calls) == 1:
-            for o in (o for out in outs for o in out.outputs):
-                o.finish_reason, o.stop_reason = self.reason, None
+        for out in outs:
+            self._end(out)
         return outs
+
+    def _end(self, out) -> None:
+        if list(out.prompt_token_ids) == self.first_prompt:
+            for o in out.outputs:
+                o.finish_reason, o.stop_reason = self.reason, None
 
 
 @pytest.mark.vllm
 @pytest.mark.parametrize("reason", ["abort", "error"])
-def test_an_end_the_model_did_not_choose_is_a_marked_truncation_not_eos(tiny_llm, sandbox, reason):
-    llm = EndingLLM(tiny_llm, reason)
-    cfg = RolloutConfig(group_size=2, force_turns=(CODE_TURN, ANSWER_TURN))
-    trajs = rollout(llm, PROBLEMS[:1], RecordingSandbox(sandbox), cfg)
+def test_an_end_the_model_did_not_choose_is_a_marked_truncation_not_eos(tiny_llm, sandbox, schedule, tiny_tokenizer, reason):
+    llm = EndingLLM(tiny_llm, reason, tiny_tokenizer.encode(render_prompt(PROBLEMS[0]["question"]), add_special_tokens=False))
+    sb = RecordingSandbox(sandbox)
+    cfg = RolloutConfig(group_size=2, force_turns=(CODE_TURN, ANSWER_TURN), schedule=schedule)
+    trajs = rollout(llm, PROBLEMS[:1], sb, cfg)
     for t in trajs:
         assert t.finish_reason == reason and t.truncated and not t.tool_calls
-    assert len(llm.calls) == 1  # its code is not run and it gets no further turn
+    assert turns_of(llm, trajs) == [0] * len(llm.requests()) and not sb.batches  # no code ran, no further turn
 
 
 @pytest.mark.vllm

@@ -135,7 +135,7 @@ class Config:
     temperature: float = 1.0  # the trainer divides logits by the same value
     observation_style: str = "torl"  # ToRL's rule; on the toy task "short" would show the same text
     seed_rollouts: bool = False  # per-request seeds: reproducible rollouts, but vLLM's slow sampling path on a GPU
-    rollout_schedule: str = "rounds"  # rollout's default; "overlap": each trajectory on its own (docs/03 measures both)
+    rollout_schedule: str = "overlap"  # rollout's default; "rounds": one generate call per turn of the batch (docs/03)
     # reward
     exec_error_penalty: float = 0.0  # ToRL's optional -0.5 for failed code; off, as in its script
     # update (06-train)

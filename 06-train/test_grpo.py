@@ -526,7 +526,7 @@ def test_three_tool_calls_keep_spans_exact_from_sampler_to_trainer(tiny_llm, pol
     from sandbox import Sandbox, SandboxConfig
 
     llm = RecordingLLM(tiny_llm)
-    cfg = RolloutConfig(group_size=2, tool_budget=3, max_response_tokens=160, seed=3,
+    cfg = RolloutConfig(group_size=2, tool_budget=3, max_response_tokens=160, seed=3, schedule="rounds",  # calls recorded
                         force_turns=(CODE_TURN, CODE_TURN, CODE_TURN))
     problems = [{"id": "c3", "question": "What is 1 + 2?", "answer": "3"}]
     with Sandbox(SandboxConfig(timeout=10)) as sandbox:
