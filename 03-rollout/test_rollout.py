@@ -132,6 +132,7 @@ def sandbox():
 
 @pytest.fixture(scope="module", params=SCHEDULES)
 def schedule(request):
+    """Every test of the contract runs under both schedules; a schedule's own test narrows it (indirect)."""
     return request.param
 
 
@@ -241,9 +242,8 @@ def test_text_is_the_decoded_response(forced, tiny_tokenizer):
 
 
 @pytest.mark.vllm
-def test_rounds_first_turn_is_one_request_per_problem_with_n_samples(forced, schedule):
-    if schedule != "rounds":
-        pytest.skip("rounds only")
+@pytest.mark.parametrize("schedule", ["rounds"], indirect=True)
+def test_rounds_first_turn_is_one_request_per_problem_with_n_samples(forced):
     _, llm, *_ = forced
     prompts, params, outs = llm.calls[0]
     assert len(prompts) == len(PROBLEMS)
@@ -252,9 +252,8 @@ def test_rounds_first_turn_is_one_request_per_problem_with_n_samples(forced, sch
 
 
 @pytest.mark.vllm
-def test_rounds_each_later_round_is_one_generate_call_and_one_run_many(forced, schedule):
-    if schedule != "rounds":
-        pytest.skip("rounds only")
+@pytest.mark.parametrize("schedule", ["rounds"], indirect=True)
+def test_rounds_each_later_round_is_one_generate_call_and_one_run_many(forced):
     trajs, llm, sb, stats = forced
     assert len(llm.calls) == 2 == stats["rounds"]
     assert len(llm.calls[1][0]) == len(trajs)  # every live trajectory continues in one call
@@ -263,9 +262,8 @@ def test_rounds_each_later_round_is_one_generate_call_and_one_run_many(forced, s
 
 
 @pytest.mark.vllm
-def test_overlap_sends_every_turn_as_its_own_request_and_every_call_alone(forced, schedule):
-    if schedule != "overlap":
-        pytest.skip("overlap only")
+@pytest.mark.parametrize("schedule", ["overlap"], indirect=True)
+def test_overlap_sends_every_turn_as_its_own_request_and_every_call_alone(forced):
     trajs, llm, sb, _ = forced
     assert len(llm.calls) == 2 * len(trajs) and all(len(prompts) == 1 for prompts, _, _ in llm.calls)
     assert all(p.n == 1 for _, p, _ in llm.requests())
