@@ -57,12 +57,13 @@ def main(argv: list[str] | None = None) -> int:
     jobs = []
     if not args.no_toy:
         jobs.append(("toy", None))
-    if not args.no_train:
-        jobs.append(("train", args.train or DEFAULT_TRAIN))
+    # Evaluation sets first, so that the training set can leave out their questions.
     for source in args.eval if args.eval is not None else ([] if args.no_eval else DEFAULT_EVAL):
         jobs.append(("eval", source))
+    if not args.no_train:
+        jobs.append(("train", args.train or DEFAULT_TRAIN))
 
-    failed = 0
+    failed, eval_questions = 0, set()
     for kind, source in jobs:
         try:
             if kind == "toy":
@@ -72,6 +73,12 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"toy: {len(train)} train and {len(test)} test problems -> {out}/toy_{{train,test}}.jsonl")
                 continue
             rows, dropped = load_problems(source, limit=args.limit)
+            if kind == "eval":
+                eval_questions |= {question_key(r) for r in rows}
+            else:
+                rows, leaked = drop_eval_questions(rows, eval_questions)
+                if leaked:
+                    dropped["in an evaluation set"] = leaked
             name = "train" if kind == "train" else source_name(source)
             path = out / f"{name}.jsonl"
             write_jsonl(rows, path)
@@ -138,7 +145,7 @@ def filter_verifiable(rows: list[dict]) -> tuple[list[dict], dict[str, int]]:
     kept, dropped, seen = [], Counter(), set()
     for row in rows:
         reason = unverifiable_reason(row)
-        key = " ".join(row["question"].lower().split())
+        key = question_key(row)
         if reason is None and key in seen:
             reason = "duplicate question"
         if reason:
@@ -147,6 +154,17 @@ def filter_verifiable(rows: list[dict]) -> tuple[list[dict], dict[str, int]]:
         seen.add(key)
         kept.append(row)
     return kept, dict(dropped)
+
+
+def drop_eval_questions(train: list[dict], eval_questions: set[str]) -> tuple[list[dict], int]:
+    """Leave out training rows whose question is in an evaluation set: trained on, they would inflate its score."""
+    kept = [row for row in train if question_key(row) not in eval_questions]
+    return kept, len(train) - len(kept)
+
+
+def question_key(row: dict) -> str:
+    """A question up to case and spacing: what counts as the same problem."""
+    return " ".join(row["question"].lower().split())
 
 
 def unverifiable_reason(row: dict) -> str | None:

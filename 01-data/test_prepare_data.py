@@ -60,6 +60,17 @@ def test_unverifiable_rows_are_dropped_and_counted_by_reason(tmp_path):
     assert dropped == {"duplicate question": 1, "empty answer": 1, "proof": 1, "multi-part": 2}
 
 
+def test_training_rows_whose_question_is_in_an_evaluation_set_are_left_out(tmp_path, capsys):
+    ev = write_lines(tmp_path / "ev.jsonl", [{"question": "What is 2+2?", "answer": "4"}])
+    tr = write_lines(tmp_path / "tr.jsonl", [{"question": "what is  2+2?", "answer": "4"},
+                                              {"question": "What is 3+3?", "answer": "6"}])
+    out = tmp_path / "out"
+    assert main(["--train", str(tr), "--eval", str(ev), "--no-toy", "--out", str(out)]) == 0
+    assert [r["question"] for r in read_problems(out / "train.jsonl")] == ["What is 3+3?"]
+    assert [r["question"] for r in read_problems(out / "ev.jsonl")] == ["What is 2+2?"]  # the evaluation set keeps it
+    assert "dropped 1 (in an evaluation set)" in capsys.readouterr().out
+
+
 def test_toy_task_is_deterministic_correct_and_splits_do_not_overlap():
     train, test = make_toy_task(50, 20, seed=7)
     assert (train, test) == make_toy_task(50, 20, seed=7)
