@@ -30,6 +30,11 @@ def run_overlapped(engine, in_flight: list, run_code: Callable, params_for: Call
     from vllm.inputs import tokens_input
     from vllm.sampling_params import RequestOutputKind
 
+    # Every output engine.step() returns is taken for one of ours: another caller's
+    # requests would be consumed here and lost to it.
+    if engine.has_unfinished_requests():
+        raise RuntimeError(f"rollout: the engine already has {engine.get_num_unfinished_requests()} request(s) "
+                           f"in flight; the overlapped schedule steps it and needs it to itself")
     sampling: dict[str, object] = {}  # request id -> the trajectory whose turn the engine is sampling
     running: dict[concurrent.futures.Future, object] = {}  # sandbox call -> the trajectory waiting for it
     spent["steps"] = 0

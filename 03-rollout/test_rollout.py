@@ -293,6 +293,22 @@ def test_both_schedules_give_the_same_trajectories_for_a_seed(tiny_llm, sandbox)
 
 
 @pytest.mark.vllm
+def test_overlap_refuses_an_engine_that_runs_requests_of_another_caller(tiny_llm, sandbox):
+    from vllm import SamplingParams
+    from vllm.inputs import tokens_input
+
+    engine = tiny_llm.llm_engine
+    engine.add_request("someone-else", tokens_input([1, 2, 3]), SamplingParams(max_tokens=4))
+    try:
+        with pytest.raises(RuntimeError, match="already has 1 request.*needs it to itself"):
+            rollout(tiny_llm, PROBLEMS[:1], sandbox, RolloutConfig(group_size=2, schedule="overlap"))
+        assert engine.get_num_unfinished_requests() == 1  # theirs, untouched
+    finally:
+        engine.abort_request(["someone-else"])
+    assert not engine.has_unfinished_requests()
+
+
+@pytest.mark.vllm
 def test_overlap_continues_a_trajectory_while_another_ones_code_still_runs(tiny_llm, sandbox, tiny_tokenizer):
     # The first sandbox call to arrive holds until another trajectory's continuation has
     # joined the engine. A schedule with a barrier would wait for that call before any
