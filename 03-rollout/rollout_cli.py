@@ -12,6 +12,7 @@ import os
 import sys
 from pathlib import Path
 
+from prepare_data import DataError, read_jsonl
 from rollout import SCHEDULES, TEMPLATES, RolloutConfig, Trajectory, load_trajectories, make_llm, rollout, save_trajectories
 from trajectory_view import draw_tokens, render_html
 
@@ -67,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
             _cmd_demo(args)
         else:
             _cmd_sample(args)
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, DataError) as e:
         print(f"rollout.py {args.command}: {e}", file=sys.stderr)
         return 2
     return 0
@@ -115,8 +116,9 @@ def _cmd_demo(args) -> None:
 
 
 def _cmd_sample(args) -> None:
-    problems = _read_problems(args.problems)[: args.limit]
     from sandbox import Sandbox, SandboxConfig
+
+    problems = read_jsonl(Path(args.problems))[: args.limit]  # chapter 01's reader: a bad line is named
 
     llm = make_llm(args.model, dtype=args.dtype, max_model_len=args.max_model_len, seed=args.seed)
     cfg = RolloutConfig(group_size=args.group_size, max_response_tokens=args.max_response_tokens,
@@ -135,20 +137,6 @@ def _save_and_report(trajs: list[Trajectory], out: str, stats: dict, tokenizer=N
             print(f"--- problem {t.problem_id}, sample {t.group_index}: {t.finish_reason}, {t.num_tool_calls} tool call(s)")
             print(draw_tokens(t, tokenizer))
     print(json.dumps({"out": out, "trajectories": len(trajs), **{k: round(v, 3) for k, v in stats.items()}}))
-
-
-def _read_problems(path: str) -> list[dict]:
-    rows = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if line.strip():
-                try:
-                    rows.append(json.loads(line))
-                except json.JSONDecodeError as e:
-                    raise ValueError(f"{path}:{lineno}: not JSON ({e})") from None
-    return rows
-
-
 
 
 if __name__ == "__main__":
