@@ -56,6 +56,7 @@ SCHEDULES = ("rounds", "overlap")
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # the figures, not the engine's log
+    from prepare_data import make_toy_task
     from rollout import RolloutConfig, make_llm
     from sandbox import Sandbox, SandboxConfig
 
@@ -72,8 +73,8 @@ def main(argv: list[str] | None = None) -> int:
     load = os.getloadavg()
     runs = {}
     with Sandbox(SandboxConfig()) as quick, Sandbox(SandboxConfig(concurrency=args.tail_problems * args.group_size)) as slow:
-        runs["equal"] = measure(llm, toy_problems(args.problems), quick, equal, args.repeats, "equal", plain=True)
-        runs["tail"] = measure(llm, toy_problems(args.tail_problems), slow, longtail, args.repeats, "long-tailed")
+        runs["equal"] = measure(llm, make_toy_task(args.problems, 0)[0], quick, equal, args.repeats, "equal", plain=True)
+        runs["tail"] = measure(llm, make_toy_task(args.tail_problems, 0)[0], slow, longtail, args.repeats, "long-tailed")
 
     t = runs["tail"]["rounds"]
     tokens = statistics.mean(r["model_tokens"] for r in t)
@@ -176,11 +177,6 @@ def heavy_tail(shortest: int, classes: int) -> str:
 def tool_call_regex(sleep: float) -> str:
     """A code block that takes `sleep` seconds in the sandbox and prints a number, then ```output."""
     return rf"\n```python\nimport time\ntime\.sleep\({re.escape(str(sleep))}\)\nprint\([1-9][0-9]?\)\n```\n```output"
-
-
-def toy_problems(n: int) -> list[dict]:
-    return [{"id": f"toy-{i}", "question": f"What is {101 + 37 * i} * {211 + 53 * i}?",
-             "answer": str((101 + 37 * i) * (211 + 53 * i)), "source": "bench"} for i in range(n)]
 
 
 def bare_generate(llm, problems: list[dict], cfg, lengths: list[int], grammar: bool) -> dict:
