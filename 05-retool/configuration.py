@@ -42,6 +42,9 @@ def parse_bool(text: str) -> bool:
 
 def check_config(cfg, resuming: bool) -> None:
     """Refuse, with one line, a retool.Config that would fail later or silently do the wrong thing."""
+    from distributed import STRATEGIES
+    from grpo import AGGREGATIONS
+    from rollout import SCHEDULES
     from trackers import missing_package
 
     problems = []
@@ -76,18 +79,18 @@ def check_config(cfg, resuming: bool) -> None:
     if world > 1 and cfg.problems_per_step % (cfg.num_minibatches * world):
         problems.append(f"problems_per_step ({cfg.problems_per_step}) must split evenly into num_minibatches"
                         f" ({cfg.num_minibatches}) x {world} ranks")
-    if cfg.strategy not in ("ddp", "fsdp"):
-        problems.append(f"strategy must be ddp or fsdp, got '{cfg.strategy}'")
-    if cfg.aggregation not in ("token-mean", "sequence-mean", "token-sum"):
-        problems.append(f"aggregation must be token-mean, sequence-mean or token-sum, got '{cfg.aggregation}'")
+    if cfg.strategy not in STRATEGIES:
+        problems.append(f"strategy must be {_one_of(STRATEGIES)}, got '{cfg.strategy}'")
+    if cfg.aggregation not in AGGREGATIONS:
+        problems.append(f"aggregation must be {_one_of(AGGREGATIONS)}, got '{cfg.aggregation}'")
     if cfg.aggregation == "token-sum" and cfg.scale_advantages:
         problems.append("aggregation token-sum is Dr. GRPO's objective, which drops the std scaling: set --scale-advantages false")
     if cfg.tis_cap and not cfg.tis_cap >= 1:
         problems.append(f"tis_cap {cfg.tis_cap}: a cap below 1 shrinks every token, use 0 (off) or at least 1 (2 is common)")
     if cfg.tool_budget < 0:
         problems.append(f"tool_budget must be 0 or more, got {cfg.tool_budget}")
-    if cfg.rollout_schedule not in ("rounds", "overlap"):
-        problems.append(f"rollout_schedule must be rounds or overlap, got '{cfg.rollout_schedule}'")
+    if cfg.rollout_schedule not in SCHEDULES:
+        problems.append(f"rollout_schedule must be {_one_of(SCHEDULES)}, got '{cfg.rollout_schedule}'")
     if cfg.dynamic_sampling and cfg.dynamic_sampling_rounds < 1:
         problems.append(f"dynamic_sampling_rounds must be at least 1, got {cfg.dynamic_sampling_rounds}")
     if not 0 < cfg.lr < 1:
@@ -106,6 +109,10 @@ def check_config(cfg, resuming: bool) -> None:
                             f"{limit} tokens (max_position_embeddings)")
     if problems:
         raise SystemExit(f"error: {problems[0]}")
+
+
+def _one_of(choices: tuple[str, ...]) -> str:
+    return ", ".join(choices[:-1]) + " or " + choices[-1]
 
 
 def position_limit(model: str) -> int | None:

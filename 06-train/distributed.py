@@ -43,6 +43,7 @@ import torch.distributed as dist
 # How long a rank waits in a collective for the others. The evaluation runs on
 # rank 0 alone while the others wait in a barrier, so this bounds an eval too.
 COLLECTIVE_TIMEOUT = timedelta(minutes=60)
+STRATEGIES = ("ddp", "fsdp")  # how the trainer is spread over ranks: replicated, or sharded (FSDP2)
 
 
 # ------------------------------------------------------------------- a wrapped or sharded model, seen by the update
@@ -232,8 +233,8 @@ def setup(strategy: str = "ddp") -> DataParallel:
     NCCL on GPUs (one per rank, by LOCAL_RANK), gloo on CPU. vLLM joins the same
     group later; it requires the group to exist before the engine is built.
     """
-    if strategy not in ("ddp", "fsdp"):
-        raise ValueError(f"strategy must be ddp or fsdp, got {strategy!r}")
+    if strategy not in STRATEGIES:
+        raise ValueError(f"strategy must be {' or '.join(STRATEGIES)}, got {strategy!r}")
     if "RANK" not in os.environ or int(os.environ.get("WORLD_SIZE", "1")) == 1:
         return DataParallel(strategy=strategy)
     rank, world, local = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_RANK"])
