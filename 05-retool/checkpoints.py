@@ -16,7 +16,7 @@ import signal
 import sys
 from pathlib import Path
 
-from stopping import STOP, StopRequested
+from stopping import STOPPER, StopRequested
 
 
 def save_checkpoint(run_dir: Path, step: int, model, optimizer, tokenizer, keep: int, rng: dict | None = None) -> Path:
@@ -108,7 +108,7 @@ def stop_with_checkpoint(stop: StopRequested, run_dir: Path, step: int, rng: dic
     """
     final = run_dir / "checkpoints" / f"step-{step:06d}"
     if step > 0 and not (final / "state.json").exists() and dp.is_main and dp.strategy != "fsdp":
-        STOP.hold()  # a further signal while saving waits (a third one stops at once)
+        STOPPER.hold()  # a further signal while saving waits (a third one stops at once)
         save_checkpoint(run_dir, step, dp.unwrap(model), optimizer, tokenizer, keep, rng=rng)
     saved = f"checkpoint {final}" if step > 0 else "no checkpoint (no step finished)"
     print(f"stopped by {signal.Signals(stop.signum).name} after step {step}: {saved}; "

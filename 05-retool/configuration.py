@@ -44,6 +44,7 @@ def check_config(cfg, resuming: bool) -> None:
     """Refuse, with one line, a retool.Config that would fail later or silently do the wrong thing."""
     from distributed import STRATEGIES
     from grpo import AGGREGATIONS
+    from problems_and_policy import COLD_STARTS
     from rollout import SCHEDULES
     from trackers import missing_package
 
@@ -56,6 +57,15 @@ def check_config(cfg, resuming: bool) -> None:
             hint = ("put ToRL's data/torl_data/ folder under data/, or pass --" + name.replace("_", "-")
                     if "torl_data" in path else "run `make run-01` to prepare data")
             problems.append(f"{name} '{path}' does not exist ({hint})")
+    if cfg.cold_start not in COLD_STARTS:
+        problems.append(f"cold_start must be {_one_of(COLD_STARTS)}, got '{cfg.cold_start}'")
+    elif cfg.cold_start == "scratch" and cfg.model:
+        problems.append(f"cold_start 'scratch' trains a tiny model from scratch, yet model '{cfg.model}' is given: "
+                        "pass --cold-start none to start RL from it, or finetune to tune it on tool traces first")
+    elif cfg.cold_start != "scratch" and not cfg.model:
+        problems.append(f"cold_start '{cfg.cold_start}' needs a model (--model), or use scratch for a tiny one")
+    elif cfg.cold_start != "none" and cfg.cold_start_steps < 1:
+        problems.append(f"cold_start_steps must be at least 1 with cold_start '{cfg.cold_start}', got {cfg.cold_start_steps}")
     if cfg.max_response_tokens >= cfg.max_model_len:
         problems.append(f"max_response_tokens ({cfg.max_response_tokens}) leaves no room for the prompt in max_model_len ({cfg.max_model_len})")
     if cfg.max_prompt_tokens and cfg.max_prompt_tokens + cfg.max_response_tokens > cfg.max_model_len:

@@ -1,13 +1,14 @@
 """Stopping a training run without losing work: SIGTERM and Ctrl-C become a checkpoint, then an exit.
 
-The loop (retool.py) calls `STOP.install()` before its first step, `STOP.hold()`
-when a step starts changing the weights and `STOP.release()` once that step's
-metrics and checkpoint are written. A signal outside that window raises
+The run's record (run_record.py) calls `STOPPER.install()` before the work,
+the loop's `train_step` calls `STOPPER.hold()` when it starts changing the
+weights, and the record calls `STOPPER.release()` once that step's metrics and
+checkpoint are written. A signal outside that window raises
 `StopRequested` at once (the weights are those of the last finished step); a
-signal inside it waits for `release`. The loop catches `StopRequested`, saves a
+signal inside it waits for `release`. The record catches `StopRequested`, saves a
 checkpoint of the last finished step and exits with 128 + the signal number
 (checkpoints.stop_with_checkpoint). The story: docs/05-retool.md, "Checkpoints,
-resume, stop, bad configuration".
+resume, stop".
 """
 from __future__ import annotations
 
@@ -74,7 +75,7 @@ class Stopper:
               "(Ctrl-C again to stop now, losing the step)", file=sys.stderr)
 
 
-STOP = Stopper()
+STOPPER = Stopper()
 
 
 def signal_self_for_tests(step: int) -> None:

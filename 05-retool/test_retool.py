@@ -10,7 +10,7 @@ import pytest
 
 import checkpoints
 import retool
-import run_inputs
+import problems_and_policy
 import stopping
 from configuration import check_config
 from eval import markdown_table, paper_table, pass_at_k, summarise
@@ -63,7 +63,7 @@ def test_training_rollouts_are_unseeded_unless_asked():
     "change,message",
     [
         (dict(max_response_tokens=600, max_model_len=512), "leaves no room for the prompt"),
-        (dict(model="no/such/folder"), "is neither a folder nor a hub id"),
+        (dict(model="no/such/folder", cold_start="none"), "is neither a folder nor a hub id"),
         (dict(group_size=1), "a group of one"),
         (dict(train_file="data/nope.jsonl"), "does not exist"),
         (dict(steps=0), "steps must be at least 1"),
@@ -105,7 +105,7 @@ def test_loop_runs_is_stopped_killed_and_resumes_where_it_stopped(tiny_model_pat
     write_jsonl(train, tmp_path / "train.jsonl")
     write_jsonl(test, tmp_path / "test.jsonl")
     run_dir = tmp_path / "run"
-    argv = [sys.executable, str(RETOOL), "--run-dir", str(run_dir), "--model", str(tiny_model_path),
+    argv = [sys.executable, str(RETOOL), "--run-dir", str(run_dir), "--model", str(tiny_model_path), "--cold-start", "none",
             "--train-file", str(tmp_path / "train.jsonl"), "--eval-file", str(tmp_path / "test.jsonl"),
             "--steps", "5", "--problems-per-step", "2", "--group-size", "2", "--micro-batch-size", "2",
             "--save-every", "3", "--eval-every", "2", "--eval-problems", "2", "--lr", "1e-3",
@@ -278,8 +278,8 @@ def test_long_training_prompts_are_dropped_at_load_with_a_count(tiny_model_path,
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_path)
     lengths = [len(tokenizer.encode(render_prompt(q, "torl"), add_special_tokens=False)) for q in questions]
     assert max(lengths[:5]) <= 64 < lengths[5]
-    train_rows, _ = run_inputs.load_data(dataclass_replace(cfg, eval_file=cfg.train_file))
-    kept = run_inputs.drop_long_prompts(train_rows, str(tiny_model_path), cfg)
+    train_rows, _ = problems_and_policy.load_data(dataclass_replace(cfg, eval_file=cfg.train_file))
+    kept = problems_and_policy.drop_long_prompts(train_rows, str(tiny_model_path), cfg)
     assert [p["question"] for p in kept] == questions[:5]
     assert "kept 5 of 6 problems; dropped 1 whose prompt is over 64 tokens" in capsys.readouterr().out
 
@@ -364,7 +364,7 @@ def test_checkpoint_files_reach_the_disk_before_the_folder_is_renamed(tiny_model
 
 def test_a_model_too_short_for_max_model_len_is_one_line_naming_both_numbers(tiny_model_path):
     with pytest.raises(SystemExit) as e:
-        check_config(Config(model=str(tiny_model_path), max_model_len=8192), resuming=False)
+        check_config(Config(model=str(tiny_model_path), cold_start="none", max_model_len=8192), resuming=False)
     assert "max_model_len 8192 is above the position limit" in str(e.value) and "4096 tokens" in str(e.value)
     assert "\n" not in str(e.value)
     import eval as evaluation

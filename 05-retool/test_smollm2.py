@@ -156,10 +156,10 @@ def test_the_chat_template_check_accepts_chatml_and_refuses_a_base_model_prompt(
 def test_the_smollm2_preset_is_a_valid_configuration_that_cold_starts_the_hub_model():
     from configuration import check_config
     from retool import make_config
-    from run_inputs import needs_cold_start
+    from problems_and_policy import needs_cold_start
 
     cfg = make_config("smollm2", {})
     check_config(cfg, resuming=False)
     assert cfg.model == smollm2.HUB_ID and needs_cold_start(cfg)
-    assert not needs_cold_start(make_config("smollm2", {"cold_start_steps": 0}))
+    assert not needs_cold_start(make_config("smollm2", {"cold_start": "none"}))
     assert cfg.template == "smollm2-chat" and "word_test" in cfg.eval_file

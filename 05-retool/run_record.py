@@ -1,0 +1,159 @@
+"""Everything a run writes besides the weights' story: its folder, resume point, records, evaluations and stops.
+
+The loop (retool.py) keeps the method in view and hands the record-keeping to
+one `RunRecord` with a few verbs: open (or resume) the folder, `steps()` to
+iterate, `record_step` after each, `evaluate_if_due`, `stops_saved` around the
+work, `finish`. Under torchrun every rank holds one; rank 0 alone writes files.
+Key decisions (checkpoints.py, stopping.py): metrics.jsonl and eval.jsonl are
+the record, cut back to the checkpoint on resume; a stop saves the last
+finished step. The story: docs/05-retool.md, "Checkpoints, resume, stop".
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from contextlib import contextmanager
+from pathlib import Path
+
+from checkpoints import (append_jsonl, capture_rng, has_eval_row, latest_checkpoint, load_optimizer, save_checkpoint,
+                         stop_with_checkpoint, truncate_jsonl)
+from plots import plot_run
+from stopping import STOPPER, StopRequested, signal_self_for_tests
+
+
+class RunRecord:
+    """One run folder: config.json, metrics.jsonl, eval.jsonl, checkpoints/, trackers; resumed when asked."""
+
+    def __init__(self, cfg, run_dir: Path, resume: bool, dp) -> None:
+        self.cfg, self.run_dir, self.dp = cfg, run_dir, dp
+        self.state = latest_checkpoint(run_dir) if resume else None  # {"path", "step"} or None
+        self.start_step = self.state["step"] if self.state else 0
+        self.finished = (self.state is not None and self.start_step >= cfg.steps
+                         and has_eval_row(run_dir, cfg.steps, "after RL"))
+        if self.finished:
+            print(f"{run_dir} already finished: {self.start_step} of {cfg.steps} steps done and evaluated; "
+                  f"nothing to do (pass --steps N to train further)")
+            return
+        self.metrics_path, self.eval_path = run_dir / "metrics.jsonl", run_dir / "eval.jsonl"
+        if dp.is_main:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            config = json.dumps(dataclasses.asdict(cfg), indent=1)
+            print(config)
+            (run_dir / "config.json").write_text(config)
+            truncate_jsonl(self.metrics_path, self.start_step)  # lines after the checkpoint: work the resume redoes
+            truncate_jsonl(self.eval_path, self.start_step)
+        if self.state:
+            print(f"resuming {run_dir} from step {self.start_step}")
+        from trackers import open_trackers
+
+        self.trackers = open_trackers(cfg.log if dp.is_main else "", run_dir, dataclasses.asdict(cfg),
+                                      start_step=self.start_step)
+        self.finished_step, self.finished_rng = self.start_step, None  # the last finished step, its random state
+
+    def restore_optimizer(self, model, optimizer) -> None:
+        if self.state is not None:
+            load_optimizer(self.state, self.dp.restorable_optimizer(model, optimizer))
+
+    def steps(self):
+        """The steps still to do, under a progress bar (rank 0's)."""
+        from tqdm import tqdm
+
+        self.bar = tqdm(range(self.start_step, self.cfg.steps), desc="RL", initial=self.start_step,
+                        total=self.cfg.steps, disable=not self.dp.is_main)
+        for step in self.bar:
+            signal_self_for_tests(step + 1)
+            yield step
+
+    def record_step(self, step: int, metrics: dict, problems: list[dict], model, optimizer, llm) -> dict:
+        """After step `step` (1-based): the batch's metrics row, a checkpoint when due, the console line."""
+        dp, cfg = self.dp, self.cfg
+        row = {"step": step, **dp.reduce_metrics(metrics), "world_size": dp.world_size,
+               "problem_ids": [p["id"] for p in problems]}
+        if dp.is_main:
+            append_jsonl(self.metrics_path, row)
+        if step % cfg.save_every == 0 or step == cfg.steps:
+            parts = dp.checkpoint_parts(model, optimizer)  # every rank: FSDP2 gathers its shards
+            if dp.is_main:
+                save_checkpoint(self.run_dir, step, *parts, llm.get_tokenizer(), cfg.keep_checkpoints)
+            dp.barrier()
+        self.finished_step, self.finished_rng = step, capture_rng()
+        self.trackers.log(row)
+        if dp.is_main:
+            from tqdm import tqdm
+
+            self.bar.set_postfix(reward=f"{row['reward_mean']:+.2f}", code=f"{row['code_ratio']:.2f}")
+            tqdm.write(step_line(row))
+        STOPPER.release()  # the step is recorded: a stop that waited for it happens now
+        return row
+
+    def evaluate_if_due(self, step: int, llm, sandbox, problems: list[dict], resumed: bool = False) -> None:
+        """The held-out evaluation at `step` when one is due: before RL, every eval_every steps, after RL.
+
+        `resumed`: at the resume point, only if a stop lost it (eval.jsonl has no row).
+        """
+        cfg, dp = self.cfg, self.dp
+        final = step == cfg.steps
+        due = step == 0 or final or (cfg.eval_every > 0 and step % cfg.eval_every == 0)
+        if resumed:
+            due = due and not has_eval_row(self.run_dir, step, "after RL" if final else None)
+        if not dp.broadcast(due):  # rank 0's reading decides for every rank
+            return
+        tag = "before RL" if step == 0 else "after RL" if final else f"step {step}"
+        for mode in ("tir", "text") if cfg.eval_text and (step == 0 or final) else ("tir",):
+            if dp.is_main:  # the other ranks wait: evaluation is not split across ranks
+                self._evaluate(tag, step, mode, llm, sandbox, problems)
+            dp.barrier()
+
+    def _evaluate(self, tag: str, step: int, mode: str, llm, sandbox, problems: list[dict]) -> None:
+        from eval import evaluate, summary_line
+
+        cfg = self.cfg
+        tag += " (text only)" if mode == "text" else ""
+        result = evaluate(llm, problems[: cfg.eval_problems] if cfg.eval_problems else problems, sandbox,
+                          k=cfg.eval_k, mode=mode, template=cfg.template,
+                          max_response_tokens=cfg.eval_max_response_tokens, tool_budget=cfg.tool_budget,
+                          temperature=cfg.eval_temperature, seed=cfg.seed,
+                          samples_path=self.run_dir / "eval_samples" / f"step-{step:06d}-{mode}.jsonl")
+        print(f"eval {tag}: {summary_line(result)}")
+        row = {"step": step, "tag": tag, **result}
+        append_jsonl(self.eval_path, row)
+        self.trackers.log_eval(row)
+
+    @contextmanager
+    def stops_saved(self, model, optimizer, llm):
+        """SIGTERM and Ctrl-C inside: a checkpoint of the last finished step, then exit with 128 + the signal."""
+        if self.finished_rng is None:
+            self.finished_rng = capture_rng()
+        STOPPER.install()
+        try:
+            yield
+        except StopRequested as stop:
+            stop_with_checkpoint(stop, self.run_dir, self.finished_step, self.finished_rng, model, optimizer,
+                                 llm.get_tokenizer(), self.cfg.keep_checkpoints, self.dp)
+        finally:
+            STOPPER.uninstall()
+            self.trackers.close()
+
+    def finish(self, trajectories: list, llm) -> None:
+        """The last step's batch as JSONL and HTML, plots.png, and where to find them."""
+        trajectories = self.dp.gather(trajectories)
+        if not self.dp.is_main:
+            return
+        if trajectories:  # none when a resumed run only had its final evaluation left
+            from rollout import save_trajectories
+            from trajectory_view import render_html
+
+            save_trajectories(trajectories, self.run_dir / "last_step.jsonl")
+            html = render_html(trajectories[: 2 * self.cfg.group_size], llm.get_tokenizer(),
+                               title=f"{self.run_dir.name}: last step")
+            (self.run_dir / "last_step.html").write_text(html)
+        plot_run(self.run_dir)
+        print(f"run folder: {self.run_dir}  (metrics.jsonl, eval.jsonl, plots.png, last_step.html, checkpoints/)")
+
+
+def step_line(row: dict) -> str:
+    """The console's line for a step, from its metrics.jsonl row."""
+    return (f"step {row['step']:4d} | reward {row['reward_mean']:+.3f} acc {row['accuracy']:.3f} "
+            f"code {row['code_ratio']:.2f} pass {row['code_pass_ratio']:.2f} len {row['response_length']:.0f} "
+            f"| clip {row['clip_low_frac'] + row['clip_high_frac']:.3f} gnorm {row['grad_norm']:.3f} "
+            f"mismatch {row['mismatch_abs']:.4f} | {row['rollout_s']:.1f}s rollout {row['update_s']:.1f}s update")
