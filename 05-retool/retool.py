@@ -32,7 +32,7 @@ from configuration import check_config, cuda_available, parse_with_field_flags
 from plots import plot_run
 from presets import GPU_PRESETS, PRESETS
 from problems_and_policy import drop_long_prompts, first_policy, load_data, trainer_threads
-from run_record import RunRecord
+from run_record import RunRecord, check_new_run_dir, remove_if_unstarted
 from stopping import STOPPER
 
 
@@ -312,12 +312,18 @@ def main(argv: list[str] | None = None) -> Path:
         cfg = make_config(args.preset, overrides)
         run_dir = Path(args.run_dir or f"runs/{args.preset}-{time.strftime('%Y%m%d-%H%M%S')}")
     check_config(cfg, resuming=bool(args.resume))
+    if not args.resume:
+        check_new_run_dir(run_dir, overwrite=args.overwrite)
     from distributed import setup
 
     dp = setup(cfg.strategy)  # under torchrun: join its world; otherwise a world of one
     run_dir = Path(dp.broadcast(str(run_dir)))  # one folder: rank 0's timestamp
     try:
         train(cfg, run_dir, resume=bool(args.resume), dp=dp)
+    except Exception:
+        if dp.is_main and not args.resume:  # a failed start leaves no half-made folder behind
+            remove_if_unstarted(run_dir)
+        raise
     finally:
         dp.close()
     return run_dir
@@ -333,6 +339,7 @@ def parse_args(argv):
     parser.add_argument("--run-dir", help="run folder [default: runs/PRESET-TIMESTAMP]")
     parser.add_argument("--resume", metavar="RUN_DIR", help="continue a run from its latest checkpoint")
     parser.add_argument("--plot", metavar="RUN_DIR", help="only redraw plots.png of an existing run")
+    parser.add_argument("--overwrite", action="store_true", help="replace a run folder that is not empty")
     return parse_with_field_flags(parser, Config, argv)
 
 
@@ -345,7 +352,7 @@ def make_config(preset: str, overrides: dict) -> Config:
 def load_config(run_dir: Path, overrides: dict) -> Config:
     path = run_dir / "config.json"
     if not path.exists():
-        raise SystemExit(f"error: --resume {run_dir}: no config.json there (not a run folder)")
+        raise SystemExit(f"error: --resume {run_dir}: not a run folder (it has no config.json)")
     return Config(**{**json.loads(path.read_text()), **overrides})
 
 

@@ -11,7 +11,10 @@ finished step. The story: docs/05-retool.md, "Checkpoints, resume, stop".
 from __future__ import annotations
 
 import dataclasses
+import fcntl
 import json
+import os
+import shutil
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -26,6 +29,9 @@ class RunRecord:
 
     def __init__(self, cfg, run_dir: Path, resume: bool, dp) -> None:
         self.cfg, self.run_dir, self.dp = cfg, run_dir, dp
+        if dp.is_main:  # held for the life of the process: a second run into this folder is refused
+            run_dir.mkdir(parents=True, exist_ok=True)
+            self.lock = hold_lock(run_dir)
         self.state = latest_checkpoint(run_dir) if resume else None  # {"path", "step"} or None
         self.start_step = self.state["step"] if self.state else 0
         self.finished = (self.state is not None and self.start_step >= cfg.steps
@@ -36,7 +42,6 @@ class RunRecord:
             return
         self.metrics_path, self.eval_path = run_dir / "metrics.jsonl", run_dir / "eval.jsonl"
         if dp.is_main:
-            run_dir.mkdir(parents=True, exist_ok=True)
             config = json.dumps(dataclasses.asdict(cfg), indent=1)
             print(config)
             (run_dir / "config.json").write_text(config)
@@ -149,6 +154,47 @@ class RunRecord:
             (self.run_dir / "last_step.html").write_text(html)
         plot_run(self.run_dir)
         print(f"run folder: {self.run_dir}  (metrics.jsonl, eval.jsonl, plots.png, last_step.html, checkpoints/)")
+
+
+def check_new_run_dir(run_dir: Path, overwrite: bool) -> None:
+    """Refuse, in one line, a new run into a folder that holds anything: its records would be lost or mixed.
+
+    With `overwrite` such a folder is removed first (by rank 0), unless a live run holds it.
+    """
+    if not run_dir.is_dir() or not any(run_dir.iterdir()):
+        return
+    if not overwrite:
+        raise SystemExit(f"error: run folder {run_dir} is not empty: pass --resume {run_dir} to go on with it, "
+                         "another --run-dir for a new run, or --overwrite to replace it")
+    if os.environ.get("RANK", "0") == "0":  # under torchrun the other ranks wait for rank 0 in setup
+        hold_lock(run_dir).close()  # refuses a folder a live run holds
+        shutil.rmtree(run_dir)
+
+
+def hold_lock(run_dir: Path):
+    """An exclusive lock on RUN_DIR/.lock (the open file holds it; the kernel drops it when the process ends)."""
+    lock = open(run_dir / ".lock", "a+")
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock.seek(0)
+        holder = lock.read().strip() or "?"
+        lock.close()
+        raise SystemExit(f"error: run folder {run_dir} is in use by another run (pid {holder}); "
+                         "wait for it, or choose another --run-dir") from None
+    lock.truncate(0)
+    lock.write(str(os.getpid()))
+    lock.flush()
+    return lock
+
+
+def remove_if_unstarted(run_dir: Path) -> None:
+    """After a new run failed: remove its folder unless it holds work (a recorded step or a cold-started base)."""
+    metrics = run_dir / "metrics.jsonl"
+    if (metrics.exists() and metrics.read_text().strip()) or (run_dir / "base" / "cold_start.json").exists():
+        print(f"{run_dir} keeps the work done so far: go on with --resume {run_dir}")
+        return
+    shutil.rmtree(run_dir, ignore_errors=True)
 
 
 def step_line(row: dict) -> str:

@@ -517,3 +517,70 @@ def test_greedy_evaluation_is_the_default_and_repeats_itself(tiny_llm, tmp_path)
     assert first["temperature"] == 0 and first["k"] == 1 and first["sets"]["toy"]["samples"] == 3
     texts = [[json.loads(l)["text"] for l in (tmp_path / f).read_text().splitlines()] for f in ("a.jsonl", "b.jsonl")]
     assert texts[0] == texts[1]  # greedy: the seed changes nothing
+
+
+# --------------------------------------------------------------------------- run folders: nothing lost
+
+
+def folder_snapshot(folder: Path) -> dict:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_a_new_run_into_a_used_folder_is_refused_and_leaves_it_unchanged(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    (run_dir / "checkpoints" / "step-000001").mkdir(parents=True)
+    (run_dir / "metrics.jsonl").write_text('{"step": 1}\n')
+    (run_dir / "config.json").write_text("{}")
+    before = folder_snapshot(run_dir)
+    with pytest.raises(SystemExit) as e:
+        retool.main(["--run-dir", str(run_dir), "--steps", "1"])
+    message = str(e.value)
+    assert f"--resume {run_dir}" in message and "--run-dir" in message and "--overwrite" in message
+    assert "\n" not in message and folder_snapshot(run_dir) == before
+
+
+def test_overwrite_replaces_a_used_folder_unless_a_live_run_holds_it(tmp_path):
+    from run_record import check_new_run_dir, hold_lock
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "metrics.jsonl").write_text('{"step": 1}\n')
+    lock = hold_lock(run_dir)  # a live run
+    with pytest.raises(SystemExit, match=f"run folder {run_dir} is in use by another run \\(pid {os.getpid()}\\)"):
+        check_new_run_dir(run_dir, overwrite=True)
+    assert (run_dir / "metrics.jsonl").exists()
+    lock.close()  # the run ended
+    check_new_run_dir(run_dir, overwrite=True)
+    assert not run_dir.exists()
+    check_new_run_dir(tmp_path / "fresh", overwrite=False)  # a new or empty folder needs nothing
+
+
+def test_a_second_run_into_a_folder_in_use_is_refused_in_one_line(tmp_path):
+    """The lock is the kernel's (flock): a second holder is refused even in another process."""
+    from run_record import hold_lock
+
+    lock = hold_lock(tmp_path)
+    other = subprocess.run([sys.executable, "-c", "import sys; from pathlib import Path; from run_record import hold_lock; "
+                            f"hold_lock(Path({str(tmp_path)!r}))"], capture_output=True, text=True, timeout=60)
+    assert other.returncode == 1 and other.stderr.strip().startswith("error: run folder")
+    assert "in use by another run" in other.stderr and len(other.stderr.strip().splitlines()) == 1
+    lock.close()
+
+
+def test_resuming_a_folder_that_is_not_a_run_says_so(tmp_path):
+    with pytest.raises(SystemExit, match="not a run folder") as e:
+        retool.main(["--resume", str(tmp_path)])
+    assert "\n" not in str(e.value)
+
+
+def test_a_failed_start_removes_its_folder_but_keeps_work(tmp_path):
+    from run_record import remove_if_unstarted
+
+    for kept, files in [(False, {"config.json": "{}"}), (True, {"metrics.jsonl": '{"step": 1}\n'}),
+                        (True, {"base/cold_start.json": "{}"})]:
+        run_dir = tmp_path / f"run-{len(list(tmp_path.iterdir()))}"
+        for name, text in files.items():
+            (run_dir / name).parent.mkdir(parents=True, exist_ok=True)
+            (run_dir / name).write_text(text)
+        remove_if_unstarted(run_dir)
+        assert run_dir.exists() == kept

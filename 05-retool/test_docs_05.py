@@ -1,0 +1,61 @@
+"""docs/05 restates presets and defaults: each number here is read from the code, so the pages cannot drift."""
+from __future__ import annotations
+
+from doc_pages import says
+from presets import PRESETS
+from retool import Config, make_config
+
+
+def short(x: float) -> str:
+    """1e-4, 2e-5: how the pages write a learning rate."""
+    mantissa, exponent = f"{x:.0e}".split("e")
+    return f"{mantissa}e{int(exponent)}"
+
+
+def test_the_cpu_demo_page_states_the_demo_defaults():
+    cfg = Config()
+    says("05-retool.md",
+         f"`--tool-only-steps {cfg.cold_start_tool_only_steps}` of {cfg.cold_start_steps}",
+         f"{cfg.cold_start_tool_fraction:.0%} of them open a code block",
+         f"The RL learning rate, {short(cfg.lr)}",
+         f"Every `save_every` steps ({cfg.save_every} in the demo)",
+         f"{cfg.problems_per_step} problems x {cfg.group_size} samples")
+
+
+def test_the_smollm2_recipe_table_is_the_preset():
+    cfg = make_config("smollm2", {})
+    says("05-retool.md",
+         f"{cfg.cold_start_steps} steps x {cfg.cold_start_batch_size} traces of the word problems",
+         f"{cfg.cold_start_tool_fraction:.0%} tool traces, the first {cfg.cold_start_tool_only_steps} steps on tool "
+         f"traces alone, lr {short(cfg.cold_start_lr)}",
+         f"the top {cfg.train_layers} of 30 layers",
+         f"{cfg.steps} steps x {cfg.problems_per_step} problems x {cfg.group_size} samples, "
+         f"{cfg.max_response_tokens} response tokens, lr {short(cfg.lr)}, temperature {cfg.temperature}, "
+         f"tool budget {cfg.tool_budget}")
+
+
+def test_the_torl_table_is_the_preset():
+    cfg = make_config("torl-1.5b", {})
+    says("05-torl.md",
+         f"`max_prompt_tokens={cfg.max_prompt_tokens}`",
+         f"| problems per step | `data.train_batch_size=128` | {cfg.problems_per_step} |",
+         f"| samples per problem | `rollout.n=16` | {cfg.group_size} |",
+         f"`num_minibatches={cfg.num_minibatches}`: one AdamW step",
+         f"`micro_batch_size={cfg.micro_batch_size}` sequences on one GPU",
+         f"`eps_low = eps_high = {cfg.eps_low}`",
+         f"| `max_response_length=3072` | {cfg.max_response_tokens} |",
+         f"`max_model_len={cfg.max_model_len}`",
+         f"`tool_budget={cfg.tool_budget}`",
+         f"`eval_every={cfg.eval_every}` on the same file, `eval_temperature={cfg.eval_temperature:g}`, "
+         f"`eval_k={cfg.eval_k}`",
+         f"`save_every={cfg.save_every}`; the last {cfg.keep_checkpoints} kept",
+         f"`steps={cfg.steps}` (300 x 224)",
+         f"vLLM at {cfg.gpu_memory_utilization} of it",
+         f"lr {short(cfg.lr)}, betas (0.9, 0.999)")
+    assert cfg.cold_start == "none"  # the table's model row: RL from the base model, as ToRL
+
+
+def test_the_7b_paragraph_is_the_preset():
+    cfg = PRESETS["torl-7b"]
+    says("05-torl.md", f"micro-batches of {cfg['micro_batch_size']} and vLLM at "
+                       f"`gpu_memory_utilization={cfg['gpu_memory_utilization']}`")
