@@ -15,21 +15,47 @@ import sys
 from pathlib import Path
 
 
-def parse_with_field_flags(parser: argparse.ArgumentParser, config_class, argv) -> tuple[argparse.Namespace, dict]:
-    """Add a flag per field of `config_class` to `parser`, parse `argv`: (args, the fields given on the line)."""
+def parse_with_field_flags(parser: argparse.ArgumentParser, config_class, argv, presets: dict | None = None
+                           ) -> tuple[argparse.Namespace, dict]:
+    """Add a flag per field of `config_class` to `parser`, parse `argv`: (args, the fields given on the line).
+
+    Each flag's help is its field's comment and its default the chosen preset's value (`--preset` in argv).
+    """
+    chosen = argparse.ArgumentParser(add_help=False)
+    chosen.add_argument("--preset", default="cpu-demo")
+    preset = (presets or {}).get(chosen.parse_known_args(argv)[0].preset, {})
+    meaning = field_comments(config_class)
     fields = parser.add_argument_group("configuration (every field; a preset sets some, these override)")
     for f in dataclasses.fields(config_class):
         flag = "--" + f.name.replace("_", "-")
+        default = preset.get(f.name, f.default)
+        text = f"{meaning.get(f.name, '')} [default: {default!r}]".strip().replace("%", "%%")
         if f.type in ("bool", bool):
-            fields.add_argument(flag, type=parse_bool, metavar="BOOL", default=argparse.SUPPRESS,
-                                help=f"[default: {f.default}]")
+            fields.add_argument(flag, type=parse_bool, metavar="BOOL", default=argparse.SUPPRESS, help=text)
         else:
             kind = {"int": int, "float": float}.get(str(f.type), str)
-            fields.add_argument(flag, type=kind, default=argparse.SUPPRESS, help=f"[default: {f.default!r}]")
+            fields.add_argument(flag, type=kind, default=argparse.SUPPRESS, help=text)
     parser.error = lambda message: sys.exit(f"error: {message} (see --help)")  # one line, not a usage dump
     args = parser.parse_args(argv)
     names = {f.name for f in dataclasses.fields(config_class)}
     return args, {k: v for k, v in vars(args).items() if k in names}
+
+
+def field_comments(config_class) -> dict[str, str]:
+    """{field: the comment on its line} of a dataclass, read from its source: one meaning, kept beside the field."""
+    import inspect
+    import io
+    import tokenize
+
+    comments, name = {}, None
+    for token in tokenize.generate_tokens(io.StringIO(inspect.getsource(config_class)).readline):
+        if token.type == tokenize.NAME and token.start[1] == 4 and name is None:
+            name = token.string
+        elif token.type == tokenize.COMMENT and name:
+            comments[name] = token.string.lstrip("# ")
+        elif token.type == tokenize.NEWLINE or token.type == tokenize.NL:
+            name = None
+    return comments
 
 
 def parse_bool(text: str) -> bool:

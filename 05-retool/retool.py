@@ -41,11 +41,11 @@ class Config:
     # --- the recipe: what ToRL sets (the torl-* presets take its script's values) ---
     model: str = ""  # hub id or local folder; "" with cold_start "scratch": a tiny model trained first
     train_file: str = "data/toy_train.jsonl"  # 01-data's schema; the toy task is made if missing
-    eval_file: str = "data/toy_test.jsonl"
+    eval_file: str = "data/toy_test.jsonl"  # held-out problems, same schema (or ToRL's test set)
     template: str = "torl"  # prompt template (03-rollout's table)
     max_prompt_tokens: int = 0  # training prompts longer than this (rendered, in tokens) are dropped at load; 0 = keep all
-    steps: int = 30
-    problems_per_step: int = 8
+    steps: int = 30  # RL steps
+    problems_per_step: int = 8  # problems sampled per step, each a group
     group_size: int = 8  # samples per problem: GRPO's group
     max_response_tokens: int = 96  # model + observation tokens per response (ToRL: 3072)
     max_model_len: int = 512  # the sampler's context: prompt + response must fit
@@ -53,8 +53,8 @@ class Config:
     temperature: float = 1.0  # the trainer divides logits by the same value
     exec_error_penalty: float = 0.0  # ToRL's optional -0.5 for failed code; off, as in its script
     lr: float = 2e-5  # the tiny model (2e-4 learned in 3 steps, then collapsed and recovered twice); a 1.5B model wants 1e-6
-    eps_low: float = 0.2
-    eps_high: float = 0.28
+    eps_low: float = 0.2  # the clip band's lower side: ratio at least 1 - eps_low where the advantage is negative
+    eps_high: float = 0.28  # its upper side, 1 + eps_high where the advantage is positive (DAPO's clip-higher)
     scale_advantages: bool = False  # divide by the group's std (original GRPO; ToRL's verl does)
     num_minibatches: int = 2  # optimizer steps per RL step (ToRL: 1)
     micro_batch_size: int = 16  # sequences per forward/backward pass (gradient accumulation)
@@ -62,32 +62,32 @@ class Config:
     eval_problems: int = 100  # held-out problems per evaluation; 0 = all
     eval_k: int = 1  # samples per problem
     eval_temperature: float = 1.0  # sampled, so the demo's tool-use rate shows in it; ToRL evaluates greedily (0)
-    eval_max_response_tokens: int = 96
+    eval_max_response_tokens: int = 96  # the response budget in evaluations
     save_every: int = 1  # steps between checkpoints
     # --- the starting policy: one explicit rule (problems_and_policy.py) ---
     cold_start: str = "scratch"  # scratch: train a tiny model first (model ""); finetune: tune `model` on tool traces; none
-    cold_start_steps: int = 500
-    cold_start_tool_fraction: float = 0.4
-    cold_start_tool_only_steps: int = 300
-    cold_start_lr: float = 2e-3
-    cold_start_batch_size: int = 32
+    cold_start_steps: int = 500  # supervised steps on tool traces before RL
+    cold_start_tool_fraction: float = 0.4  # share of traces that call the tool (the rest box a guess)
+    cold_start_tool_only_steps: int = 300  # the first steps on tool traces alone
+    cold_start_lr: float = 2e-3  # the cold start's learning rate
+    cold_start_batch_size: int = 32  # traces per cold-start step
     # --- how the lab runs it ---
     observation_style: str = "torl"  # ToRL's rule; on the toy task "short" would show the same text
     rollout_schedule: str = "overlap"  # rollout's default; "rounds": one generate call per turn of the batch (docs/03)
     seed_rollouts: bool = False  # per-request seeds: reproducible rollouts, but vLLM's slow sampling path on a GPU
-    aggregation: str = "token-mean"
-    gradient_checkpointing: bool = False
+    aggregation: str = "token-mean"  # how token losses add up: token-mean, sequence-mean or token-sum (docs/06)
+    gradient_checkpointing: bool = False  # recompute activations in backward: less memory, more time
     skip_zero_advantage: bool = True  # no forward/backward for rows without gradient: the same update, faster
-    sandbox_backend: str = "local"
-    sandbox_timeout: float = 10.0
-    keep_checkpoints: int = 2
+    sandbox_backend: str = "local"  # where model code runs: local (fork server) or docker (02-sandbox)
+    sandbox_timeout: float = 10.0  # seconds a tool call may run (ToRL: 10)
+    keep_checkpoints: int = 2  # the newest checkpoints kept in the run folder
     train_layers: int = 0  # train only the top N decoder layers (0 = all)
     trainer_threads: int = 0  # CPU torch threads for training (-1 = every core; 0 = vLLM's choice, one)
     eval_text: bool = False  # also evaluate without the tool, before and after RL
     strategy: str = "ddp"  # under torchrun: a full trainer replica per GPU (ddp) or 1/N of it (fsdp)
-    seed: int = 0
+    seed: int = 0  # the data order, the sampler and the trainer's random state
     dtype: str = "float32"  # the sampler's dtype (the trainer always keeps float32 weights)
-    gpu_memory_utilization: float = 0.3
+    gpu_memory_utilization: float = 0.3  # vLLM's share of the GPU (on a CPU: of host memory) for weights and KV cache
     log: str = ""  # also log to tensorboard, wandb or "tensorboard,wandb" (metrics.jsonl is always written)
     # --- options from the field since ToRL (batch_filters.py, docs/06-beyond-torl.md); off in the torl-* presets ---
     tis_cap: float = 0.0  # truncated importance sampling, min(pi_trainer / pi_sampler, cap) per token; 0 = off
@@ -332,15 +332,14 @@ def main(argv: list[str] | None = None) -> Path:
 def parse_args(argv):
     """(args, overrides): the run's own flags, and the Config fields given on the command line."""
     parser = argparse.ArgumentParser(
-        description="Tool-integrated RL: rollout with a sandbox, ±1 reward, GRPO, weights back into vLLM.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
-    parser.add_argument("--preset", default="cpu-demo", help=f"one of: {', '.join(PRESETS)}")
+        description="Tool-integrated RL: rollout with a sandbox, ±1 reward, GRPO, weights back into vLLM.")
+    parser.add_argument("--preset", default="cpu-demo", help=f"one of: {', '.join(PRESETS)} [default: cpu-demo]; "
+                                                             "the defaults below are the chosen preset's")
     parser.add_argument("--run-dir", help="run folder [default: runs/PRESET-TIMESTAMP]")
     parser.add_argument("--resume", metavar="RUN_DIR", help="continue a run from its latest checkpoint")
     parser.add_argument("--plot", metavar="RUN_DIR", help="only redraw plots.png of an existing run")
     parser.add_argument("--overwrite", action="store_true", help="replace a run folder that is not empty")
-    return parse_with_field_flags(parser, Config, argv)
+    return parse_with_field_flags(parser, Config, argv, PRESETS)
 
 
 def make_config(preset: str, overrides: dict) -> Config:

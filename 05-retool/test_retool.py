@@ -584,3 +584,18 @@ def test_a_failed_start_removes_its_folder_but_keeps_work(tmp_path):
             (run_dir / name).write_text(text)
         remove_if_unstarted(run_dir)
         assert run_dir.exists() == kept
+
+
+def test_help_gives_each_field_its_meaning_and_the_chosen_presets_value():
+    import dataclasses
+
+    from configuration import field_comments
+
+    meaning = field_comments(Config)
+    assert set(meaning) == {f.name for f in dataclasses.fields(Config)} and all(meaning.values())
+    assert meaning["group_size"] == "samples per problem: GRPO's group"
+    text = subprocess.run([sys.executable, str(RETOOL), "--preset", "torl-1.5b", "--help"], capture_output=True,
+                          text=True, timeout=60).stdout
+    flat = " ".join(text.split())
+    assert "--lr LR " + meaning["lr"] in flat and "[default: 1e-06]" in flat and "[default: 128]" in flat
+    assert "(default: None)" not in flat
