@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -71,18 +72,19 @@ def check_config(cfg, resuming: bool) -> None:
     from distributed import STRATEGIES
     from grpo import AGGREGATIONS
     from problems_and_policy import COLD_STARTS
-    from rollout import SCHEDULES
+    from rollout import OBSERVATION_STYLES, SCHEDULES, TEMPLATES
+    from sandbox import SandboxConfig
     from trackers import missing_package
 
     problems = []
-    if cfg.model and not Path(cfg.model).exists() and cfg.model.count("/") != 1:
-        problems.append(f"model '{cfg.model}' is neither a folder nor a hub id (org/name)")
     for name in ("train_file", "eval_file"):
         path = getattr(cfg, name)
         if not Path(path).exists() and "toy_" not in path and "word_" not in path:
             hint = ("put ToRL's data/torl_data/ folder under data/, or pass --" + name.replace("_", "-")
                     if "torl_data" in path else "run `make run-01` to prepare data")
             problems.append(f"{name} '{path}' does not exist ({hint})")
+        elif Path(path).exists():
+            problems += [data_problem(name, path)] if data_problem(name, path) else []
     if cfg.cold_start not in COLD_STARTS:
         problems.append(f"cold_start must be {_one_of(COLD_STARTS)}, got '{cfg.cold_start}'")
     elif cfg.cold_start == "scratch" and cfg.model:
@@ -92,6 +94,8 @@ def check_config(cfg, resuming: bool) -> None:
         problems.append(f"cold_start '{cfg.cold_start}' needs a model (--model), or use scratch for a tiny one")
     elif cfg.cold_start != "none" and cfg.cold_start_steps < 1:
         problems.append(f"cold_start_steps must be at least 1 with cold_start '{cfg.cold_start}', got {cfg.cold_start_steps}")
+    if cfg.model:
+        problems += [model_problem(cfg.model)] if model_problem(cfg.model) else []
     if cfg.max_response_tokens >= cfg.max_model_len:
         problems.append(f"max_response_tokens ({cfg.max_response_tokens}) leaves no room for the prompt in max_model_len ({cfg.max_model_len})")
     if cfg.max_prompt_tokens and cfg.max_prompt_tokens + cfg.max_response_tokens > cfg.max_model_len:
@@ -99,9 +103,31 @@ def check_config(cfg, resuming: bool) -> None:
                         f"do not fit in max_model_len ({cfg.max_model_len})")
     if cfg.eval_max_response_tokens >= cfg.max_model_len:
         problems.append(f"eval_max_response_tokens ({cfg.eval_max_response_tokens}) does not fit in max_model_len ({cfg.max_model_len})")
+    if cfg.template not in TEMPLATES:
+        problems.append(f"template '{cfg.template}' is not one of {', '.join(TEMPLATES)}")
+    if cfg.observation_style not in OBSERVATION_STYLES:
+        problems.append(f"observation_style must be {_one_of(OBSERVATION_STYLES)}, got '{cfg.observation_style}'")
+    if cfg.dtype not in DTYPES:
+        problems.append(f"dtype must be {_one_of(DTYPES)}, got '{cfg.dtype}'")
+    try:
+        SandboxConfig(backend=cfg.sandbox_backend, timeout=cfg.sandbox_timeout)
+    except ValueError as e:
+        problems.append(f"sandbox_{e}")
+    if not cfg.temperature > 0:
+        problems.append(f"temperature {cfg.temperature}: training samples must be drawn (above 0); the trainer divides by it")
+    if not cfg.eval_temperature >= 0:
+        problems.append(f"eval_temperature must be 0 (greedy) or more, got {cfg.eval_temperature}")
+    if not 0 < cfg.gpu_memory_utilization <= 1:
+        problems.append(f"gpu_memory_utilization is a share of the device: above 0 and at most 1, got {cfg.gpu_memory_utilization}")
+    if not (0 < cfg.eps_low < 1 and cfg.eps_high > 0):
+        problems.append(f"the clip band needs 0 < eps_low < 1 and eps_high > 0, got {cfg.eps_low} and {cfg.eps_high}")
+    if cfg.trainer_threads < -1 or cfg.train_layers < 0:
+        problems.append(f"trainer_threads must be -1 (every core) or more and train_layers 0 (all) or more, "
+                        f"got {cfg.trainer_threads} and {cfg.train_layers}")
     if cfg.group_size < 2:
         problems.append(f"group_size {cfg.group_size}: a group of one has no one to be compared with")
-    for name in ("steps", "problems_per_step", "num_minibatches", "micro_batch_size", "save_every", "keep_checkpoints", "eval_k"):
+    for name in ("steps", "problems_per_step", "num_minibatches", "micro_batch_size", "save_every", "keep_checkpoints",
+                 "eval_k", "max_response_tokens", "eval_max_response_tokens", "max_model_len"):
         if getattr(cfg, name) < 1:
             problems.append(f"{name} must be at least 1, got {getattr(cfg, name)}")
     for name in ("eval_problems", "eval_every", "max_prompt_tokens"):
@@ -145,6 +171,44 @@ def check_config(cfg, resuming: bool) -> None:
                             f"{limit} tokens (max_position_embeddings)")
     if problems:
         raise SystemExit(f"error: {problems[0]}")
+
+
+DTYPES = ("float32", "bfloat16", "float16", "auto")  # the sampler's: vLLM's names
+
+
+def model_problem(model: str) -> str | None:
+    """What is wrong with `model` as a local folder or a hub id, read from disk only; None if nothing."""
+    from smollm2 import HUB_ID
+
+    path = Path(model).expanduser()
+    if path.is_dir():
+        return None if (path / "config.json").is_file() else f"model '{model}' is a folder without config.json"
+    if model.startswith(("/", ".", "~")) or Path(model.split("/")[0]).is_dir():
+        return f"model '{model}' is not a folder here"
+    if not re.fullmatch(r"[\w.-]+/[\w.-]+", model):
+        return f"model '{model}' is neither a folder nor a hub id (org/name)"
+    if model == HUB_ID:  # SmolLM2 has a package to fall back on (smollm2.py)
+        return None
+    from huggingface_hub import try_to_load_from_cache
+
+    from prepare_data import hub_unreachable
+
+    if isinstance(try_to_load_from_cache(model, "config.json"), str):
+        return None
+    offline = os.environ.get("HF_HUB_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE")
+    why = "HF_HUB_OFFLINE is set" if offline else hub_unreachable()
+    return f"model '{model}' is a hub id that is not in the local cache, and {why}" if why else None
+
+
+def data_problem(name: str, path: str) -> str | None:
+    """What 01-data's loader says is wrong with a data file, in one line; None if it reads."""
+    from prepare_data import DataError, load_problems
+
+    try:
+        load_problems(path)
+    except DataError as e:
+        return f"{name}: {e}"
+    return None
 
 
 def _one_of(choices: tuple[str, ...]) -> str:

@@ -22,6 +22,7 @@ import dataclasses
 import json
 import os
 import random
+import sys
 import time
 from dataclasses import dataclass
 from functools import partial
@@ -360,4 +361,9 @@ if __name__ == "__main__":
         from torch.distributed.elastic.multiprocessing.errors import record
 
         main = record(main)
-    main()
+    try:
+        main()
+    except SystemExit as refusal:  # a one-line refusal exits 2, as a usage error does; a stop keeps 128 + signal
+        if isinstance(refusal.code, str):
+            sys.exit(print(refusal.code, file=sys.stderr) or 2)
+        raise

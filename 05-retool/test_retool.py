@@ -198,7 +198,7 @@ def test_evaluate_writes_one_line_per_sample_and_text_mode_never_runs_code(tiny_
 # --------------------------------------------------------------------------- the torl-1.5b preset
 
 
-def test_torl_preset_is_torl_script():
+def test_torl_preset_is_torl_script(tmp_path, monkeypatch):
     """scripts/torl_1.5b.sh, value by value (docs/05-retool.md has the table)."""
     cfg = make_config("torl-1.5b", {})
     assert cfg.model == "Qwen/Qwen2.5-Math-1.5B" and cfg.template == "torl"
@@ -211,7 +211,12 @@ def test_torl_preset_is_torl_script():
     assert (cfg.eval_every, cfg.save_every) == (4, 20)  # trainer.test_freq, trainer.save_freq
     assert (cfg.eval_k, cfg.eval_temperature, cfg.eval_problems) == (1, 0.0, 0)  # greedy, all problems
     assert cfg.train_file.endswith("torl_data/train.parquet") and cfg.gradient_checkpointing
-    check_config(dataclass_replace(cfg, train_file=__file__, eval_file=__file__), resuming=False)
+    import prepare_data
+
+    monkeypatch.setattr(prepare_data, "hub_unreachable", lambda: None)  # as on a machine that reaches the hub
+    data = tmp_path / "problems.jsonl"
+    write_jsonl(make_toy_task(4, 0)[0], data)
+    check_config(dataclass_replace(cfg, train_file=str(data), eval_file=str(data)), resuming=False)
 
 
 def dataclass_replace(cfg, **change):
@@ -599,3 +604,48 @@ def test_help_gives_each_field_its_meaning_and_the_chosen_presets_value():
     flat = " ".join(text.split())
     assert "--lr LR " + meaning["lr"] in flat and "[default: 1e-06]" in flat and "[default: 128]" in flat
     assert "(default: None)" not in flat
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--model", "/nonexistent", "--cold-start", "none"], "model '/nonexistent' is not a folder here"),
+    (["--model", "05-retool/typo", "--cold-start", "none"], "model '05-retool/typo' is not a folder here"),
+    (["--model", "05-retool", "--cold-start", "none"], "model '05-retool' is a folder without config.json"),
+    (["--model", "a/b/c", "--cold-start", "none"], "neither a folder nor a hub id"),
+    (["--model", "05-retool"], "cold_start 'scratch' trains a tiny model from scratch, yet model"),
+    (["--cold-start", "finetune"], "cold_start 'finetune' needs a model"),
+    (["--cold-start", "maybe"], "cold_start must be scratch, finetune or none"),
+    (["--template", "nope"], "template 'nope' is not one of torl"),
+    (["--temperature", "-1"], "temperature -1.0: training samples must be drawn"),
+    (["--eval-temperature", "-1"], "eval_temperature must be 0 (greedy) or more"),
+    (["--max-response-tokens", "0"], "max_response_tokens must be at least 1"),
+    (["--sandbox-timeout", "0"], "sandbox_timeout must be positive"),
+    (["--sandbox-backend", "nope"], "sandbox_backend must be 'local' or 'docker'"),
+    (["--dtype", "float8"], "dtype must be float32, bfloat16, float16 or auto"),
+    (["--observation-style", "json"], "observation_style must be torl, short or full"),
+    (["--gpu-memory-utilization", "1.5"], "gpu_memory_utilization is a share of the device"),
+    (["--eps-low", "1.5"], "the clip band needs 0 < eps_low < 1"),
+    (["--trainer-threads", "-2"], "trainer_threads must be -1"),
+    (["--group-size", "0"], "a group of one"),
+    (["--lr", "-1"], "is not a learning rate"),
+    (["--steps", "x"], "argument --steps: invalid int value: 'x'"),
+    (["--preset", "gpt-5"], "unknown preset 'gpt-5'"),
+])
+def test_retool_refuses_each_mistake_in_one_line_before_loading_anything(argv, says, tmp_path):
+    with pytest.raises(SystemExit) as e:
+        retool.main(argv + ["--run-dir", str(tmp_path / "run")])
+    assert says in str(e.value) and str(e.value).startswith("error: ") and "\n" not in str(e.value)
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("rows, says", [("", "no rows"), ('{"problem": "2+2?"}\n', "no answer column")])
+def test_a_data_file_without_rows_or_fields_is_refused_at_start(rows, says, tmp_path):
+    (tmp_path / "train.jsonl").write_text(rows)
+    with pytest.raises(SystemExit, match=f"train_file: .*{says}"):
+        retool.main(["--train-file", str(tmp_path / "train.jsonl"), "--run-dir", str(tmp_path / "run")])
+
+
+def test_a_refusal_exits_2_with_one_line_and_no_traceback(tmp_path):
+    done = subprocess.run([sys.executable, str(RETOOL), "--dtype", "float8", "--run-dir", str(tmp_path / "run")],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr.strip().splitlines() == ["error: dtype must be float32, bfloat16, float16 or auto, got 'float8'"]
