@@ -1,7 +1,7 @@
 """What the tool loop costs on top of bare generation, for both schedules, measured on one engine.
 
     make bench-rollout                                   # tiny random model on CPU, about three minutes
-    python 03-rollout/bench_rollout.py --model Qwen/Qwen2.5-Math-1.5B --dtype bfloat16 --max-response-tokens 3072
+    .venv/bin/python 03-rollout/bench_rollout.py --model Qwen/Qwen2.5-Math-1.5B --dtype bfloat16 --max-response-tokens 3072
 
 Two workloads, each run with the overlapped rollout (the default) and with rounds:
 
@@ -50,14 +50,13 @@ from pathlib import Path
 
 # A code block with the problem's product, then ```output: the shape ToRL's model writes.
 FORCED_CODE_TURN = r"```python\nprint\([1-9][0-9]{0,2} \* [1-9][0-9]{0,2}\)\n```\n```output"
-SCHEDULES = ("rounds", "overlap")
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # the figures, not the engine's log
     from prepare_data import make_toy_task
-    from rollout import RolloutConfig, make_llm
+    from rollout import SCHEDULES, RolloutConfig, make_llm
     from sandbox import Sandbox, SandboxConfig
 
     model = args.model or str(_tiny_model())
@@ -103,8 +102,10 @@ def main(argv: list[str] | None = None) -> int:
                 line += (f"  {ratio(runs[name], kind, False):>26}  {ratio(runs[name], kind, True):>16}"
                          f"  {idle:>9.2f} s")
             print(line)
-    print(f"  engine idle: seconds with nothing to decode while code ran (median); machine load (1-minute average) "
-          f"{load[0]:.1f} at start, {os.getloadavg()[0]:.1f} at end, on {os.cpu_count()} cores")
+    print("  engine idle: seconds with nothing to decode while code ran (median)")
+    # The machine's load goes with the progress lines, to stderr: it qualifies this run, not the figures.
+    print(f"machine load (1-minute average) {load[0]:.1f} at start, {os.getloadavg()[0]:.1f} at end, "
+          f"on {os.cpu_count()} cores", file=sys.stderr)
     print(f"long-tailed workload, default rollout ({default}) over bare llm.generate, sandbox included: "
           f"{ratio(runs['tail'], default, True)}")
     return 0
@@ -112,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def measure(llm, problems: list[dict], sandbox, cfg, repeats: int, name: str, plain: bool = False) -> dict[str, list[dict]]:
     """`repeats` runs of each kind after one warm-up: both schedules, (no tool,) and the bare baseline."""
-    from rollout import rollout
+    from rollout import SCHEDULES, rollout
 
     runs: dict[str, list[dict]] = {}
     for run in range(repeats + 1):  # run 0 warms up compilation, the grammars and the sandbox

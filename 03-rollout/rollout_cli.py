@@ -1,8 +1,8 @@
-"""Chapter 03's command line: `demo`, `sample` and `view` (run as `python 03-rollout/rollout.py ...`).
+"""Chapter 03's command line: `demo`, `sample` and `view` (run as `.venv/bin/python 03-rollout/rollout.py ...`).
 
-    python 03-rollout/rollout.py demo --out runs/rollout-demo.jsonl    # tiny model, CPU, ~1 min
-    python 03-rollout/rollout.py sample --model M --problems P.jsonl --out T.jsonl
-    python 03-rollout/rollout.py view runs/rollout-demo.jsonl > page.html
+    .venv/bin/python 03-rollout/rollout.py demo --out runs/rollout-demo.jsonl    # tiny model, CPU, ~1 min
+    .venv/bin/python 03-rollout/rollout.py sample --model M --problems P.jsonl --out T.jsonl
+    .venv/bin/python 03-rollout/rollout.py view runs/rollout-demo.jsonl > page.html
 """
 from __future__ import annotations
 
@@ -28,8 +28,8 @@ DEMO_TURNS = (
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description="Token-exact tool-integrated rollouts with vLLM (chapter 03).",
-        epilog="examples:\n  python 03-rollout/rollout.py demo --out runs/rollout-demo.jsonl\n"
-               "  python 03-rollout/rollout.py view runs/rollout-demo.jsonl > page.html",
+        epilog="examples:\n  .venv/bin/python 03-rollout/rollout.py demo --out runs/rollout-demo.jsonl\n"
+               "  .venv/bin/python 03-rollout/rollout.py view runs/rollout-demo.jsonl > page.html",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     sub = parser.add_subparsers(dest="command", required=True)

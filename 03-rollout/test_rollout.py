@@ -17,6 +17,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from doc_pages import says
 from rollout import (
     NO_CODE_OUTPUT,
     SCHEDULES,
@@ -282,13 +283,18 @@ def same_trajectories(a: list[Trajectory], b: list[Trajectory]) -> None:
 
 
 @pytest.mark.vllm
-def test_both_schedules_give_the_same_trajectories_for_a_seed(tiny_llm, sandbox):
-    cfg = dict(group_size=3, max_response_tokens=200, force_turns=(CODE_TURN, ANSWER_TURN), seed=1)
+@pytest.mark.parametrize("cfg", [
+    dict(group_size=3, max_response_tokens=200, force_turns=(CODE_TURN, ANSWER_TURN), seed=1),
+    # Second turns of 1 to 40 letters, some cut by the budget, a second call allowed.
+    dict(group_size=4, max_response_tokens=64, force_turns=(CODE_TURN, r"[a-z ]{1,40}"), tool_budget=2, seed=2),
+], ids=["forced-answer", "answers-of-any-length"])
+def test_both_schedules_give_the_same_trajectories_for_a_seed(tiny_llm, sandbox, cfg):
     rounds, _ = run(tiny_llm, sandbox, "rounds", PROBLEMS, **cfg)
     overlap, llm = run(tiny_llm, sandbox, "overlap", PROBLEMS, **cfg)
     # Overlap sends one request per sample, seeded as vLLM seeds sample j of rounds' n-sample request.
     first = [(prompt, p.seed) for (prompt, p, _), turn in zip(llm.requests(), turns_of(llm, overlap)) if turn == 0]
-    assert len({seed for _, seed in first}) == 6 and len({prompt for prompt, _ in first}) == 2
+    assert len({seed for _, seed in first}) == 2 * cfg["group_size"] and len({prompt for prompt, _ in first}) == 2
+    assert len({len(t.token_ids) for t in rounds}) > 1  # turns end at different times: the two orders differ
     same_trajectories(rounds, overlap)  # token ids, text, tool calls: whatever shared the batch
 
 
@@ -357,6 +363,7 @@ def test_stats_report_generate_and_sandbox_time_and_rounds(forced, schedule):
     assert stats["rounds" if schedule == "rounds" else "steps"] >= 2
     assert stats["tool_calls"] == 6
     assert stats["model_tokens"] + stats["observation_tokens"] == sum(len(t.token_ids) for t in trajs)
+    says("03-rollout.md", *(f"`{key}`" for key in stats))  # the page lists every key the rollout fills in
 
 
 @pytest.mark.vllm
@@ -720,8 +727,10 @@ def test_short_and_full_styles_are_the_sandbox_renderings_in_the_same_frame():
 
 def test_execution_pass_is_the_last_call_and_false_without_a_call():
     def call(passed):
-        return ToolCall("print(1)\n", passed, False, 0, 0.0, "\n1\n```\n", 0, 1, passed=passed)
-    t = Trajectory("p", 0, "1", [1], [], [], [], "")
+        return ToolCall(code="print(1)\n", ok=passed, timed_out=False, returncode=0, latency=0.0,
+                        observation="\n1\n```\n", start=0, end=1, passed=passed)
+    t = Trajectory(problem_id="p", group_index=0, reference="1", prompt_ids=[1], token_ids=[], logprobs=[],
+                   loss_mask=[], text="")
     assert not t.execution_pass and t.code_ok  # no call: not passed (ToRL), although no code failed
     t.tool_calls = [call(False), call(True)]
     assert t.execution_pass
@@ -764,7 +773,8 @@ def _saved_trajectory(tok) -> Trajectory:
     return Trajectory(
         problem_id="q<1>", group_index=0, reference="1", prompt_ids=tok.encode(render_prompt("Is 2 < 3?"), add_special_tokens=False),
         token_ids=ids, logprobs=[-0.5 if m else 0.0 for m in mask], loss_mask=mask, text=tok.decode(ids, skip_special_tokens=True),
-        tool_calls=[ToolCall("print(2 < 3)\n", True, False, 0, 0.01, "\nTrue\n```\n", len(model), len(model) + len(obs))],
+        tool_calls=[ToolCall(code="print(2 < 3)\n", ok=True, timed_out=False, returncode=0, latency=0.01,
+                             observation="\nTrue\n```\n", start=len(model), end=len(model) + len(obs))],
         reward=1.0,
     )
 

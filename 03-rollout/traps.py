@@ -1,6 +1,6 @@
 """The traps that make this chapter capture tokens at generation time, shown on real vLLM.
 
-    python 03-rollout/traps.py            # tiny random model on CPU, about a minute
+    .venv/bin/python 03-rollout/traps.py            # tiny random model on CPU, about a minute
 
 Each trap is measured, not asserted: the script samples with the real engine and
 prints what it saw.
@@ -14,8 +14,9 @@ prints what it saw.
    model spells it with different tokens from sample to sample; re-tokenizing
    the text gives yet another spelling. Log-probs belong to the spelling that
    was sampled, so only the sampled ids can carry them.
-3. A group needs `n=k`, not k copies with one seed. k copies of one prompt with
-   the same seed are k identical samples: a GRPO group with zero variance.
+3. A group needs a random stream per sample (`n=k`, or k requests with seeds
+   seed + j, as the overlapped rollout sends them), not k copies with one seed:
+   those are k identical samples, a GRPO group with zero variance.
 """
 from __future__ import annotations
 

