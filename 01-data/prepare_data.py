@@ -25,6 +25,8 @@ import sys
 from collections import Counter
 from pathlib import Path
 
+from lab_cli import at_least, one_line_errors
+
 # Named sources. The default training set is DeepScaleR's 40k problems (AIME,
 # AMC, Omni-MATH, STILL): competition math with short final answers, one of the
 # pools ToRL drew its 28k training questions from. AIME 2024 and 2025 are the
@@ -187,17 +189,23 @@ def make_toy_task(n_train: int, n_test: int, seed: int = 0, digits: int = 3) -> 
     >>> train[0]["question"], train[0]["answer"]
     ('What is 964 * 494?', '476216')
     """
+    if digits < 2 or n_train < 0 or n_test < 0:
+        raise DataError(f"toy task: digits must be at least 2 and counts 0 or more, got {digits}, {n_train}, {n_test}")
     rng = random.Random(seed)
     lo, hi = 10 ** (digits - 1), 10**digits - 1
-    seen, rows = set(), []
+    seen, rows, misses = set(), [], 0
     while len(rows) < n_train + n_test:
+        if misses > 100_000:  # every distinct problem of this size is drawn: asking for more would never end
+            raise DataError(f"toy task: {digits}-digit factors give fewer than {n_train + n_test} distinct problems")
         a, b = rng.randint(lo, hi), rng.randint(lo, hi)
         # Every product has 2 * digits digits (no 5-digit 3x3 products): answers of
         # one length keep the tiny demo model's job (copy the tool's output into the
         # box) the same on every problem.
         if (a, b) in seen or len(str(a * b)) != 2 * digits:
+            misses += 1
             continue
         seen.add((a, b))
+        misses = 0
         rows.append({"id": f"toy-{a}x{b}", "question": f"What is {a} * {b}?", "answer": str(a * b), "source": "toy"})
     return rows[:n_train], rows[n_train:]
 
@@ -330,15 +338,15 @@ def parse_args(argv):
     p.add_argument("--out", default="data", help="folder the .jsonl files are written to")
     p.add_argument("--train", metavar="SOURCE", help=f"training set: a name ({', '.join(NAMED_SOURCES)}), a hub id or a .jsonl/.parquet file (default: {DEFAULT_TRAIN})")
     p.add_argument("--eval", metavar="SOURCE", nargs="*", help=f"evaluation sets, same kinds of source (default: {' '.join(DEFAULT_EVAL)}; none with --no-eval)")
-    p.add_argument("--limit", type=int, help="keep at most this many rows per source, after filtering (default: all)")
+    p.add_argument("--limit", type=at_least(1), help="keep at most this many rows per source, after filtering (default: all)")
     p.add_argument("--no-train", action="store_true", help="skip the training set")
     p.add_argument("--no-eval", action="store_true", help="skip the evaluation sets")
     p.add_argument("--no-toy", action="store_true", help="skip the toy task of the CPU demo")
-    p.add_argument("--toy-train", type=int, default=2000, help="toy task: training problems")
-    p.add_argument("--toy-test", type=int, default=200, help="toy task: test problems")
-    p.add_argument("--toy-digits", type=int, default=3, help="toy task: digits of each factor")
+    p.add_argument("--toy-train", type=at_least(0), default=2000, help="toy task: training problems")
+    p.add_argument("--toy-test", type=at_least(0), default=200, help="toy task: test problems")
+    p.add_argument("--toy-digits", type=at_least(2), default=3, help="toy task: digits of each factor (2 or more)")
     p.add_argument("--seed", type=int, default=0, help="toy task: random seed")
-    return p.parse_args(argv)
+    return one_line_errors(p).parse_args(argv)
 
 
 if __name__ == "__main__":

@@ -175,3 +175,22 @@ def test_offline_mode_never_tries_the_network(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setattr(utils, "get_session", lambda: pytest.fail("probed the network in offline mode"))
     assert prepare_data._probe_hub() is None
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--toy-digits", "1"], "argument --toy-digits: must be at least 2, got 1"),
+    (["--toy-digits", "0"], "argument --toy-digits: must be at least 2, got 0"),
+    (["--toy-train", "-5"], "argument --toy-train: must be at least 0, got -5"),
+    (["--toy-test", "x"], "argument --toy-test: not an integer: 'x'"),
+    (["--limit", "0"], "argument --limit: must be at least 1, got 0"),
+    (["--toy-digits", "2", "--toy-train", "9000", "--no-train", "--no-eval"],
+     "toy task: 2-digit factors give fewer than 9200 distinct problems"),
+])
+def test_each_command_line_mistake_is_one_line_with_status_2_and_writes_nothing(argv, says, tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        code = main(argv + ["--out", str(tmp_path / "out")])
+        raise SystemExit(code)
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and says in err and "\n" not in err
+    assert not (tmp_path / "out").exists()
