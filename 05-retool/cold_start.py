@@ -42,6 +42,7 @@ from tqdm import tqdm
 from prepare_data import read_problems
 from rollout import encode_plain, observation_text, render_prompt
 from sandbox import Sandbox, SandboxConfig
+from lab_cli import at_least, one_line_errors
 from tiny_model import build_tiny_model
 
 TOOL_OPENING = "```python\n{code}\n```\n```output"
@@ -217,21 +218,38 @@ def parse_args(argv):
     p.add_argument("--train-file", default="data/toy_train.jsonl", help="toy-task problems (01-data's schema)")
     p.add_argument("--out", default="runs/cold-start", help="folder the base model is saved to")
     p.add_argument("--model", default="", help="fine-tune this pretrained model (folder or hub id) instead of a new tiny one")
-    p.add_argument("--train-layers", type=int, default=0, help="train only the top N decoder layers (0 = all)")
+    p.add_argument("--train-layers", type=at_least(0), default=0, help="train only the top N decoder layers (0 = all)")
     p.add_argument("--template", default="torl", help="prompt template (chapter 03's table)")
-    p.add_argument("--tool-fraction", type=float, default=0.4, help="share of traces that call the tool")
-    p.add_argument("--steps", type=int, default=500, help="optimizer steps in all")
-    p.add_argument("--tool-only-steps", type=int, default=300, help="first steps on tool traces alone")
-    p.add_argument("--threads", type=int, default=1, help="torch threads (1 is fastest on a small shared CPU)")
-    p.add_argument("--batch-size", type=int, default=32)
-    p.add_argument("--lr", type=float, default=2e-3)
-    p.add_argument("--warmup-steps", type=int, default=50)
-    p.add_argument("--hidden-size", type=int, default=256, help="a multiple of 64 (vLLM's CPU attention wants head_dim 64)")
-    p.add_argument("--num-layers", type=int, default=2)
-    p.add_argument("--vocab-size", type=int, default=384)
-    p.add_argument("--max-len", type=int, default=256)
+    p.add_argument("--tool-fraction", type=fraction, default=0.4, help="share of traces that call the tool")
+    p.add_argument("--steps", type=at_least(1), default=500, help="optimizer steps in all")
+    p.add_argument("--tool-only-steps", type=at_least(0), default=300, help="first steps on tool traces alone")
+    p.add_argument("--threads", type=at_least(1), default=1, help="torch threads (1 is fastest on a small shared CPU)")
+    p.add_argument("--batch-size", type=at_least(1), default=32)
+    p.add_argument("--lr", type=at_least(1e-12, float), default=2e-3)
+    p.add_argument("--warmup-steps", type=at_least(1), default=50)
+    p.add_argument("--hidden-size", type=multiple_of_64, default=256, help="a multiple of 64 (vLLM's CPU attention wants head_dim 64)")
+    p.add_argument("--num-layers", type=at_least(1), default=2)
+    p.add_argument("--vocab-size", type=at_least(64), default=384)
+    p.add_argument("--max-len", type=at_least(16), default=256)
     p.add_argument("--seed", type=int, default=0)
-    return p.parse_args(argv)
+    args = one_line_errors(p).parse_args(argv)
+    if args.tool_only_steps > args.steps:
+        p.error(f"--tool-only-steps {args.tool_only_steps} is more than --steps {args.steps}")
+    return args
+
+
+def fraction(text: str) -> float:
+    value = at_least(0.0, float)(text)
+    if value > 1:
+        raise argparse.ArgumentTypeError(f"must be a share from 0 to 1, got {text}")
+    return value
+
+
+def multiple_of_64(text: str) -> int:
+    value = at_least(64)(text)
+    if value % 64:
+        raise argparse.ArgumentTypeError(f"must be a multiple of 64 (vLLM's CPU attention wants head_dim 64), got {text}")
+    return value
 
 
 if __name__ == "__main__":

@@ -46,3 +46,20 @@ def test_freezing_leaves_only_the_top_layers_and_final_norm_trainable(tiny_model
     assert n == sum(p.numel() for p in model.model.layers[1].parameters()) + model.model.norm.weight.numel()
     with pytest.raises(ValueError, match="train_layers must be 1..2"):
         freeze_all_but_top(model, 3)
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--steps", "0"], "argument --steps: must be at least 1, got 0"),
+    (["--hidden-size", "100"], "argument --hidden-size: must be a multiple of 64"),
+    (["--tool-only-steps", "600"], "--tool-only-steps 600 is more than --steps 500"),
+    (["--tool-fraction", "2"], "argument --tool-fraction: must be a share from 0 to 1"),
+    (["--lr", "0"], "argument --lr: must be at least"),
+])
+def test_cold_start_refuses_each_mistake_in_one_line_before_it_writes(argv, says, tmp_path, capsys):
+    import cold_start
+
+    with pytest.raises(SystemExit) as e:
+        cold_start.main(argv + ["--out", str(tmp_path / "base")])
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 2 and says in err and "\n" not in err
+    assert not (tmp_path / "base").exists()
