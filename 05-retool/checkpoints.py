@@ -9,6 +9,7 @@ The story: docs/05-retool.md, "Checkpoints, resume, stop, bad configuration".
 from __future__ import annotations
 
 import json
+import math
 import os
 import random
 import shutil
@@ -138,6 +139,17 @@ def has_eval_row(run_dir: Path, step: int, tag: str | None = None) -> bool:
 
 def append_jsonl(path: Path, row: dict) -> None:
     with open(path, "a", encoding="utf-8") as f:
-        f.write(json.dumps(row) + "\n")
+        f.write(json.dumps(json_safe(row)) + "\n")
         f.flush()
         os.fsync(f.fileno())
+
+
+def json_safe(value):
+    """`value` with NaN and infinities as null: JSON has no NaN (an empty set's ratio is undefined, not a number)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(v) for v in value]
+    return value

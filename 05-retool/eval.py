@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import shutil
 import sys
 import time
 from collections import defaultdict
@@ -34,6 +35,8 @@ PAPER = {
     "aime25": {"ToRL-1.5B": 26.7, "ToRL-7B": 30.0},
     "math500": {"ToRL-1.5B": 77.8, "ToRL-7B": 82.2},
 }
+# The sets those numbers are over: MATH500's 77.8 is 389 of 500 (ToRL's released test file holds 134 of them).
+PAPER_SET_SIZE = {"aime24": 30, "aime25": 30, "math500": 500}
 
 
 def evaluate(llm, problems: list[dict], sandbox, k: int = 1, mode: str = "tir", template: str | None = None,
@@ -145,19 +148,23 @@ def markdown_table(result: dict) -> str:
 def paper_table(result: dict) -> str:
     """Measured accuracy (%) beside ToRL's, for the sets the paper reports; "" when there are none.
 
-    The paper's numbers are greedy, one sample per problem, on the full sets;
-    a measurement is comparable only under the same protocol and the same sets.
+    The paper's numbers are greedy, one sample per problem, on the full sets
+    (PAPER_SET_SIZE problems); a measurement on fewer problems, such as the
+    134 MATH500 rows of ToRL's released test file, is shown but marked as not
+    comparable.
     """
     k = result["k"]
     rows = [(name, summary) for name, summary in result["sets"].items() if name in PAPER]
     if not rows:
         return ""
     models = list(next(iter(PAPER.values())))
-    lines = [f"| set | problems | measured avg@{k} ({result['mode']}) | " + " | ".join(f"{m} (paper)" for m in models) + " |",
-             "|---" * (len(models) + 3) + "|"]
+    lines = [f"| set | problems | measured avg@{k} ({result['mode']}) | " + " | ".join(f"{m} (paper)" for m in models)
+             + " | comparable |", "|---" * (len(models) + 4) + "|"]
     for name, summary in rows:
+        full = summary["problems"] == PAPER_SET_SIZE[name]
         lines.append(f"| {name} | {summary['problems']} | {100 * summary[f'avg@{k}']:.1f} | "
-                     + " | ".join(f"{PAPER[name][m]:.1f}" for m in models) + " |")
+                     + " | ".join(f"{PAPER[name][m]:.1f}" for m in models)
+                     + f" | {'yes' if full else f'no: the paper used all {PAPER_SET_SIZE[name]} problems'} |")
     greedy = result.get("temperature") == 0 and k == 1
     lines.append("" if greedy else f"(measured with k={k}, temperature {result.get('temperature')}: "
                  "not ToRL's protocol, which is greedy with one sample)")
@@ -165,52 +172,49 @@ def paper_table(result: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    args = parse_args(argv)
-    if not Path(args.model).exists() and args.model.count("/") != 1:
-        sys.exit(f"error: --model '{args.model}' is neither a folder nor a hub id (org/name)")
-    if args.max_response_tokens >= args.max_model_len:
-        sys.exit(f"error: --max-response-tokens {args.max_response_tokens} leaves no room for the prompt in --max-model-len {args.max_model_len}")
-    if args.temperature == 0 and args.k > 1:
-        sys.exit(f"error: --k {args.k} with greedy decoding gives {args.k} identical samples; add --temperature 1.0 (or another)")
     from configuration import position_limit
 
+    args = parse_args(argv)
+    if args.temperature == 0 and args.k > 1:
+        sys.exit(f"error: --k {args.k} with greedy decoding gives {args.k} identical samples; add --temperature 1.0 (or another)")
+    problem = model_problem(args.model)
+    if problem:
+        sys.exit(f"error: --{problem}")
+    max_model_len = args.max_model_len or position_limit(args.model) or 4096  # the model's own context by default
+    if args.max_response_tokens >= max_model_len:
+        sys.exit(f"error: --max-response-tokens {args.max_response_tokens} leaves no room for the prompt in "
+                 f"--max-model-len {max_model_len}")
     limit = position_limit(args.model)
-    if limit is not None and args.max_model_len > limit:
-        sys.exit(f"error: --max-model-len {args.max_model_len} is above the position limit of {args.model}, "
+    if limit is not None and max_model_len > limit:
+        sys.exit(f"error: --max-model-len {max_model_len} is above the position limit of {args.model}, "
                  f"{limit} tokens (max_position_embeddings)")
     template = args.template or DEFAULT_TEMPLATE[args.mode]
     if args.mode == "text" and template in ("torl", "qwen-chat"):
         print(f"note: --mode text with the tool prompt '{template}': the model is told to write code that never runs",
               file=sys.stderr)
-
-    from prepare_data import DataError, load_problems
-
-    problems = []
-    for source in args.data:
-        try:
-            rows, dropped = load_problems(source, limit=args.limit)
-        except DataError as e:
-            sys.exit(f"error: {e}")
-        except Exception as e:  # the hub is unreachable: say which set, in one line
-            sys.exit(f"error: {source}: {str(e).splitlines()[0] if str(e) else type(e).__name__}")
-        # ToRL's test file repeats each AIME problem 4 times; one copy gives the same greedy accuracy.
-        print(f"{source}: {len(rows)} problems" + "".join(f"; dropped {n} ({why})" for why, n in dropped.items()),
-              file=sys.stderr)
-        problems += rows
+    problems = load_sets(args.data, args.limit)
 
     from rollout import make_llm
     from sandbox import Sandbox, SandboxConfig
 
     out = Path(args.out or f"runs/eval-{time.strftime('%Y%m%d-%H%M%S')}")
+    made = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
-    llm = make_llm(args.model, dtype=args.dtype, max_model_len=args.max_model_len, seed=args.seed,
-                   gpu_memory_utilization=args.gpu_memory_utilization)
-    with Sandbox(SandboxConfig(timeout=args.sandbox_timeout)) as sandbox:
-        result = evaluate(llm, problems, sandbox, k=args.k, mode=args.mode, template=template,
-                          max_response_tokens=args.max_response_tokens, tool_budget=args.tool_budget,
-                          temperature=args.temperature, seed=args.seed, samples_path=out / "samples.jsonl")
+    try:
+        llm = make_llm(args.model, dtype=args.dtype, max_model_len=max_model_len, seed=args.seed,
+                       gpu_memory_utilization=args.gpu_memory_utilization)
+        with Sandbox(SandboxConfig(timeout=args.sandbox_timeout)) as sandbox:
+            result = evaluate(llm, problems, sandbox, k=args.k, mode=args.mode, template=template,
+                              max_response_tokens=args.max_response_tokens, tool_budget=args.tool_budget,
+                              temperature=args.temperature, seed=args.seed, samples_path=out / "samples.jsonl")
+    except BaseException:
+        if made:  # nothing half-written is left behind
+            shutil.rmtree(out, ignore_errors=True)
+        raise
     result = {"model": args.model, "data": args.data, **result}
-    (out / "summary.json").write_text(json.dumps(result, indent=1))
+    from checkpoints import json_safe
+
+    (out / "summary.json").write_text(json.dumps(json_safe(result), indent=1))
     print(markdown_table(result))
     comparison = paper_table(result)
     if comparison:
@@ -219,27 +223,79 @@ def main(argv: list[str] | None = None) -> dict:
     return result
 
 
+def model_problem(model: str) -> str | None:
+    """What is wrong with --model, in one line (a run folder names the checkpoint to take); None if nothing."""
+    from configuration import model_problem as config_problem
+
+    run = Path(model)
+    if (run / "config.json").is_file() and (run / "checkpoints").is_dir() and not (run / "model.safetensors").exists():
+        steps = sorted(run.glob("checkpoints/step-*"))
+        example = steps[-1] if steps else run / "checkpoints" / "step-NNNNNN"
+        return f"model {model} is a run folder, not a model: evaluate one of its checkpoints, e.g. --model {example}"
+    return config_problem(model)
+
+
+def load_sets(sources: list[str], limit: int | None) -> list[dict]:
+    """The problems of every source, at most `limit` per data set (a file of several sets is cut per set)."""
+    from prepare_data import DataError, load_problems
+
+    problems = []
+    for source in sources:
+        try:
+            rows, dropped = load_problems(source)
+        except DataError as e:
+            sys.exit(f"error: {e}")
+        except Exception as e:  # the hub is unreachable: say which set, in one line
+            sys.exit(f"error: {source}: {str(e).splitlines()[0] if str(e) else type(e).__name__}")
+        if limit:
+            kept, taken = [], defaultdict(int)
+            for row in rows:
+                taken[row["source"]] += 1
+                if taken[row["source"]] <= limit:
+                    kept.append(row)
+            rows = kept
+        # ToRL's test file repeats each AIME problem 4 times; one copy gives the same greedy accuracy.
+        print(f"{source}: {len(rows)} problems" + "".join(f"; dropped {n} ({why})" for why, n in dropped.items()),
+              file=sys.stderr)
+        problems += rows
+    return problems
+
+
 def parse_args(argv):
-    p = argparse.ArgumentParser(description="Evaluate a model with (tir) or without (text) the Python tool.",
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--model", required=True, help="hub id or local checkpoint folder")
+    from configuration import DTYPES
+    from lab_cli import at_least, one_line_errors
+    from rollout import TEMPLATES
+
+    p = argparse.ArgumentParser(description="Evaluate a model with (tir) or without (text) the Python tool.")
+    p.add_argument("--model", required=True, help="hub id or local model folder (a run's checkpoints/step-NNNNNN)")
     p.add_argument("--data", nargs="+", default=["aime24", "aime25", "math500"],
-                   help="data sets: aime24, aime25, math500, a hub id, or .jsonl/.parquet files (01-data's or ToRL's schema)")
-    p.add_argument("--mode", choices=["tir", "text"], default="tir", help="with the Python tool, or plain chain of thought")
-    p.add_argument("--k", type=int, default=1, help="samples per problem (more than 1 needs --temperature above 0)")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy, ToRL's protocol")
-    p.add_argument("--template", help="prompt template (03-rollout's table) [default: torl for tir, cot for text]")
-    p.add_argument("--tool-budget", type=int, default=1, help="code executions per response in tir mode")
-    p.add_argument("--max-response-tokens", type=int, default=3072)
-    p.add_argument("--max-model-len", type=int, default=4096)
-    p.add_argument("--dtype", default="auto")
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.8)
-    p.add_argument("--sandbox-timeout", type=float, default=10.0)
-    p.add_argument("--limit", type=int, help="at most this many problems per data set")
-    p.add_argument("--seed", type=int, default=0)
+                   help="data sets: aime24, aime25, math500, a hub id, or .jsonl/.parquet files (01-data's or ToRL's "
+                        "schema) [default: aime24 aime25 math500]")
+    p.add_argument("--mode", choices=["tir", "text"], default="tir",
+                   help="with the Python tool, or plain chain of thought [default: tir]")
+    p.add_argument("--k", type=at_least(1), default=1, help="samples per problem (more than 1 needs --temperature above 0) [default: 1]")
+    p.add_argument("--temperature", type=at_least(0.0, float), default=0.0, help="0 = greedy, ToRL's protocol [default: 0]")
+    p.add_argument("--template", choices=list(TEMPLATES), help="prompt template (03-rollout's table) [default: torl for tir, cot for text]")
+    p.add_argument("--tool-budget", type=at_least(0), default=1, help="code executions per response in tir mode [default: 1]")
+    p.add_argument("--max-response-tokens", type=at_least(1), default=3072, help="[default: 3072]")
+    p.add_argument("--max-model-len", type=at_least(2), help="the sampler's context [default: the model's own, else 4096]")
+    p.add_argument("--dtype", choices=DTYPES, default="auto", help="the sampler's dtype [default: auto]")
+    p.add_argument("--gpu-memory-utilization", type=at_least(0.01, float), default=0.8,
+                   help="vLLM's share of the GPU (on a CPU: of host memory) [default: 0.8]")
+    p.add_argument("--sandbox-timeout", type=at_least(0.01, float), default=10.0, help="seconds per tool call [default: 10]")
+    p.add_argument("--limit", type=at_least(1), help="at most this many problems per data set [default: all]")
+    p.add_argument("--seed", type=int, default=0, help="[default: 0]")
     p.add_argument("--out", help="output folder [default: runs/eval-TIMESTAMP]")
-    return p.parse_args(argv)
+    args = one_line_errors(p).parse_args(argv)
+    if args.gpu_memory_utilization > 1:
+        p.error(f"argument --gpu-memory-utilization: a share, at most 1, got {args.gpu_memory_utilization}")
+    return args
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except SystemExit as refusal:  # a one-line refusal exits 2, as a usage error does
+        if isinstance(refusal.code, str):
+            sys.exit(print(refusal.code, file=sys.stderr) or 2)
+        raise

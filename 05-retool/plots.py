@@ -30,7 +30,7 @@ def plot_run(run_dir: Path) -> Path:
     fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.2))
     for ax, (title, keys) in zip(axes, panels):
         for key in keys:
-            values = [r.get(key, float("nan")) for r in rows]
+            values = [float("nan") if r.get(key) is None else r[key] for r in rows]  # null: undefined that step
             ax.plot(steps, values, marker=".", label=key)
         ax.set_title(title)
         ax.set_xlabel("RL step")

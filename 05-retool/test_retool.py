@@ -409,10 +409,11 @@ def test_text_mode_prompt_never_mentions_a_tool():
 def test_summary_puts_the_papers_numbers_beside_the_measured_ones():
     s = {"problems": 30, "avg@1": 0.2}
     table = paper_table({"mode": "tir", "k": 1, "temperature": 0.0, "sets": {"aime24": s, "toy": s, "math500": s}})
-    assert "| aime24 | 30 | 20.0 | 26.7 | 43.3 |" in table and "| math500 | 30 | 20.0 | 77.8 | 82.2 |" in table
+    assert "| aime24 | 30 | 20.0 | 26.7 | 43.3 | yes |" in table
+    assert "| math500 | 30 | 20.0 | 77.8 | 82.2 | no: the paper used all 500 problems |" in table  # e.g. ToRL's 134 rows
     assert "toy" not in table and "not ToRL's protocol" not in table
     sampled = paper_table({"mode": "tir", "k": 4, "temperature": 1.0, "sets": {"aime25": {"problems": 30, "avg@4": 0.5}}})
-    assert "| aime25 | 30 | 50.0 | 26.7 | 30.0 |" in sampled and "not ToRL's protocol" in sampled
+    assert "| aime25 | 30 | 50.0 | 26.7 | 30.0 | yes |" in sampled and "not ToRL's protocol" in sampled
     assert paper_table({"mode": "tir", "k": 1, "temperature": 0.0, "sets": {"toy": s}}) == ""
 
 
@@ -649,3 +650,63 @@ def test_a_refusal_exits_2_with_one_line_and_no_traceback(tmp_path):
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and done.stdout == ""
     assert done.stderr.strip().splitlines() == ["error: dtype must be float32, bfloat16, float16 or auto, got 'float8'"]
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--temperature", "-1"], "argument --temperature: must be at least 0.0, got -1"),
+    (["--tool-budget", "-1"], "argument --tool-budget: must be at least 0, got -1"),
+    (["--template", "nope"], "argument --template: invalid choice: 'nope'"),
+    (["--limit", "0"], "argument --limit: must be at least 1, got 0"),
+    (["--dtype", "float8"], "argument --dtype: invalid choice: 'float8'"),
+    (["--gpu-memory-utilization", "2"], "a share, at most 1, got 2.0"),
+])
+def test_eval_refuses_each_flag_mistake_in_one_line_with_status_2(argv, says, capsys):
+    import eval as evaluation
+
+    with pytest.raises(SystemExit) as e:
+        evaluation.main(["--model", "org/model", *argv])
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 2 and err.startswith("error: ") and says in err and "\n" not in err
+
+
+def test_eval_refuses_a_run_folder_naming_its_latest_checkpoint(tmp_path):
+    import eval as evaluation
+
+    run = tmp_path / "run"
+    (run / "checkpoints" / "step-000030").mkdir(parents=True)
+    (run / "config.json").write_text("{}")
+    with pytest.raises(SystemExit) as e:
+        evaluation.main(["--model", str(run), "--out", str(tmp_path / "out")])
+    assert f"is a run folder, not a model: evaluate one of its checkpoints, e.g. --model {run}/checkpoints/step-000030" \
+        in str(e.value) and "\n" not in str(e.value)
+    assert not (tmp_path / "out").exists()
+
+
+def test_eval_limit_is_per_data_set_and_takes_the_context_from_the_model(tiny_model_path, tmp_path, monkeypatch):
+    """A file of two sets, --limit 2: two of each; no --max-model-len: the model's own (4096 positions)."""
+    import eval as evaluation
+    import rollout
+
+    rows = [dict(p, source=s) for p, s in zip(make_toy_task(6, 0, seed=2)[0], "aaabbb")]
+    write_jsonl(rows, tmp_path / "two_sets.jsonl")
+    seen = {}
+
+    def no_engine(model, max_model_len, **kwargs):  # stop where the engine would start
+        seen["max_model_len"] = max_model_len
+        raise RuntimeError("no engine in this test")
+
+    monkeypatch.setattr(rollout, "make_llm", no_engine)
+    problems = evaluation.load_sets([str(tmp_path / "two_sets.jsonl")], limit=2)
+    assert [p["source"] for p in problems] == ["a", "a", "b", "b"]
+    with pytest.raises(RuntimeError, match="no engine"):
+        evaluation.main(["--model", str(tiny_model_path), "--data", str(tmp_path / "two_sets.jsonl"),
+                         "--max-response-tokens", "16", "--out", str(tmp_path / "out")])
+    assert seen["max_model_len"] == 4096
+    assert not (tmp_path / "out").exists()  # a failed evaluation leaves no folder behind
+
+
+def test_json_the_lab_writes_has_no_nan():
+    from checkpoints import json_safe
+
+    row = {"code_pass_ratio": float("nan"), "sets": {"a": [1.0, float("inf")]}, "n": 3}
+    assert json.dumps(json_safe(row), allow_nan=False) == '{"code_pass_ratio": null, "sets": {"a": [1.0, null]}, "n": 3}'
