@@ -110,7 +110,7 @@ def check_config(cfg, resuming: bool) -> None:
     if cfg.dtype not in DTYPES:
         problems.append(f"dtype must be {_one_of(DTYPES)}, got '{cfg.dtype}'")
     try:
-        SandboxConfig(backend=cfg.sandbox_backend, timeout=cfg.sandbox_timeout)
+        SandboxConfig(backend=cfg.sandbox_backend, timeout=cfg.sandbox_timeout, isolation=cfg.sandbox_isolation)
     except ValueError as e:
         problems.append(f"sandbox_{e}")
     if not cfg.temperature > 0:

@@ -81,6 +81,7 @@ class Config:
     skip_zero_advantage: bool = True  # no forward/backward for rows without gradient: the same update, faster
     sandbox_backend: str = "local"  # where model code runs: local (fork server) or docker (02-sandbox)
     sandbox_timeout: float = 10.0  # seconds a tool call may run (ToRL: 10)
+    sandbox_isolation: str = "namespaces"  # local backend: namespaces (contained) or plain (weaker; docs/02)
     keep_checkpoints: int = 2  # the newest checkpoints kept in the run folder
     train_layers: int = 0  # train only the top N decoder layers (0 = all)
     trainer_threads: int = 0  # CPU torch threads for training (-1 = every core; 0 = vLLM's choice, one)
@@ -104,11 +105,12 @@ def train(cfg: Config, run_dir: Path, resume: bool = False, dp=None) -> None:
         os.environ["OMP_NUM_THREADS"] = str(trainer_threads(cfg))
     from distributed import DataParallel
     from grpo import load_policy, make_optimizer
-    from sandbox import Sandbox, SandboxConfig
 
     dp = dp or DataParallel()  # a world of one unless torchrun started several ranks
+    sandbox = start_sandbox(cfg)  # first: where code cannot be contained, the run stops before any model loads
     run = RunRecord(cfg, run_dir, resume, dp)  # config.json, the resume point, metrics, checkpoints, stops
     if run.finished:
+        sandbox.close()
         return
     train_problems, eval_problems = load_data(cfg, dp)
 
@@ -126,12 +128,11 @@ def train(cfg: Config, run_dir: Path, resume: bool = False, dp=None) -> None:
     optimizer = make_optimizer(model, grpo_cfg)
     run.restore_optimizer(model, optimizer)
 
-    # The sampler runs the same weights; the sandbox runs the model's code.
+    # The sampler runs the same weights.
     llm = start_sampler(cfg, model_path, run.state, **dp.engine_kwargs())
     llm.weight_version = run.start_step
     trajectories = []
-    with Sandbox(SandboxConfig(backend=cfg.sandbox_backend, timeout=cfg.sandbox_timeout)) as sandbox, \
-            run.stops_saved(model, optimizer, llm):
+    with sandbox, run.stops_saved(model, optimizer, llm):
         run.evaluate_if_due(run.start_step, llm, sandbox, eval_problems, resumed=True)
         for step in run.steps():
             problems = batch_at(train_problems, step, cfg.problems_per_step, cfg.seed)
@@ -272,6 +273,19 @@ def grpo_config(cfg: Config):
         temperature=cfg.temperature, gradient_checkpointing=cfg.gradient_checkpointing,
         max_response_tokens=cfg.max_response_tokens, tis_cap=cfg.tis_cap, skip_zero_advantage=cfg.skip_zero_advantage,
     )
+
+
+def start_sandbox(cfg: Config):
+    """Chapter 02's sandbox with the run's settings, or a one-line refusal saying why it cannot contain code here."""
+    from sandbox import Sandbox, SandboxConfig, SandboxError
+
+    try:
+        sandbox = Sandbox(SandboxConfig(backend=cfg.sandbox_backend, timeout=cfg.sandbox_timeout,
+                                        isolation=cfg.sandbox_isolation))
+        sandbox.run("pass")  # one real call: the backend and its containment are ready, or say why not
+    except SandboxError as e:
+        raise SystemExit(f"error: the sandbox cannot start: {e}; see docs/02-sandbox.md") from None
+    return sandbox
 
 
 def start_sampler(cfg: Config, model_path: str, state: dict | None, **engine_kwargs):

@@ -710,3 +710,14 @@ def test_json_the_lab_writes_has_no_nan():
 
     row = {"code_pass_ratio": float("nan"), "sets": {"a": [1.0, float("inf")]}, "n": 3}
     assert json.dumps(json_safe(row), allow_nan=False) == '{"code_pass_ratio": null, "sets": {"a": [1.0, null]}, "n": 3}'
+
+
+def test_a_sandbox_that_cannot_contain_code_stops_the_run_before_any_model(tmp_path):
+    """As root, plain isolation cannot read the venv's interpreter files: refused at start, no folder made."""
+    if os.geteuid() != 0:
+        pytest.skip("the refusal shown here is root's")
+    done = subprocess.run([sys.executable, str(RETOOL), "--sandbox-isolation", "plain", "--run-dir", str(tmp_path / "run")],
+                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: the sandbox cannot start:")
+    assert not (tmp_path / "run").exists() and "cold start" not in done.stdout
