@@ -23,6 +23,10 @@ endif
 endif
 endif
 # Processes for run-05: one per GPU (or CPU processes with gloo), started by torchrun when above 1.
+# A GPU preset takes every visible GPU unless NPROC says otherwise; the demos take one process.
+ifneq ($(filter $(PRESET),$(GPU_PRESETS)),)
+NPROC ?= $(or $(filter-out 0,$(shell nvidia-smi -L 2>/dev/null | grep -c '^GPU')),1)
+endif
 NPROC ?= 1
 
 .PHONY: setup smollm2 test run-01 run-05 eval-05 bench-sandbox bench-rollout bench-train clean
@@ -62,6 +66,7 @@ run-01: $(STAMP)
 	$(PY) 01-data/prepare_data.py $(ARGS)
 
 run-05: $(STAMP) $(if $(filter smollm2,$(PRESET)),$(SMOLLM2_STAMP))
+	$(if $(filter $(PRESET),$(GPU_PRESETS)),@echo "run-05: $(PRESET) on $(NPROC) GPU(s): one process per GPU (NPROC=N to choose)")
 	$(if $(filter-out 1,$(NPROC)),$(VENV)/bin/torchrun --standalone --nproc-per-node $(NPROC),$(PY)) 05-retool/retool.py $(if $(PRESET),--preset $(PRESET)) $(ARGS)
 
 eval-05: $(STAMP)
