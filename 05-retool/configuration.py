@@ -69,6 +69,16 @@ def parse_bool(text: str) -> bool:
 
 def check_config(cfg, resuming: bool) -> None:
     """Refuse, with one line, a retool.Config that would fail later or silently do the wrong thing."""
+    problems = config_problems(cfg)
+    if problems:
+        raise SystemExit(f"error: {problems[0]}")
+
+
+def config_problems(cfg, world: int | None = None) -> list[str]:
+    """Everything wrong with a retool.Config that can be seen without a model, one line each.
+
+    `world`: the ranks to plan for (default: torchrun's WORLD_SIZE, else 1).
+    """
     from distributed import STRATEGIES
     from grpo import AGGREGATIONS
     from problems_and_policy import COLD_STARTS
@@ -137,7 +147,7 @@ def check_config(cfg, resuming: bool) -> None:
         problems.append(f"eval_k {cfg.eval_k} with greedy evaluation (eval_temperature 0) gives {cfg.eval_k} identical samples")
     if cfg.problems_per_step * cfg.group_size < cfg.num_minibatches:
         problems.append(f"{cfg.problems_per_step * cfg.group_size} trajectories cannot fill {cfg.num_minibatches} mini-batches")
-    world = int(os.environ.get("WORLD_SIZE", "1"))  # torchrun's ranks
+    world = world or int(os.environ.get("WORLD_SIZE", "1"))  # torchrun's ranks
     if world > 1 and cfg.problems_per_step % (cfg.num_minibatches * world):
         problems.append(f"problems_per_step ({cfg.problems_per_step}) must split evenly into num_minibatches"
                         f" ({cfg.num_minibatches}) x {world} ranks")
@@ -169,8 +179,7 @@ def check_config(cfg, resuming: bool) -> None:
         if limit is not None and cfg.max_model_len > limit:
             problems.append(f"max_model_len {cfg.max_model_len} is above the position limit of {cfg.model}, "
                             f"{limit} tokens (max_position_embeddings)")
-    if problems:
-        raise SystemExit(f"error: {problems[0]}")
+    return problems
 
 
 DTYPES = ("float32", "bfloat16", "float16", "auto")  # the sampler's: vLLM's names

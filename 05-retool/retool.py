@@ -30,6 +30,8 @@ from pathlib import Path
 
 from batch_filters import excluded_from_loss, extra_seed, keep_informative_groups
 from configuration import check_config, cuda_available, parse_with_field_flags
+from dry_run import check_memory_plan, dry_run
+from lab_cli import at_least
 from plots import plot_run
 from presets import GPU_PRESETS, PRESETS
 from problems_and_policy import drop_long_prompts, first_policy, load_data, trainer_threads
@@ -320,6 +322,9 @@ def main(argv: list[str] | None = None) -> Path:
     if args.resume:
         run_dir = Path(args.resume)
         cfg = load_config(run_dir, overrides)
+    elif args.dry_run:  # every check that needs no model, and a memory plan per GPU (dry_run.py)
+        raise SystemExit(dry_run(make_config(args.preset, overrides), args.preset, args.plan_gpus, args.plan_gpu_gb,
+                                 start_sandbox))
     else:
         if args.preset in GPU_PRESETS and not cuda_available():
             raise SystemExit(f"error: preset {args.preset} needs a CUDA GPU and this machine has none; "
@@ -327,6 +332,7 @@ def main(argv: list[str] | None = None) -> Path:
         cfg = make_config(args.preset, overrides)
         run_dir = Path(args.run_dir or f"runs/{args.preset}-{time.strftime('%Y%m%d-%H%M%S')}")
     check_config(cfg, resuming=bool(args.resume))
+    check_memory_plan(cfg)  # on CUDA: a plan that cannot fit the GPUs is refused before anything loads
     if not args.resume:
         check_new_run_dir(run_dir, overwrite=args.overwrite)
     from distributed import setup
@@ -354,6 +360,11 @@ def parse_args(argv):
     parser.add_argument("--resume", metavar="RUN_DIR", help="continue a run from its latest checkpoint")
     parser.add_argument("--plot", metavar="RUN_DIR", help="only redraw plots.png of an existing run")
     parser.add_argument("--overwrite", action="store_true", help="replace a run folder that is not empty")
+    parser.add_argument("--dry-run", action="store_true", help="check everything that needs no model and plan "
+                        "memory per GPU, in seconds; load nothing")
+    parser.add_argument("--plan-gpus", type=at_least(1), default=8, help="--dry-run without CUDA: GPUs to plan for [default: 8]")
+    parser.add_argument("--plan-gpu-gb", type=at_least(1.0, float), default=80.0,
+                        help="--dry-run without CUDA: memory of each, in GB [default: 80]")
     return parse_with_field_flags(parser, Config, argv, PRESETS)
 
 

@@ -59,3 +59,16 @@ def test_the_7b_paragraph_is_the_preset():
     cfg = PRESETS["torl-7b"]
     says("05-torl.md", f"micro-batches of {cfg['micro_batch_size']} and vLLM at "
                        f"`gpu_memory_utilization={cfg['gpu_memory_utilization']}`")
+
+
+def test_the_dry_run_on_the_page_is_the_code_s_plan():
+    """The plan's figures on docs/05-torl.md are what memory_plan computes today."""
+    from dry_run import memory_plan, model_shape
+
+    for preset in ("torl-1.5b", "torl-7b"):
+        cfg = make_config(preset, {})
+        plan = memory_plan(cfg, model_shape(cfg.model), gpus=8, gpu_gb=80)
+        says("05-torl.md",
+             f"KV cache: {plan.kv_tokens:,} tokens; one group needs {plan.group_tokens:,}",
+             f"= {sum(plan.rollout.values()):.1f} of 80", f"= {sum(plan.update.values()):.1f} of 80",
+             f"model {cfg.model}: {plan.parameters / 1e9:.2f}B parameters")

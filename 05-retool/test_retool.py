@@ -721,3 +721,45 @@ def test_a_sandbox_that_cannot_contain_code_stops_the_run_before_any_model(tmp_p
     lines = done.stderr.strip().splitlines()
     assert done.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: the sandbox cannot start:")
     assert not (tmp_path / "run").exists() and "cold start" not in done.stdout
+
+
+# --------------------------------------------------------------------------- the dry run and its memory plan
+
+
+def shape_of(name):
+    from dry_run import model_shape
+
+    return model_shape(name)
+
+
+def test_the_memory_plan_refuses_torl_7b_on_one_gpu_and_fits_both_presets_on_eight():
+    from dry_run import memory_plan
+
+    for preset in ("torl-1.5b", "torl-7b"):
+        cfg = make_config(preset, {})
+        plan = memory_plan(cfg, shape_of(cfg.model), gpus=8, gpu_gb=80)
+        assert plan.problems == [], plan.problems
+        assert sum(plan.rollout.values()) <= 80 and sum(plan.update.values()) <= 80
+        assert plan.kv_tokens >= plan.group_tokens
+    one = memory_plan(make_config("torl-7b", {}), shape_of("Qwen/Qwen2.5-Math-7B"), gpus=1, gpu_gb=80)
+    assert one.problems[0].startswith("the trainer state (121.8 GB a GPU") and "at least 2 GPUs" in one.problems[0]
+    plan = memory_plan(make_config("torl-1.5b", {}), shape_of("Qwen/Qwen2.5-Math-1.5B"), gpus=8, gpu_gb=80)
+    assert plan.parameters == 1_543_714_304 and round(plan.update["gradients, float32"], 1) == 6.2
+
+
+def test_a_kv_cache_that_cannot_hold_one_group_is_refused():
+    from dry_run import memory_plan
+
+    cfg = make_config("torl-1.5b", {"gpu_memory_utilization": 0.06})
+    plan = memory_plan(cfg, shape_of(cfg.model), gpus=8, gpu_gb=80)
+    assert any("cannot hold one group (16 x 3472 tokens)" in p for p in plan.problems)
+
+
+def test_the_dry_run_prints_the_plan_and_names_the_missing_data_in_seconds(tmp_path):
+    done = subprocess.run([sys.executable, str(RETOOL), "--preset", "torl-7b", "--dry-run", "--plan-gpus", "1"],
+                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert done.returncode == 2, done.stderr
+    out = done.stdout
+    assert "train_file 'data/torl_data/train.parquet' does not exist" in out and "sandbox: ok" in out
+    assert "memory per GPU" in out and "refused: the trainer state (121.8 GB a GPU" in out
+    assert not (tmp_path / "runs").exists() and not (tmp_path / "data").exists()  # a dry run writes nothing
