@@ -1,11 +1,13 @@
 """What contains a call of the local backend: namespaces, an allow-listed root, cgroups, seccomp.
 
-The fork server (fork_server.py) uses these; docs/02-sandbox.md says why each exists
-and what each stops. Every function fails with an exception
-naming what could not be set up: the sandbox never runs code with less than it promised.
+sandbox.py's containment sequence calls these in the fork server's slots, which the
+server forks into PID namespaces of their own (fork_server.py); docs/02-sandbox.md says
+why each exists and what each stops. Every function fails with an exception naming
+what could not be set up: the sandbox never runs code with less than it promised.
 
     build_root()       once per slot: a fresh root holding only what Python needs, read-only
     fresh_scratch()    per call: empty, size-capped tmpfs on /tmp, /var/tmp, /dev/shm
+    plain_workdir()    per call, plain isolation only: a temporary folder instead
     Cgroups            per call: a memory group and a pids group (cgroup v1 or v2)
     install_seccomp()  in the code's process: deny the system calls math code never needs
 """
@@ -17,6 +19,7 @@ import platform
 import struct
 import sys
 import sysconfig
+import tempfile
 
 # --------------------------------------------------------------------------------------
 # Linux calls Python 3.11 does not wrap (os.unshare and os.setns arrived in 3.12)
@@ -175,6 +178,14 @@ def fresh_scratch(max_file_mb: int, keep: dict[str, int], uid: int) -> str:
     os.mkdir(WORKDIR, 0o700)
     os.chown(WORKDIR, uid, uid)
     return WORKDIR
+
+
+def plain_workdir(uid: int | None) -> str:
+    """Per call, in plain isolation: a new temporary folder of the machine's, owned by the call's uid."""
+    workdir = tempfile.mkdtemp(prefix="sandbox-work-")
+    if uid is not None:
+        os.chown(workdir, uid, uid)
+    return workdir
 
 
 def _inside(path: str, folder: str) -> bool:

@@ -1,13 +1,14 @@
 """The local backend's fork server: warm imports once, then slots that serve calls one at a time.
 
-Started by local_backend.py as `python -I -c <bootstrap>`: its options and its own source
-arrive on stdin, so its command line (which every process can read) names no path and
-no socket. It imports math, numpy and sympy once, then keeps `spares` slots running.
-A slot is forked once, enters its namespaces and pivots into the allow-listed root
-(confinement.py); then, call after call, it prepares a fresh network and IPC namespace,
-empty scratch dirs and a cgroup, waits in accept() and hands the connection to
-runner.serve_call. A slot never reads a request or an answer (see runner.py), retires
-after `slot_calls` calls (local_backend.SLOT_CALLS), and the server forks a new one. docs/02-sandbox.md has the why.
+Started by local_backend.py as `python -I -c <bootstrap>`: its options and the source of
+runner.py, confinement.py, sandbox.py and this file arrive on stdin, so its command line
+(which every process can read) names no path and no socket. It imports the preload
+modules (math, numpy, sympy by default) once, then keeps `spares` slots running. Each
+slot is forked once (with namespaces, into a PID namespace of its own), runs enter_slot,
+then serve_call call after call: the containment sequence, step by step in sandbox.py,
+which the bootstrap hands to serve(). A slot never reads a request or an answer, retires
+after `slot_calls` calls (local_backend.SLOT_CALLS), and the server forks a new one.
+docs/02-sandbox.md has the why.
 """
 from __future__ import annotations
 
@@ -15,20 +16,24 @@ import gc
 import json
 import os
 import select
-import shutil
 import signal
 import socket
 import struct
 import sys
-import tempfile
 import time
 import traceback
 
 import confinement
 import runner
 
-def serve(options: dict) -> None:
-    """Run until the caller closes our stdin. The first stdout line says what isolation we got, or why none."""
+
+def serve(options: dict, enter_slot, serve_call) -> None:
+    """Run until the caller closes our stdin. The first stdout line says what isolation we got, or why none.
+
+    enter_slot(slot) and serve_call(slot, number) -> bool: the containment sequence each
+    slot runs (sandbox.py's, handed over by the bootstrap: the core imports its machinery,
+    never the other way round).
+    """
     runner.preload(options["preload"])
     mode = options["isolation"]
     try:
@@ -60,7 +65,8 @@ def serve(options: dict) -> None:
         if pid == 0:
             for fd in (alive_w, leaving_r, report_r):
                 os.close(fd)
-            _slot(listener, alive_r, leaving_w, report_w, token, uid, mode, options, cgroups, program, slot_calls)
+            _slot(Slot(listener, alive_r, token, uid, mode, options["max_file_mb"], cgroups, program),
+                  leaving_w, report_w, slot_calls, enter_slot, serve_call)
         os.close(report_w)
         if own_pid_ns is not None:
             confinement.setns(own_pid_ns, confinement.CLONE_NEWPID)
@@ -101,8 +107,34 @@ def _hello(**fields) -> None:
     sys.stdout.flush()
 
 
-def _slot(listener, alive: int, leaving: int, report: int, token: int, uid: int | None, mode: str,
-          options: dict, cgroups, program: bytes, slot_calls: int) -> None:
+class Slot:
+    """What a slot's calls need, set when the slot is forked (keep: once its root is built)."""
+
+    def __init__(self, listener: socket.socket, alive: int, token: int, uid: int | None, mode: str,
+                 max_file_mb: int, cgroups, program: bytes) -> None:
+        self.listener, self.alive = listener, alive  # the server's socket; EOF on alive: the server is gone
+        self.token, self.uid, self.mode = token, uid, mode  # uid: of this slot's calls, None where we are not root
+        self.max_file_mb, self.cgroups, self.program = max_file_mb, cgroups, program  # program: the seccomp filter
+        self.keep: dict[str, int] = {}  # interpreter folders inside a scratch dir, bound back by every call
+
+    def accept(self) -> socket.socket | None:
+        """Wait for a call; None when the server exited first."""
+        poller = select.poll()
+        poller.register(self.listener.fileno(), select.POLLIN)
+        poller.register(self.alive, select.POLLIN)
+        while True:
+            for fd, _ in poller.poll():
+                if fd == self.alive:
+                    return None
+                try:
+                    conn, _ = self.listener.accept()
+                except BlockingIOError:
+                    continue  # another slot took it
+                conn.setblocking(True)
+                return conn
+
+
+def _slot(slot: Slot, leaving: int, report: int, slot_calls: int, enter_slot, serve_call) -> None:
     """One supervisor: set up isolation once, report, then serve calls one at a time."""
     status = 1
     try:
@@ -111,70 +143,22 @@ def _slot(listener, alive: int, leaving: int, report: int, token: int, uid: int 
             devnull = os.open(os.devnull, os.O_RDWR)
             os.dup2(devnull, 0)  # the server's pipe from the caller stays with the server
             os.close(devnull)
-            if mode == "namespaces":
-                confinement.unshare(confinement.CLONE_NEWNS)  # the PID namespace came with the fork
-                keep = confinement.build_root()
-                confinement.mount_proc()
-            else:
-                confinement.prctl(confinement.PR_SET_CHILD_SUBREAPER, 1)  # orphans of the code become ours to kill
+            enter_slot(slot)
         except BaseException as e:
             os.write(report, f"{type(e).__name__}: {e}".encode())
             raise
         finally:
             os.close(report)
-
-        def lock() -> None:
-            confinement.install_seccomp(program)
-
         for number in range(slot_calls):
-            # Prepared before the call arrives, so that it costs the call nothing.
-            group = None
-            if mode == "namespaces":
-                confinement.unshare(confinement.CLONE_NEWNET | confinement.CLONE_NEWIPC)  # the previous call's die with their last process
-                workdir = confinement.fresh_scratch(options["max_file_mb"], keep, uid)
-                group = cgroups.prepare(f"call-{token}-{number}")
-            else:
-                workdir = tempfile.mkdtemp(prefix="sandbox-work-")
-                if uid is not None:
-                    os.chown(workdir, uid, uid)
-            try:
-                conn = _accept(listener, alive)
-                if conn is None:
-                    status = 0
-                    return
-                with conn:
-                    try:
-                        runner.serve_call(conn.fileno(), conn.fileno(), workdir, uid, mode, group, lock)
-                    except (BrokenPipeError, ConnectionResetError):
-                        pass  # the caller gave up waiting; the call's processes are already gone
-            finally:
-                if group is not None:
-                    group.remove()
-                if mode != "namespaces":  # in namespaces the tmpfs goes with the next call or the slot
-                    shutil.rmtree(workdir, ignore_errors=True)
-        os.write(leaving, struct.pack("q", token))
+            if not serve_call(slot, number):  # the server is gone
+                status = 0
+                return
+        os.write(leaving, struct.pack("q", slot.token))
         status = 0
     except BaseException:
         traceback.print_exc()
     finally:
         os._exit(status)  # as PID 1: the kernel tears the namespaces down
-
-
-def _accept(listener: socket.socket, alive: int) -> socket.socket | None:
-    """Wait for a call; None when the server exited first."""
-    poller = select.poll()
-    poller.register(listener.fileno(), select.POLLIN)
-    poller.register(alive, select.POLLIN)
-    while True:
-        for fd, _ in poller.poll():
-            if fd == alive:
-                return None
-            try:
-                conn, _ = listener.accept()
-            except BlockingIOError:
-                continue  # another slot took it
-            conn.setblocking(True)
-            return conn
 
 
 def _remove_groups(cgroups, slot_pids: list[int]) -> None:

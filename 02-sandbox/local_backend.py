@@ -30,13 +30,15 @@ HERE = Path(__file__).resolve().parent
 _BOOT = (
     "import json, sys, types\n"
     "boot = json.loads(sys.stdin.buffer.readline())\n"
-    "for name, source in boot['modules']:\n"
+    "for name, path, source in boot['modules']:\n"
     "    module = sys.modules[name] = types.ModuleType(name)\n"
+    "    module.__file__ = path\n"
     "    exec(compile(source, name + '.py', 'exec'), module.__dict__)\n"
-    "sys.modules['fork_server'].serve(boot['options'])\n"
+    "core = sys.modules['sandbox']\n"
+    "sys.modules['fork_server'].serve(boot['options'], core.enter_slot, core.serve_call)\n"
 )
 SLOT_CALLS = 200  # calls a slot serves before it retires: bounds how far its memory drifts from the server's
-_SERVER_MODULES = ("runner", "confinement", "fork_server")  # in import order
+_SERVER_MODULES = ("runner", "confinement", "sandbox", "fork_server")  # in import order; sandbox holds the containment sequence
 # The first call of every server: the code is not root and reads the warm modules' files.
 _PROBE = (
     "import os, sys\n"
@@ -105,7 +107,7 @@ class _Server:
             "max_file_mb": cfg.max_file_mb,
             "slot_calls": SLOT_CALLS,
         }
-        modules = [(name, (HERE / f"{name}.py").read_text()) for name in _SERVER_MODULES]
+        modules = [(name, str(HERE / f"{name}.py"), (HERE / f"{name}.py").read_text()) for name in _SERVER_MODULES]
         try:
             self._proc = subprocess.Popen(
                 [cfg.python, "-I", "-c", _BOOT],

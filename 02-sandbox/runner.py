@@ -1,17 +1,17 @@
-"""The runner: one call, from the request to the answer, inside the sandbox.
+"""The runner: the steps of one call inside the sandbox, from the request to the answer.
 
-Used by the fork server's slots (fork_server.py) and, as this one file sent with
-`python3 -I -c <source> --container OPTIONS`, by every Docker container. It needs only
-the standard library. serve_call() is the whole life of a call:
+sandbox.py shows the sequence (serve_call and code_process, run by the fork server's
+slots); this file holds each step's detail. It needs only the standard library, because
+it is also sent alone, as `python3 -I -c <source> --container OPTIONS`, to every Docker
+container, whose container_main takes the same steps less those Docker provides.
 
-1. fork the code's process first; that process reads the request itself, so the code
-   and its output never pass through the memory of the supervisor, which later calls
-   inherit (it sends its supervisor only two numbers: the time limit and the output cap);
-2. that process joins its call's cgroup, sets its rlimits, drops to an unprivileged uid,
-   installs the seccomp filter and runs the code with stdout and stderr in memory files;
-3. the supervisor waits up to the time limit, kills every process the call left, and
-   sends the answer: a small header, then head and tail of each memory file, copied by
-   the kernel (sendfile) straight from the file to the caller's socket.
+- the code's process reads its own request (take_request), so the code and its output
+  never pass through the memory of the supervisor, which later calls inherit; it sends
+  its supervisor only two numbers, the time limit and the output cap;
+- its stdout and stderr are memory files (CallFiles) capped by RLIMIT_FSIZE;
+- the supervisor (collect) waits up to the time limit, kills every process the call
+  left, and sends the answer: a small header, then head and tail of each memory file,
+  copied by the kernel (sendfile) straight from the file to the caller's socket.
 Why each step exists: docs/02-sandbox.md.
 """
 from __future__ import annotations
@@ -33,6 +33,7 @@ import threading
 import time
 import traceback
 import types
+from typing import NoReturn
 
 ANSWER_GRACE = 30.0  # seconds past the timeout before the caller gives up on an answer (a loaded machine is slow to fork and reap)
 REQUEST_GRACE = 30.0  # seconds the code's process may take to receive its request before it is killed
@@ -61,39 +62,118 @@ def preload(modules: list[str]) -> None:
 
 
 # --------------------------------------------------------------------------------------
-# The supervisor's side of a call
+# The steps of a call, in the order sandbox.serve_call takes them
 # --------------------------------------------------------------------------------------
 
 
-def serve_call(request_fd: int, answer_fd: int, workdir: str, uid: int | None, mode: str, group=None, lock=None) -> None:
-    """Run one call whose request waits on request_fd, and write its answer to answer_fd.
+class CallFiles:
+    """One call's files: stdout and stderr as memory files, and the pipe on which the
+    code's process sends its supervisor two numbers (the time limit and the output cap)."""
 
-    mode: "namespaces", "plain" or "container". group: the call's cgroups (joined and
-    read by the code's process and by us), lock: installs the seccomp filter; None where
-    the container runtime provides both.
+    def __init__(self) -> None:
+        self.out = os.memfd_create("stdout")
+        self.err = os.memfd_create("stderr")
+        self.limits_r, self.limits_w = os.pipe()
+
+
+def exit_after(body, *args) -> NoReturn:
+    """In the forked code's process: run body(*args), then exit with the status it returns.
+
+    Whatever it raises is printed on the call's stderr and exits 1: the process never
+    goes back to the code of the slot it was forked from.
     """
-    out = os.memfd_create("stdout")
-    err = os.memfd_create("stderr")
-    limits_r, limits_w = os.pipe()
-    user = os.fork()
-    if user == 0:
-        os.close(limits_r)
-        _become_user_process(request_fd, limits_w, out, err, workdir, uid, mode, group, lock)  # never returns
-    os.close(limits_w)
-    limits = _read_limits(limits_r)
-    os.close(limits_r)
+    status = 1
+    try:
+        status = body(*args)
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        os._exit(status)
+
+
+def take_request(request_fd: int, files: CallFiles) -> dict:
+    """The code's process reads its own request; its supervisor gets only the time limit and the output cap."""
+    os.close(files.limits_r)
+    os.dup2(files.out, 1)  # first: anything that fails from here on is reported in the answer
+    os.dup2(files.err, 2)
+    request = json.loads(read_frame(request_fd))
+    os.write(files.limits_w, struct.pack("=dq", float(request["timeout"]), int(request["max_output_bytes"])))
+    return request
+
+
+def detach(workdir: str) -> None:
+    """A session of its own, stdin from /dev/null, no descriptor of the sandbox left open, in the work dir."""
+    os.setsid()  # a group of its own: a kill of the group never reaches the supervisor
+    stdin = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(stdin, 0)
+    os.closerange(3, resource.getrlimit(resource.RLIMIT_NOFILE)[0])  # no socket, pipe or cgroup of the sandbox stays reachable
+    os.chdir(workdir)
+
+
+def set_rlimits(request: dict, uid: int | None, mode: str) -> None:
+    """Address space, CPU time, file size, processes, no core dumps: the request's limits, hard and soft."""
+    mb = 1024 * 1024
+    _set_limit(resource.RLIMIT_AS, request["memory_mb"] * mb)
+    _set_limit(resource.RLIMIT_CPU, int(request["timeout"]) + 2)
+    _set_limit(resource.RLIMIT_FSIZE, request["max_file_mb"] * mb)
+    if mode != "container" and uid is not None:  # the uid is this slot's own: the limit is this call's budget
+        _set_limit(resource.RLIMIT_NPROC, request["max_processes"])
+    elif mode == "plain":  # the uid is shared with the caller: a budget on top of what it runs
+        _set_limit(resource.RLIMIT_NPROC, _tasks_of_uid(os.getuid()) + request["max_processes"])
+    # In a container the pids cgroup is the budget: RLIMIT_NPROC would count every
+    # container's processes together, since they all run as uid 65534.
+    _set_limit(resource.RLIMIT_CORE, 0)
+
+
+def drop_privileges(uid: int | None) -> None:
+    """Default signal handlers, the unprivileged uid (where one is given), no_new_privs, death with the supervisor."""
+    for number in (signal.SIGCHLD, signal.SIGALRM, signal.SIGXFSZ, signal.SIGXCPU, signal.SIGTERM):
+        signal.signal(number, signal.SIG_DFL)
+    if uid is not None:
+        os.setgroups([])
+        os.setgid(uid)
+        os.setuid(uid)
+    _prctl(38, 1)  # PR_SET_NO_NEW_PRIVS: setuid binaries cannot give root back
+    _prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: if the supervisor dies, so does the code
+
+
+def run_code(source: str, workdir: str) -> int:
+    """A clean environment and a fresh interpreter's state, then the code as `python -c` runs it; its exit status."""
+    os.environ.clear()
+    os.environ.update(clean_env(), HOME=workdir, TMPDIR=workdir)
+    _fresh_interpreter_state()
+    return _exec(source)
+
+
+def collect(pid: int, files: CallFiles, answer_fd: int, group=None, may_copy: bool = False) -> None:
+    """The supervisor's side: wait for the code's process up to the time limit, kill every
+    process the call left, and send the answer (the call's cgroup says whether it was OOM-killed).
+
+    may_copy: the output may pass through this process's memory where sendfile is
+    refused; only a single-use container may.
+    """
+    os.close(files.limits_w)
+    limits = _read_limits(files.limits_r)
+    os.close(files.limits_r)
     if limits is None:  # no request, or a malformed one: the code's process says why on its stderr
-        _kill_quietly(user)
-        status, timed_out = _wait_for(user, None), False
-        timeout, cap = 0.0, DEFAULT_CAP
+        _kill_quietly(pid)
+        status, timed_out = _wait_for(pid, None)
+        cap = DEFAULT_CAP
     else:
         timeout, cap = limits
-        status, timed_out = _wait_for(user, timeout)
+        status, timed_out = _wait_for(pid, timeout)
     _kill_the_rest()  # before answering: when the caller has its result, nothing is left running
     oom_killed = group.oom_killed() if group is not None else False
-    _send_answer(answer_fd, status, timed_out, oom_killed, out, err, cap, may_copy=mode == "container")
-    os.close(out)
-    os.close(err)
+    try:
+        _send_answer(answer_fd, status, timed_out, oom_killed, files.out, files.err, cap, may_copy)
+    finally:
+        os.close(files.out)
+        os.close(files.err)
+
+
+# --------------------------------------------------------------------------------------
+# The detail of the supervisor's side
+# --------------------------------------------------------------------------------------
 
 
 def _read_limits(fd: int) -> tuple[float, int] | None:
@@ -271,55 +351,8 @@ def _kill_quietly(pid: int) -> None:
 
 
 # --------------------------------------------------------------------------------------
-# The code's side of a call
+# The detail of the code's side
 # --------------------------------------------------------------------------------------
-
-
-def _become_user_process(request_fd: int, limits_fd: int, out: int, err: int, workdir: str, uid: int | None,
-                         mode: str, group, lock) -> None:
-    """Turn this forked process into a fresh, unprivileged interpreter running the code."""
-    status = 1
-    try:
-        os.dup2(out, 1)
-        os.dup2(err, 2)
-        request = json.loads(read_frame(request_fd))
-        os.write(limits_fd, struct.pack("=dq", float(request["timeout"]), int(request["max_output_bytes"])))
-        if group is not None:  # before dropping root: the cgroup's files belong to root
-            group.join(request["memory_mb"], request["max_processes"])
-        os.setsid()  # a group of its own: a kill of the group never reaches the supervisor
-        stdin = os.open(os.devnull, os.O_RDONLY)
-        os.dup2(stdin, 0)
-        os.closerange(3, resource.getrlimit(resource.RLIMIT_NOFILE)[0])  # no socket, pipe or cgroup of the sandbox stays reachable
-        os.chdir(workdir)
-        mb = 1024 * 1024
-        _set_limit(resource.RLIMIT_AS, request["memory_mb"] * mb)
-        _set_limit(resource.RLIMIT_CPU, int(request["timeout"]) + 2)
-        _set_limit(resource.RLIMIT_FSIZE, request["max_file_mb"] * mb)
-        if mode != "container" and uid is not None:  # the uid is this slot's own: the limit is this call's budget
-            _set_limit(resource.RLIMIT_NPROC, request["max_processes"])
-        elif mode == "plain":  # the uid is shared with the caller: a budget on top of what it runs
-            _set_limit(resource.RLIMIT_NPROC, _tasks_of_uid(os.getuid()) + request["max_processes"])
-        # In a container the pids cgroup is the budget: RLIMIT_NPROC would count every
-        # container's processes together, since they all run as uid 65534.
-        _set_limit(resource.RLIMIT_CORE, 0)
-        for number in (signal.SIGCHLD, signal.SIGALRM, signal.SIGXFSZ, signal.SIGXCPU, signal.SIGTERM):
-            signal.signal(number, signal.SIG_DFL)
-        if uid is not None:
-            os.setgroups([])
-            os.setgid(uid)
-            os.setuid(uid)
-        _prctl(38, 1)  # PR_SET_NO_NEW_PRIVS: setuid binaries cannot give root back
-        _prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: if the supervisor dies, so does the code
-        if lock is not None:
-            lock()  # the seccomp filter, last: the steps above need calls it denies
-        os.environ.clear()
-        os.environ.update(clean_env(), HOME=workdir, TMPDIR=workdir)
-        _fresh_interpreter_state()
-        status = _run_code(request["code"])
-    except BaseException:
-        traceback.print_exc()
-    finally:
-        os._exit(status)
 
 
 def _set_limit(kind: int, value: int) -> None:
@@ -335,7 +368,7 @@ def _prctl(option: int, value: int) -> None:
     ctypes.CDLL(None).prctl(ctypes.c_int(option), ctypes.c_ulong(value), ctypes.c_ulong(0), ctypes.c_ulong(0), ctypes.c_ulong(0))
 
 
-def _run_code(source: str) -> int:
+def _exec(source: str) -> int:
     """Run the code as `python -c` would and return its exit status."""
     name = "<string>"
     # Registering the source lets tracebacks show the offending line, as from a file.
@@ -403,11 +436,28 @@ def _io_text(fd: int, mode: str):
 
 
 def container_main(options: dict) -> None:
-    """Warm imports, wait for one request on stdin, answer on stdout."""
+    """Warm imports, wait for one request on stdin, answer on stdout.
+
+    The steps of sandbox.serve_call and code_process, less those Docker provides
+    (namespaces, root file system, cgroup, uid, seccomp profile).
+    """
     preload(options["preload"])
     ready, _, _ = select.select([0], [], [], IDLE_EXIT)
-    if ready:
-        serve_call(0, 1, tempfile.mkdtemp(prefix="work-"), None, "container")
+    if not ready:
+        return
+    workdir, files = tempfile.mkdtemp(prefix="work-"), CallFiles()
+    pid = os.fork()
+    if pid == 0:
+        exit_after(_container_code, files, workdir)
+    collect(pid, files, 1, may_copy=True)  # single-use: output copied through memory reaches no later call
+
+
+def _container_code(files: CallFiles, workdir: str) -> int:
+    request = take_request(0, files)
+    detach(workdir)
+    set_rlimits(request, None, "container")
+    drop_privileges(None)
+    return run_code(request["code"], workdir)
 
 
 if __name__ == "__main__":

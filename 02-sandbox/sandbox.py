@@ -1,8 +1,8 @@
 """The code interpreter: run model-written Python in a fresh, contained process, fast.
 
-Each call runs the code in a fresh process with limits and returns what the
-model reads next (format_observation: the lab's two renderings; ToRL's own rule
-is chapter 03's rollout.torl_observation).
+Each call runs the code in a fresh process with limits and returns what the model
+reads next (format_observation: the lab's two renderings; ToRL's own rule is
+chapter 03's rollout.torl_observation).
 
     from sandbox import Sandbox, SandboxConfig, format_observation
     with Sandbox(SandboxConfig(timeout=10)) as sb:
@@ -10,17 +10,21 @@ is chapter 03's rollout.torl_observation).
         print(format_observation(r))                       # what the model reads
     python 02-sandbox/sandbox.py -c "print(1+1)"           # the same from a shell
 
+The file opens with the containment sequence, one named call a step: enter_slot once
+per warm slot, then serve_call and code_process for every call. The steps' detail lives
+beside it: confinement.py (namespaces, the root, cgroups, seccomp), runner.py (request,
+rlimits, uid, run, answer), fork_server.py and local_backend.py (the warm server).
+
 Key decisions (the why, the threat model and the figures: docs/02-sandbox.md):
 1. A warm fork server (fork_server.py, started and called by local_backend.py)
-   imports sympy once; a call costs one fork, not a new interpreter. Calls are
-   independent: one connection, one fresh process.
+   imports sympy once and runs the sequence below in its slots; a call costs one
+   fork, not a new interpreter. Calls are independent: one connection, one fresh process.
 2. It fails closed: if the isolation asked for cannot be set up, Sandbox raises
    SandboxError. "plain" is an explicit, weaker choice, and never runs code as root.
-3. The code's process (runner.py) reads its own request and the answer is copied by
-   the kernel, so no call's code or output stays in memory a later call inherits.
-4. Containment (confinement.py): PID, mount, network and IPC namespaces, a root that
-   holds only what Python needs, a memory and pids cgroup per call, a seccomp filter,
-   an unprivileged uid and rlimits. Docker (docker_backend.py) is the other backend.
+3. The code's process reads its own request and the answer is copied by the kernel,
+   so no call's code or output stays in memory a later call inherits.
+4. Docker (docker_backend.py) is the other backend: runner.py alone in a single-use
+   container, which provides the namespaces, cgroup, uid and seccomp profile itself.
 """
 from __future__ import annotations
 
@@ -28,15 +32,90 @@ import argparse
 import concurrent.futures
 import dataclasses
 import os
+import shutil
 import signal
 import sys
 import threading
 import time
 from pathlib import Path
 
+import confinement
+import runner
+
 HERE = Path(__file__).resolve().parent
 LAB_ROOT = str(HERE.parent)  # never visible to the code: it holds the data sets and their answers
 DEFAULT_IMAGE = "tool-rl-lab-sandbox:latest"
+
+# --------------------------------------------------------------------------------------
+# The containment sequence. It runs in the fork server's slots: local_backend.py loads this
+# file into the server, whose slots call enter_slot once, then serve_call for each call.
+# (The caller's side, Sandbox and its records, starts at ExecResult below.)
+# --------------------------------------------------------------------------------------
+
+
+def enter_slot(slot) -> None:
+    """Once per slot. With namespaces the fork server forked it into a PID namespace of its
+    own, where it is PID 1: its kill(-1) after each call reaches every process the call left."""
+    if slot.mode == "namespaces":
+        confinement.unshare(confinement.CLONE_NEWNS)  # namespaces: mounts of the slot's own
+        slot.keep = confinement.build_root()  # the file view: pivot into a read-only root of only what Python needs
+        confinement.mount_proc()  # a /proc of this PID namespace, where the code sees only its own processes
+    else:  # plain: no namespaces; the code's orphans are re-parented to the slot, which kills them
+        confinement.prctl(confinement.PR_SET_CHILD_SUBREAPER, 1)
+
+
+def serve_call(slot, number: int) -> bool:
+    """One call, every step in order; False when the server went away before a call came.
+
+    slot: a fork_server.Slot (mode, the calls' uid, cgroups, seccomp program, listener).
+    """
+    # Prepared before the call arrives, so that none of it is in the call's latency:
+    if slot.mode == "namespaces":
+        confinement.unshare(confinement.CLONE_NEWNET | confinement.CLONE_NEWIPC)  # namespaces: no network, no earlier IPC
+        workdir = confinement.fresh_scratch(slot.max_file_mb, slot.keep, slot.uid)  # the file view: empty scratch tmpfs
+        group = slot.cgroups.prepare(f"call-{slot.token}-{number}")  # limits: the call's memory and pids cgroup
+    else:
+        workdir, group = confinement.plain_workdir(slot.uid), None  # plain: a temporary folder, no cgroup
+    try:
+        conn = slot.accept()
+        if conn is None:
+            return False
+        with conn:
+            files = runner.CallFiles()  # stdout and stderr as memory files, and a pipe for two numbers
+            pid = os.fork()  # the one fork per call: a copy of this warm slot becomes the code
+            if pid == 0:
+                runner.exit_after(code_process, conn.fileno(), files, workdir, slot, group)  # never returns
+            try:
+                runner.collect(pid, files, conn.fileno(), group)  # collect: wait up to the timeout, kill the rest, answer
+            except (BrokenPipeError, ConnectionResetError):
+                pass  # the caller gave up waiting; the call's processes are already gone
+        return True
+    finally:
+        if group is not None:
+            group.remove()  # its network and IPC namespaces went with the call's last process
+        if slot.mode != "namespaces":  # in namespaces the tmpfs goes with the next call or the slot
+            shutil.rmtree(workdir, ignore_errors=True)
+
+
+def code_process(request_fd: int, files: runner.CallFiles, workdir: str, slot, group) -> int:
+    """The forked process that becomes the code; returns the code's exit status.
+
+    It reads its own request, so the code and its output never enter the slot's memory,
+    which later calls inherit.
+    """
+    request = runner.take_request(request_fd, files)  # the slot learns only the time limit and the output cap
+    if group is not None:
+        group.join(request["memory_mb"], request["max_processes"])  # limits: the cgroup, joined while still root
+    runner.detach(workdir)  # a session of its own, stdin /dev/null, no descriptor of the sandbox, in the work dir
+    runner.set_rlimits(request, slot.uid, slot.mode)  # limits: address space, CPU time, file size, processes
+    runner.drop_privileges(slot.uid)  # an unprivileged uid, no_new_privs, death with the slot
+    confinement.install_seccomp(slot.program)  # seccomp, last: the steps above need calls it denies
+    return runner.run_code(request["code"], workdir)  # run: clean env, a fresh interpreter's state, exec
+
+
+# --------------------------------------------------------------------------------------
+# The caller's side
+# --------------------------------------------------------------------------------------
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,7 +137,7 @@ class SandboxConfig:
 
     backend: str = "local"  # "local" (fork server, no daemon) or "docker"
     timeout: float = 10.0  # wall-clock seconds; math code needing more is nearly always a runaway loop, and a rollout waits for its slowest call
-    memory_mb: int = 1024  # address-space cap and the call's memory cgroup (local), or container memory (docker); the warm interpreter itself maps about 140 MB of it
+    memory_mb: int = 1024  # address-space cap and the call's memory cgroup (local), or container memory (docker); the warm interpreter itself maps about 170 MB of it
     max_output_bytes: int = 64 * 1024  # bytes of each of stdout and stderr that come back (head and tail); the model sees 256 characters anyway
     max_file_mb: int = 16  # largest stream or file the code may write; a print flood is killed here
     max_processes: int = 64  # processes and threads per call; stops fork bombs, leaves room for a thread pool

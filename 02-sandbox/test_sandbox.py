@@ -10,7 +10,10 @@ from __future__ import annotations
 import glob
 import json
 import os
+import platform
+import re
 import socket
+import struct
 import subprocess
 import sys
 import threading
@@ -20,6 +23,7 @@ import uuid
 import pytest
 
 import confinement
+from doc_pages import page, says
 from sandbox import LAB_ROOT, ExecResult, Sandbox, SandboxConfig, format_observation
 
 
@@ -524,6 +528,23 @@ def test_closing_the_sandbox_stops_its_fork_server():
     assert server.poll() is not None
 
 
+def test_a_malformed_request_is_answered_with_the_reason_and_the_slot_serves_on():
+    """The code's process reads the request itself; when that fails, the answer carries why on its stderr."""
+    import local_backend
+    import runner
+
+    needs_root()
+    with Sandbox(make_config("local", concurrency=1, preload=())) as sb:
+        assert_still_answers(sb)
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+            conn.settimeout(TIMEOUT + runner.ANSWER_GRACE)
+            conn.connect(sb._backend._server.socket_path)
+            conn.sendall(struct.pack(">I", 8) + b"not json")
+            answer = runner.read_answer(lambda size: local_backend._recv_exactly(conn, size))
+        assert answer["returncode"] == 1 and "JSONDecodeError" in answer["stderr"], answer
+        assert_still_answers(sb)
+
+
 # ---------------------------------------------------------------- the boundary: memory, kernel, files, residue, failing closed
 
 
@@ -782,3 +803,65 @@ def test_an_unknown_style_or_backend_is_a_clear_error():
         SandboxConfig(backend="k8s")
     with pytest.raises(ValueError, match="timeout must be positive"):
         SandboxConfig(timeout=0)
+
+
+# ---------------------------------------------------------------- the page and the code
+
+
+def test_the_page_states_the_defaults_and_constants_of_the_code():
+    """docs/02 restates SandboxConfig's defaults and the sandbox's constants; each fragment is built from the code."""
+    import local_backend
+    import runner
+
+    cfg, name = SandboxConfig(), "02-sandbox.md"
+    assert cfg.concurrency == (os.cpu_count() or 2)
+    says(name, "| `concurrency` | CPU count |", f'`SandboxConfig(isolation="{cfg.isolation}")` is the default',
+         f"imported {', '.join(cfg.preload)} once")
+    says(name, f"| `timeout` | {cfg.timeout:g} s |", f"`TimeoutError: execution exceeded the {cfg.timeout:g} s time limit`",
+         f"needs more than {cfg.timeout:g} s on one core")
+    says(name, f"| `memory_mb` | {cfg.memory_mb} |", f"more than its {cfg.memory_mb} MB and was killed`",
+         f"so {cfg.memory_mb // 1024} GiB of address space")
+    says(name, f"| `max_file_mb` | {cfg.max_file_mb} |",
+         f"`OutputLimitError: more than {cfg.max_file_mb} MB written to one stream or file`")
+    says(name, f"| `max_output_bytes` | {cfg.max_output_bytes // 1024} KiB |",
+         f"{cfg.max_output_bytes // 1024} KiB of output is far more")
+    says(name, f"| `max_processes` | {cfg.max_processes} |", f"{cfg.max_processes} processes leave room for a thread pool")
+    says(name, f"A slot retires after {local_backend.SLOT_CALLS} calls (`local_backend.SLOT_CALLS`)",
+         f"removes itself after {runner.IDLE_EXIT / 60:g} minutes")
+    says(name, f"the work dir is `{confinement.WORKDIR}`",
+         "| " + ", ".join(f"`{path}`" for path in confinement.SCRATCH_DIRS) + " | fresh size-capped tmpfs per call",
+         ", ".join(f"`{os.path.basename(device)}`" for device in confinement.DEVICES) + " (bound)",
+         ", ".join(f"`{file}`" for file in confinement._ETC) + " written by the sandbox")
+    says(name, f"knows the system-call numbers of {' and '.join(confinement._TABLES)}",
+         f"the tests call {NUMBER_WORDS[len(SECCOMP_DENIED)]} of the denied calls")
+    if platform.machine() == "x86_64":
+        says(name, f"{len(confinement.seccomp_program()) // 8} instructions on x86_64")
+
+
+NUMBER_WORDS = {12: "twelve", 13: "thirteen", 14: "fourteen", 15: "fifteen", 16: "sixteen"}
+
+
+def test_the_page_states_what_format_observation_keeps():
+    short = format_observation(result(stdout="x" * 1000))
+    head, tail = short.split("\n...\n")
+    full = format_observation(result(stdout="x" * 5000), "full")
+    says("02-sandbox.md", f"`short` (default, max {len(short)} characters)",
+         f"the first {len(head)} and the last {len(tail)} around", f"keeping the tail, {len(full)} characters by default")
+
+
+def test_the_page_states_the_limits_a_call_really_gets():
+    """CPU time, the scratch tmpfs and the warm interpreter's address space, as a call with the defaults sees them."""
+    needs_root()
+    cfg = SandboxConfig(concurrency=1)
+    with Sandbox(cfg) as sb:
+        r = sb.run("import os, resource\n"
+                   "print(resource.getrlimit(resource.RLIMIT_CPU)[0])\n"
+                   "fs = os.statvfs('/tmp')\n"
+                   "print(fs.f_blocks * fs.f_frsize // 2**20)\n"
+                   "print([int(line.split()[1]) // 1024 for line in open('/proc/self/status') if line.startswith('VmSize')][0])\n")
+    cpu_s, scratch_mb, mapped_mb = map(int, r.stdout.split())
+    says("02-sandbox.md", f"| (CPU time) | timeout + {cpu_s - int(cfg.timeout)} s |",
+         f"each scratch tmpfs holds {scratch_mb // cfg.max_file_mb} x `max_file_mb`")
+    stated = int(re.search(r"interpreter already maps about (\d+) MB", page("02-sandbox.md")).group(1))
+    assert abs(mapped_mb - stated) <= stated // 4, f"a call starts with {mapped_mb} MB mapped; docs/02 says about {stated}"
+    says("02-sandbox.md", f"leaves the code about {round(cfg.memory_mb - stated, -1)} MB")
