@@ -1,4 +1,5 @@
 """The reward's contract, one rule per test."""
+import inspect
 import os
 import subprocess
 import sys
@@ -8,8 +9,10 @@ from pathlib import Path
 
 import pytest
 
+from doc_pages import says
 from reward import (
     ANSWER_WINDOW_CHARS,
+    DEFAULT_TIMEOUT_S,
     NO_ANSWER,
     RewardResult,
     extract_last_boxed,
@@ -155,3 +158,15 @@ def test_command_line_scores_one_answer():
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "correct=True" in done.stdout
+
+
+def test_the_page_states_the_window_the_deadline_and_the_penalty_of_the_code():
+    """docs/04 restates the window, the per-answer deadline and the penalty's default: read from reward.py."""
+    window, box = ANSWER_WINDOW_CHARS, "\\boxed{42}"
+    says("04-reward.md", f"in the last {window} characters", f"### The window: the last {window} characters",
+         f"Only `text[-{window}:]` is read", f"`\\boxed{{42}}` followed by {window} more characters",
+         f'`"{box}" + "x"*{window - len(box)}` is read whole', f"{window} characters of text are {window} characters")
+    says("04-reward.md", f"stopped after {DEFAULT_TIMEOUT_S:g} s", f"a deadline of {DEFAULT_TIMEOUT_S:g} s per answer",
+         f"(killed at the deadline) | {DEFAULT_TIMEOUT_S:.1f} s |")
+    assert inspect.signature(total_reward).parameters["exec_error_penalty"].default == 0.0
+    says("04-reward.md", "## The execution-error penalty, off by default")
