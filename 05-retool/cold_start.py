@@ -32,7 +32,9 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import random
+import sys
 import time
 from pathlib import Path
 
@@ -41,8 +43,8 @@ from tqdm import tqdm
 
 from prepare_data import read_problems
 from rollout import encode_plain, observation_text, render_prompt
-from sandbox import Sandbox, SandboxConfig
 from lab_cli import at_least, one_line_errors
+from sandbox import Sandbox, SandboxConfig
 from tiny_model import build_tiny_model
 
 TOOL_OPENING = "```python\n{code}\n```\n```output"
@@ -62,6 +64,7 @@ def main(argv: list[str] | None = None) -> Path:
 
 def build_base_policy(args) -> Path:
     torch.manual_seed(args.seed)
+    random.seed(args.seed)  # the batches' draw: the same settings give the same base (and its cache key means it)
     rng = random.Random(args.seed)
     problems = read_problems(args.train_file)
     out = Path(args.out)
@@ -190,8 +193,8 @@ def train(model, examples, tool_examples, pad_id: int, args) -> list[float]:
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.lr,
                                   weight_decay=0.0, betas=(0.9, 0.95))
     model.train()
-    losses = []
-    bar = tqdm(range(args.steps), desc="cold start (SFT)")
+    start, losses = resume_partial(model, optimizer, args)
+    bar = tqdm(range(start, args.steps), desc="cold start (SFT)", initial=start, total=args.steps)
     for step in bar:
         lr = args.lr * min(1.0, (step + 1) / args.warmup_steps) * 0.5 * (1 + math.cos(math.pi * step / args.steps))
         for group in optimizer.param_groups:
@@ -209,7 +212,42 @@ def train(model, examples, tool_examples, pad_id: int, args) -> list[float]:
         optimizer.step()
         losses.append(loss.item())
         bar.set_postfix(loss=f"{loss.item():.3f}")
+        if (step + 1) % args.checkpoint_every == 0 and step + 1 < args.steps:
+            save_partial(model, optimizer, step + 1, losses, args)
+    (Path(args.out) / PARTIAL).unlink(missing_ok=True)
     return losses
+
+
+PARTIAL = "partial.pt"  # the cold start so far: a stopped or killed cold start goes on from it
+
+
+def save_partial(model, optimizer, step: int, losses: list[float], args) -> None:
+    """Weights, optimizer and random state after `step`, written whole or not at all."""
+    path, tmp = Path(args.out) / PARTIAL, Path(args.out) / f".{PARTIAL}.tmp"
+    torch.save({"settings": _settings(args), "step": step, "losses": losses, "model": model.state_dict(),
+                "optimizer": optimizer.state_dict(), "python": random.getstate(), "torch": torch.get_rng_state()}, tmp)
+    os.replace(tmp, path)
+
+
+def resume_partial(model, optimizer, args) -> tuple[int, list[float]]:
+    """(first step, losses so far): from the partial checkpoint of the same settings, else (0, [])."""
+    path = Path(args.out) / PARTIAL
+    if not path.exists():
+        return 0, []
+    saved = torch.load(path, weights_only=False)
+    if saved["settings"] != _settings(args):
+        print(f"cold start: {path} was made with other settings; starting over")
+        return 0, []
+    model.load_state_dict(saved["model"])
+    optimizer.load_state_dict(saved["optimizer"])
+    random.setstate(saved["python"])
+    torch.set_rng_state(saved["torch"])
+    print(f"cold start: going on from step {saved['step']} of {args.steps} ({path})")
+    return saved["step"], saved["losses"]
+
+
+def _settings(args) -> dict:
+    return {k: v for k, v in vars(args).items() if k not in ("out", "threads", "checkpoint_every")}
 
 
 def parse_args(argv):
@@ -232,6 +270,8 @@ def parse_args(argv):
     p.add_argument("--vocab-size", type=at_least(64), default=384)
     p.add_argument("--max-len", type=at_least(16), default=256)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--checkpoint-every", type=at_least(1), default=50,
+                   help="steps between partial checkpoints, from which a stopped cold start goes on")
     args = one_line_errors(p).parse_args(argv)
     if args.tool_only_steps > args.steps:
         p.error(f"--tool-only-steps {args.tool_only_steps} is more than --steps {args.steps}")
@@ -254,5 +294,9 @@ def multiple_of_64(text: str) -> int:
 
 if __name__ == "__main__":
     start = time.time()
-    main()
+    try:
+        main()
+    except KeyboardInterrupt:
+        sys.exit(print("cold start stopped: run the same command again to go on from its last partial checkpoint",
+                       file=sys.stderr) or 130)
     print(f"cold start took {time.time() - start:.0f} s")

@@ -63,3 +63,38 @@ def test_cold_start_refuses_each_mistake_in_one_line_before_it_writes(argv, says
     err = capsys.readouterr().err.strip()
     assert e.value.code == 2 and says in err and "\n" not in err
     assert not (tmp_path / "base").exists()
+
+
+def test_a_stopped_cold_start_goes_on_from_its_partial_checkpoint_to_the_same_model(tmp_path, monkeypatch):
+    """Stopped after step 5 of 8 (partial checkpoints every 2), run again: the same weights as an unbroken run."""
+    import torch
+
+    import cold_start
+    from prepare_data import make_toy_task, write_jsonl
+    from transformers import AutoModelForCausalLM
+
+    write_jsonl(make_toy_task(24, 0, seed=4)[0], tmp_path / "toy.jsonl")
+    small = ["--train-file", str(tmp_path / "toy.jsonl"), "--steps", "8", "--tool-only-steps", "2", "--batch-size", "4",
+             "--hidden-size", "64", "--num-layers", "1", "--vocab-size", "128", "--max-len", "64",
+             "--warmup-steps", "2", "--checkpoint-every", "2"]
+    cold_start.main(small + ["--out", str(tmp_path / "whole")])
+
+    clip = torch.nn.utils.clip_grad_norm_
+    calls = []
+
+    def stop_in_step_6(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 6:
+            raise KeyboardInterrupt
+        return clip(*args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", stop_in_step_6)
+    with pytest.raises(KeyboardInterrupt):
+        cold_start.main(small + ["--out", str(tmp_path / "stopped")])
+    assert torch.load(tmp_path / "stopped" / cold_start.PARTIAL, weights_only=False)["step"] == 4
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", clip)
+    cold_start.main(small + ["--out", str(tmp_path / "stopped")])
+    assert not (tmp_path / "stopped" / cold_start.PARTIAL).exists()
+    whole = AutoModelForCausalLM.from_pretrained(tmp_path / "whole").state_dict()
+    resumed = AutoModelForCausalLM.from_pretrained(tmp_path / "stopped").state_dict()
+    assert all(torch.equal(whole[name], resumed[name]) for name in whole)
