@@ -1,6 +1,6 @@
 """Each option from the field since ToRL against the baseline, on the CPU demo, from one base model.
 
-    .venv/bin/python 05-retool/cold_start.py --out runs/abl/base               # once, about 4.5 minutes
+    .venv/bin/python 05-retool/cold_start.py --out runs/abl/base               # once, a few minutes
     .venv/bin/python 06-train/ablation.py run --base runs/abl/base --out runs/abl --seeds 0 1
     .venv/bin/python 06-train/ablation.py report --out runs/abl --img docs/img
 
@@ -10,7 +10,7 @@ so two arms draw the same random numbers until their policies differ; a run whos
 evaluation exists is not redone, so `run` can be called in batches (`--arms`).
 `report` draws one small plot per option (reward per step, the option against
 the baseline, one line per seed) and prints the markdown table of
-docs/06-train.md: held-out accuracy after RL and mean reward of the last five
+docs/06-beyond-torl.md: held-out accuracy after RL and mean reward of the last five
 steps, per seed, and what each option's own metrics said.
 """
 from __future__ import annotations
@@ -61,7 +61,7 @@ def run(args) -> None:
                 print(f"{run_dir}: done already")
                 continue
             shutil.rmtree(run_dir, ignore_errors=True)  # a run cut short starts over: same base, same seed
-            cmd = [sys.executable, str(RETOOL), "--model", args.base, "--run-dir", str(run_dir), "--seed", str(seed),
+            cmd = [sys.executable, str(RETOOL), "--model", args.base, "--cold-start", "none", "--run-dir", str(run_dir), "--seed", str(seed),
                    "--steps", str(args.steps), "--eval-every", "0", "--keep-checkpoints", "1",
                    "--save-every", str(args.steps), "--seed-rollouts", "true", *ARMS[arm][0]]
             print(" ".join(cmd), flush=True)

@@ -16,7 +16,7 @@ the machinery, not learning.
 model with the named model's architecture from its config numbers, on the GPU:
 no download and no vLLM (it is not imported), at the torl-1.5b preset's
 lengths (400 prompt + 3072 response tokens) with gradient checkpointing. It
-then measures, instead of computing, the memory table of docs/06-train.md:
+then measures, instead of computing, the memory table of docs/06-scaling.md:
 weights, AdamW state, and the step's peak on top.
 
 Peak memory is the CUDA allocator's peak on a GPU; on CPU it is the growth of

@@ -1,25 +1,192 @@
-"""Chapter 06: the GRPO update, written by hand in torch. The story: docs/06-train.md.
+"""Chapter 06: the GRPO update, written by hand in torch; the story is docs/06-train.md.
 
     adv, n_degenerate = group_advantages(rewards, group_size)   # ±1 rewards -> advantages
     metrics = grpo_step(model, optimizer, trajectories, cfg)     # old log-probs, clipped loss, AdamW
     sync_weights(model, llm)                                     # new weights into vLLM (weight_sync.py)
 
-Key decisions: the advantage is the reward minus its group's mean (no std);
-only tokens the model wrote carry gradient (`loss_mask`); pi_old is recomputed
-by the trainer, so the first mini-batch's ratio is exactly 1 and the gap to
-vLLM's log-probs is logged as a mismatch; clip-higher (0.2 below, 0.28 above);
-token-mean aggregation; no KL term; float32 master weights.
+Key decisions: the advantage is the reward minus its group's mean (by default
+no std); only tokens the model wrote carry gradient (`loss_mask`); pi_old is
+recomputed by the trainer, so the first mini-batch's ratio is exactly 1 and the
+gap to vLLM's log-probs is logged as a mismatch; clip-higher by default (0.2
+below, 0.28 above); token-mean aggregation; no KL term; float32 master weights.
+The options (`exclude`, TIS, skipping zero-advantage rows, the data-parallel
+denominator) are helpers in update_options.py.
 """
 from __future__ import annotations
 
-import math
 from contextlib import nullcontext
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
-from distributed import full_tensor, gradient_sync, is_data_parallel, unwrap
+from distributed import full_tensor, gradient_sync, unwrap
+from update_metrics import UpdateTally, masked_mean, sampler_mismatch
+from update_options import (exclude_rows, loss_normalizer, rows_with_gradient, skip_zero_advantage, step_if_finite,
+                            tis_weights, zero_gradients)
 from weight_sync import sleep_sampler, sync_weights  # re-exported: the loop takes the chapter's parts from here
+
+
+def group_advantages(
+    rewards: list[float], group_size: int, scale: bool = False, eps: float = 1e-6
+) -> tuple[list[float], int]:
+    """Advantages for consecutive groups of `group_size` rewards; returns (advantages, n_degenerate).
+
+    Rewards come group by group: the first `group_size` answer one problem, the
+    next `group_size` the next problem, and so on. Each reward minus its group's
+    mean says how much better than its siblings an answer was:
+
+        rewards [+1, -1, -1, -1]  ->  [+1.5, -0.5, -0.5, -0.5]   one right answer in four
+        rewards [+1, +1, +1, -1]  ->  [+0.5, +0.5, +0.5, -1.5]   one wrong answer in four
+        rewards [-1, -1, -1, -1]  ->  [0, 0, 0, 0]               degenerate: nothing to compare
+
+    With `scale=True` each centred value is divided by the group's (unbiased)
+    standard deviation plus `eps` (the original GRPO). A degenerate group (all
+    rewards equal) gives zeros either way and is counted.
+    """
+    if group_size < 1 or len(rewards) % group_size:
+        raise ValueError(f"{len(rewards)} rewards do not split into groups of {group_size}")
+    r = torch.tensor(rewards, dtype=torch.float64).view(-1, group_size)
+    centred = r - r.mean(dim=1, keepdim=True)
+    degenerate = (r == r[:, :1]).all(dim=1)
+    if scale and group_size > 1:
+        centred = centred / (r.std(dim=1, keepdim=True) + eps)
+    centred[degenerate] = 0.0  # exact zeros, not rounding noise
+    return centred.flatten().tolist(), int(degenerate.sum())
+
+
+def clipped_policy_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    loss_mask: torch.Tensor,
+    eps_low: float = 0.2,
+    eps_high: float = 0.28,
+    aggregation: str = "token-mean",
+    normalizer: float | None = None,
+    token_weights: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """PPO-clip surrogate `-min(r*A, clip(r, 1-eps_low, 1+eps_high)*A)` over model tokens; returns (loss, stats).
+
+    All tensors are [B, T] (advantages may be [B], one per sequence).
+    "token-mean": sum over model tokens / number of model tokens.
+    "sequence-mean": each sequence's mean over its model tokens, then the mean
+    over sequences that have any. "token-sum" (Dr. GRPO): the sum divided by
+    `normalizer`, which it requires (response budget x sequences). Otherwise
+    `normalizer` replaces the denominator, so the micro-batches of one
+    mini-batch add up to the mini-batch's loss. `token_weights` ([B, T], no
+    gradient) multiply each token's term: truncated importance sampling.
+
+    Where the clip is active the gradient is zero: with A > 0 once r > 1 + eps_high,
+    with A < 0 once r < 1 - eps_low. Example, A = +1: r = 1.5 gives -1.28 and no
+    gradient; r = 0.5 gives -0.5 with gradient (a token made less likely against
+    its advantage is always pulled back).
+    stats: clip_low_frac, clip_high_frac (share of model tokens clipped on each
+    side), ratio_mean, ratio_max, approx_kl (k3 estimate of KL(old || new)), tokens.
+    """
+    if advantages.dim() == 1:
+        advantages = advantages.unsqueeze(-1)
+    mask = loss_mask.bool()
+    # Masked positions are replaced, not multiplied by 0: no inf * 0 = NaN from padding.
+    log_ratio = torch.where(mask, logprobs - old_logprobs, 0.0)
+    ratio = torch.exp(log_ratio)
+    clipped = torch.clamp(ratio, 1.0 - eps_low, 1.0 + eps_high)
+    token_terms = -torch.minimum(ratio * advantages, clipped * advantages)
+    if token_weights is not None:
+        token_terms = token_terms * token_weights.detach()
+    token_terms = torch.where(mask, token_terms, 0.0)
+
+    if aggregation == "token-sum":
+        if normalizer is None:
+            raise ValueError("token-sum needs normalizer = response budget x number of sequences")
+        loss = token_terms.sum() / normalizer
+    elif aggregation == "token-mean":
+        denominator = normalizer if normalizer is not None else mask.sum().clamp(min=1)
+        loss = token_terms.sum() / denominator
+    elif aggregation == "sequence-mean":
+        tokens_per_seq = mask.sum(dim=1)
+        per_seq = token_terms.sum(dim=1) / tokens_per_seq.clamp(min=1)
+        denominator = normalizer if normalizer is not None else (tokens_per_seq > 0).sum().clamp(min=1)
+        loss = per_seq.sum() / denominator
+    else:
+        raise ValueError(f"unknown aggregation {aggregation!r}")
+
+    with torch.no_grad():
+        adv = advantages.expand_as(ratio)
+        r = ratio.detach()
+        stats = {
+            "clip_low_frac": masked_mean((adv < 0) & (r < 1.0 - eps_low), mask),
+            "clip_high_frac": masked_mean((adv > 0) & (r > 1.0 + eps_high), mask),
+            "ratio_mean": masked_mean(r, mask),
+            "ratio_max": float(r[mask].max()) if mask.any() else 1.0,
+            "approx_kl": masked_mean((r - 1.0) - log_ratio.detach(), mask),
+            "tokens": float(mask.sum()),
+        }
+    return loss, stats
+
+
+def grpo_step(model, optimizer, trajectories, cfg: GRPOConfig, exclude=None, global_normalizer=None) -> dict[str, float]:
+    """One GRPO step on trajectories that already carry `.advantage`; returns flat float metrics.
+
+    Old log-probs with the weights as they are, then `cfg.num_minibatches` AdamW
+    updates, each over micro-batches of `cfg.micro_batch_size` sequences.
+    `exclude` (a bool per trajectory) keeps rows out of the loss and its
+    denominator; `global_normalizer` makes a mini-batch's denominator the
+    data-parallel one (distributed.py). Metrics: docs/06-train.md, "Metrics".
+    """
+    _check_step_inputs(trajectories, cfg, exclude)
+    batch = build_batch(trajectories)
+    _set_gradient_checkpointing(model, cfg.gradient_checkpointing)
+    model.train()  # Qwen2 has no dropout; train mode is what switches checkpointing on
+
+    # pi_old: the weights before any update of this step, so the first mini-batch's ratio is 1.
+    old_logprobs, entropy = _old_logprobs_and_entropy(model, batch, cfg)
+    metrics = {**sampler_mismatch(old_logprobs, entropy, batch), "sequences": float(len(trajectories))}
+    batch = exclude_rows(batch, exclude)  # the mismatch above covers every row, excluded ones too
+    metrics["excluded_sequences"] = float(sum(bool(e) for e in exclude or ()))
+    loss_tokens = float(batch.loss_mask.bool().sum())
+    metrics["tokens"] = loss_tokens
+    token_weights, tis_metrics = tis_weights(old_logprobs, batch, cfg.tis_cap)
+    metrics.update(tis_metrics)
+    has_gradient = rows_with_gradient(trajectories, batch.loss_mask)
+    # Token-mean divides by every token in the loss, informative or not: this share is the
+    # factor by which zero-advantage rows shrink the step (docs/06-beyond-torl.md, the exercise).
+    metrics["informative_frac"] = float(batch.loss_mask.bool()[has_gradient].sum()) / max(loss_tokens, 1)
+
+    tally = UpdateTally()
+    for rows in batch.minibatches(cfg.num_minibatches):
+        normalizer = loss_normalizer(batch.loss_mask[rows], cfg.aggregation, cfg.max_response_tokens, global_normalizer)
+        rows, skipped = skip_zero_advantage(rows, has_gradient, model, cfg.skip_zero_advantage)
+        tally.rows_skipped += skipped
+        optimizer.zero_grad(set_to_none=True)
+        micro_batches = rows.split(cfg.micro_batch_size) if len(rows) else ()  # () when every row was skipped
+        for i, micro_rows in enumerate(micro_batches):
+            micro = batch.select(micro_rows)
+            logprobs, _ = _target_logprobs(model, micro.input_ids, micro.attention_mask, cfg.temperature)
+            device, width = logprobs.device, logprobs.shape[1]
+            loss, stats = clipped_policy_loss(
+                logprobs, old_logprobs[micro_rows, :width].to(device), micro.advantages.to(device),
+                micro.loss_mask.to(device), cfg.eps_low, cfg.eps_high, cfg.aggregation, normalizer=normalizer,
+                token_weights=None if token_weights is None else token_weights[micro_rows, :width].to(device),
+            )
+            # ---- A KL penalty to a reference model would go here. ----------------
+            # loss = loss + kl_coef * k3(ref_logprobs - logprobs) over model tokens,
+            # with ref_logprobs from a frozen copy of the initial model, computed
+            # beside old_logprobs. ToRL uses kl_coef = 0, so the lab keeps neither
+            # the copy nor its memory.
+            with gradient_sync(model, sync=i == len(micro_batches) - 1):  # DDP: one exchange per update
+                loss.backward()
+            tally.add_micro_batch(loss, stats)
+        if not micro_batches:
+            zero_gradients(model)  # AdamW still steps, as it would have on the rows' zero gradients
+        grad_norm = full_tensor(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)).item()
+        tally.add_update(grad_norm, stepped=step_if_finite(optimizer, grad_norm))
+        optimizer.zero_grad(set_to_none=True)
+
+    metrics.update(tally.metrics(loss_tokens))
+    return metrics
+
+
+# --------------------------------------------------------------------------- the knobs
 
 
 @dataclass
@@ -47,197 +214,8 @@ class GRPOConfig:
 AGGREGATIONS = ("token-mean", "sequence-mean", "token-sum")
 
 
-# --------------------------------------------------------------------------- main line
-
-
-def group_advantages(
-    rewards: list[float], group_size: int, scale: bool = False, eps: float = 1e-6
-) -> tuple[list[float], int]:
-    """Advantages for consecutive groups of `group_size` rewards; returns (advantages, n_degenerate).
-
-    Rewards come group by group: the first `group_size` answer one problem, the
-    next `group_size` the next problem, and so on. Each reward minus its group's
-    mean says how much better than its siblings an answer was:
-
-        rewards [+1, -1, -1, -1]  ->  [+1.5, -0.5, -0.5, -0.5]   one right answer in four
-        rewards [+1, +1, +1, -1]  ->  [+0.5, +0.5, +0.5, -1.5]   one wrong answer in four
-        rewards [-1, -1, -1, -1]  ->  [0, 0, 0, 0]               degenerate: nothing to compare
-
-    With `scale=True` each centred value is divided by the group's (unbiased)
-    standard deviation plus `eps`: [+1, -1, -1, -1] has std 1, so it stays
-    [+1.5, -0.5, -0.5, -0.5]; [+1, +1, -1, -1] has std 1.155 and becomes
-    [+0.866, +0.866, -0.866, -0.866] instead of [+1, +1, -1, -1].
-    A degenerate group (all rewards equal) gives zeros either way and is counted.
-    """
-    if group_size < 1 or len(rewards) % group_size:
-        raise ValueError(f"{len(rewards)} rewards do not split into groups of {group_size}")
-    r = torch.tensor(rewards, dtype=torch.float64).view(-1, group_size)
-    centred = r - r.mean(dim=1, keepdim=True)
-    degenerate = (r == r[:, :1]).all(dim=1)
-    if scale and group_size > 1:
-        centred = centred / (r.std(dim=1, keepdim=True) + eps)
-    centred[degenerate] = 0.0  # exact zeros, not rounding noise
-    return centred.flatten().tolist(), int(degenerate.sum())
-
-
-def grpo_step(model, optimizer, trajectories, cfg: GRPOConfig, exclude=None, global_normalizer=None) -> dict[str, float]:
-    """One GRPO step on trajectories that already carry `.advantage`; returns flat metrics.
-
-    1. Old log-probs and entropy of every model token, with the current weights, no gradient.
-    2. The sampler/trainer mismatch: vLLM's recorded log-probs against those old log-probs
-       (and, with `cfg.tis_cap`, each token's truncated importance weight from the same gap).
-    3. `cfg.num_minibatches` optimizer updates; each accumulates gradients over
-       micro-batches of `cfg.micro_batch_size` sequences, clips the gradient norm
-       to `cfg.max_grad_norm`, and steps AdamW. The first mini-batch sees ratio 1
-       exactly (old and new weights are the same); later ones see how far the
-       earlier updates moved the policy, and the clip limits that.
-
-    `exclude`, one bool per trajectory, keeps those out of the loss: their
-    tokens get no gradient and do not count in the denominator (DAPO's overlong
-    filtering, SimpleTIR's void-turn filter); the mismatch and entropy still cover them.
-
-    Metrics (all floats, token-weighted over the whole step unless said otherwise):
-    loss and grad_norm (means over mini-batches; grad_norm before clipping),
-    clip_low_frac / clip_high_frac (share of trained tokens whose gradient the clip
-    removed, on each side), ratio_mean, ratio_max, approx_kl (old -> new, k3
-    estimator, over the rows the update ran on), entropy (of the policy before
-    the step), mismatch_abs, mismatch_max, mismatch_kl (sampler -> trainer),
-    tokens (in the loss), informative_frac (share of those tokens whose advantage
-    is not zero), sequences, excluded_sequences, rows_skipped (zero
-    advantage: no forward or backward), optimizer_steps, skipped_steps
-    (non-finite gradient norm: no update); with tis_cap, tis_weight_mean and
-    tis_capped_frac over trained tokens.
-
-    Trajectories with zero advantage (degenerate groups) add no gradient but do
-    count in the denominator, as if they had run: skipping them changes no weight.
-
-    Data parallel (`model` wrapped in DDP or sharded by FSDP2, see distributed.py):
-    `global_normalizer` maps this process's mini-batch denominator to the one it
-    must divide by so that the averaged gradient is the whole batch's; metrics
-    stay this process's own. There zero-advantage rows are not skipped: every rank
-    runs the same backward passes, whose collectives exchange the gradients.
-    """
-    _check_step_inputs(trajectories, cfg, exclude)
-    batch = build_batch(trajectories)
-    _set_gradient_checkpointing(model, cfg.gradient_checkpointing)
-    model.train()  # Qwen2 has no dropout; train mode is what switches checkpointing on
-
-    # 1. pi_old: the weights as they are now, before any update of this step.
-    old_logprobs, entropy = _old_logprobs_and_entropy(model, batch, cfg)
-    mask = batch.loss_mask.bool()
-
-    # 2. How far the sampler's numbers are from the trainer's for the same weights.
-    gap = torch.where(mask, old_logprobs - batch.sampler_logprobs, 0.0)
-    metrics = {
-        "entropy": _masked_mean(entropy, mask),
-        "mismatch_abs": _masked_mean(gap.abs(), mask),
-        "mismatch_max": float(gap.abs().max()),
-        "mismatch_kl": _masked_mean(torch.expm1(gap) - gap, mask),  # k3 of KL(sampler || trainer)
-        "sequences": float(len(trajectories)),
-    }
-    if exclude is not None and any(exclude):
-        kept = ~torch.tensor([bool(e) for e in exclude])[:, None]
-        batch = replace(batch, loss_mask=batch.loss_mask * kept, advantages=batch.advantages * kept)
-        mask = batch.loss_mask.bool()
-    metrics["excluded_sequences"] = float(sum(bool(e) for e in exclude or ()))
-    n_tokens = int(mask.sum())
-    metrics["tokens"] = float(n_tokens)
-    tis_weights = None
-    if cfg.tis_cap > 0:
-        # pi_old / pi_sampler per token, capped: the sample came from the sampler, the
-        # gradient is for the trainer's policy. A weight, never differentiated.
-        trainer_over_sampler = torch.exp(gap)
-        tis_weights = torch.where(mask, trainer_over_sampler.clamp(max=cfg.tis_cap), 0.0)
-        metrics["tis_weight_mean"] = _masked_mean(tis_weights, mask)
-        metrics["tis_capped_frac"] = _masked_mean(trainer_over_sampler > cfg.tis_cap, mask)
-
-    # 3. Updates. Within a mini-batch, rows are sorted by length so each
-    # micro-batch pads to similar lengths; the gradient is a sum, order is free.
-    totals = {"loss": 0.0, "grad_norm": 0.0, "ratio_max": 0.0, "seen": 0.0}  # seen: tokens the update ran on
-    token_sums = dict.fromkeys(("clip_low_frac", "clip_high_frac", "ratio_mean", "approx_kl"), 0.0)
-    updates = skipped_updates = rows_skipped = 0
-    lengths = batch.attention_mask.sum(dim=1)
-    row_advantage = torch.tensor([float(t.advantage) for t in trajectories])
-    has_gradient = (row_advantage != 0) & mask.any(dim=1)
-    # Token-mean divides by every trained token, informative or not: this share is
-    # the factor by which zero-advantage rows shrink the step (docs/06, exercise 2).
-    metrics["informative_frac"] = float(mask[has_gradient].sum()) / max(n_tokens, 1)
-    # Under DDP or FSDP2 every rank must run the same backward passes (they exchange
-    # gradients in them): a rank that skipped rows would leave the others waiting.
-    skip_rows = cfg.skip_zero_advantage and not is_data_parallel(model)
-    for rows in torch.arange(len(trajectories)).tensor_split(cfg.num_minibatches):
-        if len(rows) == 0:
-            continue
-        rows = rows[torch.argsort(lengths[rows], descending=True, stable=True)]
-        # The denominator counts every row of the mini-batch, including those skipped below.
-        normalizer = _normalizer(batch.loss_mask[rows], cfg.aggregation, cfg.max_response_tokens)
-        if global_normalizer is not None:
-            normalizer = global_normalizer(normalizer)
-        if skip_rows:
-            rows_skipped += int((~has_gradient[rows]).sum())
-            rows = rows[has_gradient[rows]]
-        optimizer.zero_grad(set_to_none=True)
-        micro_batches = rows.split(cfg.micro_batch_size) if len(rows) else ()
-        for micro_rows in micro_batches:
-            micro = batch.select(micro_rows)
-            width = micro.loss_mask.shape[1]
-            old = old_logprobs[micro_rows, :width]
-            weights = None if tis_weights is None else tis_weights[micro_rows, :width]
-            logprobs, _ = _target_logprobs(model, micro.input_ids, micro.attention_mask, cfg.temperature)
-            device = logprobs.device
-            loss, stats = clipped_policy_loss(
-                logprobs, old.to(device), micro.advantages.to(device),
-                micro.loss_mask.to(device), cfg.eps_low, cfg.eps_high,
-                cfg.aggregation, normalizer=normalizer,
-                token_weights=None if weights is None else weights.to(device),
-            )
-            # ---- A KL penalty to a reference model would go here. ----------------
-            # loss = loss + kl_coef * k3(ref_logprobs - logprobs) over model tokens,
-            # with ref_logprobs from a frozen copy of the initial model, computed in
-            # step 1 beside old_logprobs. ToRL uses kl_coef = 0, so the lab keeps
-            # neither the copy nor its memory.
-            with gradient_sync(model, micro_rows is micro_batches[-1]):
-                loss.backward()
-            totals["loss"] += float(loss.detach())
-            totals["seen"] += stats["tokens"]
-            for key in token_sums:
-                token_sums[key] += stats[key] * stats["tokens"]
-            totals["ratio_max"] = max(totals["ratio_max"], stats["ratio_max"])
-        if len(rows) == 0:
-            # Every row was skipped. Unskipped, backward would have left zero gradients
-            # and AdamW would still step (momentum, weight decay): give it those zeros.
-            for p in model.parameters():
-                if p.requires_grad:
-                    p.grad = torch.zeros_like(p)
-        grad_norm = full_tensor(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)).item()
-        if math.isfinite(grad_norm):
-            optimizer.step()
-            totals["grad_norm"] += grad_norm
-            updates += 1
-        else:  # a NaN/inf gradient would poison every weight it touches: drop this update
-            skipped_updates += 1
-        optimizer.zero_grad(set_to_none=True)
-
-    per_token = max(n_tokens, 1)
-    seen = max(totals["seen"], 1.0)
-    n_minibatches = max(updates + skipped_updates, 1)
-    metrics.update({
-        "loss": totals["loss"] / n_minibatches,
-        "grad_norm": totals["grad_norm"] / max(updates, 1),
-        "clip_low_frac": token_sums["clip_low_frac"] / per_token,  # zero-advantage tokens are never clipped
-        "clip_high_frac": token_sums["clip_high_frac"] / per_token,
-        "ratio_mean": token_sums["ratio_mean"] / seen if totals["seen"] else 1.0,
-        "ratio_max": totals["ratio_max"] if totals["seen"] else 1.0,
-        "approx_kl": token_sums["approx_kl"] / seen,
-        "rows_skipped": float(rows_skipped),
-        "optimizer_steps": float(updates),
-        "skipped_steps": float(skipped_updates),
-    })
-    return metrics
-
-
 def make_optimizer(model, cfg: GRPOConfig) -> torch.optim.Optimizer:
-    """AdamW over the model's parameters, which must be float32 (docs/06: "Precision")."""
+    """AdamW over the model's parameters, which must be float32 (docs/06-train.md: "Precision")."""
     params = [p for p in model.parameters() if p.requires_grad]
     not_fp32 = {str(p.dtype) for p in params if p.dtype != torch.float32}
     if not_fp32:
@@ -293,6 +271,14 @@ class Batch:
             self.sampler_logprobs[rows, : width - 1],
         )
 
+    def minibatches(self, n: int):
+        """Row indices of `n` consecutive mini-batches (empty ones left out), each longest first so
+        that its micro-batches pad to similar lengths; the gradient is a sum, the order is free."""
+        lengths = self.attention_mask.sum(dim=1)
+        for rows in torch.arange(len(lengths)).tensor_split(n):
+            if len(rows):
+                yield rows[torch.argsort(lengths[rows], descending=True, stable=True)]
+
 
 def build_batch(trajectories) -> Batch:
     """Pad trajectories into a `Batch` (on CPU); see `Batch` for the alignment."""
@@ -321,82 +307,7 @@ def build_batch(trajectories) -> Batch:
     return Batch(input_ids, attention_mask, loss_mask, advantages, sampler_logprobs)
 
 
-# --------------------------------------------------------------------------- the loss
-
-
-def clipped_policy_loss(
-    logprobs: torch.Tensor,
-    old_logprobs: torch.Tensor,
-    advantages: torch.Tensor,
-    loss_mask: torch.Tensor,
-    eps_low: float = 0.2,
-    eps_high: float = 0.28,
-    aggregation: str = "token-mean",
-    normalizer: float | None = None,
-    token_weights: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, dict[str, float]]:
-    """PPO-clip surrogate `-min(r*A, clip(r, 1-eps_low, 1+eps_high)*A)` over model tokens; returns (loss, stats).
-
-    All tensors are [B, T] (advantages may be [B], one per sequence).
-    "token-mean": sum over model tokens / number of model tokens.
-    "sequence-mean": each sequence's mean over its model tokens, then the mean
-    over sequences that have any. "token-sum" (Dr. GRPO): the sum over model
-    tokens divided by `normalizer`, which it requires: the response budget times
-    the number of sequences, one constant whatever the lengths. Otherwise
-    `normalizer` replaces the denominator (tokens or sequences) so micro-batches
-    of one mini-batch add up to the mini-batch's loss. `token_weights` ([B, T],
-    no gradient) multiply each token's term: truncated importance sampling.
-
-    Where the clip is active the gradient is zero: with A > 0 once r > 1 + eps_high
-    (already raised enough), with A < 0 once r < 1 - eps_low (already lowered
-    enough). Example, A = +1: r = 1.5 gives -min(1.5, 1.28) = -1.28 and no
-    gradient; r = 0.5 gives -min(0.5, 0.8) = -0.5 with gradient (a token made
-    less likely against its advantage is always pulled back).
-    stats: clip_low_frac, clip_high_frac (share of model tokens clipped on each
-    side), ratio_mean, ratio_max, approx_kl (k3 estimate of KL(old || new)), tokens.
-    """
-    if advantages.dim() == 1:
-        advantages = advantages.unsqueeze(-1)
-    mask = loss_mask.bool()
-    # Masked positions are replaced, not multiplied by 0: no inf * 0 = NaN from padding.
-    log_ratio = torch.where(mask, logprobs - old_logprobs, 0.0)
-    ratio = torch.exp(log_ratio)
-    clipped = torch.clamp(ratio, 1.0 - eps_low, 1.0 + eps_high)
-    per_token = -torch.minimum(ratio * advantages, clipped * advantages)
-    if token_weights is not None:
-        per_token = per_token * token_weights.detach()
-    per_token = torch.where(mask, per_token, 0.0)
-
-    if aggregation == "token-sum":
-        if normalizer is None:
-            raise ValueError("token-sum needs normalizer = response budget x number of sequences")
-        loss = per_token.sum() / normalizer
-    elif aggregation == "token-mean":
-        denominator = normalizer if normalizer is not None else mask.sum().clamp(min=1)
-        loss = per_token.sum() / denominator
-    elif aggregation == "sequence-mean":
-        tokens_per_seq = mask.sum(dim=1)
-        per_seq = per_token.sum(dim=1) / tokens_per_seq.clamp(min=1)
-        denominator = normalizer if normalizer is not None else (tokens_per_seq > 0).sum().clamp(min=1)
-        loss = per_seq.sum() / denominator
-    else:
-        raise ValueError(f"unknown aggregation {aggregation!r}")
-
-    with torch.no_grad():
-        adv = advantages.expand_as(ratio)
-        r = ratio.detach()
-        stats = {
-            "clip_low_frac": _masked_mean((adv < 0) & (r < 1.0 - eps_low), mask),
-            "clip_high_frac": _masked_mean((adv > 0) & (r > 1.0 + eps_high), mask),
-            "ratio_mean": _masked_mean(r, mask),
-            "ratio_max": float(r[mask].max()) if mask.any() else 1.0,
-            "approx_kl": _masked_mean((r - 1.0) - log_ratio.detach(), mask),
-            "tokens": float(mask.sum()),
-        }
-    return loss, stats
-
-
-# --------------------------------------------------------------------------- helpers
+# --------------------------------------------------------------------------- log-probs
 
 
 def token_logprobs(model, batch: Batch, temperature: float = 1.0, micro_batch_size: int | None = None) -> torch.Tensor:
@@ -418,20 +329,9 @@ def token_logprobs(model, batch: Batch, temperature: float = 1.0, micro_batch_si
     return torch.cat(pieces)
 
 
-def _check_step_inputs(trajectories, cfg: GRPOConfig, exclude) -> None:
-    if not trajectories:
-        raise ValueError("grpo_step needs at least one trajectory")
-    if cfg.aggregation not in AGGREGATIONS:
-        raise ValueError(f"unknown aggregation {cfg.aggregation!r} (choose from {', '.join(AGGREGATIONS)})")
-    if cfg.aggregation == "token-sum" and cfg.max_response_tokens < 1:
-        raise ValueError("aggregation token-sum divides by the response budget: set GRPOConfig.max_response_tokens")
-    if exclude is not None and len(exclude) != len(trajectories):
-        raise ValueError(f"exclude has {len(exclude)} entries for {len(trajectories)} trajectories")
-
-
 def _target_logprobs(model, input_ids, attention_mask, temperature: float, with_entropy: bool = False):
     """Log-probs [b, T-1] of the targets (and their entropy if asked) for one micro-batch."""
-    device = _device(model)
+    device = next(model.parameters()).device
     input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
     with autocast:
@@ -455,9 +355,8 @@ def _old_logprobs_and_entropy(model, batch: Batch, cfg: GRPOConfig):
     """Log-probs and entropies of all targets under the current weights, on CPU, in micro-batches."""
     old = torch.zeros(batch.loss_mask.shape)
     entropy = torch.zeros(batch.loss_mask.shape)
-    lengths = batch.attention_mask.sum(dim=1)
-    rows = torch.argsort(lengths, descending=True, stable=True)
-    for chunk in rows.split(cfg.micro_batch_size):
+    every_row = next(batch.minibatches(1))  # longest first, so each chunk pads little
+    for chunk in every_row.split(cfg.micro_batch_size):
         micro = batch.select(chunk)
         lp, ent = _target_logprobs(model, micro.input_ids, micro.attention_mask, cfg.temperature, with_entropy=True)
         old[chunk, : lp.shape[1]] = lp.float().cpu()
@@ -465,23 +364,18 @@ def _old_logprobs_and_entropy(model, batch: Batch, cfg: GRPOConfig):
     return old, entropy
 
 
-def _normalizer(loss_mask: torch.Tensor, aggregation: str, max_response_tokens: int = 0) -> float:
-    """The mini-batch's denominator: its model tokens (token-mean), its sequences that have
-    any (sequence-mean), or the response budget times its sequences (token-sum)."""
-    if aggregation == "token-sum":
-        return float(max_response_tokens * loss_mask.shape[0])
-    if aggregation == "token-mean":
-        return max(float(loss_mask.sum()), 1.0)
-    return max(float((loss_mask.sum(dim=1) > 0).sum()), 1.0)
+# --------------------------------------------------------------------------- checks and switches
 
 
-def _masked_mean(values: torch.Tensor, mask: torch.Tensor) -> float:
-    n = int(mask.sum())
-    return float(torch.where(mask, values.float(), 0.0).sum() / n) if n else 0.0
-
-
-def _device(model) -> torch.device:
-    return next(model.parameters()).device
+def _check_step_inputs(trajectories, cfg: GRPOConfig, exclude) -> None:
+    if not trajectories:
+        raise ValueError("grpo_step needs at least one trajectory")
+    if cfg.aggregation not in AGGREGATIONS:
+        raise ValueError(f"unknown aggregation {cfg.aggregation!r} (choose from {', '.join(AGGREGATIONS)})")
+    if cfg.aggregation == "token-sum" and cfg.max_response_tokens < 1:
+        raise ValueError("aggregation token-sum divides by the response budget: set GRPOConfig.max_response_tokens")
+    if exclude is not None and len(exclude) != len(trajectories):
+        raise ValueError(f"exclude has {len(exclude)} entries for {len(trajectories)} trajectories")
 
 
 def _set_gradient_checkpointing(model, on: bool) -> None:
@@ -494,8 +388,8 @@ def _set_gradient_checkpointing(model, on: bool) -> None:
 
 
 __all__ = [
-    "GRPOConfig", "Batch", "group_advantages", "grpo_step", "sync_weights", "sleep_sampler",
-    "make_optimizer", "load_policy", "build_batch", "token_logprobs", "clipped_policy_loss",
+    "GRPOConfig", "AGGREGATIONS", "Batch", "group_advantages", "grpo_step", "clipped_policy_loss", "sync_weights",
+    "sleep_sampler", "make_optimizer", "load_policy", "build_batch", "token_logprobs",
 ]
 
 if __name__ == "__main__":  # the advantage examples, printed

@@ -3,8 +3,8 @@
     .venv/bin/python 06-train/show_metrics.py runs/demo --keys reward_mean degenerate_groups informative_frac grad_norm
     .venv/bin/python 06-train/show_metrics.py runs/demo runs/clip --keys clip_high_frac ratio_max --plot clip.png
 
-The exercises of docs/06-train.md read the clipped update and the degenerate
-groups off a CPU-demo run this way. Each run gets one column per key; the last
+The exercises of docs/06-train.md (the clip) and docs/06-beyond-torl.md (the
+degenerate groups) read a CPU-demo run this way. Each run gets one column per key; the last
 row is the mean over steps.
 """
 from __future__ import annotations

@@ -160,7 +160,7 @@ def test_torchrun_two_ranks_write_one_run_with_the_global_batch(tmp_path, tiny_m
     run = tmp_path / "run"
     common = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
               str(repo / "05-retool" / "retool.py")]
-    small = ["--model", str(tiny_model_path), "--problems-per-step", "4", "--group-size", "2",
+    small = ["--model", str(tiny_model_path), "--cold-start", "none", "--problems-per-step", "4", "--group-size", "2",
              "--max-response-tokens", "16", "--eval-problems", "2", "--eval-max-response-tokens", "16",
              "--micro-batch-size", "2"]
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}

@@ -566,7 +566,7 @@ def test_three_tool_calls_keep_spans_exact_from_sampler_to_trainer(tiny_llm, pol
 
 
 def test_informative_groups_keeps_groups_whose_rewards_differ_then_fills_at_the_bound():
-    from beyond_torl import informative_groups
+    from batch_filters import informative_groups
 
     def group(*rewards):
         return [(Trajectory("p", i, "", [1], [2], [0.0], [1], "", reward=r), None) for i, r in enumerate(rewards)]
@@ -590,7 +590,7 @@ def test_informative_groups_keeps_groups_whose_rewards_differ_then_fills_at_the_
 
 
 def test_void_turn_is_a_turn_with_neither_complete_code_nor_an_answer(tiny_tokenizer):
-    from beyond_torl import void_turns
+    from batch_filters import void_turns
     from rollout import ToolCall
 
     def traj(*segments):
@@ -645,7 +645,7 @@ def test_all_options_run_together_in_a_real_step(tiny_llm, tiny_model_path, poli
     """--tis-cap 2 --dynamic-sampling --mask-truncated --filter-void-turns --tool-budget 2, one real step."""
     import dataclasses
 
-    from beyond_torl import void_turns
+    from batch_filters import void_turns
     from retool import Config, train_step
     from rollout import RolloutConfig
     from sandbox import Sandbox, SandboxConfig

@@ -1,0 +1,70 @@
+"""What `grpo_step` reports: token means over the loss mask, the sampler/trainer gap, and the update's sums.
+
+The metrics and what each says are listed in docs/06-train.md, "Metrics".
+Two token counts appear: the tokens in the loss (`loss_tokens`: every model
+token of a trajectory not excluded) and the tokens the update computed on
+(`computed_tokens`: those of the rows not skipped for a zero advantage).
+"""
+from __future__ import annotations
+
+import torch
+
+
+def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> float:
+    """Mean of `values` where `mask` is true; 0 when it is nowhere true."""
+    n = int(mask.sum())
+    return float(torch.where(mask, values.float(), 0.0).sum() / n) if n else 0.0
+
+
+def sampler_mismatch(old_logprobs: torch.Tensor, entropy: torch.Tensor, batch) -> dict[str, float]:
+    """Entropy of the policy before the step, and how far vLLM's recorded log-probs are from the trainer's."""
+    mask = batch.loss_mask.bool()
+    gap = torch.where(mask, old_logprobs - batch.sampler_logprobs, 0.0)
+    return {
+        "entropy": masked_mean(entropy, mask),
+        "mismatch_abs": masked_mean(gap.abs(), mask),
+        "mismatch_max": float(gap.abs().max()),
+        "mismatch_kl": masked_mean(torch.expm1(gap) - gap, mask),  # k3 of KL(sampler || trainer)
+    }
+
+
+class UpdateTally:
+    """Sums over a step's micro-batches and optimizer updates, turned into its metrics at the end."""
+
+    TOKEN_MEANS = ("clip_low_frac", "clip_high_frac", "ratio_mean", "approx_kl")
+
+    def __init__(self) -> None:
+        self.loss = self.grad_norm = self.computed_tokens = self.ratio_max = 0.0
+        self.token_weighted = dict.fromkeys(self.TOKEN_MEANS, 0.0)  # each stat times its micro-batch's tokens
+        self.optimizer_steps = self.skipped_steps = self.rows_skipped = 0
+
+    def add_micro_batch(self, loss: torch.Tensor, stats: dict[str, float]) -> None:
+        self.loss += float(loss.detach())
+        self.computed_tokens += stats["tokens"]
+        for key in self.TOKEN_MEANS:
+            self.token_weighted[key] += stats[key] * stats["tokens"]
+        self.ratio_max = max(self.ratio_max, stats["ratio_max"])
+
+    def add_update(self, grad_norm: float, stepped: bool) -> None:
+        if stepped:
+            self.grad_norm += grad_norm
+            self.optimizer_steps += 1
+        else:
+            self.skipped_steps += 1
+
+    def metrics(self, loss_tokens: float) -> dict[str, float]:
+        """loss and grad_norm per update; clip fractions over the loss's tokens (a skipped
+        row has advantage 0 and is never clipped), ratios and KL over the computed ones."""
+        computed = self.computed_tokens
+        return {
+            "loss": self.loss / max(self.optimizer_steps + self.skipped_steps, 1),
+            "grad_norm": self.grad_norm / max(self.optimizer_steps, 1),
+            "clip_low_frac": self.token_weighted["clip_low_frac"] / max(loss_tokens, 1),
+            "clip_high_frac": self.token_weighted["clip_high_frac"] / max(loss_tokens, 1),
+            "ratio_mean": self.token_weighted["ratio_mean"] / computed if computed else 1.0,
+            "ratio_max": self.ratio_max if computed else 1.0,
+            "approx_kl": self.token_weighted["approx_kl"] / max(computed, 1.0),
+            "rows_skipped": float(self.rows_skipped),
+            "optimizer_steps": float(self.optimizer_steps),
+            "skipped_steps": float(self.skipped_steps),
+        }
