@@ -5,7 +5,7 @@ had none of them. Dynamic sampling draws extra problems until every group of
 the step differs in reward (bounded rounds; degenerate groups fill the rest);
 DAPO's overlong filtering and SimpleTIR's void turns keep trajectories out of
 the loss without dropping them from the batch. What each does and why:
-docs/06-train.md, "Beyond ToRL"; the story of the loop: docs/05-retool.md.
+docs/06-beyond-torl.md; the story of the loop: docs/05-retool.md.
 """
 from __future__ import annotations
 
