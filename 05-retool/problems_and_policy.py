@@ -12,6 +12,7 @@ The story: docs/05-retool.md.
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 
 
@@ -100,7 +101,12 @@ def local_model(model: str) -> str:
 
 
 def cold_started_model(cfg, run_dir: Path) -> str:
-    """The folder RUN_DIR/base, cold-started by cold_start.py with the Config's cold_start_* settings (once)."""
+    """The folder RUN_DIR/base, cold-started by cold_start.py with the Config's cold_start_* settings (once).
+
+    With cold_start_cache, a base made before from the same inputs (every setting
+    cold_start.py receives, the training file, the code that builds the traces
+    and the model) is copied from the cache instead of trained again.
+    """
     import cold_start
 
     base = run_dir / "base"
@@ -110,6 +116,7 @@ def cold_started_model(cfg, run_dir: Path) -> str:
             "--tool-fraction", str(cfg.cold_start_tool_fraction), "--template", cfg.template,
             "--seed", str(cfg.seed), "--tool-only-steps", str(cfg.cold_start_tool_only_steps),
             "--lr", str(cfg.cold_start_lr), "--batch-size", str(cfg.cold_start_batch_size)]
+    source = None
     if cfg.cold_start == "finetune":  # a pretrained model: find it (hub, else the package's GGUF), fine-tune it
         from rollout import render_prompt
         from smollm2 import check_template
@@ -118,5 +125,47 @@ def cold_started_model(cfg, run_dir: Path) -> str:
         if "<|im_start|>" in render_prompt("", cfg.template):  # ChatML: the model's own template must agree
             check_template(source, cfg.template)
         argv += ["--model", source, "--train-layers", str(cfg.train_layers), "--warmup-steps", "10", "--threads", str(trainer_threads(cfg) or 1)]
+    cached = cold_start_cache() / cold_start_key(argv, cfg.train_file, source) if cfg.cold_start_cache else None
+    if cached is not None and (cached / "cold_start.json").exists():
+        shutil.copytree(cached, base, dirs_exist_ok=True)
+        print(f"cold start: the base made before from the same inputs, {cached} (--cold-start-cache false trains anew)")
+        return str(base)
     cold_start.main(argv)
+    if cached is not None:  # whole or not at all: copied under a temporary name, then renamed
+        tmp = cached.with_name(f".{cached.name}.tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.copytree(base, tmp)
+        shutil.rmtree(cached, ignore_errors=True)
+        os.replace(tmp, cached)
     return str(base)
+
+
+def cold_start_cache() -> Path:
+    """Where cold-started bases are kept between runs: the lab's cache folder (smollm2.py's), never in git."""
+    from smollm2 import default_cache_dir
+
+    return default_cache_dir() / "cold-start"
+
+
+def cold_start_key(argv: list[str], train_file: str, source: str | None) -> str:
+    """A digest of everything that determines a cold-started base: a change to any of it is a new base.
+
+    The settings (argv without the output folder), the training problems, the
+    code that writes the traces and builds or loads the model, the template
+    table, and the pretrained model's files (names and sizes) when one is tuned.
+    """
+    import hashlib
+
+    import torch
+    import transformers
+
+    here, root = Path(__file__).resolve().parent, Path(__file__).resolve().parent.parent
+    digest = hashlib.sha256()
+    settings = [a for i, a in enumerate(argv) if a != "--out" and (i == 0 or argv[i - 1] != "--out")]
+    digest.update(repr((settings, torch.__version__, transformers.__version__)).encode())
+    for path in (Path(train_file), here / "cold_start.py", root / "tiny_model.py",
+                 root / "03-rollout" / "prompt_templates.py", root / "03-rollout" / "rollout.py"):
+        digest.update(path.read_bytes())
+    if source:
+        digest.update(repr(sorted((p.name, p.stat().st_size) for p in Path(source).iterdir())).encode())
+    return digest.hexdigest()[:16]

@@ -1,5 +1,6 @@
 """The cold start's traces for the word problems, and the layer freezing the SmolLM2 preset trains with."""
 import random
+from pathlib import Path
 
 import pytest
 
@@ -98,3 +99,34 @@ def test_a_stopped_cold_start_goes_on_from_its_partial_checkpoint_to_the_same_mo
     whole = AutoModelForCausalLM.from_pretrained(tmp_path / "whole").state_dict()
     resumed = AutoModelForCausalLM.from_pretrained(tmp_path / "stopped").state_dict()
     assert all(torch.equal(whole[name], resumed[name]) for name in whole)
+
+
+def test_a_cold_started_base_is_reused_only_while_every_input_is_the_same(tmp_path, monkeypatch):
+    import dataclasses
+
+    import cold_start
+    import problems_and_policy
+    from prepare_data import make_toy_task, write_jsonl
+    from retool import Config
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    write_jsonl(make_toy_task(16, 0, seed=4)[0], tmp_path / "toy.jsonl")
+    trained = []
+    real_main = cold_start.main
+
+    def counting_main(argv):
+        trained.append(argv)
+        small = ["--hidden-size", "64", "--num-layers", "1", "--vocab-size", "128", "--max-len", "64", "--warmup-steps", "1"]
+        return real_main(argv + small)
+
+    monkeypatch.setattr(cold_start, "main", counting_main)
+    cfg = Config(train_file=str(tmp_path / "toy.jsonl"), cold_start_steps=2, cold_start_tool_only_steps=1,
+                 cold_start_batch_size=2)
+    first = problems_and_policy.cold_started_model(cfg, tmp_path / "run1")
+    second = problems_and_policy.cold_started_model(cfg, tmp_path / "run2")  # same inputs: copied, not trained
+    assert len(trained) == 1 and (Path(second) / "cold_start.json").read_text() == (Path(first) / "cold_start.json").read_text()
+    problems_and_policy.cold_started_model(dataclasses.replace(cfg, seed=1), tmp_path / "run3")  # a setting changed
+    write_jsonl(make_toy_task(16, 0, seed=5)[0], tmp_path / "toy.jsonl")
+    problems_and_policy.cold_started_model(cfg, tmp_path / "run4")  # the problems changed
+    problems_and_policy.cold_started_model(dataclasses.replace(cfg, cold_start_cache=False), tmp_path / "run5")
+    assert len(trained) == 4
