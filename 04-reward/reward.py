@@ -10,10 +10,13 @@ Key decisions:
    reward for using the tool; `valid_format` tells "no answer" from "wrong".
 3. Every check runs in a worker process with a deadline, so the verdict is the
    same from any thread (math-verify's own timeouts work only in the main thread).
+4. `scorer="torl"` swaps in ToRL's own rule (torl_scorer.py: the last complete box
+   anywhere, unwrapped math-verify), run the same way: docs/04-torl-scorer.md.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import signal
 import socket
 import subprocess
@@ -24,37 +27,43 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
 
+from torl_scorer import last_complete_box, torl_equivalent
+
 ANSWER_WINDOW_CHARS = 300
 BOXED = "\\boxed{"
 DEFAULT_TIMEOUT_S = 5.0
 _STARTUP_TIMEOUT_S = 120.0
+SCORERS = ("lab", "torl")  # this file's rule; ToRL's own (torl_scorer.py)
 
 
 @dataclass(frozen=True)
 class RewardResult:
     reward: float  # +1.0 if correct, else -1.0
     correct: bool  # the answer is math-equivalent to the reference
-    valid_format: bool  # a closed \boxed{...} was found in the answer window
+    valid_format: bool  # a closed \boxed{...} was found in the answer window (torl: anywhere)
     answer: str | None  # raw content of that box (not stripped), None if none
 
 
 NO_ANSWER = RewardResult(reward=-1.0, correct=False, valid_format=False, answer=None)
 
 
-def score_answer(text: str, reference: str, timeout: float = DEFAULT_TIMEOUT_S) -> RewardResult:
-    """Score one response against its reference answer.
+def score_answer(
+    text: str, reference: str, timeout: float = DEFAULT_TIMEOUT_S, scorer: str = "lab"
+) -> RewardResult:
+    """Score one response against its reference answer (`scorer`: "lab" or "torl").
 
     >>> score_answer("... so the result is \\\\boxed{\\\\frac{1}{2}}.", "0.5")
     RewardResult(reward=1.0, correct=True, valid_format=True, answer='\\\\frac{1}{2}')
     """
-    answer = extract_last_boxed(text[-ANSWER_WINDOW_CHARS:])
+    answer = extract_answer(text, scorer)
     if answer is None:
         return NO_ANSWER
-    return _result(answer, _pool(1)[0].equivalent(answer, reference, timeout))
+    return _result(answer, _pool(1)[0].equivalent(answer, reference, timeout, scorer))
 
 
 def score_batch(
-    texts: list[str], references: list[str], workers: int = 2, timeout: float = DEFAULT_TIMEOUT_S
+    texts: list[str], references: list[str], workers: int = 2, timeout: float = DEFAULT_TIMEOUT_S,
+    scorer: str = "lab",
 ) -> list[RewardResult]:
     """Score many responses in `workers` processes; results come back in input order.
 
@@ -63,7 +72,7 @@ def score_batch(
     """
     if len(texts) != len(references):
         raise ValueError(f"score_batch: {len(texts)} texts but {len(references)} references")
-    answers = [extract_last_boxed(t[-ANSWER_WINDOW_CHARS:]) for t in texts]
+    answers = [extract_answer(t, scorer) for t in texts]
     todo = [i for i, a in enumerate(answers) if a is not None]
     verdicts: dict[int, bool] = {}
     if todo:
@@ -72,7 +81,7 @@ def score_batch(
 
         def check(j: int) -> None:
             i = todo[j]
-            verdicts[i] = verifiers[j % n].equivalent(answers[i], references[i], timeout)
+            verdicts[i] = verifiers[j % n].equivalent(answers[i], references[i], timeout, scorer)
 
         # One thread per worker process, each walking its own stride of the list.
         with ThreadPoolExecutor(n) as pool:
@@ -91,6 +100,15 @@ def total_reward(result: RewardResult, execution_pass: bool, exec_error_penalty:
     errors also punishes exploration, and the paper found no gain from it.
     """
     return result.reward - (exec_error_penalty if not execution_pass else 0.0)
+
+
+def extract_answer(text: str, scorer: str = "lab") -> str | None:
+    """The box `scorer` reads: the lab's in the last ANSWER_WINDOW_CHARS, ToRL's anywhere."""
+    if scorer not in SCORERS:
+        raise ValueError(f"unknown scorer {scorer!r}: choose from {', '.join(SCORERS)}")
+    if scorer == "torl":
+        return last_complete_box(text)
+    return extract_last_boxed(text[-ANSWER_WINDOW_CHARS:])
 
 
 def extract_last_boxed(text: str) -> str | None:
@@ -137,8 +155,11 @@ def is_equivalent(answer: str, reference: str) -> bool:
         return False
 
 
+_CHECKS = {"lab": is_equivalent, "torl": torl_equivalent}  # what a worker runs for each scorer
+
+
 class _Verifier:
-    """One worker process that runs `is_equivalent`, replaced when it overruns its deadline.
+    """One worker process that runs a scorer's check, replaced when it overruns its deadline.
 
     The worker is its own interpreter running this file (`reward.py --serve-fd`),
     not a multiprocessing child: spawn would re-import the caller's main script,
@@ -154,12 +175,12 @@ class _Verifier:
         self._proc = None
         self._conn = None
 
-    def equivalent(self, answer: str, reference: str, timeout: float) -> bool:
+    def equivalent(self, answer: str, reference: str, timeout: float, scorer: str = "lab") -> bool:
         with self._lock:
             if self._proc is None or self._proc.poll() is not None:
                 self._start()
             try:
-                self._conn.send((answer, reference))
+                self._conn.send((scorer, answer, reference))
                 if self._conn.poll(timeout):
                     return bool(self._conn.recv())
             except (EOFError, OSError):  # the worker died (e.g. out of memory): not equivalent
@@ -193,7 +214,7 @@ class _Verifier:
 
 
 def _serve(fd: int) -> None:
-    """The worker's loop: (answer, reference) in, verdict out, until the parent closes the socket."""
+    """The worker's loop: (scorer, answer, reference) in, verdict out, until the parent closes the socket."""
     import logging
 
     # Ctrl-C reaches the whole process group; the parent decides what to do, and the
@@ -206,10 +227,14 @@ def _serve(fd: int) -> None:
     conn.send("ready")
     while True:
         try:
-            answer, reference = conn.recv()
+            scorer, answer, reference = conn.recv()
         except (EOFError, OSError):
             return
-        conn.send(is_equivalent(answer, reference))
+        try:
+            verdict = _CHECKS[scorer](answer, reference)
+        except Exception:  # any error while checking counts as not equivalent
+            verdict = False
+        conn.send(verdict)
 
 
 # Worker processes live as long as this process: a training loop scores every step,
@@ -227,17 +252,60 @@ def _pool(n: int) -> list[_Verifier]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description="Score one response against its reference answer (+1 right, -1 otherwise).")
+    from lab_cli import at_least, one_line_errors
+
+    p = one_line_errors(argparse.ArgumentParser(
+        description="Score one response against its reference answer (+1 right, -1 otherwise), or every row of a file."))
     p.add_argument("text", nargs="?", help="the response, e.g. 'so \\boxed{1/2}'")
     p.add_argument("reference", nargs="?", help="the reference answer, e.g. 0.5")
+    p.add_argument("--scorer", choices=SCORERS, default="lab", help="lab: this file's rule; torl: ToRL's own (torl_scorer.py)")
+    p.add_argument("--jsonl", metavar="FILE", help="score each row {response, reference} of FILE; print it with reward and correct added")
+    p.add_argument("--workers", type=at_least(1), default=2, help="worker processes for --jsonl")
     p.add_argument("--serve-fd", type=int, help=argparse.SUPPRESS)  # how a worker process is started
     args = p.parse_args(argv)
     if args.serve_fd is not None:
         _serve(args.serve_fd)
         return
+    if args.jsonl is not None:
+        if args.text is not None:
+            p.error("give --jsonl FILE or a response and a reference, not both")
+        rows = _read_rows(args.jsonl)
+        results = score_batch([r["response"] for r in rows], [r["reference"] for r in rows],
+                              workers=args.workers, scorer=args.scorer)
+        for row, result in zip(rows, results):
+            print(json.dumps({**row, "reward": result.reward, "correct": result.correct}, ensure_ascii=False))
+        return
     if args.text is None or args.reference is None:
         p.error("give a response and a reference answer")
-    print(score_answer(args.text, args.reference))
+    print(score_answer(args.text, args.reference, scorer=args.scorer))
+
+
+def _read_rows(path: str) -> list[dict]:
+    """The rows of a JSONL file, each with string `response` and `reference`.
+
+    A bad file or row ends the program with one line `error: FILE:LINE: ...`, exit status 2.
+    """
+    def refuse(where: str, message: str):
+        print(f"error: {where}: {message}", file=sys.stderr)
+        sys.exit(2)
+
+    try:
+        lines = Path(path).read_text(encoding="utf-8").split("\n")  # not splitlines: JSON strings may hold U+2028
+    except (OSError, UnicodeDecodeError) as e:
+        refuse(path, f"cannot read: {getattr(e, 'strerror', None) or e}")
+    rows = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            refuse(f"{path}:{number}", f"not JSON ({e.msg})")
+        missing = [key for key in ("response", "reference") if not isinstance(row, dict) or not isinstance(row.get(key), str)]
+        if missing:
+            refuse(f"{path}:{number}", f"the row needs string fields {' and '.join(missing)}")
+        rows.append(row)
+    return rows
 
 
 if __name__ == "__main__":

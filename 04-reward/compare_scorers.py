@@ -1,0 +1,176 @@
+r"""Where the lab's scorer and ToRL's disagree: one table, one row per kind of answer.
+The rules and the measured table: docs/04-torl-scorer.md.
+
+Each reference answer is rewritten the ways a model writes a right answer (other
+spacing, `\dfrac`, a decimal, a unit, a check paragraph after the box, ...) and
+a few wrong ones, and the responses are scored by both (reward.score_batch,
+scorer "lab" and "torl"); hand cases add what no rewrite makes. The references are a built-in handful of
+MATH-style answers, or those of any data set chapter 01 reads (--answers).
+
+    python 04-reward/compare_scorers.py
+    python 04-reward/compare_scorers.py --answers data/torl_data/test.parquet --dump cases.jsonl
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+from collections import defaultdict
+from decimal import Decimal
+
+# Answers in the shapes MATH and AIME use, written for this lab.
+SAMPLE_ANSWERS = [
+    "42", "2718", "-7", "\\frac{5}{8}", "-\\frac{3}{20}", "\\dfrac{9}{4}", "3\\sqrt{3}", "\\sqrt{5}",
+    "a + b", "x = 7", "y = -2x + 5", "(0, 3]", "(-\\infty, -1) \\cup (2, \\infty)", "\\{4, 5\\}",
+    "6\\pi", "75^\\circ", "3 - 4i", "2 \\pm \\sqrt{6}", "7.5", "\\$4.20", "12 \\text{ inches}", "n^2 + n",
+]
+
+CHECK = (" Check: substituting the value back into the original equation, both sides agree, and the"
+         " constraint from the first paragraph holds as well; the tool's output printed the same number,"
+         " so nothing is left to fix. Every case above has been covered, the boundary values included,"
+         " and no other candidate satisfies all of the conditions at once, so the result is final.")
+
+# (kind, response, reference): what no rewrite of a reference makes.
+HAND_CASES = [
+    ("equal value, other form", "so \\boxed{2\\sqrt2}", "\\sqrt8"),
+    ("equal value, other form", "so \\boxed{\\frac{1}{2}}", "0.5"),
+    ("equal value, other form", "so \\boxed{2^{10}}", "1024"),
+    ("box nested 4 deep", "so \\boxed{a^{b^{c^{d}}}}", "a^{b^{c^{d}}}"),
+    ("box nested 5 deep", "so \\boxed{a^{b^{c^{d^{e}}}}}", "a^{b^{c^{d^{e}}}}"),
+    ("box nested 5 deep", "first \\boxed{16}, no: \\boxed{2^{2^{2^{2^{1}}}}}", "16"),
+    ("no box", "the answer is 42", "42"),
+]
+
+
+def say(content: str) -> str:
+    return f"so the answer is $\\boxed{{{content}}}$."
+
+
+def rewrites(answer: str) -> list[tuple[str, str]]:
+    """(kind, response) pairs: the ways a model may write `answer` (a right one, unless the kind says wrong)."""
+    forms = [("same string", answer), ("spacing", _respace(answer)), ("$ inside the box", f"${answer}$")]
+    if "\\frac" in answer or "\\dfrac" in answer:
+        forms.append(("\\dfrac vs \\frac", answer.replace("\\dfrac", "\\frac") if "\\dfrac" in answer
+                      else answer.replace("\\frac", "\\dfrac")))
+    number = re.fullmatch(r"(-?)\\d?frac\{(\d+)\}\{(\d+)\}", answer)
+    if number:
+        sign, top, bottom = number.groups()
+        forms.append(("a/b for \\frac{a}{b}", f"{sign}{top}/{bottom}"))
+        if _terminates(int(top), int(bottom)):
+            forms.append(("decimal", f"{sign}{Decimal(top) / Decimal(bottom)}"))
+    if answer.lstrip("-").isdigit():
+        forms += [("decimal", f"{answer}.0"), ("unit in \\text", f"{answer} \\text{{ cm}}"),
+                  ("wrong (reference + 1)", str(int(answer) + 1))]
+        if int(answer):  # 0 times anything is still right
+            forms.append(("wrong: the number times \\sqrt{2}", f"{answer}\\sqrt{{2}}"))
+        if len(answer.lstrip("-")) > 3:
+            forms.append(("thousands comma", f"{int(answer):,}"))
+    if "=" not in answer and "," not in answer:
+        forms.append(("x = answer", f"x = {answer}"))
+    leading = re.match(r"(-?\d+) ?(?!\\text)\\?[a-zA-Z]", answer)  # 12\pi, 70 \sqrt{2}, 3R^2; not a unit
+    if leading:
+        forms.append(("wrong: only the leading number", leading.group(1)))
+    if re.search(r"\\sqrt\{\w\}", answer):
+        forms.append(("\\sqrt2 shorthand", re.sub(r"\\sqrt\{(\w)\}", r"\\sqrt\1", answer)))
+    out = [(kind, say(form)) for kind, form in forms if form != answer or kind == "same string"]
+    return out + [("check paragraph after the box", say(answer) + CHECK),
+                  ("unclosed box after the box", say(answer) + " Or, rounding, \\boxed{" + answer),
+                  ("\\boxed with a space, no braces", f"so the answer is $\\boxed {answer}$.")]
+
+
+def _terminates(top: int, bottom: int) -> bool:
+    """Whether top/bottom is a finite decimal: its reduced denominator has no prime but 2 and 5."""
+    rest = bottom // math.gcd(top, bottom)
+    for prime in (2, 5):
+        while rest % prime == 0:
+            rest //= prime
+    return rest == 1
+
+
+def _respace(answer: str) -> str:
+    """The answer with its spaces removed, or with spaces put around + - = , when it has none."""
+    if " " in answer:
+        return answer.replace(" ", "")
+    return re.sub(r"(?<=[^\s(\[{])([+\-=,])(?=\S)", r" \1 ", answer).replace(" , ", ", ")
+
+
+def build_cases(answers: list[str]) -> list[dict]:
+    """Rows {kind, response, reference}: every rewrite of every answer, then the hand cases."""
+    cases = [{"kind": kind, "response": response, "reference": answer}
+             for answer in answers for kind, response in rewrites(answer)]
+    return cases + [{"kind": kind, "response": response, "reference": ref} for kind, response, ref in HAND_CASES]
+
+
+def tally(cases: list[dict], workers: int = 2) -> dict[str, dict]:
+    """Per kind: rows, how many each scorer counts right, the disagreements each way, and a first example.
+
+    "unparsed" counts the lab-only wins where math-verify's parse of an unwrapped,
+    normalised side (what ToRL checks) came back empty.
+    """
+    from reward import score_batch
+
+    texts, refs = [c["response"] for c in cases], [c["reference"] for c in cases]
+    lab = score_batch(texts, refs, workers=workers, scorer="lab")
+    torl = score_batch(texts, refs, workers=workers, scorer="torl")
+    table: dict[str, dict] = defaultdict(lambda: dict.fromkeys(("rows", "lab", "torl", "lab only", "torl only",
+                                                                 "unparsed"), 0) | {"example": None})
+    for case, a, b in zip(cases, lab, torl):
+        row = table[case["kind"]]
+        row["rows"] += 1
+        row["lab"] += a.correct
+        row["torl"] += b.correct
+        row["lab only"] += a.correct and not b.correct
+        row["torl only"] += b.correct and not a.correct
+        row["unparsed"] += a.correct and b.answer is not None and not b.correct and _unparsed(b.answer, case["reference"])
+        if a.correct != b.correct and row["example"] is None:
+            row["example"] = (b.answer if b.answer is not None else case["response"], case["reference"])
+    return dict(table)
+
+
+def _unparsed(answer: str, reference: str) -> bool:
+    """Whether math-verify reads nothing from either side once normalised and left unwrapped, as ToRL checks it."""
+    import logging
+
+    from math_verify import parse
+    from torl_scorer import normalize_final_answer
+
+    logging.getLogger("math_verify").setLevel(logging.ERROR)  # its warning that timeouts are off: they are
+    return any(not parse(normalize_final_answer(side), parsing_timeout=None) for side in (answer, reference))
+
+
+def main(argv: list[str] | None = None) -> None:
+    from lab_cli import at_least, one_line_errors
+
+    p = one_line_errors(argparse.ArgumentParser(description="Count where the lab's scorer and ToRL's disagree, by kind."))
+    p.add_argument("--answers", metavar="SOURCE", help="take the references from a data set chapter 01 reads "
+                   "(a .jsonl/.parquet file, ToRL's schema included); default: a built-in handful")
+    p.add_argument("--dump", metavar="FILE", help="also write the cases as JSONL (input for reward.py --jsonl)")
+    p.add_argument("--workers", type=at_least(1), default=2)
+    args = p.parse_args(argv)
+    answers = SAMPLE_ANSWERS
+    if args.answers:
+        from prepare_data import DataError, load_problems
+
+        try:
+            answers = sorted({row["answer"] for row in load_problems(args.answers)[0]})
+        except DataError as e:
+            p.error(str(e))
+    cases = build_cases(answers)
+    if args.dump:
+        with open(args.dump, "w", encoding="utf-8") as f:
+            f.writelines(json.dumps(c, ensure_ascii=False) + "\n" for c in cases)
+    table = tally(cases, args.workers)
+    print(f"{len(answers)} references, {len(cases)} responses; counts of responses scored right:\n")
+    print("| kind | rows | lab +1 | torl +1 | lab +1, torl -1 (unparsed) | lab -1, torl +1 | first disagreement: box torl read; reference |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for kind, row in sorted(table.items(), key=lambda kv: -(kv[1]["lab only"] + kv[1]["torl only"])):
+        example = "" if row["example"] is None else f"`{row['example'][0][:60]}`; `{row['example'][1]}`"
+        print(f"| {kind} | {row['rows']} | {row['lab']} | {row['torl']} | {row['lab only']} ({row['unparsed']}) "
+              f"| {row['torl only']} | {example} |")
+    total = sum(r["lab only"] + r["torl only"] for r in table.values())
+    print(f"\n{total} of {len(cases)} responses scored differently.")
+
+
+if __name__ == "__main__":
+    main()
