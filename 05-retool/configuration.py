@@ -82,6 +82,7 @@ def config_problems(cfg, world: int | None = None) -> list[str]:
     from distributed import STRATEGIES
     from grpo import AGGREGATIONS
     from problems_and_policy import COLD_STARTS
+    from reward import SCORERS
     from rollout import OBSERVATION_STYLES, SCHEDULES, TEMPLATES
     from sandbox import SandboxConfig
     from trackers import missing_package
@@ -113,6 +114,8 @@ def config_problems(cfg, world: int | None = None) -> list[str]:
                         f"do not fit in max_model_len ({cfg.max_model_len})")
     if cfg.eval_max_response_tokens >= cfg.max_model_len:
         problems.append(f"eval_max_response_tokens ({cfg.eval_max_response_tokens}) does not fit in max_model_len ({cfg.max_model_len})")
+    if cfg.scorer not in SCORERS:
+        problems.append(f"scorer must be {_one_of(SCORERS)}, got '{cfg.scorer}'")
     if cfg.template not in TEMPLATES:
         problems.append(f"template '{cfg.template}' is not one of {', '.join(TEMPLATES)}")
     if cfg.observation_style not in OBSERVATION_STYLES:

@@ -41,7 +41,8 @@ PAPER_SET_SIZE = {"aime24": 30, "aime25": 30, "math500": 500}
 
 def evaluate(llm, problems: list[dict], sandbox, k: int = 1, mode: str = "tir", template: str | None = None,
              max_response_tokens: int = 3072, tool_budget: int = 1, temperature: float = 0.0,
-             seed: int | None = 0, samples_path: Path | None = None, rollout_overrides: dict | None = None) -> dict:
+             seed: int | None = 0, samples_path: Path | None = None, rollout_overrides: dict | None = None,
+             scorer: str = "lab") -> dict:
     """Sample k responses per problem, score them, and summarise per source and overall.
 
     `template` defaults to the mode's (DEFAULT_TEMPLATE); `temperature` 0 is
@@ -60,7 +61,7 @@ def evaluate(llm, problems: list[dict], sandbox, k: int = 1, mode: str = "tir", 
                         tool_budget=tool_budget if mode == "tir" else 0, template=template, seed=seed,
                         **(rollout_overrides or {}))
     trajectories = rollout(llm, problems, sandbox, cfg)
-    results = score_batch([t.text for t in trajectories], [t.reference for t in trajectories])
+    results = score_batch([t.text for t in trajectories], [t.reference for t in trajectories], scorer=scorer)
     source_of = {str(p["id"]): p.get("source", "data") for p in problems}
     samples = [
         {
@@ -81,7 +82,7 @@ def evaluate(llm, problems: list[dict], sandbox, k: int = 1, mode: str = "tir", 
     summary = {source: summarise(rows, k) for source, rows in sorted(by_source.items())}
     if len(by_source) > 1:
         summary["all"] = summarise(samples, k)
-    return {"mode": mode, "k": k, "temperature": temperature, "template": template, "sets": summary}
+    return {"mode": mode, "k": k, "temperature": temperature, "template": template, "scorer": scorer, "sets": summary}
 
 
 def summarise(samples: list[dict], k: int) -> dict:
@@ -168,6 +169,8 @@ def paper_table(result: dict) -> str:
     greedy = result.get("temperature") == 0 and k == 1
     lines.append("" if greedy else f"(measured with k={k}, temperature {result.get('temperature')}: "
                  "not ToRL's protocol, which is greedy with one sample)")
+    if result.get("scorer", "lab") != "torl":
+        lines.append("(scored with the lab's rule; the paper's with ToRL's own: --scorer torl)")
     return "\n".join(lines).rstrip()
 
 
@@ -206,7 +209,8 @@ def main(argv: list[str] | None = None) -> dict:
         with Sandbox(SandboxConfig(timeout=args.sandbox_timeout)) as sandbox:
             result = evaluate(llm, problems, sandbox, k=args.k, mode=args.mode, template=template,
                               max_response_tokens=args.max_response_tokens, tool_budget=args.tool_budget,
-                              temperature=args.temperature, seed=args.seed, samples_path=out / "samples.jsonl")
+                              temperature=args.temperature, seed=args.seed, samples_path=out / "samples.jsonl",
+                              scorer=args.scorer)
     except BaseException:
         if made:  # nothing half-written is left behind
             shutil.rmtree(out, ignore_errors=True)
@@ -264,6 +268,7 @@ def load_sets(sources: list[str], limit: int | None) -> list[dict]:
 def parse_args(argv):
     from configuration import DTYPES
     from lab_cli import at_least, one_line_errors
+    from reward import SCORERS
     from rollout import TEMPLATES
 
     p = argparse.ArgumentParser(description="Evaluate a model with (tir) or without (text) the Python tool.")
@@ -283,6 +288,8 @@ def parse_args(argv):
     p.add_argument("--gpu-memory-utilization", type=at_least(0.01, float), default=0.8,
                    help="vLLM's share of the GPU (on a CPU: of host memory) [default: 0.8]")
     p.add_argument("--sandbox-timeout", type=at_least(0.01, float), default=10.0, help="seconds per tool call [default: 10]")
+    p.add_argument("--scorer", choices=SCORERS, default="lab",
+                   help="the reward's rule: the lab's, or ToRL's own (docs/04-torl-scorer.md) [default: lab]")
     p.add_argument("--limit", type=at_least(1), help="at most this many problems per data set [default: all]")
     p.add_argument("--seed", type=int, default=0, help="[default: 0]")
     p.add_argument("--out", help="output folder [default: runs/eval-TIMESTAMP]")

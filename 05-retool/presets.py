@@ -16,6 +16,7 @@ PRESETS: dict[str, dict] = {
     "torl-1.5b": dict(
         model="Qwen/Qwen2.5-Math-1.5B",
         cold_start="none",  # ToRL starts RL from the base model: no fine-tuning first
+        scorer="torl",  # ToRL's math_verifier rule, in training and evaluation (docs/04-torl-scorer.md)
         train_file="data/torl_data/train.parquet",  # ToRL's release: data/torl_data/ of its repository
         eval_file="data/torl_data/test.parquet",  # AIME24, AIME25, MATH500 rows; its test_freq set
         template="torl",  # data.template_type=tir_base_0309

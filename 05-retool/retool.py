@@ -55,6 +55,7 @@ class Config:
     tool_budget: int = 1  # code executions per response (ToRL: 1)
     temperature: float = 1.0  # the trainer divides logits by the same value
     exec_error_penalty: float = 0.0  # ToRL's optional -0.5 for failed code; off, as in its script
+    scorer: str = "lab"  # the reward's rule: the lab's, or ToRL's own (04-reward/torl_scorer.py), in training and eval
     lr: float = 2e-5  # the tiny model (2e-4 learned in 3 steps, then collapsed and recovered twice); a 1.5B model wants 1e-6
     eps_low: float = 0.2  # the clip band's lower side: ratio at least 1 - eps_low where the advantage is negative
     eps_high: float = 0.28  # its upper side, 1 + eps_high where the advantage is positive (DAPO's clip-higher)
@@ -202,7 +203,7 @@ def sample_and_score(llm, problems, sandbox, rollout_cfg, cfg: Config, timing: d
     timing["generate_s"] += stats["generate_s"]
     timing["sandbox_s"] += stats["sandbox_s"]
     t0 = time.perf_counter()
-    results = score_batch([t.text for t in trajectories], [t.reference for t in trajectories])
+    results = score_batch([t.text for t in trajectories], [t.reference for t in trajectories], scorer=cfg.scorer)
     for t, result in zip(trajectories, results):
         t.reward = total_reward(result, t.execution_pass, cfg.exec_error_penalty)
     timing["reward_s"] += time.perf_counter() - t0

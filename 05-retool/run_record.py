@@ -117,7 +117,7 @@ class RunRecord:
         result = evaluate(llm, problems[: cfg.eval_problems] if cfg.eval_problems else problems, sandbox,
                           k=cfg.eval_k, mode=mode, template=cfg.template,
                           max_response_tokens=cfg.eval_max_response_tokens, tool_budget=cfg.tool_budget,
-                          temperature=cfg.eval_temperature, seed=cfg.seed,
+                          temperature=cfg.eval_temperature, seed=cfg.seed, scorer=cfg.scorer,
                           samples_path=self.run_dir / "eval_samples" / f"step-{step:06d}-{mode}.jsonl")
         print(f"eval {tag}: {summary_line(result)}")
         row = {"step": step, "tag": tag, **result}

@@ -53,6 +53,15 @@ def test_the_torl_table_is_the_preset():
          f"vLLM at {cfg.gpu_memory_utilization} of it",
          f"lr {short(cfg.lr)}, betas (0.9, 0.999)")
     assert cfg.cold_start == "none"  # the table's model row: RL from the base model, as ToRL
+    says("05-torl.md", f"`scorer={cfg.scorer}`, the same rule", f"`sandbox_timeout={cfg.sandbox_timeout:g}`")
+
+
+def test_the_sandbox_comparison_is_the_sandbox_s_config():
+    from sandbox import SandboxConfig
+
+    cfg = SandboxConfig()
+    says("05-torl.md", f"`memory_mb` {cfg.memory_mb} MB per call", f"with the same {cfg.timeout:g} s limit",
+         f"already imported `{cfg.preload[0]}`, `{cfg.preload[1]}` and `{cfg.preload[2]}`")
 
 
 def test_the_7b_paragraph_is_the_preset():

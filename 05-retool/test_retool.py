@@ -211,6 +211,7 @@ def test_torl_preset_is_torl_script(tmp_path, monkeypatch):
     assert (cfg.eval_every, cfg.save_every) == (4, 20)  # trainer.test_freq, trainer.save_freq
     assert (cfg.eval_k, cfg.eval_temperature, cfg.eval_problems) == (1, 0.0, 0)  # greedy, all problems
     assert cfg.train_file.endswith("torl_data/train.parquet") and cfg.gradient_checkpointing
+    assert cfg.scorer == "torl" and cfg.cold_start == "none" and cfg.sandbox_timeout == 10  # ToRL's scorer, base, run_timeout
     import prepare_data
 
     monkeypatch.setattr(prepare_data, "hub_unreachable", lambda: None)  # as on a machine that reaches the hub
@@ -622,6 +623,7 @@ def test_help_gives_each_field_its_meaning_and_the_chosen_presets_value():
     (["--sandbox-timeout", "0"], "sandbox_timeout must be positive"),
     (["--sandbox-backend", "nope"], "sandbox_backend must be 'local' or 'docker'"),
     (["--dtype", "float8"], "dtype must be float32, bfloat16, float16 or auto"),
+    (["--scorer", "exact"], "scorer must be lab or torl, got 'exact'"),
     (["--observation-style", "json"], "observation_style must be torl, short or full"),
     (["--gpu-memory-utilization", "1.5"], "gpu_memory_utilization is a share of the device"),
     (["--eps-low", "1.5"], "the clip band needs 0 < eps_low < 1"),
@@ -763,3 +765,12 @@ def test_the_dry_run_prints_the_plan_and_names_the_missing_data_in_seconds(tmp_p
     assert "train_file 'data/torl_data/train.parquet' does not exist" in out and "sandbox: ok" in out
     assert "memory per GPU" in out and "refused: the trainer state (121.8 GB a GPU" in out
     assert not (tmp_path / "runs").exists() and not (tmp_path / "data").exists()  # a dry run writes nothing
+
+
+def test_the_sandbox_has_the_packages_math_code_imports():
+    """numpy, sympy, mpmath and scipy: what docs/05-torl.md promises beside SandboxFusion's image."""
+    from sandbox import Sandbox, SandboxConfig
+
+    with Sandbox(SandboxConfig()) as sandbox:
+        result = sandbox.run("import numpy, sympy, mpmath, scipy.special; print(scipy.special.comb(5, 2, exact=True))")
+    assert result.ok and result.stdout == "10\n", result
