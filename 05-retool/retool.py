@@ -133,7 +133,7 @@ def train(cfg: Config, run_dir: Path, resume: bool = False, dp=None) -> None:
     run.restore_optimizer(model, optimizer)
 
     # The sampler runs the same weights.
-    llm = start_sampler(cfg, model_path, run.state, **dp.engine_kwargs())
+    llm = start_sampler(cfg, model_path, run.state, seed=dp.engine_seed(cfg.seed), **dp.engine_kwargs())
     llm.weight_version = run.start_step
     trajectories = []
     with sandbox, run.stops_saved(model, optimizer, llm):
@@ -292,24 +292,29 @@ def start_sandbox(cfg: Config):
     return sandbox
 
 
-def start_sampler(cfg: Config, model_path: str, state: dict | None, **engine_kwargs):
+def start_sampler(cfg: Config, model_path: str, state: dict | None, seed: int | None = None, **engine_kwargs):
     """The vLLM engine over `model_path`, then the random state: the checkpoint's, or fresh from the seed.
 
-    In that order because vLLM seeds Python's and torch's global generators when
-    its engine starts: a state restored before would be silently replaced.
+    In that order because vLLM seeds Python's, numpy's and torch's global
+    generators when its engine starts: a state restored before would be
+    silently replaced. `seed` is the engine's (under torchrun, one per rank).
     """
+    import numpy as np
     import torch
 
     from checkpoints import restore_rng
     from rollout import make_llm
 
+    seed = cfg.seed if seed is None else seed
     llm = make_llm(model_path, dtype=cfg.dtype, max_model_len=cfg.max_model_len,
-                   gpu_memory_utilization=cfg.gpu_memory_utilization, seed=cfg.seed, **engine_kwargs)
-    if state is not None:
+                   gpu_memory_utilization=cfg.gpu_memory_utilization, seed=seed, **engine_kwargs)
+    if state is not None and seed == cfg.seed:  # rank 0 (or one process): the stream it saved goes on
         restore_rng(torch.load(Path(state["path"]) / "rng.pt", weights_only=False))
-    else:
-        random.seed(cfg.seed)
-        torch.manual_seed(cfg.seed)
+    else:  # a fresh start, or another rank's resume (rank 0 alone saves): a stream of this rank's own
+        seed += state["step"] if state is not None else 0
+        random.seed(seed)
+        np.random.seed(seed)
+        torch.manual_seed(seed)
     return llm
 
 

@@ -774,3 +774,32 @@ def test_the_sandbox_has_the_packages_math_code_imports():
     with Sandbox(SandboxConfig()) as sandbox:
         result = sandbox.run("import numpy, sympy, mpmath, scipy.special; print(scipy.special.comb(5, 2, exact=True))")
     assert result.ok and result.stdout == "10\n", result
+
+
+def test_each_rank_seeds_its_engine_and_numpy_on_its_own_and_a_resume_restores_numpy(tmp_path, monkeypatch):
+    """Engines given one seed draw the same noise (vLLM's V2 runner seeds unseeded requests from numpy)."""
+    import numpy as np
+    import torch
+
+    import rollout
+    from distributed import DataParallel
+
+    seeds = {}
+
+    def engine(model, seed, **kwargs):
+        seeds[len(seeds)] = seed
+        np.random.seed(seed)  # what vLLM's engine does to the global generators at start
+        return object()
+
+    monkeypatch.setattr(rollout, "make_llm", engine)
+    draws = []
+    for rank in (0, 1):
+        retool.start_sampler(Config(), "model", None, seed=DataParallel(rank=rank, world_size=2).engine_seed(0))
+        draws.append(np.random.random())
+    assert seeds[0] == 0 and seeds[1] != seeds[0] and draws[0] != draws[1]
+
+    np.random.seed(7)
+    torch.save(checkpoints.capture_rng(), tmp_path / "rng.pt")
+    expected = np.random.random()
+    retool.start_sampler(Config(), "model", {"path": str(tmp_path), "step": 3})
+    assert np.random.random() == expected  # numpy's stream goes on where the checkpoint left it

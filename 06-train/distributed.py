@@ -131,6 +131,10 @@ class DataParallel:
         """A different sampling seed per rank (rank 0 keeps the single-process one)."""
         return None if seed is None else seed + 1_000_003 * self.rank
 
+    def engine_seed(self, seed: int) -> int:
+        """The vLLM engine's seed on this rank: with one seed every rank's unseeded requests draw the same noise."""
+        return self.rollout_seed(seed)
+
     # ----------------------------------------------------------------- the model
 
     def wrap(self, model):
