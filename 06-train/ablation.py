@@ -128,7 +128,7 @@ def step_seconds(rows: list[dict]) -> float:
 
 
 def mean_of(rows: list[dict], key: str) -> float:
-    values = [r[key] for r in rows if key in r]
+    values = [r[key] for r in rows if r.get(key) is not None]  # null: undefined that step (no NaN in JSON)
     return sum(values) / len(values) if values else float("nan")
 
 
@@ -147,7 +147,7 @@ def plot(arm: str, against: str, own: str, runs, seeds, path: Path) -> None:
                 steps = [r["step"] for r in rows]
                 ax.plot(steps, [r["reward_mean"] for r in rows], style, color=colour,
                         label=f"{name}, seed {seed}: held-out {after_accuracy(runs[name, seed][1]):.2f}")
-                side.plot(steps, [r.get(own, float("nan")) for r in rows], style, color=colour)
+                side.plot(steps, [float("nan") if r.get(own) is None else r[own] for r in rows], style, color=colour)
     ax.set_xlabel("RL step")
     ax.set_ylabel("mean reward")
     ax.set_ylim(-1.05, 1.05)

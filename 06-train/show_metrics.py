@@ -14,6 +14,7 @@ import math
 from pathlib import Path
 
 from ablation import read_jsonl
+from lab_cli import one_line_errors
 
 
 def table(runs: dict[str, list[dict]], keys: list[str]) -> str:
@@ -27,7 +28,7 @@ def table(runs: dict[str, list[dict]], keys: list[str]) -> str:
     for step in steps:
         cells = [_cell(by_step[name].get(step, {}).get(key)) for name, key in columns]
         lines.append(f"| {step} | " + " | ".join(cells) + " |")
-    means = [_cell(_mean([r[key] for r in runs[name] if key in r])) for name, key in columns]
+    means = [_cell(_mean([r[key] for r in runs[name] if r.get(key) is not None])) for name, key in columns]
     lines.append("| mean | " + " | ".join(means) + " |")
     return "\n".join(lines)
 
@@ -43,15 +44,20 @@ def plot(runs: dict[str, list[dict]], keys: list[str], path: Path) -> None:
     for ax, key in zip(axes[0], keys):
         for name, rows in runs.items():
             have = [r for r in rows if key in r]
-            ax.plot([r["step"] for r in have], [r[key] for r in have], marker=".", label=name)
+            ax.plot([r["step"] for r in have], [math.nan if r[key] is None else r[key] for r in have], marker=".",
+                    label=name)
         ax.set_title(key, fontsize=9)
         ax.set_xlabel("RL step")
         ax.grid(alpha=0.3)
     axes[0][0].legend(fontsize=7)
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=80)
     plt.close(fig)
+
+
+def _number(value) -> bool:
+    """A step's value a table can show: a number, or null (undefined that step)."""
+    return value is None or (isinstance(value, (int, float)) and not isinstance(value, bool))
 
 
 def _mean(values: list[float]) -> float:
@@ -70,7 +76,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("runs", nargs="+", help="run folders (each with a metrics.jsonl)")
     p.add_argument("--keys", nargs="+", required=True, help="metrics.jsonl fields to show, e.g. clip_high_frac ratio_max")
     p.add_argument("--plot", metavar="PNG", help="also draw one panel per key into this file")
-    args = p.parse_args(argv)
+    args = one_line_errors(p).parse_args(argv)
+    if args.plot and not Path(args.plot).parent.is_dir():
+        raise SystemExit(f"error: --plot {args.plot}: the folder {Path(args.plot).parent} does not exist")
     runs = {}
     for folder in map(Path, args.runs):
         rows = read_jsonl(folder / "metrics.jsonl")
@@ -80,6 +88,9 @@ def main(argv: list[str] | None = None) -> None:
     missing = [k for k in args.keys if not any(k in r for rows in runs.values() for r in rows)]
     if missing:
         raise SystemExit(f"error: no run has {', '.join(missing)} in its metrics.jsonl")
+    lists = [k for k in args.keys if any(not _number(r[k]) for rows in runs.values() for r in rows if k in r)]
+    if lists:
+        raise SystemExit(f"error: --keys {', '.join(lists)}: not a number per step (e.g. a list of ids); choose numeric keys")
     print(table(runs, args.keys))
     if args.plot:
         plot(runs, args.keys, Path(args.plot))

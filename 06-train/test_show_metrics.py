@@ -27,3 +27,14 @@ def test_a_key_no_run_has_is_a_one_line_error(tmp_path):
         main([a, "--keys", "clip_frac"])
     with pytest.raises(SystemExit, match="no metrics.jsonl"):
         main([str(tmp_path), "--keys", "ratio_max"])
+
+
+def test_a_list_key_and_a_plot_into_a_missing_folder_are_one_line_errors_that_create_nothing(tmp_path):
+    a = write_run(tmp_path / "a", [{"step": 1, "ratio_max": 1.0, "problem_ids": ["x", "y"], "code_pass_ratio": None}])
+    with pytest.raises(SystemExit, match="--keys problem_ids: not a number per step"):
+        main([a, "--keys", "problem_ids"])
+    with pytest.raises(SystemExit, match="the folder .*nowhere does not exist"):
+        main([a, "--keys", "ratio_max", "--plot", str(tmp_path / "nowhere" / "x.png")])
+    assert not (tmp_path / "nowhere").exists()
+    main([a, "--keys", "code_pass_ratio", "--plot", str(tmp_path / "ok.png")])  # null (undefined that step) is a gap
+    assert (tmp_path / "ok.png").stat().st_size > 0
