@@ -12,7 +12,8 @@ import os
 import sys
 from pathlib import Path
 
-from prepare_data import DataError, read_jsonl
+from lab_cli import at_least, one_line_errors
+from prepare_data import DataError, load_problems
 from rollout import SCHEDULES, TEMPLATES, RolloutConfig, Trajectory, load_trajectories, make_llm, rollout, save_trajectories
 from trajectory_view import draw_tokens, render_html
 
@@ -37,29 +38,31 @@ def main(argv: list[str] | None = None) -> int:
     view = sub.add_parser("view", help="write a standalone HTML page of saved trajectories to stdout")
     view.add_argument("file", help="a .jsonl file written by save_trajectories")
     view.add_argument("--tokenizer", help="model folder or name for the tokenizer (default: the one each trajectory records)")
-    view.add_argument("--limit", type=int, default=50, help="show at most this many trajectories (default 50)")
+    view.add_argument("--limit", type=at_least(1), default=50, help="show at most this many trajectories (default 50)")
     view.add_argument("--no-score", action="store_true", help="do not run chapter 04's reward on trajectories without one")
 
     demo = sub.add_parser("demo", help="one real rollout with the tiny random model, its tool call forced (CPU, about a minute)")
     demo.add_argument("--out", default="runs/rollout-demo.jsonl", help="where to save the trajectories")
     demo.add_argument("--model", help="a model folder (default: build the tiny model in a temporary folder)")
-    demo.add_argument("--group-size", type=int, default=2)
+    demo.add_argument("--group-size", type=at_least(1), default=2)
 
     sample = sub.add_parser("sample", help="roll out a model on a problems file and save the trajectories")
     sample.add_argument("--model", required=True, help="model folder or name (e.g. Qwen/Qwen2.5-Math-1.5B)")
-    sample.add_argument("--problems", required=True, help=".jsonl with one {id, question, answer, source} per line")
+    sample.add_argument("--problems", required=True, help="a .jsonl or .parquet file in chapter 01's schema (or ToRL's)")
     sample.add_argument("--out", required=True, help="where to save the trajectories (.jsonl)")
-    sample.add_argument("--limit", type=int, help="use only the first N problems")
-    sample.add_argument("--group-size", type=int, default=8)
-    sample.add_argument("--max-response-tokens", type=int, default=3072)
-    sample.add_argument("--tool-budget", type=int, default=1)
+    sample.add_argument("--limit", type=at_least(1), help="use only the first N problems")
+    sample.add_argument("--group-size", type=at_least(1), default=8)
+    sample.add_argument("--max-response-tokens", type=at_least(1), default=3072)
+    sample.add_argument("--tool-budget", type=at_least(0), default=1)
     sample.add_argument("--template", default="torl", choices=sorted(TEMPLATES))
-    sample.add_argument("--max-model-len", type=int, default=4096)
-    sample.add_argument("--dtype", default="auto")
+    sample.add_argument("--max-model-len", type=at_least(2), default=4096)
+    sample.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"))
     sample.add_argument("--seed", type=int, default=0)
     sample.add_argument("--schedule", default=RolloutConfig.schedule, choices=SCHEDULES,
                         help=f"how turns and tool calls interleave (docs/03) [default: {RolloutConfig.schedule}]")
 
+    for one in (parser, view, demo, sample):
+        one_line_errors(one)
     args = parser.parse_args(argv)
     try:
         if args.command == "view":
@@ -75,7 +78,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _cmd_view(args) -> str:
-    trajs = load_trajectories(args.file)[: args.limit]
+    every = load_trajectories(args.file)
+    trajs = every[: args.limit]
     if not trajs:
         raise ValueError(f"{args.file}: no trajectories in it")
     source = args.tokenizer or trajs[0].model
@@ -92,7 +96,7 @@ def _cmd_view(args) -> str:
         from reward import score_batch
 
         rewards = score_batch([t.text for t in trajs], [t.reference for t in trajs])
-    return render_html(trajs, tokenizer, rewards, title=Path(args.file).name)
+    return render_html(trajs, tokenizer, rewards, title=Path(args.file).name, total=len(every))
 
 
 def _cmd_demo(args) -> None:
@@ -118,7 +122,7 @@ def _cmd_demo(args) -> None:
 def _cmd_sample(args) -> None:
     from sandbox import Sandbox, SandboxConfig
 
-    problems = read_jsonl(Path(args.problems))[: args.limit]  # chapter 01's reader: a bad line is named
+    problems = load_problems(args.problems)[0][: args.limit]  # chapter 01's reader: .jsonl or .parquet, a bad row named
 
     llm = make_llm(args.model, dtype=args.dtype, max_model_len=args.max_model_len, seed=args.seed)
     cfg = RolloutConfig(group_size=args.group_size, max_response_tokens=args.max_response_tokens,

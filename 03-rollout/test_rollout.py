@@ -799,3 +799,35 @@ def test_view_of_a_bad_file_fails_with_one_line_naming_file_and_line(tmp_path, c
     assert main(["view", str(bad)]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and f"{bad}:1: not a trajectory record" in err
+
+
+def test_view_counts_what_it_shows_and_refuses_a_limit_below_one(tiny_tokenizer, tiny_model_path, tmp_path, capsys):
+    saved = [_saved_trajectory(tiny_tokenizer) for _ in range(3)]
+    save_trajectories(saved, tmp_path / "t.jsonl")
+    assert main(["view", str(tmp_path / "t.jsonl"), "--limit", "2", "--no-score", "--tokenizer", str(tiny_model_path)]) == 0
+    assert "t.jsonl: 2 of 3 trajectories</h1>" in capsys.readouterr().out
+    for limit in ("0", "-1"):
+        with pytest.raises(SystemExit) as e:
+            main(["view", str(tmp_path / "t.jsonl"), "--limit", limit])
+        assert e.value.code == 2 and f"argument --limit: must be at least 1, got {limit}" in capsys.readouterr().err
+
+
+def test_sample_reads_a_parquet_problems_file_in_chapter_01s_schema(tmp_path, capsys, monkeypatch):
+    """The problems are read before any engine starts: a parquet file in ToRL's schema is read, not refused."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    import rollout_cli
+
+    rows = [{"data_source": "toy", "prompt": [{"role": "user", "content": "What is 2 + 2?"}],
+             "reward_model": {"ground_truth": "4"}}]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "p.parquet")
+    seen = {}
+
+    def no_engine(model, **kwargs):
+        seen["read"] = True
+        raise ValueError("no engine in this test")
+
+    monkeypatch.setattr(rollout_cli, "make_llm", no_engine)
+    assert main(["sample", "--model", "m", "--problems", str(tmp_path / "p.parquet"), "--out", str(tmp_path / "o.jsonl")]) == 2
+    assert seen["read"] and "no engine in this test" in capsys.readouterr().err

@@ -12,16 +12,19 @@ import codecs
 import html
 
 
-def render_html(trajectories: list, tokenizer, rewards: list | None = None, title: str = "rollouts") -> str:
+def render_html(trajectories: list, tokenizer, rewards: list | None = None, title: str = "rollouts",
+                total: int | None = None) -> str:
     """A standalone page: per trajectory its summary, its tool calls and every token as a box.
 
     Prompt tokens are grey, model tokens (loss mask 1) blue, observation tokens
     (loss mask 0) orange; neighbouring boxes alternate shade so that token
     boundaries show; hovering a box shows its position, id, mask and log-prob.
     `rewards` are chapter 04's RewardResults, one per trajectory (None: show the
-    stored reward only).
+    stored reward only). `total`: how many there were, when the page shows fewer.
     """
-    parts = [_PAGE_HEAD.format(title=html.escape(title), n=len(trajectories))]
+    shown = len(trajectories)
+    count = f"{shown} of {total}" if total is not None and total != shown else f"{shown}"
+    parts = [_PAGE_HEAD.format(title=html.escape(title), n=count)]
     for k, t in enumerate(trajectories):
         scored = rewards[k] if rewards else None
         parts.append(_render_one(t, tokenizer, scored))

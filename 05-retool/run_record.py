@@ -150,7 +150,7 @@ class RunRecord:
 
             save_trajectories(trajectories, self.run_dir / "last_step.jsonl")
             html = render_html(trajectories[: 2 * self.cfg.group_size], llm.get_tokenizer(),
-                               title=f"{self.run_dir.name}: last step")
+                               title=f"{self.run_dir.name}: last step", total=len(trajectories))
             (self.run_dir / "last_step.html").write_text(html)
         plot_run(self.run_dir)
         print(f"run folder: {self.run_dir}  (metrics.jsonl, eval.jsonl, plots.png, last_step.html, checkpoints/)")
