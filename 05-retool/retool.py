@@ -323,8 +323,10 @@ def start_sampler(cfg: Config, model_path: str, state: dict | None, seed: int | 
 
 def main(argv: list[str] | None = None) -> Path:
     args, overrides = parse_args(argv)
-    if args.plot:
-        plot_run(Path(args.plot))
+    if args.plot:  # only redraw: a flag of a run would be ignored, so it is refused
+        if overrides or args.resume or args.dry_run:
+            raise SystemExit("error: --plot RUN_DIR redraws plots.png from the run's metrics.jsonl and takes no other flag")
+        print(f"plots: {plot_run(Path(args.plot))}")
         return Path(args.plot)
     if args.resume:
         run_dir = Path(args.resume)

@@ -803,3 +803,21 @@ def test_each_rank_seeds_its_engine_and_numpy_on_its_own_and_a_resume_restores_n
     expected = np.random.random()
     retool.start_sampler(Config(), "model", {"path": str(tmp_path), "step": 3})
     assert np.random.random() == expected  # numpy's stream goes on where the checkpoint left it
+
+
+def test_plot_redraws_says_where_and_refuses_the_flags_it_would_ignore(tmp_path, capsys):
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 1, "reward_mean": 0.5, "code_pass_ratio": None}) + "\n")
+    assert retool.main(["--plot", str(tmp_path)]) == tmp_path
+    assert f"plots: {tmp_path / 'plots.png'}" in capsys.readouterr().out and (tmp_path / "plots.png").exists()
+    with pytest.raises(SystemExit, match="takes no other flag"):
+        retool.main(["--plot", str(tmp_path), "--steps", "3"])
+
+
+def test_every_script_answers_help_with_help():
+    scripts = ["01-data/prepare_data.py", "01-data/word_problems.py", "02-sandbox/sandbox.py", "02-sandbox/bench_sandbox.py",
+               "03-rollout/rollout.py", "03-rollout/bench_rollout.py", "04-reward/reward.py", "05-retool/retool.py",
+               "05-retool/eval.py", "05-retool/cold_start.py", "06-train/grpo.py", "06-train/show_metrics.py",
+               "06-train/ablation.py", "06-train/bench_train.py"]
+    for script in scripts:
+        done = subprocess.run([sys.executable, str(REPO / script), "--help"], capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0 and "usage:" in done.stdout, (script, done.stderr[-500:])
