@@ -10,8 +10,8 @@ Key decisions:
 3. Written atomically: a failed run leaves no half-written file.
 The CPU demo's toy task (products of two 3-digit numbers) is made here too.
 
-    python 01-data/prepare_data.py                    # toy task + default train and AIME sets
-    python 01-data/prepare_data.py --train my.jsonl --eval aime24 aime25 --no-toy
+    .venv/bin/python 01-data/prepare_data.py                    # toy task + default train and AIME sets
+    .venv/bin/python 01-data/prepare_data.py --train my.jsonl --eval aime24 aime25 --no-toy
 """
 from __future__ import annotations
 

@@ -15,7 +15,7 @@ Rows are in 01-data's schema ({id, question, answer, source}); `solution_code`
 recovers the Python a tool-using answer would run from any question this
 module writes (the cold start builds its traces with it).
 
-    python 01-data/word_problems.py --out-dir data     # data/word_train.jsonl, data/word_test.jsonl
+    .venv/bin/python 01-data/word_problems.py --out-dir data     # data/word_train.jsonl, data/word_test.jsonl
 """
 from __future__ import annotations
 

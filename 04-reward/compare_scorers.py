@@ -7,8 +7,8 @@ a few wrong ones, and the responses are scored by both (reward.score_batch,
 scorer "lab" and "torl"); hand cases add what no rewrite makes. The references are a built-in handful of
 MATH-style answers, or those of any data set chapter 01 reads (--answers).
 
-    python 04-reward/compare_scorers.py
-    python 04-reward/compare_scorers.py --answers data/torl_data/test.parquet --dump cases.jsonl
+    .venv/bin/python 04-reward/compare_scorers.py
+    .venv/bin/python 04-reward/compare_scorers.py --answers data/torl_data/test.parquet --dump cases.jsonl
 """
 from __future__ import annotations
 

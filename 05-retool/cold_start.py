@@ -23,8 +23,8 @@ rollout appends it, and only the model's tokens carry loss; the first
 `--tool-only-steps` train on tool traces alone; one torch thread by default.
 Why each, as measured: docs/05-retool.md, "The CPU demo".
 
-    python 05-retool/cold_start.py --out runs/demo/base                 # the cpu-demo preset's base
-    python 05-retool/cold_start.py --model ~/.cache/tool-rl-lab/SmolLM2-135M-Instruct --train-file data/word_train.jsonl \\
+    .venv/bin/python 05-retool/cold_start.py --out runs/demo/base                 # the cpu-demo preset's base
+    .venv/bin/python 05-retool/cold_start.py --model ~/.cache/tool-rl-lab/SmolLM2-135M-Instruct --train-file data/word_train.jsonl \\
         --template smollm2-chat --steps 60 --tool-only-steps 20 --batch-size 8 --lr 1e-4 --warmup-steps 10 --train-layers 8 --threads 2 --out runs/sft
 """
 from __future__ import annotations
