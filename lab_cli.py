@@ -32,3 +32,31 @@ def at_least(low: int | float, kind=int):
 
     parse.__name__ = kind.__name__  # argparse names the type in its messages
     return parse
+
+
+def private_tmp(prefix: str = "tool-rl-lab-") -> str:
+    """A temporary folder of this process's own, made the default for it and its children; stale ones removed.
+
+    vLLM and the sandbox leave files in the temporary folder (vllm_dist_*,
+    sandbox-server-*) that a killed run never removes. Under a folder named
+    for its process they can be found: at every start, the folders of
+    processes that no longer exist are removed, and this one goes at exit.
+    """
+    import atexit
+    import os
+    import shutil
+    import tempfile
+
+    base = tempfile.gettempdir()
+    for entry in os.scandir(base):
+        if entry.name.startswith(prefix) and entry.name[len(prefix):].isdigit() and entry.is_dir(follow_symlinks=False):
+            pid = int(entry.name[len(prefix):])
+            if pid != os.getpid() and not os.path.exists(f"/proc/{pid}"):
+                shutil.rmtree(entry.path, ignore_errors=True)
+    own = os.path.join(base, f"{prefix}{os.getpid()}")
+    os.makedirs(own, mode=0o755, exist_ok=True)
+    os.chmod(own, 0o755)  # the sandbox's unprivileged code may need to reach what its server keeps here
+    tempfile.tempdir = own
+    os.environ["TMPDIR"] = own
+    atexit.register(shutil.rmtree, own, True)
+    return own

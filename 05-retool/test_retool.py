@@ -821,3 +821,20 @@ def test_every_script_answers_help_with_help():
     for script in scripts:
         done = subprocess.run([sys.executable, str(REPO / script), "--help"], capture_output=True, text=True, timeout=120)
         assert done.returncode == 0 and "usage:" in done.stdout, (script, done.stderr[-500:])
+
+
+def test_a_killed_runs_temporary_files_are_removed_at_the_next_start(tmp_path, monkeypatch):
+    import tempfile
+
+    from lab_cli import private_tmp
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True).stdout
+    stale = tmp_path / f"tool-rl-lab-{int(dead)}"
+    (stale / "sandbox-server-x").mkdir(parents=True)
+    (stale / "vllm_dist_0").write_text("left by a killed run")
+    alive = tmp_path / f"tool-rl-lab-{os.getppid()}"  # a live process's: kept
+    alive.mkdir()
+    own = private_tmp()
+    assert not stale.exists() and alive.exists() and tempfile.gettempdir() == own == os.environ["TMPDIR"]
