@@ -52,6 +52,9 @@ def make_llm(
     """
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
+    # The engine's start-up log (a 3,000-character config line, dozens of INFO lines) would bury
+    # the lab's own progress lines: warnings only, unless VLLM_LOGGING_LEVEL=INFO asks for it.
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     import torch
     from vllm import LLM
 
