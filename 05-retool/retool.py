@@ -35,8 +35,8 @@ from lab_cli import at_least, private_tmp
 from plots import plot_run
 from presets import GPU_PRESETS, PRESETS
 from problems_and_policy import drop_long_prompts, first_policy, load_data, trainer_threads
-from run_record import RunRecord, check_new_run_dir, remove_if_unstarted
-from stopping import STOPPER
+from run_record import RunRecord, check_new_run_dir, outcome_metrics, remove_if_unstarted
+from stopping import STOPPER, StopRequested
 
 
 @dataclass
@@ -229,30 +229,6 @@ def extra_problems(problems: list[dict], step: int, cfg: Config, dp, extra_round
     return dp.shard(extra, cfg.num_minibatches)
 
 
-def outcome_metrics(trajectories, results) -> dict:
-    """What the policy did this step: reward, accuracy, format, tool use, length, truncation."""
-    called_tool = [t.num_tool_calls > 0 for t in trajectories]
-    correct = [r.correct for r in results]
-    calls = [call for t in trajectories for call in t.tool_calls]
-
-    def mean(values):
-        return sum(values) / len(values) if values else float("nan")
-
-    return {
-        "reward_mean": mean([t.reward for t in trajectories]),
-        "accuracy": mean(correct),
-        "format_rate": mean([r.valid_format for r in results]),
-        "code_ratio": mean(called_tool),
-        "code_pass_ratio": mean([call.ok for call in calls]),
-        "code_ratio_correct": mean([used for used, right in zip(called_tool, correct) if right]),
-        "code_ratio_incorrect": mean([used for used, right in zip(called_tool, correct) if not right]),
-        "tool_calls": mean([t.num_tool_calls for t in trajectories]),
-        "response_length": mean([len(t.token_ids) for t in trajectories]),
-        "truncation_rate": mean([t.truncated for t in trajectories]),
-        "trajectories": float(len(trajectories)),
-    }
-
-
 def rollout_config(cfg: Config, step: int, dp=None):
     """The sampler's settings for one step: unseeded unless cfg.seed_rollouts, refused if not on-policy."""
     from rollout import RolloutConfig, check_on_policy
@@ -349,13 +325,18 @@ def main(argv: list[str] | None = None) -> Path:
 
     dp = setup(cfg.strategy)  # under torchrun: join its world; otherwise a world of one
     run_dir = Path(dp.broadcast(str(run_dir)))  # one folder: rank 0's timestamp
+    STOPPER.install()  # from here SIGTERM and Ctrl-C end the run in one line, resumable
     try:
         train(cfg, run_dir, resume=bool(args.resume), dp=dp)
+    except StopRequested as stop:  # before the first step (cold start, model, vLLM): what was made stays
+        print(f"stopped by {stop} before training began; go on with --resume {run_dir}", file=sys.stderr)
+        raise SystemExit(128 + stop.signum) from None
     except Exception:
         if dp.is_main and not args.resume:  # a failed start leaves no half-made folder behind
             remove_if_unstarted(run_dir)
         raise
     finally:
+        STOPPER.uninstall()
         dp.close()
     return run_dir
 

@@ -197,6 +197,30 @@ def remove_if_unstarted(run_dir: Path) -> None:
     shutil.rmtree(run_dir, ignore_errors=True)
 
 
+def outcome_metrics(trajectories, results) -> dict:
+    """What the policy did this step: reward, accuracy, format, tool use, length, truncation."""
+    called_tool = [t.num_tool_calls > 0 for t in trajectories]
+    correct = [r.correct for r in results]
+    calls = [call for t in trajectories for call in t.tool_calls]
+
+    def mean(values):
+        return sum(values) / len(values) if values else float("nan")
+
+    return {
+        "reward_mean": mean([t.reward for t in trajectories]),
+        "accuracy": mean(correct),
+        "format_rate": mean([r.valid_format for r in results]),
+        "code_ratio": mean(called_tool),
+        "code_pass_ratio": mean([call.ok for call in calls]),
+        "code_ratio_correct": mean([used for used, right in zip(called_tool, correct) if right]),
+        "code_ratio_incorrect": mean([used for used, right in zip(called_tool, correct) if not right]),
+        "tool_calls": mean([t.num_tool_calls for t in trajectories]),
+        "response_length": mean([len(t.token_ids) for t in trajectories]),
+        "truncation_rate": mean([t.truncated for t in trajectories]),
+        "trajectories": float(len(trajectories)),
+    }
+
+
 def step_line(row: dict) -> str:
     """The console's line for a step, from its metrics.jsonl row."""
     return (f"step {row['step']:4d} | reward {row['reward_mean']:+.3f} acc {row['accuracy']:.3f} "

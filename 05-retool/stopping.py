@@ -48,8 +48,8 @@ class Stopper:
         self.held, self.pending = False, None
         if threading.current_thread() is not threading.main_thread():
             return  # Python delivers signals to the main thread only; there the defaults stay
-        for signum in (signal.SIGTERM, signal.SIGINT):
-            self._previous[signum] = signal.signal(signum, self._handle)
+        for signum in (signal.SIGTERM, signal.SIGINT):  # installed twice, the first handlers are still the ones kept
+            self._previous.setdefault(signum, signal.signal(signum, self._handle))
 
     def uninstall(self) -> None:
         for signum, handler in self._previous.items():

@@ -838,3 +838,23 @@ def test_a_killed_runs_temporary_files_are_removed_at_the_next_start(tmp_path, m
     alive.mkdir()
     own = private_tmp()
     assert not stale.exists() and alive.exists() and tempfile.gettempdir() == own == os.environ["TMPDIR"]
+
+
+def test_a_stop_before_the_first_step_is_one_line_and_leaves_the_folder_to_resume(tmp_path, monkeypatch, capsys):
+    """Ctrl-C during the cold start (here: as it begins) ends in one line, exit 130, the folder kept for --resume."""
+    import signal
+
+    import problems_and_policy
+
+    def cold_start_interrupted(cfg, run_dir, dp):
+        raise stopping.StopRequested(signal.SIGINT)
+
+    monkeypatch.setattr(retool, "first_policy", cold_start_interrupted)
+    monkeypatch.setattr(problems_and_policy, "first_policy", cold_start_interrupted)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as e:
+        retool.main(["--run-dir", str(tmp_path / "run")])
+    assert e.value.code == 130
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"stopped by SIGINT before training began; go on with --resume {tmp_path / 'run'}"]
+    assert (tmp_path / "run" / "config.json").exists()
