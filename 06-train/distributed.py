@@ -155,7 +155,8 @@ class DataParallel:
         from torch.nn.parallel import DistributedDataParallel
 
         ids = [self.local_rank] if self.device.type == "cuda" else None
-        return DistributedDataParallel(model, device_ids=ids)
+        # gradients live in DDP's all-reduce buckets instead of beside them: one copy, not two (6.2 GB at 1.5B)
+        return DistributedDataParallel(model, device_ids=ids, gradient_as_bucket_view=True)
 
     unwrap = staticmethod(unwrap)
 
