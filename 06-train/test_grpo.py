@@ -683,3 +683,33 @@ def test_all_options_run_together_in_a_real_step(tiny_llm, tiny_model_path, poli
     # use among correct answers when none is correct, are NaN by design)
     for key in ("loss", "grad_norm", "tokens", "tis_weight_mean", "problems_drawn", "void_filtered", "truncated_masked"):
         assert math.isfinite(metrics[key]), key
+
+
+def test_a_failing_weight_load_still_joins_every_gather_and_raises(policy, monkeypatch):
+    """The loader fails after two tensors: the rest are still gathered (other ranks wait in those), then it raises."""
+    from types import SimpleNamespace
+
+    import vllm.v1.engine.core_client as core_client
+
+    import weight_sync
+
+    gathered = []
+    monkeypatch.setattr(weight_sync, "full_tensor", lambda t: gathered.append(t) or t)
+
+    class Core:
+        pass
+
+    monkeypatch.setattr(core_client, "InprocClient", Core)
+
+    def loader_that_fails(fn, args):
+        weights = iter(args[0])
+        next(weights), next(weights)
+        raise RuntimeError("a shape vLLM did not expect")
+
+    engine = SimpleNamespace(engine_core=Core(), is_sleeping=lambda: False,
+                             vllm_config=SimpleNamespace(model_config=SimpleNamespace(dtype=torch.bfloat16)))
+    llm = SimpleNamespace(llm_engine=engine, collective_rpc=loader_that_fails)
+    with pytest.raises(RuntimeError, match="vLLM's loader failed on a rank") as e:
+        weight_sync.sync_weights(policy, llm)
+    assert "did not expect" in str(e.value.__cause__)
+    assert len(gathered) == len(list(policy.parameters()))

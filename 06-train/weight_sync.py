@@ -22,8 +22,10 @@ def sync_weights(model, llm) -> int:
     in-place reload with the trainer's (Hugging Face named) parameters, which
     also redoes any kernel-specific repacking; wake the KV cache; reset the
     prefix cache (its blocks hold keys and values of the old weights); bump
-    `llm.weight_version`. Casting float32 trainer weights to the engine's dtype
-    (bf16 on a GPU) happens in the copy.
+    `llm.weight_version`. The float32 trainer weights are cast to the engine's
+    dtype (bf16 on a GPU) before they are handed over. If the loader fails on
+    one rank, that rank still joins the gathers the others wait in, and every
+    rank raises.
     """
     from vllm.v1.engine.core_client import InprocClient
 
@@ -35,9 +37,19 @@ def sync_weights(model, llm) -> int:
     asleep = llm.llm_engine.is_sleeping()
     if asleep:
         llm.wake_up(tags=["weights"])  # the weights' memory first; the KV cache after the copy
-    # full tensors under their Hugging Face names, also from a DDP or FSDP2 model
-    weights = ((name, full_tensor(param.detach())) for name, param in unwrap(model).named_parameters())
-    llm.collective_rpc(reload_weights_in_worker, args=(weights,))
+    # Full tensors under their Hugging Face names, also from an FSDP2 shard (each a gather, as vLLM's
+    # loader asks for it, one layer's worth at a time), in the engine's dtype: bf16 on a GPU, half of float32.
+    dtype = llm.llm_engine.vllm_config.model_config.dtype
+    weights = ((name, full_tensor(param.detach()).to(dtype)) for name, param in unwrap(model).named_parameters())
+    failure = None
+    try:
+        llm.collective_rpc(reload_weights_in_worker, args=(weights,))
+    except Exception as e:  # noqa: BLE001 - re-raised below, on every rank
+        failure = e
+        for _ in weights:  # the gathers the other ranks still wait in: join them, so no rank hangs
+            pass
+    if any_rank_failed(failure is not None):
+        raise RuntimeError("sync_weights: vLLM's loader failed on a rank; every rank stops here") from failure
     if asleep:
         gc.collect()
         torch.cuda.empty_cache()  # hand the trainer's cached blocks back before vLLM maps its KV cache
@@ -46,6 +58,18 @@ def sync_weights(model, llm) -> int:
         raise RuntimeError("vLLM refused to reset its prefix cache: requests are still running")
     llm.weight_version = getattr(llm, "weight_version", 0) + 1  # rollout stamps this on trajectories
     return llm.weight_version
+
+
+def any_rank_failed(failed: bool) -> bool:
+    """Whether any rank failed (a collective under torchrun; this rank's own answer otherwise)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return failed
+    device = "cuda" if dist.get_backend() == "nccl" else "cpu"  # NCCL reduces GPU tensors only
+    flag = torch.tensor([1.0 if failed else 0.0], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item())
 
 
 def sleep_sampler(llm, level: int = 1) -> bool:
