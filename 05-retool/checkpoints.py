@@ -38,7 +38,10 @@ def save_checkpoint(run_dir: Path, step: int, model, optimizer, tokenizer, keep:
     tmp.mkdir(parents=True)
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
-    torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+    if hasattr(optimizer, "move_into"):  # FSDP2: every rank has written its shard (distributed.py)
+        optimizer.move_into(tmp / "optimizer")
+    else:
+        torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
     torch.save(rng if rng is not None else capture_rng(), tmp / "rng.pt")
     (tmp / "state.json").write_text(json.dumps({"step": step}))
     for path in sorted(tmp.rglob("*")):
@@ -81,6 +84,10 @@ def load_optimizer(state: dict, optimizer) -> None:
     """
     import torch
 
+    shards = Path(state["path"]) / "optimizer"
+    if shards.is_dir():  # FSDP2: each rank reads its own shard
+        optimizer.load_shards(shards)
+        return
     path = Path(state["path"]) / "optimizer.pt"
     optimizer.load_state_dict(torch.load(path, map_location="cpu", mmap=True))
 

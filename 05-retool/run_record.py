@@ -77,7 +77,8 @@ class RunRecord:
         if dp.is_main:
             append_jsonl(self.metrics_path, row)
         if step % cfg.save_every == 0 or step == cfg.steps:
-            parts = dp.checkpoint_parts(model, optimizer)  # every rank: FSDP2 gathers its shards
+            staging = self.run_dir / "checkpoints" / f".step-{step:06d}.optimizer"
+            parts = dp.checkpoint_parts(model, optimizer, staging)  # every rank: FSDP2 gathers and writes shards
             if dp.is_main:
                 save_checkpoint(self.run_dir, step, *parts, llm.get_tokenizer(), cfg.keep_checkpoints)
             dp.barrier()

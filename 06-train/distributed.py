@@ -160,26 +160,36 @@ class DataParallel:
 
     unwrap = staticmethod(unwrap)
 
-    def checkpoint_parts(self, model, optimizer):
+    def checkpoint_parts(self, model, optimizer, staging):
         """(model, optimizer) to hand to save_checkpoint on rank 0; every rank must call it.
 
-        DDP: every replica is the same, rank 0's is saved as is. FSDP2: the shards
-        are gathered into a full state dict on rank 0's host memory first.
+        DDP: every replica is the same, rank 0's is saved as is. FSDP2: the model's
+        shards are gathered into a full state dict in rank 0's host memory (the
+        Hugging Face folder vLLM and eval.py load), while each rank writes its own
+        shard of the optimizer state into `staging` with torch.distributed.checkpoint
+        (AdamW's moments are twice the model: 61 GB at 7B never meet on one rank).
         """
         if self.strategy != "fsdp" or not self.distributed:
             return self.unwrap(model), optimizer
+        import shutil
+
+        import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                              get_optimizer_state_dict)
 
-        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        return (_FullModel(model, get_model_state_dict(model, options=options)),
-                _FullOptimizer(model, optimizer, get_optimizer_state_dict(model, optimizer, options=options)))
+        full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if self.is_main:
+            shutil.rmtree(staging, ignore_errors=True)  # a stopped save's leftovers
+        self.barrier()
+        dcp.save(get_optimizer_state_dict(model, optimizer), checkpoint_id=str(staging))
+        self.barrier()
+        return _FullModel(model, full), _OptimizerShards(model, optimizer, staging)
 
     def restorable_optimizer(self, model, optimizer):
-        """What retool's load_optimizer loads into: the optimizer, or (FSDP2) a view that re-shards a full state."""
+        """What retool's load_optimizer loads into: the optimizer, or (FSDP2) its shards."""
         if self.strategy != "fsdp" or not self.distributed:
             return optimizer
-        return _FullOptimizer(model, optimizer, None)
+        return _OptimizerShards(model, optimizer, None)
 
     # ----------------------------------------------------------------- metrics and files
 
@@ -326,17 +336,23 @@ class _FullModel:
         self.model.save_pretrained(path, state_dict=self.full_state, **kwargs)
 
 
-class _FullOptimizer:
-    """A sharded optimizer seen as one full state dict: saved from rank 0, loaded and re-sharded on every rank."""
+class _OptimizerShards:
+    """An FSDP2 optimizer saved as each rank's shard (torch.distributed.checkpoint) and loaded back the same way."""
 
-    def __init__(self, model, optimizer, full_state):
-        self.model, self.optimizer, self.full_state = model, optimizer, full_state
+    def __init__(self, model, optimizer, staging):
+        self.model, self.optimizer, self.staging = model, optimizer, staging  # staging: where the shards were written
 
-    def state_dict(self):
-        return self.full_state
+    def move_into(self, folder) -> None:
+        """Rank 0, inside save_checkpoint: the shards every rank wrote become the checkpoint's optimizer folder."""
+        import os
 
-    def load_state_dict(self, state):
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+        os.replace(self.staging, folder)
 
-        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
-        set_optimizer_state_dict(self.model, self.optimizer, state if dist.get_rank() == 0 else {}, options=options)
+    def load_shards(self, folder) -> None:
+        """Every rank reads its own shard (the state is made first, so the load has keys to fill)."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+        state = get_optimizer_state_dict(self.model, self.optimizer)
+        dcp.load(state, checkpoint_id=str(folder))
+        set_optimizer_state_dict(self.model, self.optimizer, state)

@@ -52,7 +52,7 @@ def _rank(rank, world, store, model_path, out, global_denominator, strategy):
         metrics = grpo_step(model, optimizer, local, CFG,
                             global_normalizer=dp.global_normalizer if global_denominator else None)
         metrics = dp.reduce_metrics(metrics)
-        weights = dp.checkpoint_parts(model, optimizer)[0].state_dict()  # FSDP2: gathered from the shards
+        weights = dp.checkpoint_parts(model, optimizer, out + ".optimizer")[0].state_dict()  # FSDP2: gathered
         if rank == 0:
             torch.save({"weights": weights, "metrics": metrics}, out)
         # Tear down together: a rank that leaves while the other still holds the
@@ -75,6 +75,56 @@ def one_process(model_path):
     optimizer = make_optimizer(model, CFG)
     metrics = grpo_step(model, optimizer, group_trajectories(), CFG)
     return model.state_dict(), metrics
+
+
+def _rank_checkpoint(rank, world, store, model_path, run_dir, out):
+    """FSDP2: a step, a checkpoint (optimizer as each rank's shard), a fresh model and optimizer loaded from it."""
+    from pathlib import Path
+
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+    from transformers import AutoTokenizer
+
+    from checkpoints import load_optimizer, save_checkpoint
+
+    torch.set_num_threads(1)
+    torch.distributed.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    try:
+        dp = DataParallel(rank, world, strategy="fsdp")
+        model = dp.wrap(load_policy(model_path, device="cpu"))
+        optimizer = make_optimizer(model, CFG)
+        groups = dp.shard(by_problem(group_trajectories()), CFG.num_minibatches)
+        grpo_step(model, optimizer, [t for g in groups for t in g], CFG, global_normalizer=dp.global_normalizer)
+        run_dir = Path(run_dir)
+        parts = dp.checkpoint_parts(model, optimizer, run_dir / "checkpoints" / ".step-000001.optimizer")
+        if rank == 0:
+            save_checkpoint(run_dir, 1, *parts, AutoTokenizer.from_pretrained(model_path), keep=2)
+        torch.distributed.barrier()
+        final = run_dir / "checkpoints" / "step-000001"
+        again = dp.wrap(load_policy(final, device="cpu"))
+        restored = make_optimizer(again, CFG)
+        load_optimizer({"path": str(final)}, dp.restorable_optimizer(again, restored))
+        full = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        saved = get_optimizer_state_dict(model, optimizer, options=full)
+        loaded = get_optimizer_state_dict(again, restored, options=full)
+        if rank == 0:
+            torch.save({"saved": saved, "loaded": loaded, "files": sorted(p.name for p in final.iterdir())}, out)
+        torch.distributed.barrier()
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def test_fsdp_checkpoints_keep_each_ranks_optimizer_shard_and_load_them_back(tmp_path, tiny_model_path):
+    out = tmp_path / "checkpoint.pt"
+    mp.spawn(_rank_checkpoint, args=(2, str(tmp_path / "store-ckpt"), str(tiny_model_path), str(tmp_path / "run"),
+                                     str(out)), nprocs=2)
+    result = torch.load(out, weights_only=False)
+    assert "optimizer" in result["files"] and "optimizer.pt" not in result["files"]  # shards, not one gathered file
+    assert not list((tmp_path / "run" / "checkpoints").glob(".step-*"))  # the staging folder became the checkpoint's
+    saved, loaded = result["saved"]["state"], result["loaded"]["state"]
+    assert saved.keys() == loaded.keys() and saved
+    for name in saved:
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(torch.as_tensor(saved[name][key]), torch.as_tensor(loaded[name][key])), (name, key)
 
 
 def max_difference(a, b):
