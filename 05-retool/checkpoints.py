@@ -30,7 +30,9 @@ def save_checkpoint(run_dir: Path, step: int, model, optimizer, tokenizer, keep:
     state to record (default: the current one).
     """
     import torch
+    from transformers.utils import logging as transformers_logging
 
+    transformers_logging.disable_progress_bar()  # a "Writing model shards" bar per checkpoint would bury the step lines
     root = run_dir / "checkpoints"
     final = root / f"step-{step:06d}"
     tmp = root / f".step-{step:06d}.tmp"
