@@ -60,3 +60,13 @@ def private_tmp(prefix: str = "tool-rl-lab-") -> str:
     os.environ["TMPDIR"] = own
     atexit.register(shutil.rmtree, own, True)
     return own
+
+
+def refuse_chapter_folder() -> None:
+    """Refuse, in one line, to run from inside one of the lab's chapter folders: data/ and runs/ would land there."""
+    from pathlib import Path
+
+    here, root = Path.cwd().resolve(), Path(__file__).resolve().parent
+    if here.parent == root and (root / "Makefile").exists() and here.name[:2].isdigit():
+        raise SystemExit(f"error: run from the lab's root folder ({root}), not from {here.name}/: "
+                         "data/ and runs/ are relative to it")

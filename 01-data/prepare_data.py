@@ -25,7 +25,7 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-from lab_cli import at_least, one_line_errors
+from lab_cli import at_least, one_line_errors, refuse_chapter_folder
 
 # Named sources. The default training set is DeepScaleR's 40k problems (AIME,
 # AMC, Omni-MATH, STILL): competition math with short final answers, one of the
@@ -54,6 +54,7 @@ class DataError(Exception):
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    refuse_chapter_folder()
     out = Path(args.out)
     explicit = args.train is not None or args.eval is not None
     jobs = []

@@ -177,9 +177,10 @@ def paper_table(result: dict) -> str:
 def main(argv: list[str] | None = None) -> dict:
     from configuration import position_limit
 
-    from lab_cli import private_tmp
+    from lab_cli import private_tmp, refuse_chapter_folder
 
     args = parse_args(argv)
+    refuse_chapter_folder()
     private_tmp()  # vLLM's and the sandbox's temporary files go with this process
     if args.temperature == 0 and args.k > 1:
         sys.exit(f"error: --k {args.k} with greedy decoding gives {args.k} identical samples; add --temperature 1.0 (or another)")

@@ -31,7 +31,7 @@ from pathlib import Path
 from batch_filters import excluded_from_loss, extra_seed, keep_informative_groups
 from configuration import check_config, cuda_available, parse_with_field_flags
 from dry_run import check_memory_plan, dry_run
-from lab_cli import at_least, private_tmp
+from lab_cli import at_least, private_tmp, refuse_chapter_folder
 from plots import plot_run
 from presets import GPU_PRESETS, PRESETS
 from problems_and_policy import drop_long_prompts, first_policy, load_data, trainer_threads
@@ -299,6 +299,7 @@ def start_sampler(cfg: Config, model_path: str, state: dict | None, seed: int | 
 
 def main(argv: list[str] | None = None) -> Path:
     args, overrides = parse_args(argv)
+    refuse_chapter_folder()
     private_tmp()  # what vLLM and the sandbox leave in /tmp goes with this process; a killed run's at the next start
     if args.plot:  # only redraw: a flag of a run would be ignored, so it is refused
         if overrides or args.resume or args.dry_run:

@@ -858,3 +858,10 @@ def test_a_stop_before_the_first_step_is_one_line_and_leaves_the_folder_to_resum
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [f"stopped by SIGINT before training began; go on with --resume {tmp_path / 'run'}"]
     assert (tmp_path / "run" / "config.json").exists()
+
+
+def test_running_from_inside_a_chapter_folder_is_refused_before_it_writes(monkeypatch):
+    monkeypatch.chdir(REPO / "05-retool")
+    with pytest.raises(SystemExit, match="run from the lab's root folder .*not from 05-retool/"):
+        retool.main([])
+    assert not (REPO / "05-retool" / "data").exists() and not (REPO / "05-retool" / "runs").exists()
