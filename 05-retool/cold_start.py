@@ -224,6 +224,7 @@ PARTIAL = "partial.pt"  # the cold start so far: a stopped or killed cold start 
 def save_partial(model, optimizer, step: int, losses: list[float], args) -> None:
     """Weights, optimizer and random state after `step`, written whole or not at all."""
     path, tmp = Path(args.out) / PARTIAL, Path(args.out) / f".{PARTIAL}.tmp"
+    path.parent.mkdir(parents=True, exist_ok=True)  # a tuned model's folder is made only when it is saved
     torch.save({"settings": _settings(args), "step": step, "losses": losses, "model": model.state_dict(),
                 "optimizer": optimizer.state_dict(), "python": random.getstate(), "torch": torch.get_rng_state()}, tmp)
     os.replace(tmp, path)

@@ -190,9 +190,11 @@ def hold_lock(run_dir: Path):
 
 
 def remove_if_unstarted(run_dir: Path) -> None:
-    """After a new run failed: remove its folder unless it holds work (a recorded step or a cold-started base)."""
+    """After a new run failed: remove its folder unless it holds work (a recorded step, a cold start done or begun)."""
     metrics = run_dir / "metrics.jsonl"
-    if (metrics.exists() and metrics.read_text().strip()) or (run_dir / "base" / "cold_start.json").exists():
+    base = run_dir / "base"
+    if (metrics.exists() and metrics.read_text().strip()) or any((base / name).exists() for name in
+                                                                  ("cold_start.json", "partial.pt")):
         print(f"{run_dir} keeps the work done so far: go on with --resume {run_dir}")
         return
     shutil.rmtree(run_dir, ignore_errors=True)

@@ -130,3 +130,14 @@ def test_a_cold_started_base_is_reused_only_while_every_input_is_the_same(tmp_pa
     problems_and_policy.cold_started_model(cfg, tmp_path / "run4")  # the problems changed
     problems_and_policy.cold_started_model(dataclasses.replace(cfg, cold_start_cache=False), tmp_path / "run5")
     assert len(trained) == 4
+
+
+def test_tuning_a_given_model_writes_its_partial_checkpoints_into_a_folder_it_makes(tmp_path, tiny_model_path):
+    import cold_start
+    from prepare_data import make_toy_task, write_jsonl
+
+    write_jsonl(make_toy_task(24, 0, seed=4)[0], tmp_path / "toy.jsonl")
+    out = cold_start.main(["--model", str(tiny_model_path), "--train-file", str(tmp_path / "toy.jsonl"), "--steps", "3",
+                           "--tool-only-steps", "1", "--batch-size", "2", "--warmup-steps", "1", "--checkpoint-every", "1",
+                           "--out", str(tmp_path / "tuned")])
+    assert (out / "cold_start.json").exists() and not (out / cold_start.PARTIAL).exists()

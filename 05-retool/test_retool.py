@@ -584,7 +584,7 @@ def test_a_failed_start_removes_its_folder_but_keeps_work(tmp_path):
     from run_record import remove_if_unstarted
 
     for kept, files in [(False, {"config.json": "{}"}), (True, {"metrics.jsonl": '{"step": 1}\n'}),
-                        (True, {"base/cold_start.json": "{}"})]:
+                        (True, {"base/cold_start.json": "{}"}), (True, {"base/partial.pt": ""})]:
         run_dir = tmp_path / f"run-{len(list(tmp_path.iterdir()))}"
         for name, text in files.items():
             (run_dir / name).parent.mkdir(parents=True, exist_ok=True)
