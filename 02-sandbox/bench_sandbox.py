@@ -1,7 +1,8 @@
 """How fast is the sandbox? Calls per second and latency against a fresh `python -c` per call.
 
-    make bench-sandbox                                   # both workloads, local backend
+    make bench-sandbox                                   # both workloads: fresh python -c, fork server, HTTP service
     python 02-sandbox/bench_sandbox.py --docker          # add the Docker backend's rows
+    python 02-sandbox/bench_sandbox.py --as-user root --as-user nobody   # the fork server run by each with /usr/bin/python3
     python 02-sandbox/bench_sandbox.py --calls 400 --rounds 5
 
 The baseline is the design most labs start with: one `subprocess.run([python, "-c", code])`
@@ -9,7 +10,10 @@ per call, with the same limits (address space, CPU time, file size), a clean env
 a fresh temporary work dir, output captured through pipes and a timeout. It pays for a
 new interpreter each time, and `import sympy` (about 0.5 s) on every call that uses it.
 
-Both designs run the same calls with the same number of threads (the sandbox's
+The row "service (http)" is the same fork server behind serve.py, called over loopback
+HTTP in SandboxFusion's shape by the sandboxfusion backend (docs/02-service.md).
+
+The designs run the same calls with the same number of threads (the sandbox's
 `concurrency`). Other processes on the machine change both figures, so the designs
 take turns in rounds and each row sums its rounds; the load average is printed
 before and after. calls/s counts correct results only; "wrong" counts calls that did
@@ -53,32 +57,44 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3, help="rounds in which the designs take turns (default: %(default)s)")
     parser.add_argument("--concurrency", type=int, default=os.cpu_count() or 2, help="threads issuing calls (default: the CPU count, %(default)s)")
     parser.add_argument("--docker", action="store_true", help="also measure the Docker backend")
+    parser.add_argument("--as-user", metavar="USER", action="append", default=[],
+                        help="as root: also measure the fork server run by USER (not root: isolation userns) with "
+                        "--user-python; repeat for several users; workloads that Python cannot import are skipped")
+    parser.add_argument("--user-python", default="/usr/bin/python3", help="a Python every user may run (default: %(default)s)")
     args = parser.parse_args()
     if args.calls < 1 or args.rounds < 1 or args.concurrency < 1:
         parser.error("--calls, --rounds and --concurrency must be positive")
 
     meter = CpuMeter()  # before any child starts: children inherit the cgroup
     config = SandboxConfig(concurrency=args.concurrency)
-    designs = {"fresh python -c": Baseline(config), "fork server": Sandbox(config)}
+    designs = {"fresh python -c": Baseline(config), "fork server": Sandbox(config), "service (http)": Service(config)}
     if args.docker:
         try:
             designs["docker"] = Sandbox(SandboxConfig(backend="docker", concurrency=args.concurrency))
         except SandboxError as e:
             print(f"docker rows skipped: {e}")
+    for user in args.as_user:
+        try:
+            designs[f"as {user}"[:16]] = as_user = AsUser(config, user, args.user_python)
+            print(f"rows 'as {user}': the fork server run by {user} with {args.user_python}, isolation "
+                  f"{as_user.isolation}; it preloads what that Python has (sympy: {as_user.imports})")
+        except OSError as e:
+            print(f"rows 'as {user}' skipped: {e}")
     print(f"machine: {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}; "
           f"concurrency {args.concurrency}; {args.rounds} rounds; "
           f"isolation of the fork server: {designs['fork server'].isolation}")
     print(f"{'workload':<17} {'design':<16} {'calls':>6} {'wrong':>6} {'calls/s':>9} {'p50 ms':>8} {'p99 ms':>8} {'cpu ms':>7}")
-    speedups, wrong_results = {}, {}
+    speedups, wrong_results, http_share = {}, {}, {}
     for name, code in WORKLOADS.items():
         rates = {}
-        for design, runner in designs.items():
+        active = {design: runner for design, runner in designs.items() if getattr(runner, "can_run", lambda _: True)(code)}
+        for design, runner in active.items():
             runner.run_many([code] * min(4, args.concurrency))  # warm: slots forked, containers started
-        samples = {design: ([], 0.0, 0, 0.0) for design in designs}  # latencies, wall s, wrong results, CPU s
+        samples = {design: ([], 0.0, 0, 0.0) for design in active}  # latencies, wall s, wrong results, CPU s
         for _ in range(args.rounds):
-            for design, runner in designs.items():
+            for design, runner in active.items():
                 n = args.calls
-                if design != "fork server":
+                if not design.startswith(("fork server", "service (http)", "as ")):
                     n = args.baseline_calls or (20 if "sympy" in name else 50)
                 start, cpu_start = time.perf_counter(), meter.read()
                 results = runner.run_many([code] * n)
@@ -94,6 +110,7 @@ def main() -> int:
             print(f"{name:<17} {design:<16} {len(latencies):>6} {errors:>6} {rates[design]:>9.1f} "
                   f"{1000 * percentile(latencies, 50):>8.1f} {1000 * percentile(latencies, 99):>8.1f} {cpu_ms:>7}")
         speedups[name] = rates["fork server"] / rates["fresh python -c"]
+        http_share[name] = rates["service (http)"] / rates["fork server"]
     for runner in designs.values():
         runner.close()
     meter.leave()
@@ -103,6 +120,8 @@ def main() -> int:
     print(f"speed-up of the fork server over fresh python -c: print(1+1) {speedups['print(1+1)']:.1f}x "
           f"(target >= 1x: {'met' if print_ok else 'MISSED'}), sympy {speedups['sympy factorint']:.1f}x "
           f"(target >= 20x: {'met' if sympy_ok else 'MISSED'})")
+    print("the HTTP service's calls/s as a share of the fork server's: "
+          + ", ".join(f"{name} {100 * share:.0f}%" for name, share in http_share.items()))
     return 0 if sympy_ok and print_ok else 1
 
 
@@ -143,6 +162,75 @@ class Baseline:
 
     def close(self) -> None:
         pass
+
+
+class Service:
+    """serve.py in a process of its own, called by the sandboxfusion backend: the fork server plus HTTP."""
+
+    def __init__(self, config: SandboxConfig) -> None:
+        import serve
+
+        self.proc, url = serve.start_process("--concurrency", str(config.concurrency))
+        self.client = Sandbox(SandboxConfig(backend="sandboxfusion", urls=(url,), concurrency=config.concurrency))
+
+    def run_many(self, codes: list[str]) -> list:
+        return self.client.run_many(codes)
+
+    def close(self) -> None:
+        self.client.close()
+        self.proc.terminate()
+        self.proc.communicate(timeout=60)
+
+
+class AsUser:
+    """The fork server run by another user (not root: isolation "userns"), through a worker of that user.
+
+    The worker (`runuser -u USER -- PYTHON`) reads the sandbox's modules from a folder USER
+    may read, runs each batch of codes with one Sandbox of this config and sends back what
+    each call printed and its latency. Its CPU is in the meter's cgroup like every child's.
+    """
+
+    WORKER = (
+        "import json, sys\nsys.path.insert(0, sys.argv[1])\nfrom sandbox import Sandbox, SandboxConfig\n"
+        "with Sandbox(SandboxConfig(concurrency=int(sys.argv[2]))) as sb:\n"
+        "    print(json.dumps(sb.isolation), flush=True)\n"
+        "    for line in sys.stdin:\n"
+        "        print(json.dumps([[r.ok, r.stdout, r.latency] for r in sb.run_many(json.loads(line))]), flush=True)\n"
+    )
+
+    def __init__(self, config: SandboxConfig, user: str, python: str) -> None:
+        import json
+        import local_backend
+
+        self.folder = tempfile.mkdtemp(prefix="bench-unprivileged-")
+        os.chmod(self.folder, 0o755)
+        for name in {*local_backend._SERVER_MODULES, "local_backend"}:
+            os.chmod(shutil.copy(Path(__file__).resolve().parent / f"{name}.py", self.folder), 0o644)
+        command = ["runuser", "-u", user, "--", python, "-I"]
+        self.proc = subprocess.Popen(command + ["-c", self.WORKER, self.folder, str(config.concurrency)], cwd="/",
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        line = self.proc.stdout.readline()
+        if not line:
+            self.close()
+            raise OSError(f"the fork server did not start as {user} with {python}")
+        self.isolation, self._json = json.loads(line), json
+        self.imports = subprocess.run(command + ["-c", "import sympy"], cwd="/", capture_output=True).returncode == 0
+
+    def can_run(self, code: str) -> bool:
+        return "sympy" not in code or self.imports
+
+    def run_many(self, codes: list[str]) -> list:
+        from sandbox import ExecResult
+
+        self.proc.stdin.write(self._json.dumps(codes) + "\n")
+        self.proc.stdin.flush()
+        return [ExecResult(ok=ok, stdout=out, stderr="", returncode=0, timed_out=False, truncated=False, latency=latency)
+                for ok, out, latency in self._json.loads(self.proc.stdout.readline())]
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(timeout=60)
+        shutil.rmtree(self.folder, ignore_errors=True)
 
 
 class CpuMeter:

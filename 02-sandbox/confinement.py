@@ -1,15 +1,20 @@
 """What contains a call of the local backend: namespaces, an allow-listed root, cgroups, seccomp.
 
 sandbox.py's containment sequence calls these in the fork server's slots, which the
-server forks into PID namespaces of their own (fork_server.py); docs/02-sandbox.md says
-why each exists and what each stops. Every function fails with an exception naming
-what could not be set up: the sandbox never runs code with less than it promised.
+server forks into PID namespaces of their own (fork_server.py); docs/02-sandbox.md and
+docs/02-isolation.md say why each exists and what each stops. Every function fails with
+an exception naming what could not be set up: the sandbox never runs code with less
+than it promised.
 
-    build_root()       once per slot: a fresh root holding only what Python needs, read-only
-    fresh_scratch()    per call: empty, size-capped tmpfs on /tmp, /var/tmp, /dev/shm
-    plain_workdir()    per call, plain isolation only: a temporary folder instead
-    Cgroups            per call: a memory group and a pids group (cgroup v1 or v2)
-    install_seccomp()  in the code's process: deny the system calls math code never needs
+    enter_user_namespace()  once per server, not root: a user namespace of its own (isolation "userns")
+    build_root()            once per slot: a fresh root holding only what Python needs, read-only
+    reset_pids()            per call: the slot's PID counter back to 1, so PIDs carry nothing between calls
+    fresh_scratch()         per call: one empty, size-capped tmpfs behind /tmp, /var/tmp, /dev/shm
+    plain_workdir()         per call, plain isolation only: a temporary folder instead
+    Cgroups                 per call: a memory group and a pids group (cgroup v1 or v2)
+    MemoryWatch             per call, where no cgroup can be had: the slot samples the call's memory
+    enter_call_namespaces() in the code's process: its own cgroup view (and user namespace, unprivileged)
+    install_seccomp()       in the code's process: deny the system calls math code never needs
 """
 from __future__ import annotations
 
@@ -65,14 +70,78 @@ def _pivot_root(new_root: str, put_old: str) -> None:
     _check(_LIBC.syscall(ctypes.c_long(SYSCALLS["pivot_root"]), new_root.encode(), put_old.encode()), "pivot_root")
 
 
+def _write_file(path: str, text: str) -> None:
+    fd = os.open(path, os.O_WRONLY)
+    try:
+        os.write(fd, text.encode())
+    finally:
+        os.close(fd)
+
+
+# --------------------------------------------------------------------------------------
+# User namespaces: the same containment for a caller who is not root
+# --------------------------------------------------------------------------------------
+
+CALL_UID = 65534  # the code's uid inside its own user namespace ("nobody"); outside, the caller's uid
+
+
+def enter_user_namespace() -> None:
+    """The fork server, when not root: a user namespace where it is uid 0, mapped to the caller's uid.
+
+    There it may make PID, mount, network and IPC namespaces, mount and pivot, over
+    namespaces of its own only; outside it is still the caller, with no more rights.
+    It goes on as PID 1 of a PID namespace of that user namespace (a fork; this process
+    waits for it and exits with it), because the server must come back to its own PID
+    namespace after forking each slot into a new one, which it may only in one it owns.
+    Raises OSError naming what the kernel refused (the sandbox then refuses to start).
+    """
+    uid, gid = os.geteuid(), os.getegid()
+    try:
+        unshare(CLONE_NEWUSER | CLONE_NEWPID)
+    except OSError as e:
+        raise OSError(e.errno, f"the kernel refuses an unprivileged user namespace ({e.strerror}; see "
+                      "/proc/sys/user/max_user_namespaces, kernel.unprivileged_userns_clone, "
+                      "kernel.apparmor_restrict_unprivileged_userns, or a seccomp profile of a container)") from None
+    _write_file("/proc/self/setgroups", "deny")  # the one mapping an unprivileged process may write requires it
+    _write_file("/proc/self/uid_map", f"0 {uid} 1")
+    _write_file("/proc/self/gid_map", f"0 {gid} 1")
+    pid = os.fork()
+    if pid:
+        for fd in (0, 1):  # the caller's pipes are the server's now
+            os.close(fd)
+        _, status = os.waitpid(pid, 0)
+        os._exit(os.waitstatus_to_exitcode(status) & 0xFF)
+    prctl(PR_SET_PDEATHSIG, 9)  # SIGKILL: if the caller kills the process it started, the server goes too
+
+
+def enter_call_namespaces(userns: bool) -> None:
+    """In the code's process, after it joined its cgroup: namespaces of the call's own.
+
+    A cgroup namespace, so that /proc/self/cgroup shows "/" and not the host's paths.
+    userns: a user namespace of the call's own, where the code is CALL_UID (mapped to the
+    slot's uid 0, the caller outside) with no capability: it holds no right over the slot's
+    namespaces, and the kernel counts RLIMIT_NPROC per user namespace, so per call.
+    """
+    unshare(CLONE_NEWCGROUP)
+    if not userns:
+        return
+    unshare(CLONE_NEWUSER)
+    _write_file("/proc/self/uid_map", f"{CALL_UID} 0 1")
+    _write_file("/proc/self/setgroups", "deny")
+    _write_file("/proc/self/gid_map", f"{CALL_UID} 0 1")
+    header = (ctypes.c_uint32 * 2)(0x20080522, 0)  # _LINUX_CAPABILITY_VERSION_3, this process
+    _check(_LIBC.capset(header, (ctypes.c_uint32 * 6)()), "capset")  # effective, permitted, inheritable: none
+
+
 # --------------------------------------------------------------------------------------
 # The file system: a fresh root that holds only what Python needs
 # --------------------------------------------------------------------------------------
 
 SYSTEM_LIBRARIES = ("/lib", "/lib64", "/lib32", "/libx32", "/usr/lib", "/usr/lib64", "/usr/lib32", "/usr/libx32")
 DEVICES = ("/dev/null", "/dev/zero", "/dev/urandom")
-SCRATCH_DIRS = ("/tmp", "/var/tmp", "/dev/shm")  # the only places the code may write: an empty tmpfs each, per call
+SCRATCH_DIRS = ("/tmp", "/var/tmp", "/dev/shm")  # the only places the code may write: one empty tmpfs behind all three, per call
 WORKDIR = "/tmp/work"
+SCRATCH_INODES = 16384  # files and folders the scratch tmpfs holds: each is kernel memory too
 _BUILD_AT = "/tmp"  # where the new root is assembled in the slot's own mount namespace, before pivot_root
 _ETC = {  # a minimal /etc: who is who, and the loader's cache so that native libraries load as usual
     "passwd": "root:x:0:0:root:/root:/bin/false\nnobody:x:65534:65534:nobody:/nonexistent:/bin/false\n",
@@ -106,8 +175,8 @@ def build_root() -> dict[str, int]:
     """Once per slot, in its new mount namespace: pivot into a root that holds only the allow list.
 
     The root is a small tmpfs, read-only once built: the interpreter's files, the system
-    libraries, a minimal /etc, three devices, a private /proc (mounted by the caller after
-    the PID namespace exists) and mount points for the scratch dirs. Everything else on the
+    libraries, a minimal /etc, three devices, the slot's /proc (mount_proc, called first)
+    and mount points for the scratch dirs. Everything else on the
     machine (the lab, other folders, /dev/fuse, /sys) does not exist for the code.
     Returns O_PATH descriptors of interpreter folders that lie inside a scratch dir (a venv
     under /tmp), which every call's fresh scratch must bind back.
@@ -117,10 +186,14 @@ def build_root() -> dict[str, int]:
     # A system Python's own folders (/usr/lib/python3.11) come with the system libraries.
     binds = [p for p in interpreter_paths() if not any(p == d or _inside(p, d) for d in system)] + system
     links = {p: os.readlink(p) for p in SYSTEM_LIBRARIES if os.path.islink(p)}
+    executable = sys.executable  # the name the code's subprocesses use (/usr/bin/python3 -> python3.11)
+    while os.path.islink(executable) and not any(_inside(executable, b) for b in binds):
+        links[executable] = os.readlink(executable)
+        executable = os.path.join(os.path.dirname(executable), links[executable])
     loader_cache = "/etc/ld.so.cache"
     files = [loader_cache] if os.path.isfile(loader_cache) else []
     # Descriptors first: the sources may lie under the folder the new root is built on.
-    sources = {path: os.open(path, os.O_PATH) for path in binds + files + list(DEVICES)}
+    sources = {path: os.open(path, os.O_PATH) for path in binds + files + list(DEVICES) + ["/proc"]}
     root = _BUILD_AT
     mount("tmpfs", root, "tmpfs", MS_NOSUID | MS_NODEV, "size=1m,mode=0755")
     for path, fd in sources.items():
@@ -132,8 +205,9 @@ def build_root() -> dict[str, int]:
             open(target, "w").close()
         device = path in DEVICES
         mount(f"/proc/self/fd/{fd}", target, None, MS_BIND)
-        # Read-only and nosuid; devices keep dev (a nodev /dev/null cannot be opened).
-        mount(None, target, None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | (0 if device else MS_NODEV))
+        # Read-only and nosuid; devices keep dev (a nodev /dev/null cannot be opened); /proc keeps its own flags.
+        if path != "/proc":
+            mount(None, target, None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | (0 if device else MS_NODEV))
         os.close(fd)
     for path, target in links.items():
         os.makedirs(os.path.dirname(root + path), mode=0o755, exist_ok=True)
@@ -155,28 +229,62 @@ def build_root() -> dict[str, int]:
     return {p: os.open(p, os.O_PATH) for p in binds if any(_inside(p, d) for d in SCRATCH_DIRS)}
 
 
-def mount_proc() -> None:
-    """A /proc of the slot's own PID namespace; hidepid=2: the code sees only its own processes."""
-    mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, "hidepid=2")
+def mount_proc() -> int:
+    """A /proc of the slot's own PID namespace; hidepid=2: the code sees only its own processes.
+
+    Mounted over the machine's /proc, in the slot's own mount namespace, before build_root
+    binds it into the new root: in a user namespace the kernel allows a new proc only
+    where the machine's is visible. Returns a descriptor of the namespace's PID counter,
+    for reset_pids.
+    """
+    mount(None, "/", None, MS_REC | MS_PRIVATE)  # nothing mounted here reaches the host
+    try:
+        mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, "hidepid=2")
+    except PermissionError as e:
+        raise PermissionError(e.errno, f"{e.strerror} (in a user namespace the kernel mounts a new /proc only where "
+                              "the machine's is wholly visible, not masked as in many containers)") from None
+    return os.open("/proc/sys/kernel/ns_last_pid", os.O_WRONLY)
 
 
-_MOUNTED_SCRATCH: set[str] = set()  # scratch dirs that carry a tmpfs of ours in this slot
+def reset_pids(last_pid: int) -> None:
+    """Per call, once the last call's processes are reaped: the next PID is 2 again, whatever the last call forked.
+
+    A PID is otherwise a counter one call can advance and the next can read (os.getpid()).
+    """
+    os.pwrite(last_pid, b"1", 0)
 
 
-def fresh_scratch(max_file_mb: int, keep: dict[str, int], uid: int) -> str:
-    """Per call: an empty tmpfs on each scratch dir (the previous call's are detached), a work dir for uid."""
-    for path in SCRATCH_DIRS:
-        if path in _MOUNTED_SCRATCH:
-            umount(path)
-        mount("tmpfs", path, "tmpfs", MS_NOSUID | MS_NODEV, f"size={4 * max_file_mb}m,mode=1777")
-        _MOUNTED_SCRATCH.add(path)
+_MOUNTED_SCRATCH: list[str] = []  # this slot's scratch mounts, in the order they were made
+
+
+def fresh_scratch(max_file_mb: int, keep: dict[str, int], uid: int | None) -> str:
+    """Per call: one empty tmpfs behind every scratch dir (the previous call's detached), a work dir for uid.
+
+    One tmpfs, not one per dir, so that all the code's files together hold at most
+    4 x max_file_mb, in at most SCRATCH_INODES files and folders. It is mounted on /tmp,
+    each scratch dir gets a folder of it bound over it, /tmp's last: the tmpfs's own
+    root stays hidden under /tmp.
+    """
+    while _MOUNTED_SCRATCH:
+        umount(_MOUNTED_SCRATCH.pop())
+    below = SCRATCH_DIRS[0]
+    mount("tmpfs", below, "tmpfs", MS_NOSUID | MS_NODEV, f"size={4 * max_file_mb}m,nr_inodes={SCRATCH_INODES},mode=0755")
+    _MOUNTED_SCRATCH.append(below)
+    for path in sorted(SCRATCH_DIRS, key=lambda p: p == below):  # /tmp last: it covers the folders of the others
+        folder = f"{below}/{path.strip('/').replace('/', '-')}"
+        os.mkdir(folder, 0o1777)
+        os.chmod(folder, 0o1777)  # past the umask
+        mount(folder, path, None, MS_BIND)
+        _MOUNTED_SCRATCH.append(path)
         for kept, fd in keep.items():
             if _inside(kept, path):
                 os.makedirs(kept, mode=0o755, exist_ok=True)
                 mount(f"/proc/self/fd/{fd}", kept, None, MS_BIND)
                 mount(None, kept, None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV)
+                _MOUNTED_SCRATCH.append(kept)
     os.mkdir(WORKDIR, 0o700)
-    os.chown(WORKDIR, uid, uid)
+    if uid is not None:  # userns: the slot's own uid, which is the code's in the call's user namespace
+        os.chown(WORKDIR, uid, uid)
     return WORKDIR
 
 
@@ -224,7 +332,13 @@ class Cgroups:
         self.bases: list[int] = []
         try:
             for path in self.paths:
-                os.mkdir(f"{path}/{name}", 0o700)
+                try:
+                    os.mkdir(f"{path}/{name}", 0o700)
+                except FileExistsError:  # left by a killed server whose pid was ours: empty groups, or a refusal
+                    calls = [entry.path for entry in os.scandir(f"{path}/{name}") if entry.is_dir()]
+                    for leftover in calls + [f"{path}/{name}"]:
+                        os.rmdir(leftover)
+                    os.mkdir(f"{path}/{name}", 0o700)
                 self.bases.append(os.open(f"{path}/{name}", os.O_RDONLY | os.O_DIRECTORY))
                 if self.version == 2:
                     _write(self.bases[-1], "cgroup.subtree_control", "+memory +pids")
@@ -297,6 +411,56 @@ class CallGroup:
                     os.sched_yield()
 
 
+class MemoryWatch:
+    """Where no cgroup can be had (not root, no delegated cgroup v2): the slot samples the call's memory.
+
+    RLIMIT_AS caps each process, not the call: a call of N processes could map N times
+    memory_mb. Every TICK seconds of the wait, the slot sums what the call's processes
+    hold of their own (anonymous resident pages above what each inherited from the slot:
+    pages a process shares with its parent after a fork count in both, so this errs on
+    the side of killing) and kills the call past memory_mb. memfds, System V shared
+    memory and message queues, which no process's pages show, are denied by the filter
+    instead (seccomp_program(cgroup=False)); files by the scratch tmpfs's size.
+    """
+
+    TICK = 0.01
+
+    def __init__(self) -> None:
+        self.base_kb = _own_kb(os.getpid(), 0)  # the slot's: every process of the call starts from a fork of it
+        self.killed = False
+
+    def join(self, memory_mb: int, max_processes: int) -> None:
+        """Nothing to join: the slot watches (the code's process calls this where it would join a cgroup)."""
+
+    def over(self, memory_mb: int) -> bool:
+        """Does the call hold more than memory_mb? Once it does, it stays "OOM-killed"."""
+        me, total = os.getpid(), 0
+        for entry in os.listdir("/proc"):
+            if entry.isdigit() and int(entry) != me:
+                total += _own_kb(int(entry), self.base_kb)
+        self.killed = self.killed or total > memory_mb * 1024
+        return self.killed
+
+    def oom_killed(self) -> bool:
+        return self.killed
+
+    def remove(self) -> None:
+        pass
+
+
+_PAGE_KB = os.sysconf("SC_PAGE_SIZE") // 1024
+
+
+def _own_kb(pid: int, base_kb: int) -> int:
+    """Anonymous resident memory of a process above base_kb (statm: resident minus file and shmem pages)."""
+    try:
+        with open(f"/proc/{pid}/statm") as f:
+            resident, shared = (int(x) for x in f.read().split()[1:3])
+    except (OSError, ValueError):
+        return 0  # gone already
+    return max(0, (resident - shared) * _PAGE_KB - base_kb)
+
+
 def _write(dir_fd: int, name: str, text: str, optional: bool = False) -> None:
     try:
         fd = os.open(name, os.O_WRONLY, dir_fd=dir_fd)
@@ -348,8 +512,9 @@ def _find_cgroups() -> tuple[int, list[str]]:
         paths = [folder("memory"), folder("pids")]
         if all(os.access(p, os.W_OK) for p in paths):
             return 1, paths
-        raise OSError(13, f"cgroup v1 memory and pids are mounted but {paths} are not writable (root is needed)")
-    if "v2" not in mounts:
+        if "v2" not in mounts or os.geteuid() == 0:
+            raise OSError(13, f"cgroup v1 memory and pids are mounted but {paths} are not writable (root is needed)")
+    if "v2" not in mounts:  # (not root and v1 not writable: a delegated cgroup v2 is the one chance left)
         raise OSError(2, "neither cgroup v1 memory and pids nor cgroup v2 is mounted")
     path, point = folder("v2"), mounts["v2"][0]
     try:
@@ -365,7 +530,8 @@ def _find_cgroups() -> tuple[int, list[str]]:
     candidate = path
     while True:
         with open(f"{candidate}/cgroup.subtree_control") as f:
-            if {"memory", "pids"} <= set(f.read().split()):
+            # Not root: the call's process must also be allowed to move itself in below it.
+            if {"memory", "pids"} <= set(f.read().split()) and os.access(f"{candidate}/cgroup.procs", os.W_OK):
                 return 2, [candidate]
         if candidate == point:
             break
@@ -402,7 +568,17 @@ DENIED = (
     "kexec_load", "kexec_file_load", "init_module", "finit_module", "delete_module", "reboot", "swapon",
     "swapoff", "acct", "syslog", "settimeofday", "clock_settime", "clock_adjtime", "adjtimex", "quotactl",
     "lookup_dcookie", "fanotify_init", "vhangup",
+    # signals between concurrent calls through the files every slot shares (the interpreter's):
+    # a lock one call holds and another tests, an access one call makes and another is told of
+    "flock", "inotify_init", "inotify_init1", "inotify_add_watch", "inotify_rm_watch",
 )
+# fcntl commands denied for the same reason: record locks (classic and open-file), leases, dnotify
+FCNTL_DENIED = {"F_GETLK": 5, "F_SETLK": 6, "F_SETLKW": 7, "F_OFD_GETLK": 36, "F_OFD_SETLK": 37, "F_OFD_SETLKW": 38,
+                "F_SETLEASE": 1024, "F_GETLEASE": 1025, "F_NOTIFY": 1026}
+# socket families allowed; any other (AF_VSOCK reaches the hypervisor, whatever the network namespace) fails
+SOCKET_FAMILIES = {"AF_UNIX": 1, "AF_INET": 2, "AF_INET6": 10, "AF_NETLINK": 16}
+# Denied only where no cgroup counts memory: memory held outside every process's pages
+NO_CGROUP_DENIED = ("memfd_create", "memfd_secret", "shmget", "msgget")
 _TABLES = {  # system call numbers: asm/unistd_64.h (x86_64) and asm-generic/unistd.h (aarch64)
     "x86_64": dict(
         keyctl=250, add_key=248, request_key=249, ptrace=101, process_vm_readv=310, process_vm_writev=311,
@@ -413,6 +589,8 @@ _TABLES = {  # system call numbers: asm/unistd_64.h (x86_64) and asm-generic/uni
         kexec_file_load=320, init_module=175, finit_module=313, delete_module=176, reboot=169, swapon=167,
         swapoff=168, acct=163, syslog=103, settimeofday=164, clock_settime=227, clock_adjtime=305,
         adjtimex=159, quotactl=179, lookup_dcookie=212, fanotify_init=300, vhangup=153, clone=56, clone3=435,
+        flock=73, inotify_init=253, inotify_init1=294, inotify_add_watch=254, inotify_rm_watch=255, fcntl=72,
+        socket=41, memfd_create=319, memfd_secret=447, shmget=29, msgget=68,
     ),
     "aarch64": dict(
         keyctl=219, add_key=217, request_key=218, ptrace=117, process_vm_readv=270, process_vm_writev=271,
@@ -423,6 +601,8 @@ _TABLES = {  # system call numbers: asm/unistd_64.h (x86_64) and asm-generic/uni
         kexec_file_load=294, init_module=105, finit_module=273, delete_module=106, reboot=142, swapon=224,
         swapoff=225, acct=89, syslog=116, settimeofday=170, clock_settime=112, clock_adjtime=266,
         adjtimex=171, quotactl=60, lookup_dcookie=18, fanotify_init=262, vhangup=58, clone=220, clone3=435,
+        flock=32, inotify_init1=26, inotify_add_watch=27, inotify_rm_watch=28, fcntl=25,  # (no inotify_init)
+        socket=198, memfd_create=279, memfd_secret=447, shmget=194, msgget=186,
     ),
 }
 _AUDIT_ARCH = {"x86_64": 0xC000003E, "aarch64": 0xC00000B7}
@@ -430,18 +610,21 @@ SYSCALLS = _TABLES.get(platform.machine(), {})
 NAMESPACE_FLAGS = CLONE_NEWNS | CLONE_NEWCGROUP | CLONE_NEWUTS | CLONE_NEWIPC | CLONE_NEWUSER | CLONE_NEWPID | CLONE_NEWNET
 
 _RET_KILL_PROCESS, _RET_ERRNO, _RET_ALLOW = 0x80000000, 0x00050000, 0x7FFF0000
-_EPERM, _ENOSYS = 1, 38
+_EPERM, _ENOSYS, _EAFNOSUPPORT = 1, 38, 97
 _LD_ABS, _JEQ, _JGE, _JSET, _RET = 0x20, 0x15, 0x35, 0x45, 0x06  # BPF_LD|W|ABS, BPF_JMP|{JEQ,JGE,JSET}|K, BPF_RET|K
-_NR, _ARCH, _ARG0 = 0, 4, 16  # offsets in struct seccomp_data (arg0's low 32 bits: little-endian)
+_NR, _ARCH, _ARG0, _ARG1 = 0, 4, 16, 24  # offsets in struct seccomp_data (arguments' low 32 bits: little-endian)
 
 
-def seccomp_program() -> bytes:
+def seccomp_program(cgroup: bool = True) -> bytes:
     """The filter, one BPF instruction (code, jump if true, jump if false, constant) per line.
 
     A jump skips that many instructions. Every denied call gets a test and a return:
-    "is it number N? then fail with EPERM". clone is allowed unless it asks for a new
-    namespace; clone3 passes its flags in memory a filter cannot read, so it reports
-    ENOSYS and the C library falls back to clone, as under Docker's profile.
+    "is it number N? then fail with EPERM". fcntl is allowed unless it asks for a lock,
+    a lease or dnotify, socket unless its family is off the list. clone is allowed
+    unless it asks for a new namespace; clone3 passes its flags in memory a filter
+    cannot read, so it reports ENOSYS and the C library falls back to clone, as under
+    Docker's profile. cgroup=False (no cgroup counts the call's memory) also denies
+    NO_CGROUP_DENIED.
     """
     machine = platform.machine()
     if machine not in _TABLES:
@@ -455,18 +638,30 @@ def seccomp_program() -> bytes:
     ]
     if machine == "x86_64":
         program += [(_JGE, 0, 1, 0x40000000), (_RET, 0, 0, _RET_ERRNO | _EPERM)]  # the x32 ABI's numbers
-    for name in DENIED:
-        program += [(_JEQ, 0, 1, table[name]), (_RET, 0, 0, _RET_ERRNO | _EPERM)]
-    program += [
-        (_JEQ, 0, 1, table["clone3"]),
-        (_RET, 0, 0, _RET_ERRNO | _ENOSYS),
-        (_JEQ, 0, 3, table["clone"]),
-        (_LD_ABS, 0, 0, _ARG0),
-        (_JSET, 0, 1, NAMESPACE_FLAGS),
-        (_RET, 0, 0, _RET_ERRNO | _EPERM),
-        (_RET, 0, 0, _RET_ALLOW),
-    ]
+    for name in DENIED + (() if cgroup else NO_CGROUP_DENIED):
+        if name in table:
+            program += [(_JEQ, 0, 1, table[name]), (_RET, 0, 0, _RET_ERRNO | _EPERM)]
+    program += [(_JEQ, 0, 1, table["clone3"]), (_RET, 0, 0, _RET_ERRNO | _ENOSYS)]
+    program += _by_argument(table["fcntl"], _ARG1, [(_JEQ, command, _RET_ERRNO | _EPERM) for command in FCNTL_DENIED.values()],
+                            _RET_ALLOW)
+    program += _by_argument(table["socket"], _ARG0, [(_JEQ, family, _RET_ALLOW) for family in SOCKET_FAMILIES.values()],
+                            _RET_ERRNO | _EAFNOSUPPORT)
+    program += _by_argument(table["clone"], _ARG0, [(_JSET, NAMESPACE_FLAGS, _RET_ERRNO | _EPERM)], _RET_ALLOW)
+    program += [(_RET, 0, 0, _RET_ALLOW)]
     return b"".join(struct.pack("HBBI", *instruction) for instruction in program)
+
+
+def _by_argument(number: int, argument: int, tests: list[tuple[int, int, int]], otherwise: int) -> list[tuple]:
+    """Instructions for "is it call `number`? then return by the value of an argument; else go on".
+
+    tests: (jump code, constant, what to return if it holds), tried in order; otherwise:
+    what to return when none holds.
+    """
+    body = [(_LD_ABS, 0, 0, argument)]
+    for code, constant, result in tests:
+        body += [(code, 0, 1, constant), (_RET, 0, 0, result)]
+    body.append((_RET, 0, 0, otherwise))
+    return [(_JEQ, 0, len(body), number)] + body
 
 
 class _SockFprog(ctypes.Structure):

@@ -3,8 +3,9 @@
 Started by local_backend.py as `python -I -c <bootstrap>`: its options and the source of
 runner.py, confinement.py, sandbox.py and this file arrive on stdin, so its command line
 (which every process can read) names no path and no socket. It imports the preload
-modules (math, numpy, sympy by default) once, then keeps `spares` slots running. Each
-slot is forked once (with namespaces, into a PID namespace of its own), runs enter_slot,
+modules (math, numpy, sympy by default) once, then keeps `spares` slots running. Not
+root, it first enters a user namespace of its own (isolation "userns"). Each slot is
+forked once (with namespaces, into a PID namespace of its own), runs enter_slot,
 then serve_call call after call: the containment sequence, step by step in sandbox.py,
 which the bootstrap hands to serve(). A slot never reads a request or an answer, retires
 after `slot_calls` calls (local_backend.SLOT_CALLS), and the server forks a new one.
@@ -36,20 +37,38 @@ def serve(options: dict, enter_slot, serve_call) -> None:
     """
     runner.preload(options["preload"])
     mode = options["isolation"]
-    try:
-        program = confinement.seccomp_program()
-        cgroups = confinement.Cgroups(f"tool-rl-lab-sandbox-{os.getpid()}") if mode == "namespaces" else None
+    if mode == "namespaces" and os.geteuid() != 0:
+        mode = "userns"  # the same containment, from a user namespace (docs/02-isolation.md)
+    listener, cgroups = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM), None
+    try:  # first, before anything is made; named through its folder's descriptor, short however deep the folder
+        listener.bind(f"/proc/self/fd/{os.open(options['folder'], os.O_PATH | os.O_DIRECTORY)}/socket")
     except OSError as e:
+        return _hello(error=f"cannot listen in {options['folder']}: {e.strerror or e}")
+    try:
+        if mode != "plain":
+            cgroups = _cgroups(mode == "namespaces")
+        if mode == "userns":
+            confinement.enter_user_namespace()  # after the cgroups: they are made as the caller, outside it
+        program = confinement.seccomp_program(cgroup=cgroups is not None)
+    except OSError as e:
+        _remove_groups(cgroups, [])
         return _hello(error=e.strerror or str(e))
-    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    listener.bind(options["socket"])
+    try:
+        _serve_slots(options, mode, listener, cgroups, program, enter_slot, serve_call)
+    except BaseException:
+        _remove_groups(cgroups, [])  # whatever went wrong, no group of ours stays
+        raise
+
+
+def _serve_slots(options: dict, mode: str, listener: socket.socket, cgroups, program: bytes, enter_slot, serve_call) -> None:
+    """Keep `spares` slots running until the caller is gone; say hello once they are ready, or why they are not."""
     listener.listen(256)
     listener.setblocking(False)  # several slots poll it; the losers of a race get EAGAIN
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the kernel reaps finished slots
     gc.freeze()  # the warm objects stay out of every child's collections: fewer copied pages
     alive_r, alive_w = os.pipe()  # idle slots see EOF here when the server is gone
     leaving_r, leaving_w = os.pipe()  # a slot about to retire writes its token here
-    own_pid_ns = os.open("/proc/self/ns/pid", os.O_RDONLY) if mode == "namespaces" else None
+    own_pid_ns = os.open("/proc/self/ns/pid", os.O_RDONLY) if mode != "plain" else None
     slots: dict[int, int] = {}  # token -> pid
     tokens = iter(range(1, 1 << 62))
     slot_calls = options["slot_calls"]
@@ -57,7 +76,8 @@ def serve(options: dict, enter_slot, serve_call) -> None:
     def spawn() -> None:
         """Fork a slot and wait until it says its isolation is in place (or why it is not)."""
         token = next(tokens)
-        uid = confinement.call_uid(token) if mode == "namespaces" or os.geteuid() == 0 else None
+        # uid: a uid of the slot's own as root; None unprivileged (userns: the call makes its own)
+        uid = confinement.call_uid(token) if mode == "namespaces" or (mode == "plain" and os.geteuid() == 0) else None
         report_r, report_w = os.pipe()
         if own_pid_ns is not None:
             confinement.unshare(confinement.CLONE_NEWPID)  # only the next child enters it, as its PID 1
@@ -80,6 +100,8 @@ def serve(options: dict, enter_slot, serve_call) -> None:
         for _ in range(options["spares"]):
             spawn()
     except SystemExit as e:
+        os.close(alive_w)  # the slots that did start see the server gone and exit
+        _remove_groups(cgroups, list(slots.values()))
         return _hello(error=str(e))
     _hello(isolation=mode, cgroups=cgroups.paths if cgroups else [])
     poller = select.poll()
@@ -102,6 +124,16 @@ def serve(options: dict, enter_slot, serve_call) -> None:
                     spawn()
 
 
+def _cgroups(required: bool):
+    """This server's cgroups; unprivileged (not required), None where none can be had: each call is then watched."""
+    try:
+        return confinement.Cgroups(f"tool-rl-lab-sandbox-{os.getpid()}")
+    except OSError:
+        if required:
+            raise
+        return None
+
+
 def _hello(**fields) -> None:
     sys.stdout.write(json.dumps(fields) + "\n")
     sys.stdout.flush()
@@ -116,6 +148,7 @@ class Slot:
         self.token, self.uid, self.mode = token, uid, mode  # uid: of this slot's calls, None where we are not root
         self.max_file_mb, self.cgroups, self.program = max_file_mb, cgroups, program  # program: the seccomp filter
         self.keep: dict[str, int] = {}  # interpreter folders inside a scratch dir, bound back by every call
+        self.last_pid: int | None = None  # the PID namespace's counter (/proc/sys/kernel/ns_last_pid), once /proc is ours
 
     def accept(self) -> socket.socket | None:
         """Wait for a call; None when the server exited first."""
@@ -140,6 +173,7 @@ def _slot(slot: Slot, leaving: int, report: int, slot_calls: int, enter_slot, se
     try:
         try:
             signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+            signal.signal(signal.SIGINT, signal.SIG_DFL)  # as PID 1 with no handler: deaf to the code's signals
             devnull = os.open(os.devnull, os.O_RDWR)
             os.dup2(devnull, 0)  # the server's pipe from the caller stays with the server
             os.close(devnull)

@@ -97,10 +97,13 @@ class _Server:
     def __init__(self, cfg, error: type[Exception], make_request) -> None:
         self._cfg, self._error, self._make_request = cfg, error, make_request
         self.folder = tempfile.mkdtemp(prefix="sandbox-server-")  # mode 0700: only our own uid reaches the socket
-        self.socket_path = os.path.join(self.folder, "socket")
+        # The socket is named through a descriptor of its folder: an AF_UNIX path holds at most 107
+        # bytes, which a deep TMPDIR (a run's private one, pytest's) would pass. The server does the same.
+        self._folder_fd = os.open(self.folder, os.O_PATH | os.O_DIRECTORY)
+        self.socket_path = f"/proc/self/fd/{self._folder_fd}/socket"
         self._log = open(os.path.join(self.folder, "server.log"), "wb")
         options = {
-            "socket": self.socket_path,
+            "folder": self.folder,
             "preload": list(cfg.preload),
             "isolation": cfg.isolation,
             "spares": cfg.concurrency,  # supervisors kept running: one per concurrent call
@@ -120,12 +123,18 @@ class _Server:
             )
             self._proc.stdin.write(json.dumps({"modules": modules, "options": options}).encode() + b"\n")
             self._proc.stdin.flush()
-        except OSError as e:
+        except OSError as e:  # no such interpreter, or one that exited at once: a refusal leaves nothing behind
+            if getattr(self, "_proc", None) is not None:
+                self._proc.kill()
+                self._proc.communicate()
+            self._log.close()
+            os.close(self._folder_fd)
+            shutil.rmtree(self.folder, ignore_errors=True)
             raise self._error(f"cannot start the fork server with {cfg.python}: {e}") from None
         self.isolation = ""
         self.cgroups: list[str] = []
         # Stops the server when the Sandbox is dropped without close(), or at exit.
-        self._finalizer = weakref.finalize(self, _stop_server, self._proc, self.folder, self._log, self.cgroups)
+        self._finalizer = weakref.finalize(self, _stop_server, self._proc, self.folder, self._folder_fd, self._log, self.cgroups)
 
     def wait_ready(self, timeout: float = 120.0) -> None:
         if self.isolation:
@@ -133,15 +142,16 @@ class _Server:
         ready, _, _ = select.select([self._proc.stdout], [], [], timeout)
         line = self._proc.stdout.readline() if ready else b""
         if not line:
+            tail = self._log_tail()  # before stop(), which removes the log with the folder
             self.stop()
-            raise self._error(f"the fork server did not start: {self._log_tail()}")
+            raise self._error(f"the fork server did not start: {tail}")
         hello = json.loads(line)
         if "error" in hello:
             self.stop()
             raise self._error(
                 f"isolation={self._cfg.isolation!r} cannot be set up here: {hello['error']}. Nothing was run. "
-                "Run as root on a machine with cgroups, or use backend='docker', or choose the weaker "
-                "isolation='plain' explicitly (docs/02-sandbox.md)")
+                "Run as root on a machine with cgroups, or as a user the kernel allows user namespaces, or use "
+                "backend='docker', or choose the weaker isolation='plain' explicitly (docs/02-isolation.md)")
         self.cgroups.extend(hello["cgroups"])
         probe = runner.failure("")
         try:
@@ -194,7 +204,7 @@ def _recv_exactly(conn: socket.socket, size: int) -> bytes:
     return bytes(chunks)
 
 
-def _stop_server(proc: subprocess.Popen, folder: str, log, cgroups: list[str]) -> None:
+def _stop_server(proc: subprocess.Popen, folder: str, folder_fd: int, log, cgroups: list[str]) -> None:
     try:
         proc.stdin.close()
         proc.wait(timeout=5)
@@ -203,6 +213,7 @@ def _stop_server(proc: subprocess.Popen, folder: str, log, cgroups: list[str]) -
         proc.wait()
     proc.stdout.close()
     log.close()
+    os.close(folder_fd)
     shutil.rmtree(folder, ignore_errors=True)
     for group in cgroups:  # left by a server that was killed, or a call still ending: empty once its processes die
         for path in sorted(Path(group).glob("call-*")) + [Path(group)]:

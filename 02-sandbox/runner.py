@@ -7,7 +7,7 @@ container, whose container_main takes the same steps less those Docker provides.
 
 - the code's process reads its own request (take_request), so the code and its output
   never pass through the memory of the supervisor, which later calls inherit; it sends
-  its supervisor only two numbers, the time limit and the output cap;
+  its supervisor only three numbers, the time limit, the output cap and the memory cap;
 - its stdout and stderr are memory files (CallFiles) capped by RLIMIT_FSIZE;
 - the supervisor (collect) waits up to the time limit, kills every process the call
   left, and sends the answer: a small header, then head and tail of each memory file,
@@ -67,8 +67,8 @@ def preload(modules: list[str]) -> None:
 
 
 class CallFiles:
-    """One call's files: stdout and stderr as memory files, and the pipe on which the
-    code's process sends its supervisor two numbers (the time limit and the output cap)."""
+    """One call's files: stdout and stderr as memory files, and the pipe on which the code's
+    process sends its supervisor three numbers (the time limit, the output cap, the memory cap)."""
 
     def __init__(self) -> None:
         self.out = os.memfd_create("stdout")
@@ -91,13 +91,16 @@ def exit_after(body, *args) -> NoReturn:
         os._exit(status)
 
 
+_LIMITS = struct.Struct("=dqq")  # what the supervisor learns of a request: time limit, output cap, memory cap
+
+
 def take_request(request_fd: int, files: CallFiles) -> dict:
-    """The code's process reads its own request; its supervisor gets only the time limit and the output cap."""
+    """The code's process reads its own request; its supervisor gets only the time limit and the two caps."""
     os.close(files.limits_r)
     os.dup2(files.out, 1)  # first: anything that fails from here on is reported in the answer
     os.dup2(files.err, 2)
     request = json.loads(read_frame(request_fd))
-    os.write(files.limits_w, struct.pack("=dq", float(request["timeout"]), int(request["max_output_bytes"])))
+    os.write(files.limits_w, _LIMITS.pack(float(request["timeout"]), int(request["max_output_bytes"]), int(request["memory_mb"])))
     return request
 
 
@@ -116,7 +119,7 @@ def set_rlimits(request: dict, uid: int | None, mode: str) -> None:
     _set_limit(resource.RLIMIT_AS, request["memory_mb"] * mb)
     _set_limit(resource.RLIMIT_CPU, int(request["timeout"]) + 2)
     _set_limit(resource.RLIMIT_FSIZE, request["max_file_mb"] * mb)
-    if mode != "container" and uid is not None:  # the uid is this slot's own: the limit is this call's budget
+    if mode == "userns" or (mode != "container" and uid is not None):  # the call's own user namespace, or uid: its budget
         _set_limit(resource.RLIMIT_NPROC, request["max_processes"])
     elif mode == "plain":  # the uid is shared with the caller: a budget on top of what it runs
         _set_limit(resource.RLIMIT_NPROC, _tasks_of_uid(os.getuid()) + request["max_processes"])
@@ -129,6 +132,8 @@ def drop_privileges(uid: int | None) -> None:
     """Default signal handlers, the unprivileged uid (where one is given), no_new_privs, death with the supervisor."""
     for number in (signal.SIGCHLD, signal.SIGALRM, signal.SIGXFSZ, signal.SIGXCPU, signal.SIGTERM):
         signal.signal(number, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # as `python -c` has it (a slot ignores SIGINT)
+    signal.pthread_sigmask(signal.SIG_SETMASK, [])
     if uid is not None:
         os.setgroups([])
         os.setgid(uid)
@@ -160,8 +165,9 @@ def collect(pid: int, files: CallFiles, answer_fd: int, group=None, may_copy: bo
         status, timed_out = _wait_for(pid, None)
         cap = DEFAULT_CAP
     else:
-        timeout, cap = limits
-        status, timed_out = _wait_for(pid, timeout)
+        timeout, cap, memory_mb = limits
+        watch = getattr(group, "over", None)  # a MemoryWatch, where no cgroup counts the call's memory
+        status, timed_out = _wait_for(pid, timeout, watch and (lambda: watch(memory_mb)), getattr(group, "TICK", None))
     _kill_the_rest()  # before answering: when the caller has its result, nothing is left running
     oom_killed = group.oom_killed() if group is not None else False
     try:
@@ -176,37 +182,42 @@ def collect(pid: int, files: CallFiles, answer_fd: int, group=None, may_copy: bo
 # --------------------------------------------------------------------------------------
 
 
-def _read_limits(fd: int) -> tuple[float, int] | None:
-    """The two numbers the code's process sends once it has read the request; None if it never does."""
+def _read_limits(fd: int) -> tuple[float, int, int] | None:
+    """The three numbers the code's process sends once it has read the request; None if it never does."""
     ready, _, _ = select.select([fd], [], [], REQUEST_GRACE)
-    data = os.read(fd, 16) if ready else b""
-    return struct.unpack("=dq", data) if len(data) == 16 else None
+    data = os.read(fd, _LIMITS.size) if ready else b""
+    return _LIMITS.unpack(data) if len(data) == _LIMITS.size else None
 
 
-def _wait_for(user: int, timeout: float | None) -> tuple[int, bool]:
-    """(wait status, timed out): wait for the code's process up to the time limit, then kill it."""
-    timed_out = False
+def _wait_for(user: int, timeout: float | None, over_memory=None, tick: float | None = None) -> tuple[int, bool]:
+    """(wait status, timed out): wait for the code's process up to the time limit, then kill it.
 
-    def on_alarm(signum, frame):
-        raise TimeoutError
-
-    signal.signal(signal.SIGALRM, on_alarm)
-    if timeout is not None:
-        signal.setitimer(signal.ITIMER_REAL, timeout)
-    status = None
+    It sleeps in sigtimedwait for SIGCHLD, never in a signal handler: a signal the code
+    sends its supervisor (which it may, where both are the caller's uid) wakes it at
+    most. over_memory(), if given, is asked every `tick` seconds: True kills the call.
+    """
+    deadline = None if timeout is None else time.monotonic() + timeout
+    signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGCHLD])  # from here on, an exit is noted, not lost
     try:
-        while status is None:
-            pid, wait_status = os.waitpid(-1, 0)  # also reaps the code's orphans, which are ours
+        while True:
+            try:
+                pid, wait_status = os.waitpid(-1, os.WNOHANG)  # also reaps the code's orphans, which are ours
+            except ChildProcessError:
+                pid = 0
             if pid == user:
-                status = wait_status
-    except TimeoutError:
-        timed_out = True
+                return wait_status, False
+            if pid:
+                continue
+            left = None if deadline is None else deadline - time.monotonic()
+            if (left is not None and left <= 0) or (over_memory and over_memory()):
+                break
+            wait = min(x for x in (left, tick, 3600.0) if x is not None)
+            signal.sigtimedwait([signal.SIGCHLD], wait)
     finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-    if timed_out:
-        _kill_quietly(user)
-        _, status = os.waitpid(user, 0)
-    return status, timed_out
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGCHLD])
+    _kill_quietly(user)
+    _, status = os.waitpid(user, 0)
+    return status, left is not None and left <= 0
 
 
 def _send_answer(fd: int, status: int, timed_out: bool, oom_killed: bool, out: int, err: int, cap: int, may_copy: bool) -> None:

@@ -54,12 +54,13 @@ DEFAULT_IMAGE = "tool-rl-lab-sandbox:latest"
 
 
 def enter_slot(slot) -> None:
-    """Once per slot. With namespaces the fork server forked it into a PID namespace of its
-    own, where it is PID 1: its kill(-1) after each call reaches every process the call left."""
-    if slot.mode == "namespaces":
+    """Once per slot. With namespaces (root, or "userns": inside the server's user namespace) the
+    fork server forked it into a PID namespace of its own, where it is PID 1: its kill(-1)
+    after each call reaches every process the call left."""
+    if slot.mode != "plain":
         confinement.unshare(confinement.CLONE_NEWNS)  # namespaces: mounts of the slot's own
+        slot.last_pid = confinement.mount_proc()  # a /proc of this PID namespace, where the code sees only its own processes
         slot.keep = confinement.build_root()  # the file view: pivot into a read-only root of only what Python needs
-        confinement.mount_proc()  # a /proc of this PID namespace, where the code sees only its own processes
     else:  # plain: no namespaces; the code's orphans are re-parented to the slot, which kills them
         confinement.prctl(confinement.PR_SET_CHILD_SUBREAPER, 1)
 
@@ -70,10 +71,12 @@ def serve_call(slot, number: int) -> bool:
     slot: a fork_server.Slot (mode, the calls' uid, cgroups, seccomp program, listener).
     """
     # Prepared before the call arrives, so that none of it is in the call's latency:
-    if slot.mode == "namespaces":
+    if slot.mode != "plain":
         confinement.unshare(confinement.CLONE_NEWNET | confinement.CLONE_NEWIPC)  # namespaces: no network, no earlier IPC
+        confinement.reset_pids(slot.last_pid)  # namespaces: the code is PID 2 again, whatever the last call forked
         workdir = confinement.fresh_scratch(slot.max_file_mb, slot.keep, slot.uid)  # the file view: empty scratch tmpfs
-        group = slot.cgroups.prepare(f"call-{slot.token}-{number}")  # limits: the call's memory and pids cgroup
+        # limits: the call's memory and pids cgroup; unprivileged where none can be had, the slot watches its memory
+        group = slot.cgroups.prepare(f"call-{slot.token}-{number}") if slot.cgroups else confinement.MemoryWatch()
     else:
         workdir, group = confinement.plain_workdir(slot.uid), None  # plain: a temporary folder, no cgroup
     try:
@@ -93,7 +96,7 @@ def serve_call(slot, number: int) -> bool:
     finally:
         if group is not None:
             group.remove()  # its network and IPC namespaces went with the call's last process
-        if slot.mode != "namespaces":  # in namespaces the tmpfs goes with the next call or the slot
+        if slot.mode == "plain":  # in namespaces the tmpfs goes with the next call or the slot
             shutil.rmtree(workdir, ignore_errors=True)
 
 
@@ -103,9 +106,11 @@ def code_process(request_fd: int, files: runner.CallFiles, workdir: str, slot, g
     It reads its own request, so the code and its output never enter the slot's memory,
     which later calls inherit.
     """
-    request = runner.take_request(request_fd, files)  # the slot learns only the time limit and the output cap
+    request = runner.take_request(request_fd, files)  # the slot learns only the time limit and the output and memory caps
     if group is not None:
         group.join(request["memory_mb"], request["max_processes"])  # limits: the cgroup, joined while still root
+    if slot.mode != "plain":  # namespaces: its own view of cgroups; userns: also a user namespace, uid 65534, no capability
+        confinement.enter_call_namespaces(userns=slot.mode == "userns")
     runner.detach(workdir)  # a session of its own, stdin /dev/null, no descriptor of the sandbox, in the work dir
     runner.set_rlimits(request, slot.uid, slot.mode)  # limits: address space, CPU time, file size, processes
     runner.drop_privileges(slot.uid)  # an unprivileged uid, no_new_privs, death with the slot
@@ -135,28 +140,48 @@ class ExecResult:
 class SandboxConfig:
     """How code runs. Defaults suit math code written by a policy under RL."""
 
-    backend: str = "local"  # "local" (fork server, no daemon) or "docker"
+    backend: str = "local"  # "local" (fork server, no daemon), "docker" or "sandboxfusion" (HTTP servers at `urls`)
     timeout: float = 10.0  # wall-clock seconds; math code needing more is nearly always a runaway loop, and a rollout waits for its slowest call
     memory_mb: int = 1024  # address-space cap and the call's memory cgroup (local), or container memory (docker); the warm interpreter itself maps about 170 MB of it
     max_output_bytes: int = 64 * 1024  # bytes of each of stdout and stderr that come back (head and tail); the model sees 256 characters anyway
     max_file_mb: int = 16  # largest stream or file the code may write; a print flood is killed here
     max_processes: int = 64  # processes and threads per call; stops fork bombs, leaves room for a thread pool
     concurrency: int = dataclasses.field(default_factory=lambda: os.cpu_count() or 2)  # calls at once; math code is CPU-bound, so one per core
-    isolation: str = "namespaces"  # local only: "namespaces" (root) or "plain" (weaker, explicit: see docs/02-sandbox.md)
+    isolation: str = "namespaces"  # local only: "namespaces" (as root, or in a user namespace when not) or "plain" (weaker, explicit: docs/02-isolation.md)
     preload: tuple[str, ...] = ("math", "numpy", "sympy")  # imported once by the warm interpreter; missing ones are skipped
     python: str = sys.executable  # local only: the interpreter of the fork server
     image: str = DEFAULT_IMAGE  # docker only: built by 02-sandbox/build_image.sh or the Dockerfile
     docker_cpus: float = 1.0  # docker only: CPU share of one container
     docker_warm: int | None = None  # docker only: containers started ahead of need; None means `concurrency`
+    urls: tuple[str, ...] = ()  # sandboxfusion only: servers of SandboxFusion's /run_code (serve.py or the real one); calls go to the least busy
+    token: str | None = dataclasses.field(default=None, repr=False)  # sandboxfusion only: sent as a bearer token; None reads $SANDBOX_TOKEN
 
     def __post_init__(self) -> None:
-        if self.backend not in ("local", "docker"):
-            raise ValueError(f"backend must be 'local' or 'docker', got {self.backend!r}")
+        if self.backend not in ("local", "docker", "sandboxfusion"):
+            raise ValueError(f"backend must be 'local' or 'docker', or 'sandboxfusion' with urls, got {self.backend!r}")
+        if self.backend == "sandboxfusion" and not (self.urls and all(u.startswith(("http://", "https://")) for u in self.urls)):
+            raise ValueError(f"urls must name at least one http:// or https:// server for backend 'sandboxfusion', got {self.urls!r}")
         if self.isolation not in ("namespaces", "plain"):
             raise ValueError(f"isolation must be 'namespaces' or 'plain' (weaker isolation is never chosen for you), got {self.isolation!r}")
-        for name in ("timeout", "memory_mb", "max_output_bytes", "max_file_mb", "max_processes", "concurrency", "docker_cpus"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)!r}")
+        for name in _RANGES:  # here, not later in a slot, where a bad value would fail every call or leave state behind
+            if not (name == "docker_warm" and self.docker_warm is None):
+                _check_range(name, getattr(self, name))
+
+
+_RANGES = {  # setting: (type, smallest, largest); a number (float) must be above 0, an integer at least `smallest`
+    "timeout": (float, 0, 86400.0), "memory_mb": (int, 1, 1 << 24), "max_output_bytes": (int, 1, 1 << 30),
+    "max_file_mb": (int, 1, 1 << 20), "max_processes": (int, 1, 1 << 22), "concurrency": (int, 1, 1024),
+    "docker_cpus": (float, 0, 1024.0), "docker_warm": (int, 0, 1024),
+}
+
+
+def _check_range(name: str, value) -> None:
+    """Bools are not numbers here; nan and inf are out of range."""
+    kind, low, high = _RANGES[name]
+    if isinstance(value, bool) or not isinstance(value, (int, float) if kind is float else int) \
+            or not (low < value if kind is float else low <= value) or not value <= high:
+        floor = "positive" if kind is float or low > 0 else f"{low} or more"
+        raise ValueError(f"{name} must be {floor}, {'a number' if kind is float else 'an integer'} of at most {high}, got {value!r}")
 
 
 class SandboxError(RuntimeError):
@@ -167,7 +192,7 @@ class Sandbox:
     """Runs code in fresh, contained processes. Thread-safe; also a context manager.
 
     A backend has four methods: execute(request) -> answer dict, ready() (waits until
-    calls can run), isolation() ("namespaces", "plain" or "container") and close().
+    calls can run), isolation() ("namespaces", "userns", "plain", "container" or "remote") and close().
     """
 
     def __init__(self, config: SandboxConfig | None = None) -> None:
@@ -177,6 +202,10 @@ class Sandbox:
             from local_backend import LocalBackend
 
             self._backend = LocalBackend(self.config, SandboxError, lambda code: _request(code, self.config))
+        elif self.config.backend == "sandboxfusion":
+            from sandboxfusion_backend import SandboxFusionBackend  # over HTTP: docs/02-service.md
+
+            self._backend = SandboxFusionBackend(self.config, SandboxError)
         else:
             from docker_backend import DockerBackend
 
@@ -189,8 +218,8 @@ class Sandbox:
         """
         if not isinstance(code, str):
             raise TypeError(f"code must be a str, got {type(code).__name__}")
-        if timeout is not None and not timeout > 0:
-            raise ValueError(f"timeout must be positive, got {timeout!r}")
+        if timeout is not None:
+            _check_range("timeout", timeout)
         request = _request(code, self.config)
         if timeout is not None:
             request["timeout"] = timeout
@@ -210,7 +239,7 @@ class Sandbox:
 
     @property
     def isolation(self) -> str:
-        """What contains the code: "namespaces", "plain" or "container"."""
+        """What contains the code: "namespaces" (root), "userns" (not root), "plain", "container", ... (docs/02-isolation.md)."""
         return self._backend.isolation()
 
     def close(self) -> None:
@@ -326,7 +355,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--backend", choices=["local", "docker"], default="local",
                         help="local (the fork server) or docker (default: %(default)s)")
     parser.add_argument("--isolation", choices=["namespaces", "plain"], default=SandboxConfig.isolation,
-                        help="local backend: namespaces (needs root) or the weaker plain (default: %(default)s)")
+                        help="local backend: namespaces (root's, or a user namespace's when not root) or the weaker plain (default: %(default)s)")
     parser.add_argument("--timeout", type=float, default=SandboxConfig.timeout, help="wall-clock seconds (default: %(default)s)")
     parser.add_argument("--memory-mb", type=int, default=SandboxConfig.memory_mb,
                         help="address-space cap and memory cgroup of the call, in MB (default: %(default)s)")

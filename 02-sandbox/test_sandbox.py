@@ -11,11 +11,14 @@ import glob
 import json
 import os
 import platform
+import pwd
 import re
+import shutil
 import socket
 import struct
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import uuid
@@ -24,7 +27,7 @@ import pytest
 
 import confinement
 from doc_pages import page, says
-from sandbox import LAB_ROOT, ExecResult, Sandbox, SandboxConfig, format_observation
+from sandbox import LAB_ROOT, ExecResult, Sandbox, SandboxConfig, SandboxError, format_observation
 
 
 def docker_unavailable() -> str:
@@ -764,6 +767,470 @@ def test_weaker_isolation_is_never_chosen_for_you():
     assert SandboxConfig().isolation == "namespaces"
 
 
+# ---------------------------------------------------------------- what a red team found, closed
+
+
+def test_pid_numbers_carry_nothing_from_one_call_to_the_next():
+    """A call that forks until the PID counter reaches a value cannot pass it on: every call starts at PID 2."""
+    needs_root()
+    sender = (
+        "import os\n"
+        "value = 77\n"  # a byte to send
+        "while True:\n"
+        "    pid = os.fork()\n"
+        "    if pid == 0:\n"
+        "        os._exit(0)\n"
+        "    os.waitpid(pid, 0)\n"
+        "    if pid % 256 == value - 1:\n"  # the next process the slot makes would get PID ...77
+        "        break\n"
+        "print(pid)\n"
+    )
+    receiver = "import os\nprint(os.getpid(), os.readlink('/proc/self'))"
+    with Sandbox(make_config("local", concurrency=1, preload=())) as sb:  # one slot: consecutive calls share it
+        for _ in range(2):
+            sent = sb.run(sender)
+            assert sent.ok and int(sent.stdout) % 256 == 76, sent
+            assert sb.run(receiver).stdout == "2 2\n"
+        r = sb.run("import os\nos.write(os.open('/proc/sys/kernel/ns_last_pid', os.O_WRONLY), b'500')")  # nor can it set it
+        assert format_observation(r).startswith("PermissionError"), r
+
+
+def test_concurrent_calls_cannot_signal_through_locks_or_notifications_on_shared_files():
+    """Every slot binds the same interpreter files: a lock one call holds (flock, fcntl, open-file locks) or an
+    access another call is told of (inotify, dnotify) would carry bits between concurrent calls. Each is EPERM."""
+    needs_root()
+    attempts = (
+        "import ctypes, errno, fcntl, os, struct, time\n"
+        "libc = ctypes.CDLL(None, use_errno=True)\n"
+        "shared = os.__file__\n"  # the interpreter's own file, the same inode in every slot
+        "fd = os.open(shared, os.O_RDONLY)\n"
+        "lock = struct.pack('hhqqi', fcntl.F_RDLCK, 0, 0, 0, 0)\n"
+        "tries = {\n"
+        "    'flock': lambda: fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB),\n"
+        "    'F_SETLK': lambda: fcntl.fcntl(fd, fcntl.F_SETLK, lock),\n"
+        "    'F_GETLK': lambda: fcntl.fcntl(fd, fcntl.F_GETLK, lock),\n"
+        "    'F_OFD_SETLK': lambda: fcntl.fcntl(fd, 37, lock),\n"
+        "    'F_NOTIFY': lambda: fcntl.fcntl(os.open(os.path.dirname(shared), os.O_RDONLY), 1026, 1),\n"
+        "    'inotify_init1': lambda: os.fdopen(libc.inotify_init1(0)) if libc.inotify_init1(0) >= 0 else "
+        "(_ for _ in ()).throw(OSError(ctypes.get_errno(), '')),\n"
+        "}\n"
+        "for name, attempt in tries.items():\n"
+        "    try:\n"
+        "        attempt()\n"
+        "        print(name, 'allowed')\n"
+        "    except OSError as e:\n"
+        "        print(name, errno.errorcode[e.errno])\n"
+        "print('F_GETFL', fcntl.fcntl(fd, fcntl.F_GETFL) >= 0)\n"  # ordinary fcntl still works
+        "time.sleep(0.5)\n"  # held while the other call tries
+    )
+    with Sandbox(make_config("local", concurrency=2, preload=())) as sb:
+        results = sb.run_many([attempts, attempts])  # two slots at once
+    for r in results:
+        assert r.ok, r
+        assert r.stdout.splitlines() == [f"{name} EPERM" for name in
+                                         ("flock", "F_SETLK", "F_GETLK", "F_OFD_SETLK", "F_NOTIFY", "inotify_init1")] + ["F_GETFL True"]
+
+
+@pytest.mark.parametrize("setting, value", [
+    ("timeout", float("inf")), ("timeout", float("nan")), ("memory_mb", True), ("memory_mb", 0.5), ("memory_mb", 2**62),
+    ("memory_mb", "1024"), ("max_processes", 1.5), ("max_file_mb", 0.25), ("concurrency", 0.5),
+    ("max_output_bytes", 0), ("docker_cpus", float("inf")),
+])
+def test_a_setting_of_the_wrong_type_or_range_is_refused_at_construction_naming_it(setting, value):
+    with pytest.raises(ValueError, match=f"^{setting} must be "):
+        SandboxConfig(**{setting: value})
+
+
+def test_a_timeout_per_call_out_of_range_is_refused_naming_it():
+    needs_root()
+    with Sandbox(make_config("local", concurrency=1, preload=())) as sb:
+        for bad in (float("inf"), 0, True):
+            with pytest.raises(ValueError, match="^timeout must be "):
+                sb.run("print(1)", timeout=bad)
+        assert_still_answers(sb)
+
+
+def test_a_refused_sandbox_leaves_nothing_behind(tmp_path, monkeypatch):
+    """A setting refused at construction, an interpreter that does not exist or exits at once: no server folder
+    (made under tempfile's folder, here a private one) and no cgroup is left."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    with pytest.raises(ValueError, match="^concurrency must be"):
+        Sandbox(make_config("local", concurrency=0.5))
+    with pytest.raises(SandboxError, match="cannot start the fork server with /nonexistent"):
+        Sandbox(make_config("local", python="/nonexistent"))
+    with pytest.raises(SandboxError, match="fork server did not start|cannot start the fork server"):
+        Sandbox(make_config("local", python="/bin/false")).run("print(1)")  # an interpreter that exits at once
+    assert eventually(lambda: not any(tmp_path.iterdir())), list(tmp_path.iterdir())
+
+
+def test_a_temporary_folder_deeper_than_a_unix_socket_path_still_works_and_is_left_clean(tmp_path, monkeypatch):
+    """A run's private TMPDIR, nested under pytest's, can pass the 107 bytes of an AF_UNIX path."""
+    needs_root()
+    deep = tmp_path / ("d" * 120)
+    deep.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(deep))
+    with Sandbox(make_config("local", concurrency=1, preload=())) as sb:
+        assert_still_answers(sb)
+        server_pid = sb._backend._server._proc.pid
+    groups = [f"{folder}/tool-rl-lab-sandbox-{server_pid}" for folder in confinement._find_cgroups()[1]]
+    assert eventually(lambda: not any(deep.iterdir()) and not any(os.path.exists(group) for group in groups))
+
+
+def one_local_call(code: str) -> ExecResult:
+    """One call in a sandbox of its own (local backend, one slot, nothing preloaded)."""
+    needs_root()
+    with Sandbox(make_config("local", concurrency=1, preload=())) as sb:
+        return sb.run(code)
+
+
+def test_only_ordinary_socket_families_can_be_created():
+    """AF_VSOCK reaches the hypervisor whatever the network namespace; families off the list fail."""
+    r = one_local_call(
+        "import errno, socket\n"
+        "for name, family in [('AF_UNIX', 1), ('AF_INET', 2), ('AF_INET6', 10), ('AF_NETLINK', 16),\n"
+        "                     ('AF_PACKET', 17), ('AF_ALG', 38), ('AF_VSOCK', 40), ('AF_BLUETOOTH', 31)]:\n"
+        "    try:\n"
+        "        socket.socket(family, socket.SOCK_DGRAM if name != 'AF_UNIX' else socket.SOCK_STREAM).close()\n"
+        "        print(name, 'ok')\n"
+        "    except OSError as e:\n"
+        "        print(name, errno.errorcode[e.errno])\n"
+    )
+    assert r.ok, r
+    assert r.stdout.split("\n")[:8] == ["AF_UNIX ok", "AF_INET ok", "AF_INET6 ok", "AF_NETLINK ok", "AF_PACKET EAFNOSUPPORT",
+                                         "AF_ALG EAFNOSUPPORT", "AF_VSOCK EAFNOSUPPORT", "AF_BLUETOOTH EAFNOSUPPORT"]
+
+
+def test_the_code_sees_no_host_cgroup_path_and_may_use_every_core():
+    """/proc/self/cgroup is the call's own view; CPU is shared, not capped, as docs/02 says."""
+    r = one_local_call("import os\nprint(sorted({line.split(':', 2)[2].strip() for line in open('/proc/self/cgroup')}))\n"
+                       "print(len(os.sched_getaffinity(0)))")
+    assert r.ok and r.stdout == f"['/']\n{len(os.sched_getaffinity(0))}\n", r
+    says("02-isolation.md", "a runaway call takes as many cores as it runs processes")
+
+
+# ---------------------------------------------------------------- not root: the same containment from a user namespace
+
+UNPRIVILEGED = "nobody"  # the user the tests run the sandbox as, from a root test run
+# Run as that user with a Python it can read (the standard library only, as Debian's /usr/bin/python3):
+# one Sandbox(memory_mb=256), the probes in order, and after some of them what the user itself sees on
+# the machine right after the call (its processes, its files), printed as one JSON line.
+UNPRIVILEGED_DRIVER = r"""
+import json, os, socket, sys
+folder, probes = sys.argv[1], json.loads(sys.stdin.read())
+sys.path.insert(0, folder)
+from sandbox import Sandbox, SandboxConfig, format_observation
+
+def processes_named(name):
+    found = []
+    for entry in os.listdir('/proc'):
+        try:
+            with open(f'/proc/{entry}/comm') as f:
+                found += [int(entry)] if f.read().strip() == name else []
+        except (OSError, ValueError):
+            pass
+    return found
+
+out = {'results': {}, 'after': {}, 'control': {}}
+control = probes.pop('control')
+out['control']['secret'] = open(control['secret']).read()  # the user itself may read its file ...
+socket.create_connection(('127.0.0.1', control['port']), timeout=5).close()  # ... and reach the listener
+out['control']['listener'] = 'connected'
+out['control']['environment'] = os.environ.get('HF_TOKEN')
+with Sandbox(SandboxConfig(memory_mb=256, concurrency=1, timeout=20)) as sb:
+    out['isolation'] = sb.isolation
+    for name, (code, timeout, marker, paths) in probes.items():
+        r = sb.run(code, timeout=timeout)
+        out['results'][name] = dict(ok=r.ok, stdout=r.stdout, timed_out=r.timed_out, observation=format_observation(r))
+        out['after'][name] = dict(processes=processes_named(marker) if marker else [],
+                                  paths=[p for p in paths if os.path.lexists(p)])
+print(json.dumps(out))
+"""
+
+
+def unprivileged_unavailable() -> str:
+    """Why the sandbox cannot be run as an unprivileged user from here ('' when it can)."""
+    if os.geteuid() != 0:
+        return f"the unprivileged tests switch to {UNPRIVILEGED!r} (runuser), which needs a root test run"
+    if not shutil.which("runuser"):
+        return "runuser (util-linux) is not installed"
+    try:
+        pwd.getpwnam(UNPRIVILEGED)
+    except KeyError:
+        return f"no user {UNPRIVILEGED!r} on this machine"
+    python = readable_python()
+    done = subprocess.run(["runuser", "-u", UNPRIVILEGED, "--", python, "-I", "-c",
+                           "import ctypes, os; libc = ctypes.CDLL(None, use_errno=True)\n"
+                           "print(libc.unshare(0x10000000), os.strerror(ctypes.get_errno()))"],
+                          capture_output=True, text=True, cwd="/", timeout=60)
+    if not done.stdout.startswith("0 "):
+        return f"the kernel refuses {UNPRIVILEGED!r} a user namespace ({(done.stdout or done.stderr).strip()})"
+    return ""
+
+
+def as_unprivileged(python: str, folder: str, script: str, stdin: str = "", env: dict | None = None, timeout: float = 300):
+    """Run a Python script as UNPRIVILEGED with the sandbox's modules (copied into folder) on its path."""
+    return subprocess.run([shutil.which("runuser"), "-u", UNPRIVILEGED, "--", python, "-I", "-c", script, folder], input=stdin,
+                          capture_output=True, text=True, cwd="/", timeout=timeout,
+                          env={"PATH": "/usr/bin:/bin", **(env or {})})
+
+
+@pytest.fixture(scope="module")
+def unprivileged_folder():
+    """A folder the unprivileged user may read, with a copy of the sandbox's modules, one of its own files
+    (mode 0600) and one folder it may write; removed after."""
+    reason = unprivileged_unavailable()
+    if reason:
+        pytest.skip(reason)
+    import local_backend
+
+    user = pwd.getpwnam(UNPRIVILEGED)
+    folder = tempfile.mkdtemp(prefix="sbx-unprivileged-")
+    os.chmod(folder, 0o755)
+    for name in set(local_backend._SERVER_MODULES) | {"local_backend", "sandbox"}:
+        shutil.copy(os.path.join(os.path.dirname(confinement.__file__), f"{name}.py"), folder)
+        os.chmod(os.path.join(folder, f"{name}.py"), 0o644)
+    own = os.path.join(folder, "own")  # the user's own things on the machine
+    os.mkdir(own, 0o700)
+    with open(os.path.join(own, "answers.txt"), "w") as f:
+        f.write("42")
+    for path in (own, os.path.join(own, "answers.txt")):
+        os.chown(path, user.pw_uid, user.pw_gid)
+    yield readable_python(), folder
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def unprivileged(unprivileged_folder):
+    """The probes, run by the unprivileged user in one Sandbox; what the code saw, what the user saw after
+    each call, and what this (root) process saw: the listener's connections, leftover files and processes."""
+    python, folder = unprivileged_folder
+    own, secret = os.path.join(folder, "own"), "hf_" + uuid.uuid4().hex
+    daemon, bomb, host_process = marker(), marker(), marker()
+    listener = socket.create_server(("127.0.0.1", 0))
+    abstract = socket.socket(socket.AF_UNIX)
+    abstract.bind(f"\0{host_process}")  # an abstract Unix socket of the machine's network namespace
+    abstract.listen()
+    outside = [os.path.join(own, "escaped"), f"/tmp/{daemon}", f"/dev/shm/{daemon}", f"/var/tmp/{daemon}",
+               os.path.join(folder, "escaped")]
+    probe = {
+        "control": {"secret": os.path.join(own, "answers.txt"), "port": listener.getsockname()[1]},
+        "identity": ("import ctypes, errno, fcntl, os\n"
+                     "status = dict(line.split(':', 1) for line in open('/proc/self/status').read().splitlines())\n"
+                     "print(os.getuid(), os.geteuid(), os.getgid(), *(status[k].strip() for k in ('CapEff', 'NoNewPrivs', 'Seccomp')))\n"
+                     "libc = ctypes.CDLL(None, use_errno=True)\n"
+                     "tries = {'setuid(0)': lambda: os.setuid(0), 'setgroups': lambda: os.setgroups([0]),\n"
+                     "         'flock': lambda: fcntl.flock(os.open(os.__file__, os.O_RDONLY), fcntl.LOCK_SH),\n"
+                     "         'ns_last_pid': lambda: os.write(os.open('/proc/sys/kernel/ns_last_pid', os.O_WRONLY), b'9'),\n"
+                     "         'unshare(user)': lambda: libc.unshare(0x10000000) and (_ for _ in ()).throw(OSError(ctypes.get_errno(), ''))}\n"
+                     "for name, attempt in tries.items():\n"
+                     "    try:\n"
+                     "        attempt()\n"
+                     "        print(name, 'allowed')\n"
+                     "    except OSError as e:\n"
+                     "        print(name, errno.errorcode[e.errno])\n", None, None, []),
+        "files": ("import os\n"
+                  f"for path in {[os.path.join(own, 'answers.txt'), own, folder, LAB_ROOT, '/root', '/home', pwd.getpwnam(UNPRIVILEGED).pw_dir]!r}:\n"
+                  "    try:\n"
+                  "        print(open(path).read() if os.path.isfile(path) else os.listdir(path))\n"
+                  "    except OSError as e:\n"
+                  "        print(type(e).__name__)\n", None, None, []),
+        "environment": ("import glob, os\nprint(dict(os.environ))\n"
+                        "for path in glob.glob('/proc/*/environ'):\n"
+                        "    try:\n"
+                        "        print(open(path, 'rb').read())\n"
+                        "    except OSError:\n"
+                        "        pass\n", None, None, []),
+        "network": ("import socket\n"
+                    f"for family, address in [(socket.AF_INET, ('127.0.0.1', {listener.getsockname()[1]})),"
+                    f" (socket.AF_UNIX, '\\0{host_process}'), (socket.AF_INET, ('1.1.1.1', 443))]:\n"
+                    "    try:\n"
+                    "        s = socket.socket(family)\n"
+                    "        s.settimeout(2)\n"
+                    "        s.connect(address)\n"
+                    "        print('connected')\n"
+                    "    except OSError as e:\n"
+                    "        print(type(e).__name__, e.errno)\n", None, None, []),
+        "processes": ("import os\n"
+                      "seen = {}\n"
+                      "for entry in os.listdir('/proc'):\n"
+                      "    if entry.isdigit():\n"
+                      "        seen[int(entry)] = open(f'/proc/{entry}/comm').read().strip()\n"
+                      "print(os.getpid(), sorted(seen), sorted(set(seen.values())))\n"
+                      "for signum in (2, 14, 17, 9):\n"  # its supervisor, the caller's uid too: SIGINT, SIGALRM, SIGCHLD, SIGKILL
+                      "    os.kill(1, signum)\n"
+                      "try:\n"
+                      "    os.kill(-1, 0)\n"  # every process it may signal, but itself
+                      "except OSError as e:\n"
+                      "    print(type(e).__name__)\n", None, None, []),
+        "write": ("import os\n"
+                  f"for path in {outside!r}:\n"
+                  "    try:\n"
+                  "        open(path, 'w').write('escaped')\n"
+                  "    except OSError:\n"
+                  "        pass\n"
+                  "open('inside.txt', 'w').write('fine')\nprint(open('inside.txt').read())\n", None, None, outside),
+        "leave": ("import ctypes, os, socket\n"
+                  "for path in ('/tmp/left', '/var/tmp/left', '/dev/shm/left', 'left'):\n"
+                  "    open(path, 'w').write('x')\n"
+                  "print(ctypes.CDLL(None).semget(0x5A5A5A, 1, 0o1000 | 0o600) >= 0)\n"
+                  "s = socket.socket(socket.AF_UNIX)\ns.bind('\\0sbx-left')\n"
+                  "pid = os.fork()\nif pid == 0:\n    os._exit(0)\nos.waitpid(pid, 0)\n"  # the PID counter moves on
+                  "print('left')\n", None, None, []),
+        "find": ("import ctypes, os, socket\n"
+                 "print(os.getpid(), os.listdir('/tmp'), os.listdir('/var/tmp'), os.listdir('/dev/shm'), os.listdir('.'),\n"
+                 "      ctypes.CDLL(None).semget(0x5A5A5A, 0, 0) >= 0)\n"
+                 "s = socket.socket(socket.AF_UNIX)\ns.bind('\\0sbx-left')\nprint('bound')\n", None, None, []),
+        "heap": ("x = bytearray(512 * 1024**2)", None, None, []),
+        "memfd": ("import os\nos.memfd_create('hold')", None, None, []),
+        "shm": ("import ctypes, errno\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+                "print(libc.shmget(0, 64 * 1024**2, 0o1000 | 0o600), errno.errorcode[ctypes.get_errno()])", None, None, []),
+        "processes_memory": ("import os, time\n"  # 4 processes of 100 MB: each under RLIMIT_AS, together over the cap
+                             "for _ in range(3):\n"
+                             "    if os.fork() == 0:\n"
+                             "        break\n"
+                             "held = bytearray(100 * 1024**2)\n"
+                             "held[::4096] = b'x' * len(held[::4096])\n"
+                             "print('holding', flush=True)\n"
+                             "time.sleep(30)\n", None, None, []),
+        "tmpfs": ("import os\nwritten = 0\n"
+                  "try:\n"
+                  "    for i in range(100):\n"
+                  "        with open(f'/dev/shm/{i}', 'wb') as f:\n"
+                  "            f.write(b'x' * 8 * 1024**2)\n"
+                  "        written += 8\n"
+                  "except OSError as e:\n"
+                  "    print(written, type(e).__name__, e.errno)\n", None, None, []),
+        "daemon": ("import ctypes, os, time\n"
+                   "ready_r, ready_w = os.pipe()\n"
+                   "if os.fork() == 0:\n"
+                   "    os.setsid()\n"
+                   "    if os.fork() == 0:\n"
+                   f"        ctypes.CDLL(None).prctl(15, b'{daemon}')\n"
+                   "        os.write(ready_w, b'x')\n"
+                   "        time.sleep(1000)\n"
+                   "    os._exit(0)\n"
+                   "os.read(ready_r, 1)\nprint('daemon started')\n", None, daemon, []),
+        "fork_bomb": ("import ctypes, os\n"
+                      f"ctypes.CDLL(None).prctl(15, b'{bomb}')\n"
+                      "while True:\n"
+                      "    try:\n"
+                      "        os.fork()\n"
+                      "    except OSError:\n"
+                      "        pass\n", SHORT, bomb, []),
+        "loop": ("while True:\n    pass", SHORT, None, []),
+        "after": ("print(6 * 7)", None, None, []),
+    }
+    probes = {name: value if name == "control" else list(value) for name, value in probe.items()}
+    host = subprocess.Popen([python, "-c", f"import ctypes, time; ctypes.CDLL(None).prctl(15, b'{host_process}'); "
+                             "time.sleep(600)"], user=UNPRIVILEGED)  # one of the user's processes on the machine
+    try:
+        done = as_unprivileged(unprivileged_folder[0], folder, UNPRIVILEGED_DRIVER, json.dumps(probes), {"HF_TOKEN": secret})
+        listener.setblocking(False)
+        accepted = []
+        while True:
+            try:
+                accepted.append(listener.accept()[0].close())
+            except BlockingIOError:
+                break
+    finally:
+        host.kill()
+        host.wait()
+        listener.close()
+        abstract.close()
+    assert done.returncode == 0, done.stderr
+    out = json.loads(done.stdout)
+    out.update(secret=secret, accepted=len(accepted), outside=outside, folder=folder,
+               leftovers=[p for p in outside if os.path.lexists(p)], survivors=processes_named(daemon) + processes_named(bomb))
+    return out
+
+
+def test_unprivileged_the_isolation_is_a_user_namespace_and_the_controls_work(unprivileged):
+    assert unprivileged["isolation"] == "userns"
+    assert unprivileged["control"] == {"secret": "42", "listener": "connected", "environment": unprivileged["secret"]}
+
+
+def test_unprivileged_the_code_is_not_the_user_has_no_capability_and_cannot_become_root(unprivileged):
+    r = unprivileged["results"]["identity"]
+    assert r["ok"], r
+    assert r["stdout"].splitlines() == ["65534 65534 65534 0000000000000000 1 2", "setuid(0) EINVAL", "setgroups EPERM",
+                                        "flock EPERM", "ns_last_pid EPERM", "unshare(user) EPERM"]
+
+
+def test_unprivileged_the_code_cannot_read_the_users_files_or_environment(unprivileged):
+    r = unprivileged["results"]["files"]
+    assert r["ok"] and r["stdout"].split() == ["FileNotFoundError"] * 7, r
+    r = unprivileged["results"]["environment"]
+    assert r["ok"] and unprivileged["secret"] not in r["stdout"] and "HF_TOKEN" not in r["stdout"], r
+
+
+def test_unprivileged_the_code_reaches_no_host_listener(unprivileged):
+    r = unprivileged["results"]["network"]
+    assert r["ok"] and r["stdout"].split("\n")[:3] == ["OSError 101", "ConnectionRefusedError 111", "OSError 101"], r
+    assert unprivileged["accepted"] == 1  # the user's own control connection, nothing from the code
+
+
+def test_unprivileged_the_code_sees_and_signals_only_its_own_processes(unprivileged):
+    r = unprivileged["results"]["processes"]
+    assert r["ok"], r
+    own_pid, pids, names = r["stdout"].split(" ", 2)
+    assert own_pid == "2" and pids == "[2]" and names.startswith("['python"), r  # not its supervisor, nor the machine's
+    # Its signals to its supervisor (PID 1 of the call's namespace, with no handler) are dropped, and there is
+    # no other process it may signal; the sandbox answers on.
+    assert r["stdout"].splitlines()[1:] == ["ProcessLookupError"]
+    assert unprivileged["results"]["after"]["ok"]
+
+
+def test_unprivileged_nothing_is_written_outside_the_call_and_nothing_is_left_for_the_next(unprivileged):
+    assert unprivileged["results"]["write"]["stdout"] == "fine\n"
+    assert unprivileged["after"]["write"]["paths"] == [] and unprivileged["leftovers"] == []
+    assert unprivileged["results"]["leave"]["stdout"] == "True\nleft\n"
+    assert unprivileged["results"]["find"]["stdout"] == "2 ['work'] [] [] [] False\nbound\n"
+
+
+def test_unprivileged_memory_past_the_cap_fails_on_the_heap_in_memfds_shm_processes_and_files(unprivileged):
+    results = unprivileged["results"]
+    assert results["heap"]["observation"] == "MemoryError"
+    assert results["memfd"]["observation"] == "PermissionError: [Errno 1] Operation not permitted"
+    assert results["shm"]["stdout"] == "-1 EPERM\n"
+    r = results["processes_memory"]  # four processes, each under RLIMIT_AS: the slot's watch stops the call
+    assert not r["timed_out"] and r["observation"] == "MemoryError: the call used more than its 256 MB and was killed", r
+    written, error, errno = results["tmpfs"]["stdout"].split()
+    assert int(written) <= 4 * SandboxConfig.max_file_mb and (error, errno) == ("OSError", "28"), results["tmpfs"]
+
+
+def test_unprivileged_no_process_outlives_its_call_and_runaway_code_stops_at_the_timeout(unprivileged):
+    assert unprivileged["results"]["daemon"]["stdout"] == "daemon started\n"
+    assert unprivileged["after"]["daemon"]["processes"] == []  # as the user sees the machine, right after the call
+    assert unprivileged["results"]["fork_bomb"]["timed_out"] and unprivileged["after"]["fork_bomb"]["processes"] == []
+    assert unprivileged["results"]["loop"]["timed_out"]
+    assert unprivileged["results"]["loop"]["observation"] == f"TimeoutError: execution exceeded the {SHORT:g} s time limit"
+    assert unprivileged["survivors"] == []
+    assert unprivileged["results"]["after"]["stdout"] == "42\n"
+
+
+def test_unprivileged_where_the_kernel_refuses_user_namespaces_the_sandbox_refuses_in_one_line(unprivileged_folder):
+    """Simulated with the lab's own seccomp filter (as a container's profile would): unshare is denied."""
+    python, folder = unprivileged_folder
+    own_tmp = os.path.join(folder, "own", "tmp")  # the user's TMPDIR, where a server folder would be left
+    os.mkdir(own_tmp, 0o700)
+    user = pwd.getpwnam(UNPRIVILEGED)
+    os.chown(own_tmp, user.pw_uid, user.pw_gid)
+    done = as_unprivileged(python, folder, (
+        "import sys\nsys.path.insert(0, sys.argv[1])\n"
+        "import confinement\nfrom sandbox import Sandbox, SandboxConfig, SandboxError\n"
+        "confinement.prctl(confinement.PR_SET_NO_NEW_PRIVS, 1)\n"
+        "confinement.install_seccomp(confinement.seccomp_program())\n"
+        "try:\n"
+        "    Sandbox(SandboxConfig(concurrency=1)).run('print(1)')\n"
+        "except SandboxError as e:\n"
+        "    print(e)\n"), env={"TMPDIR": own_tmp})
+    message = done.stdout.strip()
+    assert "\n" not in message and message.startswith("isolation='namespaces' cannot be set up here: "), done
+    for named in ("user namespace", "Nothing was run", "as root", "backend='docker'", "isolation='plain'"):
+        assert named in message, message
+    assert os.listdir(own_tmp) == []
+
+
 # ---------------------------------------------------------------- what the model sees
 
 
@@ -801,7 +1268,7 @@ def test_an_unknown_style_or_backend_is_a_clear_error():
         format_observation(result(), "json")
     with pytest.raises(ValueError, match="backend must be"):
         SandboxConfig(backend="k8s")
-    with pytest.raises(ValueError, match="timeout must be positive"):
+    with pytest.raises(ValueError, match="timeout must be positive, a number of at most 86400"):
         SandboxConfig(timeout=0)
 
 
@@ -832,13 +1299,23 @@ def test_the_page_states_the_defaults_and_constants_of_the_code():
          "| " + ", ".join(f"`{path}`" for path in confinement.SCRATCH_DIRS) + " | fresh size-capped tmpfs per call",
          ", ".join(f"`{os.path.basename(device)}`" for device in confinement.DEVICES) + " (bound)",
          ", ".join(f"`{file}`" for file in confinement._ETC) + " written by the sandbox")
-    says(name, f"knows the system-call numbers of {' and '.join(confinement._TABLES)}",
-         f"the tests call {NUMBER_WORDS[len(SECCOMP_DENIED)]} of the denied calls")
+    says(name, f"the tests call {NUMBER_WORDS[len(SECCOMP_DENIED)]} of the denied calls")
+    says("02-isolation.md", f"knows the system-call numbers of {' and '.join(confinement._TABLES)}")
     if platform.machine() == "x86_64":
         says(name, f"{len(confinement.seccomp_program()) // 8} instructions on x86_64")
 
 
 NUMBER_WORDS = {12: "twelve", 13: "thirteen", 14: "fourteen", 15: "fifteen", 16: "sixteen"}
+
+
+def test_the_isolation_page_states_the_constants_of_the_code():
+    """docs/02-isolation restates the unprivileged path's constants and the filter's lists; built from the code."""
+    name = "02-isolation.md"
+    says(name, f"every {confinement.MemoryWatch.TICK * 1000:g} ms of the wait (`MemoryWatch.TICK`)",
+         f"the slot's watch of the whole call every {confinement.MemoryWatch.TICK * 1000:g} ms",
+         f"{confinement.SCRATCH_INODES} inodes", f"the code is uid {confinement.CALL_UID}",
+         ", ".join(f"`{call}`" for call in confinement.NO_CGROUP_DENIED[:-1]) + f" and `{confinement.NO_CGROUP_DENIED[-1]}`",
+         "allows only " + ", ".join(f"`{family}`" for family in confinement.SOCKET_FAMILIES))
 
 
 def test_the_page_states_what_format_observation_keeps():
@@ -861,7 +1338,7 @@ def test_the_page_states_the_limits_a_call_really_gets():
                    "print([int(line.split()[1]) // 1024 for line in open('/proc/self/status') if line.startswith('VmSize')][0])\n")
     cpu_s, scratch_mb, mapped_mb = map(int, r.stdout.split())
     says("02-sandbox.md", f"| (CPU time) | timeout + {cpu_s - int(cfg.timeout)} s |",
-         f"each scratch tmpfs holds {scratch_mb // cfg.max_file_mb} x `max_file_mb`")
+         f"the scratch tmpfs holds {scratch_mb // cfg.max_file_mb} x `max_file_mb`")
     stated = int(re.search(r"interpreter already maps about (\d+) MB", page("02-sandbox.md")).group(1))
     assert abs(mapped_mb - stated) <= stated // 4, f"a call starts with {mapped_mb} MB mapped; docs/02 says about {stated}"
     says("02-sandbox.md", f"leaves the code about {round(cfg.memory_mb - stated, -1)} MB")
