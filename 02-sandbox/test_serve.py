@@ -1,0 +1,344 @@
+"""The SandboxFusion-compatible service (serve.py) and the sandboxfusion backend, through real HTTP on loopback.
+
+Each test name says the rule. Servers run as `serve.py` processes, as a trainer
+would start them; they need the namespaces of the local sandbox, so as in
+test_sandbox.py they skip when not root. Only loopback addresses are used.
+"""
+from __future__ import annotations
+
+import base64
+import concurrent.futures
+import http.client
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.parse
+from pathlib import Path
+
+import pytest
+
+import sandboxfusion_backend
+import serve
+from doc_pages import says
+from sandbox import Sandbox, SandboxConfig, SandboxError
+
+SERVE = str(Path(serve.__file__).resolve())
+TOKEN = "t0ken-for-the-tests-only"
+MAX_REQUEST_KB = 64
+MAX_RUN_TIMEOUT = 2.0
+# SandboxFusion's RunCodeResponse and CommandRunResult, field for field.
+RESPONSE_FIELDS = {"status", "message", "compile_result", "run_result", "executor_pod_name", "files"}
+RUN_RESULT_FIELDS = {"status", "execution_time", "return_code", "stdout", "stderr"}
+
+
+def start_server(*args: str, token: str | None = None) -> tuple[subprocess.Popen, str]:
+    """serve.py on a free loopback port; (its process, its base URL) once it listens."""
+    env = {k: v for k, v in os.environ.items() if k != "SANDBOX_TOKEN"}
+    if token:
+        env["SANDBOX_TOKEN"] = token  # the way the page recommends: off the command line
+    return serve.start_process("--concurrency", "2", *args, env=env)
+
+
+def stop_server(proc: subprocess.Popen) -> str:
+    """SIGTERM, as a supervisor stops it; its last line counts every answer it gave."""
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=60)
+    return out
+
+
+def request(url: str, body=None, method: str = "POST", path: str = "/run_code", headers: dict | None = None,
+            raw: bytes | None = None, timeout: float = 60) -> tuple[int, object]:
+    """One HTTP request; (status, decoded JSON body)."""
+    parts = urllib.parse.urlsplit(url)
+    conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=timeout)
+    try:
+        data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
+        conn.request(method, path, body=data, headers={"Content-Type": "application/json", **(headers or {})})
+        response = conn.getresponse()
+        return response.status, json.loads(response.read())
+    finally:
+        conn.close()
+
+
+def run_code(url: str, code: str, **fields) -> dict:
+    status, body = request(url, {"code": code, "language": "python", **fields})
+    assert status == 200, body
+    return body
+
+
+@pytest.fixture(scope="module")
+def server():
+    if os.geteuid() != 0:
+        pytest.skip("serve.py runs the local sandbox, whose namespaces and cgroups need root")
+    proc, url = start_server("--max-request-kb", str(MAX_REQUEST_KB), "--max-run-timeout", str(MAX_RUN_TIMEOUT))
+    yield url
+    stop_server(proc)
+
+
+@pytest.fixture(scope="module")
+def token_server(server):
+    proc, url = start_server(token=TOKEN)
+    yield url
+    stop_server(proc)
+
+
+# --------------------------------------------------------------------------------------
+# Shapes: SandboxFusion's response for every kind of outcome
+# --------------------------------------------------------------------------------------
+
+
+def test_success_has_sandboxfusion_response_shape(server):
+    body = run_code(server, "print(1+1)")
+    assert set(body) == RESPONSE_FIELDS and set(body["run_result"]) == RUN_RESULT_FIELDS
+    assert body["status"] == "Success" and body["message"] == ""
+    assert body["compile_result"] is None and body["files"] == {}
+    run = body["run_result"]
+    assert run["status"] == "Finished" and run["return_code"] == 0
+    assert run["stdout"] == "2\n" and run["stderr"] == ""
+    assert isinstance(run["execution_time"], float) and 0 < run["execution_time"] < 10
+
+
+def test_an_exception_is_failed_finished_with_the_traceback_on_stderr(server):
+    body = run_code(server, "x = 1\n1/0")
+    assert body["status"] == "Failed" and body["message"] == ""
+    run = body["run_result"]
+    assert run["status"] == "Finished" and run["return_code"] == 1
+    assert 'line 2' in run["stderr"] and run["stderr"].endswith("ZeroDivisionError: division by zero\n")
+
+
+def test_exit_status_and_both_streams_come_back_apart(server):
+    run = run_code(server, "import sys\nprint('out')\nprint('err', file=sys.stderr)\nsys.exit(3)")["run_result"]
+    assert (run["status"], run["return_code"], run["stdout"], run["stderr"]) == ("Finished", 3, "out\n", "err\n")
+
+
+def test_timeout_is_time_limit_exceeded_with_no_return_code_and_the_reason_in_message(server):
+    body = run_code(server, "print('before', flush=True)\nimport time\ntime.sleep(30)", run_timeout=0.5)
+    run = body["run_result"]
+    assert body["status"] == "Failed" and run["status"] == "TimeLimitExceeded" and run["return_code"] is None
+    assert run["stdout"] == "before\n" and run["stderr"] == ""  # the code's own stderr: the reason is not the code's
+    assert body["message"] == "TimeoutError: execution exceeded the 0.5 s time limit"
+    assert 0.5 <= run["execution_time"] < 10
+
+
+def test_run_timeout_is_cut_to_the_servers_maximum(server):
+    start = time.monotonic()
+    body = run_code(server, "import time\ntime.sleep(60)", run_timeout=1000)
+    assert body["run_result"]["status"] == "TimeLimitExceeded"
+    assert body["message"] == f"TimeoutError: execution exceeded the {MAX_RUN_TIMEOUT:g} s time limit"
+    assert time.monotonic() - start < 30
+
+
+def test_a_signal_is_its_negative_return_code_with_the_reason_in_message(server):
+    body = run_code(server, "import os, signal\nos.kill(os.getpid(), signal.SIGKILL)")
+    assert body["status"] == "Failed" and body["run_result"]["return_code"] == -9
+    assert body["message"].startswith("Killed (SIGKILL)")
+
+
+def test_stdin_and_files_reach_the_code_and_tracebacks_keep_their_lines(server):
+    files = {"data/x.txt": base64.b64encode(b"from a file").decode(), "skipped.txt": None}
+    body = run_code(server, "a, b = map(int, input().split())\nprint(a + b)\nprint(open('data/x.txt').read())",
+                    stdin="3 4\n", files=files)
+    assert body["status"] == "Success" and body["run_result"]["stdout"] == "7\nfrom a file\n"
+    code = "import sys\ny = undefined_name"  # verl sends stdin "None" with every call: the prologue must not show
+    stderr = run_code(server, code, stdin="None")["run_result"]["stderr"]
+    assert stderr == run_code(server, code)["run_result"]["stderr"] and 'line 2' in stderr and "_run" not in stderr
+    assert run_code(server, "print(input())")["run_result"]["stderr"].endswith("EOFError: EOF when reading a line\n")
+
+
+def test_other_languages_and_fetch_files_are_a_sandbox_error_in_sandboxfusion_shape(server):
+    for fields in ({"language": "cpp"}, {"language": "nodejs"}, {"fetch_files": ["out.txt"]}):
+        status, body = request(server, {"code": "print(1)", "language": "python", **fields})
+        assert status == 200 and set(body) == RESPONSE_FIELDS
+        assert body["status"] == "SandboxError" and body["run_result"] is None and body["message"]
+    assert run_code(server, "print(3)", language="python3")["run_result"]["stdout"] == "3\n"
+
+
+# --------------------------------------------------------------------------------------
+# Bounds: malformed requests, size, token
+# --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("raw, method, path, expected", [
+    (b"print(1)", "POST", "/run_code", 400),  # not JSON
+    (b'["print(1)"]', "POST", "/run_code", 422),  # JSON, not an object
+    (b'{"language": "python"}', "POST", "/run_code", 422),  # no code
+    (b'{"code": "print(1)"}', "POST", "/run_code", 422),  # no language
+    (b'{"code": "print(1)", "language": "python", "run_timeout": "10"}', "POST", "/run_code", 422),
+    (b'{"code": "print(1)", "language": "python", "run_timeout": -1}', "POST", "/run_code", 422),
+    (b'{"code": "print(1)", "language": "python", "stdin": 5}', "POST", "/run_code", 422),
+    (b'{"code": "print(1)", "language": "python", "files": {"a": "not base64!"}}', "POST", "/run_code", 422),
+    (b'{"code": "print(1)", "language": "python"}', "POST", "/run", 404),
+    (None, "GET", "/run_code", 405),
+])
+def test_a_malformed_request_gets_a_clear_4xx_and_the_server_goes_on(server, raw, method, path, expected):
+    status, body = request(server, raw=raw, method=method, path=path)
+    assert status == expected and body["detail"]
+    assert run_code(server, "print(1)")["status"] == "Success"
+
+
+def test_a_request_without_content_length_gets_411(server):
+    parts = urllib.parse.urlsplit(server)
+    with socket.create_connection((parts.hostname, parts.port), timeout=30) as conn:
+        conn.sendall(b"POST /run_code HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert conn.makefile("rb").readline().split()[1] == b"411"
+
+
+def test_a_request_over_the_size_limit_gets_413_unread(server):
+    code = "#" * (MAX_REQUEST_KB * 1024) + "\nprint(1)"
+    status, body = request(server, {"code": code, "language": "python"})
+    assert status == 413 and str(MAX_REQUEST_KB * 1024) in body["detail"]
+    status, body = request(server, {"code": code[-(MAX_REQUEST_KB * 1024 - 100):], "language": "python"})
+    assert status == 200 and body["run_result"]["stdout"] == "1\n"  # just under the limit runs
+
+
+def test_a_token_server_answers_401_without_its_token(token_server):
+    status, body = request(token_server, {"code": "print(1)", "language": "python"})
+    assert status == 401 and "token" in body["detail"]
+    wrong = {"Authorization": "Bearer " + TOKEN[:-1] + "x"}
+    assert request(token_server, {"code": "print(1)", "language": "python"}, headers=wrong)[0] == 401
+    status, body = request(token_server, {"code": "print(1)", "language": "python"}, headers={"Authorization": f"Bearer {TOKEN}"})
+    assert status == 200 and body["status"] == "Success"
+    status, body = request(token_server, {"code": "print(1)", "language": "python"}, path=f"/run_code?token={TOKEN}")
+    assert status == 200 and body["status"] == "Success"  # for clients that cannot set headers (verl, ToRL)
+    assert request(token_server, method="GET", path="/v1/ping") == (200, "pong")  # health checks run nothing
+
+
+def test_a_non_loopback_address_is_refused_at_start_without_a_token():
+    env = {k: v for k, v in os.environ.items() if k != "SANDBOX_TOKEN"}
+    for args in (["--host", "0.0.0.0"], ["--host", ""], ["--host", "0.0.0.0", "--token", "short"]):
+        done = subprocess.run([sys.executable, SERVE, "--port", "0", *args], capture_output=True, text=True,
+                              env=env, timeout=60)
+        assert done.returncode == 2 and done.stdout == ""
+        assert len(done.stderr.strip().splitlines()) == 1 and "token" in done.stderr
+
+
+def test_only_loopback_addresses_count_as_loopback():
+    assert all(serve.is_loopback(h) for h in ("127.0.0.1", "127.8.9.10", "::1", "localhost"))
+    assert not any(serve.is_loopback(h) for h in ("0.0.0.0", "", "::", "10.0.0.1", "192.168.1.1", "sandbox.example"))
+
+
+# --------------------------------------------------------------------------------------
+# The sandboxfusion backend: Sandbox.run over HTTP
+# --------------------------------------------------------------------------------------
+
+ROUND_TRIP = [
+    "print(1+1)",
+    "import sympy\nprint(sympy.factorint(2**64-1))",
+    "x = 1\n1/0",
+    "import sys\nprint('out')\nprint('err', file=sys.stderr, end='')\nsys.exit(3)",
+    "print('before', flush=True)\nimport time\ntime.sleep(30)",
+    "import os, signal\nos.kill(os.getpid(), signal.SIGKILL)",
+    "print('x' * 200_000)",
+]
+
+
+def test_the_backend_round_trip_gives_the_in_process_sandboxs_results(server):
+    config = dict(timeout=1.0, concurrency=2)
+    with Sandbox(SandboxConfig(**config)) as local, \
+            Sandbox(SandboxConfig(backend="sandboxfusion", urls=(server,), **config)) as remote:
+        assert remote.isolation == "remote"
+        for code in ROUND_TRIP:
+            a, b = local.run(code), remote.run(code)
+            fields = ("ok", "stdout", "stderr", "returncode", "timed_out", "truncated")
+            assert [getattr(b, f) for f in fields] == [getattr(a, f) for f in fields], code
+
+
+def test_the_backend_accepts_a_full_run_code_url_and_sends_the_token(token_server):
+    config = SandboxConfig(backend="sandboxfusion", urls=(token_server + "/run_code",), token=TOKEN)
+    assert TOKEN not in repr(config)  # a config is printed in logs; its token must not be
+    with Sandbox(config) as sb:
+        assert sb.run("print(6*7)").stdout == "42\n"
+    with Sandbox(SandboxConfig(backend="sandboxfusion", urls=(token_server,), token="wrong-token-0123456789")) as sb:
+        r = sb.run("print(1)")  # the server answers 401: one failed call, not an exception
+        assert not r.ok and "HTTP 401" in r.stderr
+
+
+def test_several_urls_share_the_calls_and_a_dead_one_is_skipped(server, token_server, monkeypatch):
+    monkeypatch.setattr(sandboxfusion_backend, "DOWN_SECONDS", 600.0)  # skipped for the whole test, however slow
+    with socket.socket() as s:  # a loopback port where nothing listens
+        s.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{s.getsockname()[1]}"
+    with Sandbox(SandboxConfig(backend="sandboxfusion", urls=(server, token_server, dead), token=TOKEN,
+                               concurrency=4)) as sb:
+        chosen = []
+        post = sb._backend._post
+        sb._backend._post = lambda index, *a: chosen.append(index) or post(index, *a)
+        results = [sb.run(f"print({i})") for i in range(12)]
+        assert [r.stdout for r in results] == [f"{i}\n" for i in range(12)]
+        assert chosen.count(0) == chosen.count(1) == 6 and 2 not in chosen  # in turn; the dead one was skipped
+        results = sb.run_many([f"print({i})" for i in range(16)])  # concurrent: least busy first
+        assert [r.stdout for r in results] == [f"{i}\n" for i in range(16)] and {0, 1} <= set(chosen[12:])
+    with pytest.raises(SandboxError, match="no SandboxFusion server answers"):
+        with Sandbox(SandboxConfig(backend="sandboxfusion", urls=(dead,))) as sb:
+            sb.run("print(1)")
+
+
+def test_sandboxfusion_needs_urls():
+    with pytest.raises(ValueError, match="urls must name at least one"):
+        SandboxConfig(backend="sandboxfusion")
+    with pytest.raises(ValueError, match="urls must name at least one"):
+        SandboxConfig(backend="sandboxfusion", urls=("127.0.0.1:8080",))
+
+
+# --------------------------------------------------------------------------------------
+# Load: many clients at once, every request answered exactly once
+# --------------------------------------------------------------------------------------
+
+CLIENTS = 32  # concurrent clients, many more than the server's 2 calls at once and its 4 connections
+PER_CLIENT = 8
+
+
+def test_under_load_every_request_is_answered_exactly_once(server):
+    proc, url = start_server("--max-connections", "4")
+    try:
+        def client(c: int) -> list[tuple[int, str, float]]:
+            out = []
+            for k in range(PER_CLIENT):
+                start = time.perf_counter()
+                status, body = request(url, {"code": f"print({c * PER_CLIENT + k})", "language": "python"}, timeout=120)
+                out.append((status, body["run_result"]["stdout"], time.perf_counter() - start))
+            return out
+
+        service, service_s = _timed(client, CLIENTS)
+    finally:
+        summary = stop_server(proc)
+    assert all(status == 200 for status, _, _ in service)
+    assert sorted(int(stdout) for _, stdout, _ in service) == list(range(CLIENTS * PER_CLIENT))  # each once, correct
+    assert f"answered {CLIENTS * PER_CLIENT} (200 Success: {CLIENTS * PER_CLIENT})" in summary  # and the server agrees
+
+    with Sandbox(SandboxConfig(concurrency=2)) as sb:  # the same calls, in process, the same client threads
+        def local_client(c: int) -> list[tuple[int, str, float]]:
+            out = []
+            for k in range(PER_CLIENT):
+                start = time.perf_counter()
+                r = sb.run(f"print({c * PER_CLIENT + k})")
+                out.append((200, r.stdout, time.perf_counter() - start))
+            return out
+
+        sb.run("pass")
+        local, local_s = _timed(local_client, CLIENTS)
+    n = CLIENTS * PER_CLIENT
+    rates = {"service": n / service_s, "in-process": n / local_s}
+    for name, rows in (("service", service), ("in-process", local)):
+        latencies = sorted(t for _, _, t in rows)
+        print(f"{name:<10} {n} calls from {CLIENTS} clients: {rates[name]:.0f} calls/s, "
+              f"p50 {1000 * latencies[n // 2]:.0f} ms, p99 {1000 * latencies[int(n * 0.99)]:.0f} ms")
+    assert rates["service"] > 0.25 * rates["in-process"]  # HTTP costs a little; the sandbox does the work
+
+
+def _timed(client, clients: int) -> tuple[list, float]:
+    start = time.perf_counter()
+    with concurrent.futures.ThreadPoolExecutor(clients) as pool:
+        futures = [pool.submit(client, c) for c in range(clients)]
+        done, pending = concurrent.futures.wait(futures, timeout=300)
+    assert not pending, "some clients got no answer within 300 s"
+    return [row for f in futures for row in f.result()], time.perf_counter() - start
+
+
+def test_the_page_states_the_services_defaults():
+    says("02-service.md", f"port {serve.DEFAULT_PORT}", f"{serve.MAX_REQUEST_KB} KB", f"{serve.MAX_CONNECTIONS} requests",
+         f"{serve.MAX_RUN_TIMEOUT:g} s", f"{serve.RUN_TIMEOUT:g} s", f"{serve.MIN_TOKEN_CHARS} characters")
