@@ -84,7 +84,6 @@ def config_problems(cfg, world: int | None = None) -> list[str]:
     from problems_and_policy import COLD_STARTS
     from reward import SCORERS
     from rollout import OBSERVATION_STYLES, SCHEDULES, TEMPLATES
-    from sandbox import SandboxConfig
     from trackers import missing_package
 
     problems = []
@@ -123,7 +122,7 @@ def config_problems(cfg, world: int | None = None) -> list[str]:
     if cfg.dtype not in DTYPES:
         problems.append(f"dtype must be {_one_of(DTYPES)}, got '{cfg.dtype}'")
     try:
-        SandboxConfig(backend=cfg.sandbox_backend, timeout=cfg.sandbox_timeout, isolation=cfg.sandbox_isolation)
+        sandbox_config(cfg)
     except ValueError as e:
         problems.append(f"sandbox_{e}")
     if not cfg.temperature > 0:
@@ -183,6 +182,15 @@ def config_problems(cfg, world: int | None = None) -> list[str]:
             problems.append(f"max_model_len {cfg.max_model_len} is above the position limit of {cfg.model}, "
                             f"{limit} tokens (max_position_embeddings)")
     return problems
+
+
+def sandbox_config(cfg):
+    """Chapter 02's SandboxConfig from a run's Config (SandboxConfig's own checks run as it is made)."""
+    from sandbox import SandboxConfig
+
+    urls = tuple(url for url in cfg.sandbox_urls.split(",") if url)
+    return SandboxConfig(backend=cfg.sandbox_backend, timeout=cfg.sandbox_timeout, isolation=cfg.sandbox_isolation,
+                         urls=urls)
 
 
 DTYPES = ("float32", "bfloat16", "float16", "auto")  # the sampler's: vLLM's names

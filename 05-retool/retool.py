@@ -29,7 +29,7 @@ from functools import partial
 from pathlib import Path
 
 from batch_filters import excluded_from_loss, extra_seed, keep_informative_groups
-from configuration import check_config, cuda_available, parse_with_field_flags
+from configuration import check_config, cuda_available, parse_with_field_flags, sandbox_config
 from dry_run import check_memory_plan, dry_run
 from lab_cli import at_least, private_tmp, refuse_chapter_folder
 from plots import plot_run
@@ -83,7 +83,8 @@ class Config:
     aggregation: str = "token-mean"  # how token losses add up: token-mean, sequence-mean or token-sum (docs/06)
     gradient_checkpointing: bool = False  # recompute activations in backward: less memory, more time
     skip_zero_advantage: bool = True  # no forward/backward for rows without gradient: the same update, faster
-    sandbox_backend: str = "local"  # where model code runs: local (fork server) or docker (02-sandbox)
+    sandbox_backend: str = "local"  # where model code runs: local (fork server), docker, or sandboxfusion (02-sandbox)
+    sandbox_urls: str = ""  # sandboxfusion: run_code URLs, comma-separated (the token from $SANDBOX_TOKEN)
     sandbox_timeout: float = 10.0  # seconds a tool call may run (ToRL: 10)
     sandbox_isolation: str = "namespaces"  # local backend: namespaces (contained) or plain (weaker; docs/02)
     keep_checkpoints: int = 2  # the newest checkpoints kept in the run folder
@@ -112,7 +113,7 @@ def train(cfg: Config, run_dir: Path, resume: bool = False, dp=None) -> None:
 
     dp = dp or DataParallel()  # a world of one unless torchrun started several ranks
     sandbox = start_sandbox(cfg)  # first: where code cannot be contained, the run stops before any model loads
-    run = RunRecord(cfg, run_dir, resume, dp)  # config.json, the resume point, metrics, checkpoints, stops
+    run = RunRecord(cfg, run_dir, resume, dp, sandbox_isolation_used=sandbox.isolation)  # config.json, resume, records
     if run.finished:
         sandbox.close()
         return
@@ -257,12 +258,12 @@ def grpo_config(cfg: Config):
 
 def start_sandbox(cfg: Config):
     """Chapter 02's sandbox with the run's settings, or a one-line refusal saying why it cannot contain code here."""
-    from sandbox import Sandbox, SandboxConfig, SandboxError
+    from sandbox import Sandbox, SandboxError
 
     try:
-        sandbox = Sandbox(SandboxConfig(backend=cfg.sandbox_backend, timeout=cfg.sandbox_timeout,
-                                        isolation=cfg.sandbox_isolation))
+        sandbox = Sandbox(sandbox_config(cfg))
         sandbox.run("pass")  # one real call: the backend and its containment are ready, or say why not
+        print(f"sandbox: {cfg.sandbox_backend}, isolation {sandbox.isolation}")
     except SandboxError as e:
         raise SystemExit(f"error: the sandbox cannot start: {e}; see docs/02-sandbox.md") from None
     return sandbox
@@ -370,7 +371,8 @@ def load_config(run_dir: Path, overrides: dict) -> Config:
     path = run_dir / "config.json"
     if not path.exists():
         raise SystemExit(f"error: --resume {run_dir}: not a run folder (it has no config.json)")
-    return Config(**{**json.loads(path.read_text()), **overrides})
+    names = {f.name for f in dataclasses.fields(Config)}  # config.json also records facts of the run (run_record.py)
+    return Config(**{k: v for k, v in {**json.loads(path.read_text()), **overrides}.items() if k in names})
 
 
 if __name__ == "__main__":

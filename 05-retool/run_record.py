@@ -27,7 +27,8 @@ from stopping import STOPPER, StopRequested, signal_self_for_tests
 class RunRecord:
     """One run folder: config.json, metrics.jsonl, eval.jsonl, checkpoints/, trackers; resumed when asked."""
 
-    def __init__(self, cfg, run_dir: Path, resume: bool, dp) -> None:
+    def __init__(self, cfg, run_dir: Path, resume: bool, dp, **facts) -> None:
+        """`facts`: what the run found at start (the sandbox's isolation), recorded in config.json beside the Config."""
         self.cfg, self.run_dir, self.dp = cfg, run_dir, dp
         if dp.is_main:  # held for the life of the process: a second run into this folder is refused
             run_dir.mkdir(parents=True, exist_ok=True)
@@ -42,7 +43,7 @@ class RunRecord:
             return
         self.metrics_path, self.eval_path = run_dir / "metrics.jsonl", run_dir / "eval.jsonl"
         if dp.is_main:
-            config = json.dumps(dataclasses.asdict(cfg), indent=1)
+            config = json.dumps({**dataclasses.asdict(cfg), **facts}, indent=1)
             print(config)
             (run_dir / "config.json").write_text(config)
             truncate_jsonl(self.metrics_path, self.start_step)  # lines after the checkpoint: work the resume redoes
