@@ -1,9 +1,9 @@
 """How fast is the sandbox? Calls per second and latency against a fresh `python -c` per call.
 
     make bench-sandbox                                   # both workloads: fresh python -c, fork server, HTTP service
-    python 02-sandbox/bench_sandbox.py --docker          # add the Docker backend's rows
-    python 02-sandbox/bench_sandbox.py --as-user root --as-user nobody   # the fork server run by each with /usr/bin/python3
-    python 02-sandbox/bench_sandbox.py --calls 400 --rounds 5
+    .venv/bin/python 02-sandbox/bench_sandbox.py --docker          # add the Docker backend's rows
+    .venv/bin/python 02-sandbox/bench_sandbox.py --as-user root --as-user nobody   # the fork server run by each with /usr/bin/python3
+    .venv/bin/python 02-sandbox/bench_sandbox.py --calls 400 --rounds 5
 
 The baseline is the design most labs start with: one `subprocess.run([python, "-c", code])`
 per call, with the same limits (address space, CPU time, file size), a clean environment,

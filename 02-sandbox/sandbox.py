@@ -8,7 +8,7 @@ chapter 03's rollout.torl_observation).
     with Sandbox(SandboxConfig(timeout=10)) as sb:
         r = sb.run("import sympy; print(sympy.factorint(2**64 - 1))")
         print(format_observation(r))                       # what the model reads
-    python 02-sandbox/sandbox.py -c "print(1+1)"           # the same from a shell
+    .venv/bin/python 02-sandbox/sandbox.py -c "print(1+1)"           # the same from a shell
 
 The file opens with the containment sequence, one named call a step: enter_slot once
 per warm slot, then serve_call and code_process for every call. The steps' detail lives
