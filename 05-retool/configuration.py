@@ -69,18 +69,18 @@ def parse_bool(text: str) -> bool:
 
 def check_config(cfg, resuming: bool) -> None:
     """Refuse, with one line, a retool.Config that would fail later or silently do the wrong thing."""
-    problems = config_problems(cfg)
+    problems = config_problems(cfg, first_only=True)
     if problems:
         raise SystemExit(f"error: {problems[0]}")
 
 
-def config_problems(cfg, world: int | None = None) -> list[str]:
+def config_problems(cfg, world: int | None = None, first_only: bool = False) -> list[str]:
     """Everything wrong with a retool.Config that can be seen without a model, one line each.
 
-    `world`: the ranks to plan for (default: torchrun's WORLD_SIZE, else 1).
+    `world`: the ranks to plan for (default: torchrun's WORLD_SIZE, else 1). With
+    `first_only`, the checks that import torch (two seconds) are skipped once a
+    cheaper one has found a problem, so that most refusals take well under one.
     """
-    from distributed import STRATEGIES
-    from grpo import AGGREGATIONS
     from problems_and_policy import COLD_STARTS
     from reward import SCORERS
     from rollout import OBSERVATION_STYLES, SCHEDULES, TEMPLATES
@@ -153,10 +153,6 @@ def config_problems(cfg, world: int | None = None) -> list[str]:
     if world > 1 and cfg.problems_per_step % (cfg.num_minibatches * world):
         problems.append(f"problems_per_step ({cfg.problems_per_step}) must split evenly into num_minibatches"
                         f" ({cfg.num_minibatches}) x {world} ranks")
-    if cfg.strategy not in STRATEGIES:
-        problems.append(f"strategy must be {_one_of(STRATEGIES)}, got '{cfg.strategy}'")
-    if cfg.aggregation not in AGGREGATIONS:
-        problems.append(f"aggregation must be {_one_of(AGGREGATIONS)}, got '{cfg.aggregation}'")
     if cfg.aggregation == "token-sum" and cfg.scale_advantages:
         problems.append("aggregation token-sum is Dr. GRPO's objective, which drops the std scaling: set --scale-advantages false")
     if cfg.tis_cap and not cfg.tis_cap >= 1:
@@ -176,6 +172,14 @@ def config_problems(cfg, world: int | None = None) -> list[str]:
     else:
         if missing:
             problems.append(missing)
+    if not (first_only and problems):
+        from distributed import STRATEGIES
+        from grpo import AGGREGATIONS
+
+        if cfg.strategy not in STRATEGIES:
+            problems.append(f"strategy must be {_one_of(STRATEGIES)}, got '{cfg.strategy}'")
+        if cfg.aggregation not in AGGREGATIONS:
+            problems.append(f"aggregation must be {_one_of(AGGREGATIONS)}, got '{cfg.aggregation}'")
     if cfg.model and not problems:
         limit = position_limit(cfg.model)
         if limit is not None and cfg.max_model_len > limit:
