@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import re
 import sys
@@ -206,7 +207,15 @@ def model_problem(model: str) -> str | None:
 
     path = Path(model).expanduser()
     if path.is_dir():
-        return None if (path / "config.json").is_file() else f"model '{model}' is a folder without config.json"
+        if (path / "checkpoints").is_dir() and not (path / "model.safetensors").exists():
+            steps = sorted(path.glob("checkpoints/step-*"))
+            example = steps[-1] if steps else path / "checkpoints" / "step-NNNNNN"
+            return f"model {model} is a run folder, not a model: use one of its checkpoints, e.g. {example}"
+        if not (path / "config.json").is_file():
+            return f"model '{model}' is a folder without config.json"
+        if "model_type" not in json.loads((path / "config.json").read_text() or "{}"):
+            return f"model '{model}' is not a model folder (its config.json names no model_type)"
+        return None
     if model.startswith(("/", ".", "~")) or Path(model.split("/")[0]).is_dir():
         return f"model '{model}' is not a folder here"
     if not re.fullmatch(r"[\w.-]+/[\w.-]+", model):

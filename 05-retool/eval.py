@@ -184,6 +184,8 @@ def main(argv: list[str] | None = None) -> dict:
     private_tmp()  # vLLM's and the sandbox's temporary files go with this process
     if args.temperature == 0 and args.k > 1:
         sys.exit(f"error: --k {args.k} with greedy decoding gives {args.k} identical samples; add --temperature 1.0 (or another)")
+    from configuration import model_problem
+
     problem = model_problem(args.model)
     if problem:
         sys.exit(f"error: --{problem}")
@@ -229,18 +231,6 @@ def main(argv: list[str] | None = None) -> dict:
         print("\n" + comparison)
     print(f"samples: {out / 'samples.jsonl'}  summary: {out / 'summary.json'}")
     return result
-
-
-def model_problem(model: str) -> str | None:
-    """What is wrong with --model, in one line (a run folder names the checkpoint to take); None if nothing."""
-    from configuration import model_problem as config_problem
-
-    run = Path(model)
-    if (run / "config.json").is_file() and (run / "checkpoints").is_dir() and not (run / "model.safetensors").exists():
-        steps = sorted(run.glob("checkpoints/step-*"))
-        example = steps[-1] if steps else run / "checkpoints" / "step-NNNNNN"
-        return f"model {model} is a run folder, not a model: evaluate one of its checkpoints, e.g. --model {example}"
-    return config_problem(model)
 
 
 def load_sets(sources: list[str], limit: int | None) -> list[dict]:

@@ -320,9 +320,9 @@ def main(argv: list[str] | None = None) -> Path:
         cfg = make_config(args.preset, overrides)
         run_dir = Path(args.run_dir or f"runs/{args.preset}-{time.strftime('%Y%m%d-%H%M%S')}")
     check_config(cfg, resuming=bool(args.resume))
-    check_memory_plan(cfg)  # on CUDA: a plan that cannot fit the GPUs is refused before anything loads
     if not args.resume:
         check_new_run_dir(run_dir, overwrite=args.overwrite)
+    check_memory_plan(cfg)  # on CUDA: a plan that cannot fit the GPUs is refused before anything loads
     from distributed import setup
 
     dp = setup(cfg.strategy)  # under torchrun: join its world; otherwise a world of one

@@ -613,6 +613,7 @@ def test_help_gives_each_field_its_meaning_and_the_chosen_presets_value():
     (["--model", "05-retool/typo", "--cold-start", "none"], "model '05-retool/typo' is not a folder here"),
     (["--model", "05-retool", "--cold-start", "none"], "model '05-retool' is a folder without config.json"),
     (["--model", "a/b/c", "--cold-start", "none"], "neither a folder nor a hub id"),
+    (["--model", "01-data/../docs", "--cold-start", "none"], "a folder without config.json"),
     (["--model", "05-retool"], "cold_start 'scratch' trains a tiny model from scratch, yet model"),
     (["--cold-start", "finetune"], "cold_start 'finetune' needs a model"),
     (["--cold-start", "maybe"], "cold_start must be scratch, finetune or none"),
@@ -679,7 +680,7 @@ def test_eval_refuses_a_run_folder_naming_its_latest_checkpoint(tmp_path):
     (run / "config.json").write_text("{}")
     with pytest.raises(SystemExit) as e:
         evaluation.main(["--model", str(run), "--out", str(tmp_path / "out")])
-    assert f"is a run folder, not a model: evaluate one of its checkpoints, e.g. --model {run}/checkpoints/step-000030" \
+    assert f"--model {run} is a run folder, not a model: use one of its checkpoints, e.g. {run}/checkpoints/step-000030" \
         in str(e.value) and "\n" not in str(e.value)
     assert not (tmp_path / "out").exists()
 
@@ -865,3 +866,14 @@ def test_running_from_inside_a_chapter_folder_is_refused_before_it_writes(monkey
     with pytest.raises(SystemExit, match="run from the lab's root folder .*not from 05-retool/"):
         retool.main([])
     assert not (REPO / "05-retool" / "data").exists() and not (REPO / "05-retool" / "runs").exists()
+
+
+def test_a_run_folder_or_a_folder_without_a_model_type_is_no_model(tmp_path):
+    from configuration import model_problem
+
+    (tmp_path / "run" / "checkpoints" / "step-000002").mkdir(parents=True)
+    (tmp_path / "run" / "config.json").write_text("{}")
+    assert model_problem(str(tmp_path / "run")).endswith(f"use one of its checkpoints, e.g. {tmp_path}/run/checkpoints/step-000002")
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "config.json").write_text('{"steps": 3}')
+    assert "names no model_type" in model_problem(str(tmp_path / "other"))
