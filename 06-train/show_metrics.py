@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import sys
 from pathlib import Path
 
 from ablation import read_jsonl
@@ -97,4 +98,9 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except SystemExit as refusal:  # a one-line refusal exits 2, as a usage error does
+        if isinstance(refusal.code, str):
+            sys.exit(print(refusal.code, file=sys.stderr) or 2)
+        raise
