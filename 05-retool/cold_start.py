@@ -38,14 +38,10 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-from tqdm import tqdm
-
+from lab_cli import at_least, one_line_errors
 from prepare_data import read_problems
 from rollout import encode_plain, observation_text, render_prompt
-from lab_cli import at_least, one_line_errors
 from sandbox import Sandbox, SandboxConfig
-from tiny_model import build_tiny_model
 
 TOOL_OPENING = "```python\n{code}\n```\n```output"
 DIRECT_OPENING = "The answer is \\boxed{{{guess}}}."
@@ -54,6 +50,8 @@ TOOL_CLOSING = "The answer is \\boxed{{{answer}}}."
 
 def main(argv: list[str] | None = None) -> Path:
     args = parse_args(argv)
+    import torch  # after the flags: a mistaken one is refused before torch's two seconds of import
+
     threads = torch.get_num_threads()
     torch.set_num_threads(args.threads)
     try:
@@ -63,6 +61,9 @@ def main(argv: list[str] | None = None) -> Path:
 
 
 def build_base_policy(args) -> Path:
+    import torch
+    from tiny_model import build_tiny_model
+
     torch.manual_seed(args.seed)
     random.seed(args.seed)  # the batches' draw: the same settings give the same base (and its cache key means it)
     rng = random.Random(args.seed)
@@ -190,6 +191,9 @@ def tokenize_trace(trace: dict, tokenizer) -> tuple[list[int], list[int]]:
 
 
 def train(model, examples, tool_examples, pad_id: int, args) -> list[float]:
+    import torch
+    from tqdm import tqdm
+
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.lr,
                                   weight_decay=0.0, betas=(0.9, 0.95))
     model.train()
@@ -223,6 +227,8 @@ PARTIAL = "partial.pt"  # the cold start so far: a stopped or killed cold start 
 
 def save_partial(model, optimizer, step: int, losses: list[float], args) -> None:
     """Weights, optimizer and random state after `step`, written whole or not at all."""
+    import torch
+
     path, tmp = Path(args.out) / PARTIAL, Path(args.out) / f".{PARTIAL}.tmp"
     path.parent.mkdir(parents=True, exist_ok=True)  # a tuned model's folder is made only when it is saved
     torch.save({"settings": _settings(args), "step": step, "losses": losses, "model": model.state_dict(),
@@ -232,6 +238,8 @@ def save_partial(model, optimizer, step: int, losses: list[float], args) -> None
 
 def resume_partial(model, optimizer, args) -> tuple[int, list[float]]:
     """(first step, losses so far): from the partial checkpoint of the same settings, else (0, [])."""
+    import torch
+
     path = Path(args.out) / PARTIAL
     if not path.exists():
         return 0, []
