@@ -52,9 +52,10 @@ def make_llm(
     """
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
-    # The engine's start-up log (a 3,000-character config line, dozens of INFO lines) would bury
-    # the lab's own progress lines: warnings only, unless VLLM_LOGGING_LEVEL=INFO asks for it.
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    # The engine's log (a 3,000-character config line, dozens of INFO lines, a warning per thread
+    # and per weight sync) would bury the lab's own progress lines: errors only, unless
+    # VLLM_LOGGING_LEVEL=INFO (or WARNING) asks for more.
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     import torch
     from vllm import LLM
 
