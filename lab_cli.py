@@ -70,3 +70,17 @@ def refuse_chapter_folder() -> None:
     if here.parent == root and (root / "Makefile").exists() and here.name[:2].isdigit():
         raise SystemExit(f"error: run from the lab's root folder ({root}), not from {here.name}/: "
                          "data/ and runs/ are relative to it")
+
+
+def run_script(main) -> None:
+    """Run a script's `main`: a one-line refusal (SystemExit with a message) exits 2, as a usage error does.
+
+    A numeric exit (a stop's 128 + signal, a count of failures) passes through unchanged.
+    """
+    try:
+        main()
+    except SystemExit as refusal:
+        if isinstance(refusal.code, str):
+            print(refusal.code, file=sys.stderr)
+            sys.exit(2)
+        raise

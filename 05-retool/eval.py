@@ -294,9 +294,6 @@ def parse_args(argv):
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except SystemExit as refusal:  # a one-line refusal exits 2, as a usage error does
-        if isinstance(refusal.code, str):
-            sys.exit(print(refusal.code, file=sys.stderr) or 2)
-        raise
+    from lab_cli import run_script
+
+    run_script(main)

@@ -31,7 +31,7 @@ from pathlib import Path
 from batch_filters import excluded_from_loss, extra_seed, keep_informative_groups
 from configuration import check_config, cuda_available, parse_with_field_flags, sandbox_config
 from dry_run import check_memory_plan, dry_run
-from lab_cli import at_least, private_tmp, refuse_chapter_folder
+from lab_cli import at_least, private_tmp, refuse_chapter_folder, run_script
 from plots import plot_run
 from presets import GPU_PRESETS, PRESETS
 from problems_and_policy import drop_long_prompts, first_policy, load_data, trainer_threads
@@ -380,9 +380,4 @@ if __name__ == "__main__":
         from torch.distributed.elastic.multiprocessing.errors import record
 
         main = record(main)
-    try:
-        main()
-    except SystemExit as refusal:  # a one-line refusal exits 2, as a usage error does; a stop keeps 128 + signal
-        if isinstance(refusal.code, str):
-            sys.exit(print(refusal.code, file=sys.stderr) or 2)
-        raise
+    run_script(main)  # a one-line refusal exits 2; a stop keeps 128 + signal

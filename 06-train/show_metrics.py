@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import sys
 from pathlib import Path
 
 from ablation import read_jsonl
@@ -98,9 +97,6 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except SystemExit as refusal:  # a one-line refusal exits 2, as a usage error does
-        if isinstance(refusal.code, str):
-            sys.exit(print(refusal.code, file=sys.stderr) or 2)
-        raise
+    from lab_cli import run_script
+
+    run_script(main)
