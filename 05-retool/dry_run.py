@@ -14,6 +14,8 @@ arithmetic is the one docs/06-scaling.md explains; GB = 10^9 bytes.
 """
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import time
 from dataclasses import dataclass, field
@@ -191,7 +193,8 @@ def _data_counts(cfg) -> None:
 def _sandbox_check(cfg, start_sandbox) -> list[str]:
     t0 = time.perf_counter()
     try:
-        start_sandbox(cfg).close()
+        with contextlib.redirect_stdout(io.StringIO()):  # the run's own start line; the plan says it indented below
+            start_sandbox(cfg).close()
     except SystemExit as refusal:
         print(f"  refused: {str(refusal.code).removeprefix('error: ')}")
         return [str(refusal.code)]

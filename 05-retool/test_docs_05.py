@@ -70,14 +70,19 @@ def test_the_7b_paragraph_is_the_preset():
                        f"`gpu_memory_utilization={cfg['gpu_memory_utilization']}`")
 
 
-def test_the_dry_run_on_the_page_is_the_code_s_plan():
-    """The plan's figures on docs/05-torl.md are what memory_plan computes today."""
-    from dry_run import memory_plan, model_shape
+def test_the_dry_run_on_the_page_is_the_code_s_check():
+    """docs/05-torl.md shows the dry run as a check: its planned GPUs and the refusal of a 7B trainer on one GPU.
 
-    for preset in ("torl-1.5b", "torl-7b"):
-        cfg = make_config(preset, {})
-        plan = memory_plan(cfg, model_shape(cfg.model), gpus=8, gpu_gb=80)
-        says("05-torl.md",
-             f"KV cache: {plan.kv_tokens:,} tokens; one group needs {plan.group_tokens:,}",
-             f"= {sum(plan.rollout.values()):.1f} of 80", f"= {sum(plan.update.values()):.1f} of 80",
-             f"model {cfg.model}: {plan.parameters / 1e9:.2f}B parameters")
+    The plans' figures live on docs/06-scaling.md (06-train/test_docs_06.py holds them to memory_plan).
+    """
+    from dry_run import memory_plan, model_shape
+    from retool import parse_args
+
+    args, _ = parse_args(["--preset", "torl-1.5b", "--dry-run"])
+    cfg = make_config("torl-7b", {})
+    refusal = memory_plan(cfg, model_shape(cfg.model), gpus=1, gpu_gb=args.plan_gpu_gb).problems
+    says("05-torl.md",
+         f"`--plan-gpus` GPUs of `--plan-gpu-gb` GB ({args.plan_gpus} and {args.plan_gpu_gb:g})",
+         f"dry run of preset torl-1.5b: {args.plan_gpus} x {args.plan_gpu_gb:.0f} GB GPU(s) planned",
+         f"--preset torl-7b --dry-run --plan-gpus 1 ... refused: {refusal[0]}")
+    assert len(refusal) == 1

@@ -16,8 +16,8 @@ the machinery, not learning.
 model with the named model's architecture from its config numbers, on the GPU:
 no download and no vLLM (it is not imported), at the torl-1.5b preset's
 lengths (400 prompt + 3072 response tokens) with gradient checkpointing. It
-then measures, instead of computing, the memory table of docs/06-scaling.md:
-weights, AdamW state, and the step's peak on top.
+then measures, instead of computing, the trainer's side of the memory plan of
+docs/06-scaling.md: weights, AdamW state, and the step's peak on top.
 
 Peak memory is the CUDA allocator's peak on a GPU; on CPU it is the growth of
 the process's peak resident memory during the steps (Linux's VmHWM, reset

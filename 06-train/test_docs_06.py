@@ -11,7 +11,6 @@ from grpo import GRPOConfig, group_advantages, grpo_step, load_policy, make_opti
 from retool import PRESETS, Config
 
 TORL, TORL_7B = PRESETS["torl-1.5b"], PRESETS["torl-7b"]
-GPU_GB = 80  # the pages plan for 80 GB GPUs
 
 
 def short(x: float) -> str:
@@ -84,22 +83,77 @@ def test_every_metric_of_grpo_step_is_in_the_metrics_table(tiny_model_path):
 # --------------------------------------------------------------------------- part 2: memory, speed, more GPUs
 
 
-def test_the_memory_plan_is_the_torl_presets():
-    n = parameters("qwen2.5-math-1.5b")
-    state = 16 * n / 1e9
-    share = TORL["gpu_memory_utilization"]
+def dry_run_plan(preset: str):
+    """What `retool.py --preset PRESET --dry-run` plans without CUDA: its config, shape, plan and printed plan lines."""
+    from dry_run import layout_line, memory_plan, model_shape, plan_table
+    from retool import make_config
+    from retool import parse_args as retool_args
+
+    args, _ = retool_args(["--preset", preset, "--dry-run"])
+    cfg = make_config(preset, {})
+    shape = model_shape(cfg.model)
+    plan = memory_plan(cfg, shape, args.plan_gpus, args.plan_gpu_gb)
+    lines = [f"dry run of preset {preset}: {args.plan_gpus} x {args.plan_gpu_gb:.0f} GB GPU(s) planned",
+             layout_line(cfg, args.plan_gpus)]
+    for line in plan_table(cfg, plan, shape).splitlines():  # the model line ends with where its shape came from
+        lines.append(line.strip().split(" (")[0] if line.strip().startswith("model ") else line.strip())
+    return cfg, shape, plan, lines
+
+
+def trainer_gb(plan) -> float:
+    """The update's trainer state: weights, AdamW moments and gradients, GB per GPU."""
+    return sum(gb for name, gb in plan.update.items() if name in ("trainer weights, float32", "AdamW m and v",
+                                                                  "gradients, float32"))
+
+
+def test_the_memory_rules_are_memory_plans():
+    """The rules docs/06-scaling.md states are the arithmetic of 05-retool/dry_run.py's memory_plan."""
+    from dry_run import GB, LOGIT_BYTES, VLLM_WORK_SPACE_GB
+
+    s, kv = SHAPES["qwen2.5-math-1.5b"], kv_bytes_per_token("qwen2.5-math-1.5b")
+    head = s["hidden_size"] // s["num_attention_heads"]
     says("06-scaling.md",
-         f"which has {n:,} parameters",
-         f"| **trainer state** | 16 / parameter | **{state:.1f}** |",
-         f"| vLLM at `gpu_memory_utilization={share}` (the torl-1.5b preset) | {share:.0%} of {GPU_GB} GB | "
-         f"{share * GPU_GB:.0f} |",
-         f"| of which KV cache (after weights and work space) | {kv_bytes_per_token('qwen2.5-math-1.5b'):,} / token |",
-         f"| **left for the step, vLLM awake** | | **about {GPU_GB - state - share * GPU_GB:.0f}** |",
-         f"| **left for the step, vLLM asleep** | | **about {GPU_GB - state:.0f}** |",
-         f"the preset's {TORL['max_model_len']:,} tokens (`max_model_len`",
-         f"The preset runs micro-batches of {TORL['micro_batch_size']} with checkpointing",
-         f"the {GPU_GB - state:.0f} GB left with vLLM asleep and not the {GPU_GB - state - share * GPU_GB:.0f} GB")
-    assert TORL["gradient_checkpointing"]
+         "**Trainer state: 16 bytes a parameter**: float32 weights (4), their gradients (4) and AdamW's moments "
+         "m and v (8)",
+         f"its weights in bf16 (2 bytes a parameter, a full copy on every GPU), about {VLLM_WORK_SPACE_GB:g} GB of "
+         f"work space, and the rest KV cache",
+         f"For Qwen2.5-Math-1.5B ({s['num_hidden_layers']} layers, {s['num_key_value_heads']} KV heads of {head}) "
+         f"that is {s['num_hidden_layers']} × 2 × {s['num_key_value_heads']} × {head} × 2 = {kv:,} bytes a token",
+         f"**Logits: about {LOGIT_BYTES} bytes a value.**",
+         f"({s['vocab_size']:,} entries for Qwen2.5-Math-1.5B)",
+         "At the peak that is 2 + 4 + 8 bytes a value",
+         f"hidden float32 values a token ({s['num_hidden_layers']} × {s['hidden_size']} for 1.5B)")
+    assert 2 + 4 + 8 == LOGIT_BYTES and TORL["gradient_checkpointing"] and TORL_7B["gradient_checkpointing"]
+    for preset, model in (("torl-1.5b", "qwen2.5-math-1.5b"), ("torl-7b", "qwen2.5-math-7b")):
+        cfg, shape, plan, _ = dry_run_plan(preset)
+        p, shard = plan.parameters, plan.gpus if cfg.strategy == "fsdp" else 1
+        tokens = cfg.micro_batch_size * cfg.max_model_len
+        assert trainer_gb(plan) == pytest.approx(16 * p / shard / GB)
+        assert "gradients, float32" not in plan.rollout  # the gradients exist during the update only
+        assert plan.update[f"logits of a micro-batch of {cfg.micro_batch_size}"] == pytest.approx(
+            tokens * shape["vocab_size"] * LOGIT_BYTES / GB)
+        assert plan.update["checkpointed layer inputs"] == pytest.approx(
+            tokens * shape["num_hidden_layers"] * shape["hidden_size"] * 4 / GB)
+        assert cfg.dtype in ("bfloat16", "auto")  # vLLM's weights: 2 bytes a parameter
+        share = cfg.gpu_memory_utilization * plan.gpu_gb
+        assert plan.kv_tokens == int((share - 2 * p / GB - VLLM_WORK_SPACE_GB) * GB / kv_bytes_per_token(model))
+
+
+def test_the_memory_plan_is_the_torl_presets():
+    """docs/06-scaling.md shows the dry run's plan for both presets: every line is what memory_plan prints today."""
+    for preset in ("torl-1.5b", "torl-7b"):
+        cfg, _, plan, lines = dry_run_plan(preset)
+        says("06-scaling.md", *lines)
+        assert not plan.problems and max(sum(plan.rollout.values()), sum(plan.update.values())) <= plan.gpu_gb
+        # the sleep is what makes each preset fit: the update beside an awake vLLM would pass the GPU
+        assert sum(plan.update.values()) + cfg.gpu_memory_utilization * plan.gpu_gb > plan.gpu_gb
+    cfg, _, plan, _ = dry_run_plan("torl-1.5b")
+    says("06-scaling.md", f"The torl-1.5b preset's plan for a node of {plan.gpus} × {plan.gpu_gb:g} GB GPUs")
+    assert plan.kv_tokens >= plan.tokens_in_flight  # all fit
+    from dry_run import memory_plan, model_shape
+
+    one = memory_plan(cfg, model_shape(cfg.model), gpus=1, gpu_gb=plan.gpu_gb)  # only the rank's share changes
+    assert (one.rollout, one.update, one.kv_tokens, one.problems) == (plan.rollout, plan.update, plan.kv_tokens, [])
 
 
 def test_the_gpu_benchmark_runs_at_the_torl_presets_settings():
@@ -115,19 +169,28 @@ def test_the_gpu_benchmark_runs_at_the_torl_presets_settings():
 
 
 def test_the_7b_plan_is_the_torl_7b_preset():
+    from dry_run import GB
+
     n = parameters("qwen2.5-math-7b")
-    share = TORL_7B["gpu_memory_utilization"]
+    s, kv = SHAPES["qwen2.5-math-7b"], kv_bytes_per_token("qwen2.5-math-7b")
+    head = s["hidden_size"] // s["num_attention_heads"]
+    cfg, _, plan, _ = dry_run_plan("torl-7b")
     says("06-scaling.md",
-         f"Qwen2.5-Math-7B ({n:,} parameters",
-         f"| **trainer state** | **{16 * parameters('qwen2.5-math-1.5b') / 1e9:.1f}** | "
-         f"**{16 * n / 1e9:.1f}: does not fit** | **{16 * n / 8 / 1e9:.1f}** |",
-         f"| vLLM KV cache per token | {kv_bytes_per_token('qwen2.5-math-1.5b'):,} B | "
-         f"{kv_bytes_per_token('qwen2.5-math-7b'):,} B |",
          f"FSDP2 (`strategy={TORL_7B['strategy']}`",
-         f"({12 * n / 8 / 1e9:.1f} of them, weights and AdamW state, kept during rollout)",
-         f"vLLM at `gpu_memory_utilization={share}` ({share * GPU_GB:.0f} GB",
-         f"the logits of a micro-batch of {TORL_7B['micro_batch_size']}",
+         f"4 bytes a parameter, {4 * n / 1e9:.1f} GB for Qwen2.5-Math-7B",
+         f"Qwen2.5-Math-7B ({s['num_hidden_layers']} layers of hidden {s['hidden_size']:,}, "
+         f"{s['num_key_value_heads']} KV heads of {head}, vocabulary {s['vocab_size']:,}, no tied embeddings) "
+         f"fits no {plan.gpu_gb:g} GB GPU unsharded",
+         f"The torl-7b preset shards it over the {plan.gpus} GPUs of a node",
+         f"the trainer's lines are 1/{plan.gpus} of 16 bytes a parameter",
+         f"{s['num_hidden_layers']} × 2 × {s['num_key_value_heads']} × {head} × 2 = {kv:,} bytes a token",
+         f"Micro-batches of {TORL_7B['micro_batch_size']} keep the logits' peak down",
+         f"{plan.gpus} × {2 * n / 1e9:.1f} GB for 7B",
          f"(the lab's preset: {TORL['gpu_memory_utilization']}, no offload)")
+    assert plan.parameters == n and not s["tie_word_embeddings"] and 16 * n / GB > plan.gpu_gb
+    assert cfg.strategy == "fsdp" and plan.kv_tokens < plan.tokens_in_flight  # some wait
+    assert plan.update["gathered bf16 layers"] == pytest.approx(
+        2 * (n / s["num_hidden_layers"] + s["vocab_size"] * s["hidden_size"]) / GB)
 
 
 def test_the_deal_of_problems_to_ranks_is_shards():
