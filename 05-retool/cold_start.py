@@ -20,7 +20,7 @@ problems, of two kinds:
 Key decisions: the traces are built with the lab's own parts (03's template
 and observation, 02's sandbox), each segment tokenized on its own as a
 rollout appends it, and only the model's tokens carry loss; the first
-`--tool-only-steps` train on tool traces alone; one torch thread by default.
+`--tool-only-steps` train on tool traces alone; every core by default (nothing else runs yet).
 Why each, as measured: docs/05-retool.md, "The CPU demo".
 
     .venv/bin/python 05-retool/cold_start.py --out runs/demo/base                 # the cpu-demo preset's base
@@ -38,8 +38,8 @@ import sys
 import time
 from pathlib import Path
 
-from lab_cli import at_least, one_line_errors
-from prepare_data import read_problems
+from lab_cli import at_least, one_line_errors, run_script
+from prepare_data import DataError, read_problems
 from rollout import encode_plain, observation_text, render_prompt
 from sandbox import Sandbox, SandboxConfig
 
@@ -67,7 +67,10 @@ def build_base_policy(args) -> Path:
     torch.manual_seed(args.seed)
     random.seed(args.seed)  # the batches' draw: the same settings give the same base (and its cache key means it)
     rng = random.Random(args.seed)
-    problems = read_problems(args.train_file)
+    try:
+        problems = read_problems(args.train_file)
+    except DataError as e:
+        raise SystemExit(f"error: {e} (make it with 01-data/prepare_data.py, or pass --train-file)") from None
     out = Path(args.out)
 
     # 1. Traces: text segments (prompt, model, observation, model) per problem.
@@ -198,6 +201,7 @@ def train(model, examples, tool_examples, pad_id: int, args) -> list[float]:
                                   weight_decay=0.0, betas=(0.9, 0.95))
     model.train()
     start, losses = resume_partial(model, optimizer, args)
+    shared = shared_prompt_length(examples)
     bar = tqdm(range(start, args.steps), desc="cold start (SFT)", initial=start, total=args.steps)
     for step in bar:
         lr = args.lr * min(1.0, (step + 1) / args.warmup_steps) * 0.5 * (1 + math.cos(math.pi * step / args.steps))
@@ -207,9 +211,7 @@ def train(model, examples, tool_examples, pad_id: int, args) -> list[float]:
         width = max(len(ids) for ids, _ in batch)
         input_ids = torch.tensor([ids + [pad_id] * (width - len(ids)) for ids, _ in batch])
         loss_mask = torch.tensor([m + [0] * (width - len(m)) for _, m in batch], dtype=torch.float32)
-        logits = model(input_ids=input_ids).logits[:, :-1]
-        nll = torch.nn.functional.cross_entropy(logits.transpose(1, 2), input_ids[:, 1:], reduction="none")
-        loss = (nll * loss_mask[:, 1:]).sum() / loss_mask[:, 1:].sum()
+        loss = trace_loss(model, input_ids, loss_mask, shared)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -220,6 +222,35 @@ def train(model, examples, tool_examples, pad_id: int, args) -> list[float]:
             save_partial(model, optimizer, step + 1, losses, args)
     (Path(args.out) / PARTIAL).unlink(missing_ok=True)
     return losses
+
+
+def trace_loss(model, input_ids, loss_mask, shared: int = 0):
+    """Mean negative log-likelihood of the model's tokens (loss_mask 1).
+
+    Every trace opens with the template's same words: the first `shared` tokens
+    run once and their keys and values serve the whole batch. The same loss and
+    gradient as the whole batch run in full, in about half the time on the toy task.
+    """
+    import torch
+
+    prompt_cache = None
+    if shared:
+        prompt_cache = model(input_ids=input_ids[:1, :shared], use_cache=True).past_key_values
+        prompt_cache.batch_repeat_interleave(len(input_ids))
+    logits = model(input_ids=input_ids[:, shared:], past_key_values=prompt_cache).logits[:, :-1]
+    nll = torch.nn.functional.cross_entropy(logits.transpose(1, 2), input_ids[:, shared + 1:], reduction="none")
+    return (nll * loss_mask[:, shared + 1:]).sum() / loss_mask[:, shared + 1:].sum()
+
+
+def shared_prompt_length(examples) -> int:
+    """Tokens every example opens with, up to its first model token less one (whose logit predicts that token)."""
+    first = examples[0][0]
+    shared = min(mask.index(1) for _, mask in examples) - 1
+    for ids, _ in examples:
+        shared = next((i for i in range(shared) if ids[i] != first[i]), shared)
+    if shared < 1:
+        raise ValueError("the traces share no opening token: they are not of one template")
+    return shared
 
 
 PARTIAL = "partial.pt"  # the cold start so far: a stopped or killed cold start goes on from it
@@ -267,10 +298,10 @@ def parse_args(argv):
     p.add_argument("--model", default="", help="fine-tune this pretrained model (folder or hub id) instead of a new tiny one")
     p.add_argument("--train-layers", type=at_least(0), default=0, help="train only the top N decoder layers (0 = all)")
     p.add_argument("--template", default="torl", help="prompt template (chapter 03's table)")
-    p.add_argument("--tool-fraction", type=fraction, default=0.4, help="share of traces that call the tool")
-    p.add_argument("--steps", type=at_least(1), default=500, help="optimizer steps in all")
-    p.add_argument("--tool-only-steps", type=at_least(0), default=300, help="first steps on tool traces alone")
-    p.add_argument("--threads", type=at_least(1), default=1, help="torch threads (1 is fastest on a small shared CPU)")
+    p.add_argument("--tool-fraction", type=fraction, default=0.3, help="share of traces that call the tool")
+    p.add_argument("--steps", type=at_least(1), default=300, help="optimizer steps in all")
+    p.add_argument("--tool-only-steps", type=at_least(0), default=200, help="first steps on tool traces alone")
+    p.add_argument("--threads", type=at_least(1), default=len(os.sched_getaffinity(0)), help="torch threads (every core: nothing else runs yet)")
     p.add_argument("--batch-size", type=at_least(1), default=32)
     p.add_argument("--lr", type=at_least(1e-12, float), default=2e-3)
     p.add_argument("--warmup-steps", type=at_least(1), default=50)
@@ -304,7 +335,7 @@ def multiple_of_64(text: str) -> int:
 if __name__ == "__main__":
     start = time.time()
     try:
-        main()
+        run_script(main)
     except KeyboardInterrupt:
         sys.exit(print("cold start stopped: run the same command again to go on from its last partial checkpoint",
                        file=sys.stderr) or 130)

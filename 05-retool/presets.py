@@ -53,6 +53,7 @@ PRESETS: dict[str, dict] = {
         cold_start="finetune",
         cold_start_steps=60,
         cold_start_tool_only_steps=20,
+        cold_start_tool_fraction=0.4,
         cold_start_lr=1e-4,
         cold_start_batch_size=8,
         train_file="data/word_train.jsonl",

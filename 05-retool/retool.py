@@ -70,9 +70,9 @@ class Config:
     save_every: int = 1  # steps between checkpoints
     # --- the starting policy: one explicit rule (problems_and_policy.py) ---
     cold_start: str = "scratch"  # scratch: train a tiny model first (model ""); finetune: tune `model` on tool traces; none
-    cold_start_steps: int = 500  # supervised steps on tool traces before RL
-    cold_start_tool_fraction: float = 0.4  # share of traces that call the tool (the rest box a guess)
-    cold_start_tool_only_steps: int = 300  # the first steps on tool traces alone
+    cold_start_steps: int = 300  # supervised steps on tool traces before RL
+    cold_start_tool_fraction: float = 0.3  # share of traces that call the tool (the rest box a guess)
+    cold_start_tool_only_steps: int = 200  # the first steps on tool traces alone
     cold_start_lr: float = 2e-3  # the cold start's learning rate
     cold_start_batch_size: int = 32  # traces per cold-start step
     cold_start_cache: bool = True  # reuse a base cold-started before from the same inputs (~/.cache/tool-rl-lab)
@@ -95,6 +95,7 @@ class Config:
     seed: int = 0  # the data order, the sampler and the trainer's random state
     dtype: str = "float32"  # the sampler's dtype (the trainer always keeps float32 weights)
     gpu_memory_utilization: float = 0.3  # vLLM's share of the GPU (on a CPU: of host memory) for weights and KV cache
+    enforce_eager: bool = False  # vLLM without compilation (torch.compile, CUDA graphs): starts in seconds, decodes slower
     log: str = ""  # also log to tensorboard, wandb or "tensorboard,wandb" (metrics.jsonl is always written)
     # --- options from the field since ToRL (batch_filters.py, docs/06-beyond-torl.md); off in the torl-* presets ---
     tis_cap: float = 0.0  # truncated importance sampling, min(pi_trainer / pi_sampler, cap) per token; 0 = off
@@ -284,7 +285,8 @@ def start_sampler(cfg: Config, model_path: str, state: dict | None, seed: int | 
 
     seed = cfg.seed if seed is None else seed
     llm = make_llm(model_path, dtype=cfg.dtype, max_model_len=cfg.max_model_len,
-                   gpu_memory_utilization=cfg.gpu_memory_utilization, seed=seed, **engine_kwargs)
+                   gpu_memory_utilization=cfg.gpu_memory_utilization, seed=seed, enforce_eager=cfg.enforce_eager,
+                   **engine_kwargs)
     if state is not None and seed == cfg.seed:  # rank 0 (or one process): the stream it saved goes on
         restore_rng(torch.load(Path(state["path"]) / "rng.pt", weights_only=False))
     else:  # a fresh start, or another rank's resume (rank 0 alone saves): a stream of this rank's own

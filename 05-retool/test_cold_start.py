@@ -52,7 +52,7 @@ def test_freezing_leaves_only_the_top_layers_and_final_norm_trainable(tiny_model
 @pytest.mark.parametrize("argv, says", [
     (["--steps", "0"], "argument --steps: must be at least 1, got 0"),
     (["--hidden-size", "100"], "argument --hidden-size: must be a multiple of 64"),
-    (["--tool-only-steps", "600"], "--tool-only-steps 600 is more than --steps 500"),
+    (["--tool-only-steps", "600"], "--tool-only-steps 600 is more than --steps 300"),
     (["--tool-fraction", "2"], "argument --tool-fraction: must be a share from 0 to 1"),
     (["--lr", "0"], "argument --lr: must be at least"),
 ])
@@ -64,6 +64,26 @@ def test_cold_start_refuses_each_mistake_in_one_line_before_it_writes(argv, says
     err = capsys.readouterr().err.strip()
     assert e.value.code == 2 and says in err and "\n" not in err
     assert not (tmp_path / "base").exists()
+
+
+def test_a_missing_training_file_is_one_line_naming_it_and_how_to_make_it(tmp_path):
+    import cold_start
+
+    with pytest.raises(SystemExit) as e:
+        cold_start.main(["--train-file", str(tmp_path / "none.jsonl"), "--out", str(tmp_path / "base")])
+    assert e.value.code == f"error: {tmp_path / 'none.jsonl'}: no such file (make it with 01-data/prepare_data.py, or pass --train-file)"
+    assert not (tmp_path / "base").exists()
+
+
+def test_the_scripts_defaults_make_the_cpu_demos_base():
+    """`cold_start.py --out DIR` alone trains what `make run-05` trains (docs/05-retool.md)."""
+    import cold_start
+    from retool import Config
+
+    args, cfg = cold_start.parse_args(["--out", "x"]), Config()
+    assert (args.steps, args.tool_only_steps, args.tool_fraction, args.lr, args.batch_size, args.template) == (
+        cfg.cold_start_steps, cfg.cold_start_tool_only_steps, cfg.cold_start_tool_fraction, cfg.cold_start_lr,
+        cfg.cold_start_batch_size, cfg.template)
 
 
 def test_a_stopped_cold_start_goes_on_from_its_partial_checkpoint_to_the_same_model(tmp_path, monkeypatch):
@@ -141,3 +161,33 @@ def test_tuning_a_given_model_writes_its_partial_checkpoints_into_a_folder_it_ma
                            "--tool-only-steps", "1", "--batch-size", "2", "--warmup-steps", "1", "--checkpoint-every", "1",
                            "--out", str(tmp_path / "tuned")])
     assert (out / "cold_start.json").exists() and not (out / cold_start.PARTIAL).exists()
+
+
+def test_sharing_the_templates_opening_gives_the_same_loss_and_gradient(tiny_model_path, tiny_tokenizer):
+    import random
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    import cold_start
+
+    problems = [{"question": f"What is {a} * {b}?", "answer": str(a * b)} for a, b in [(12, 34), (567, 8), (9, 99), (31, 4)]]
+    traces = [{"tool": False, "segments": [("prompt", cold_start.render_prompt(p["question"], "torl")),
+                                           ("model", cold_start.DIRECT_OPENING.format(guess=cold_start.guess(int(p["answer"]), random.Random(i))))]}
+              for i, p in enumerate(problems)]
+    examples = [cold_start.tokenize_trace(t, tiny_tokenizer) for t in traces]
+    shared = cold_start.shared_prompt_length(examples)
+    first_model_token = min(mask.index(1) for _, mask in examples)
+    assert 0 < shared < first_model_token and all(ids[:shared] == examples[0][0][:shared] for ids, _ in examples)
+    width = max(len(ids) for ids, _ in examples)
+    input_ids = torch.tensor([ids + [0] * (width - len(ids)) for ids, _ in examples])
+    loss_mask = torch.tensor([m + [0] * (width - len(m)) for _, m in examples], dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32)
+    grads = []
+    for k in (0, shared):
+        model.zero_grad()
+        loss = cold_start.trace_loss(model, input_ids, loss_mask, k)
+        loss.backward()
+        grads.append((loss.item(), [p.grad.clone() for p in model.parameters()]))
+    assert grads[0][0] == pytest.approx(grads[1][0], rel=1e-5)
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(grads[0][1], grads[1][1]))
