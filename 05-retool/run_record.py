@@ -44,7 +44,7 @@ class RunRecord:
         self.metrics_path, self.eval_path = run_dir / "metrics.jsonl", run_dir / "eval.jsonl"
         if dp.is_main:
             config = json.dumps({**dataclasses.asdict(cfg), **facts}, indent=1)
-            print(config)
+            print(f"settings: {run_dir / 'config.json'}{settings_changed(cfg)}")  # the whole file would flood the console
             (run_dir / "config.json").write_text(config)
             truncate_jsonl(self.metrics_path, self.start_step)  # lines after the checkpoint: work the resume redoes
             truncate_jsonl(self.eval_path, self.start_step)
@@ -231,3 +231,11 @@ def step_line(row: dict) -> str:
             f"code {row['code_ratio']:.2f} pass {row['code_pass_ratio']:.2f} len {row['response_length']:.0f} "
             f"| clip {row['clip_low_frac'] + row['clip_high_frac']:.3f} gnorm {row['grad_norm']:.3f} "
             f"mismatch {row['mismatch_abs']:.4f} | {row['rollout_s']:.1f}s rollout {row['update_s']:.1f}s update")
+
+
+def settings_changed(cfg) -> str:
+    """The fields that differ from Config's defaults, as flags: what this run chose (a preset or the command line)."""
+    defaults = type(cfg)()
+    changed = [f"--{f.name.replace('_', '-')} {json.dumps(getattr(cfg, f.name)).strip(chr(34))}"
+               for f in dataclasses.fields(cfg) if getattr(cfg, f.name) != getattr(defaults, f.name)]
+    return f"; changed from the defaults: {' '.join(changed)}" if changed else "; every field at its default"

@@ -109,7 +109,8 @@ def test_loop_runs_is_stopped_killed_and_resumes_where_it_stopped(tiny_model_pat
             "--train-file", str(tmp_path / "train.jsonl"), "--eval-file", str(tmp_path / "test.jsonl"),
             "--steps", "5", "--problems-per-step", "2", "--group-size", "2", "--micro-batch-size", "2",
             "--save-every", "3", "--eval-every", "2", "--eval-problems", "2", "--lr", "1e-3",
-            "--max-response-tokens", "12", "--eval-max-response-tokens", "12", "--max-model-len", "256"]
+            "--max-response-tokens", "12", "--eval-max-response-tokens", "12", "--max-model-len", "256",
+            "--enforce-eager", "true"]
     import importlib.util
 
     tensorboard = importlib.util.find_spec("tensorboard") is not None  # optional: checked when installed
@@ -819,9 +820,21 @@ def test_every_script_answers_help_with_help():
                "03-rollout/rollout.py", "03-rollout/bench_rollout.py", "04-reward/reward.py", "05-retool/retool.py",
                "05-retool/eval.py", "05-retool/cold_start.py", "06-train/grpo.py", "06-train/show_metrics.py",
                "06-train/ablation.py", "06-train/bench_train.py"]
-    for script in scripts:
-        done = subprocess.run([sys.executable, str(REPO / script), "--help"], capture_output=True, text=True, timeout=120)
-        assert done.returncode == 0 and "usage:" in done.stdout, (script, done.stderr[-500:])
+    # One interpreter runs each script as __main__ with --help, as a shell would (a process each costs 14 starts).
+    check = ("import contextlib, io, runpy, sys\n"
+             "for script in sys.argv[1:]:\n"
+             "    sys.argv, out = [script, '--help'], io.StringIO()\n"
+             "    try:\n"
+             "        with contextlib.redirect_stdout(out):\n"
+             "            runpy.run_path(script, run_name='__main__')\n"
+             "        code = 'no exit'\n"
+             "    except SystemExit as e:\n"
+             "        code = e.code\n"
+             "    print(script, code, 'usage:' in out.getvalue())\n")
+    done = subprocess.run([sys.executable, "-c", check, *(str(REPO / script) for script in scripts)], cwd=REPO,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.splitlines() == [f"{REPO / script} 0 True" for script in scripts], done.stdout + done.stderr[-2000:]
 
 
 def test_a_killed_runs_temporary_files_are_removed_at_the_next_start(tmp_path, monkeypatch):
@@ -877,3 +890,11 @@ def test_a_run_folder_or_a_folder_without_a_model_type_is_no_model(tmp_path):
     (tmp_path / "other").mkdir()
     (tmp_path / "other" / "config.json").write_text('{"steps": 3}')
     assert "names no model_type" in model_problem(str(tmp_path / "other"))
+
+
+def test_the_console_names_the_settings_file_and_only_the_fields_a_run_changed():
+    from run_record import settings_changed
+
+    assert settings_changed(Config()) == "; every field at its default"
+    assert settings_changed(make_config("cpu-demo", {"seed": 1, "enforce_eager": True, "log": "wandb"})) == (
+        "; changed from the defaults: --seed 1 --enforce-eager true --log wandb")

@@ -39,45 +39,21 @@ def by_problem(trajectories):
     return list(groups.values())
 
 
-def _rank(rank, world, store, model_path, out, global_denominator, strategy):
-    torch.set_num_threads(1)
-    torch.distributed.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
-    try:
-        dp = DataParallel(rank, world, strategy=strategy)
-        torch.manual_seed(0)
-        model = dp.wrap(load_policy(model_path, device="cpu"))
-        optimizer = make_optimizer(model, CFG)
-        groups = dp.shard(by_problem(group_trajectories()), CFG.num_minibatches)  # whole groups per rank
-        local = [t for group in groups for t in group]
-        metrics = grpo_step(model, optimizer, local, CFG,
-                            global_normalizer=dp.global_normalizer if global_denominator else None)
-        metrics = dp.reduce_metrics(metrics)
-        weights = dp.checkpoint_parts(model, optimizer, out + ".optimizer")[0].state_dict()  # FSDP2: gathered
-        if rank == 0:
-            torch.save({"weights": weights, "metrics": metrics}, out)
-        # Tear down together: a rank that leaves while the other still holds the
-        # connection can abort in gloo's teardown (seen once on a loaded machine).
-        torch.distributed.barrier()
-    finally:
-        torch.distributed.destroy_process_group()
-
-
-def two_ranks(tmp_path, model_path, global_denominator=True, strategy="ddp"):
-    out = tmp_path / f"ranks-{global_denominator}-{strategy}.pt"
-    mp.spawn(_rank, args=(2, str(tmp_path / f"store-{global_denominator}-{strategy}"), str(model_path), str(out),
-                          global_denominator, strategy), nprocs=2)
-    return torch.load(out)
-
-
-def one_process(model_path):
+def _step_on_ranks(rank, world, model_path, global_denominator, strategy, staging):
+    """One grpo_step on this rank's half of the groups; the weights (FSDP2: gathered) and the combined metrics."""
+    dp = DataParallel(rank, world, strategy=strategy)
     torch.manual_seed(0)
-    model = load_policy(model_path, device="cpu")
+    model = dp.wrap(load_policy(model_path, device="cpu"))
     optimizer = make_optimizer(model, CFG)
-    metrics = grpo_step(model, optimizer, group_trajectories(), CFG)
-    return model.state_dict(), metrics
+    groups = dp.shard(by_problem(group_trajectories()), CFG.num_minibatches)  # whole groups per rank
+    local = [t for group in groups for t in group]
+    metrics = grpo_step(model, optimizer, local, CFG, global_normalizer=dp.global_normalizer if global_denominator else None)
+    metrics = dp.reduce_metrics(metrics)
+    weights = dp.checkpoint_parts(model, optimizer, staging)[0].state_dict()  # FSDP2: gathered
+    return {"weights": weights, "metrics": metrics}
 
 
-def _rank_checkpoint(rank, world, store, model_path, run_dir, out):
+def _checkpoint_on_ranks(rank, world, model_path, run_dir):
     """FSDP2: a step, a checkpoint (optimizer as each rank's shard), a fresh model and optimizer loaded from it."""
     from pathlib import Path
 
@@ -86,40 +62,66 @@ def _rank_checkpoint(rank, world, store, model_path, run_dir, out):
 
     from checkpoints import load_optimizer, save_checkpoint
 
+    dp = DataParallel(rank, world, strategy="fsdp")
+    model = dp.wrap(load_policy(model_path, device="cpu"))
+    optimizer = make_optimizer(model, CFG)
+    groups = dp.shard(by_problem(group_trajectories()), CFG.num_minibatches)
+    grpo_step(model, optimizer, [t for g in groups for t in g], CFG, global_normalizer=dp.global_normalizer)
+    run_dir = Path(run_dir)
+    parts = dp.checkpoint_parts(model, optimizer, run_dir / "checkpoints" / ".step-000001.optimizer")
+    if rank == 0:
+        save_checkpoint(run_dir, 1, *parts, AutoTokenizer.from_pretrained(model_path), keep=2)
+    torch.distributed.barrier()
+    final = run_dir / "checkpoints" / "step-000001"
+    again = dp.wrap(load_policy(final, device="cpu"))
+    restored = make_optimizer(again, CFG)
+    load_optimizer({"path": str(final)}, dp.restorable_optimizer(again, restored))
+    full = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return {"saved": get_optimizer_state_dict(model, optimizer, options=full),
+            "loaded": get_optimizer_state_dict(again, restored, options=full),
+            "files": sorted(p.name for p in final.iterdir())}
+
+
+def _rank(rank, world, store, model_path, run_dir, out):
+    """Every two-rank scenario in one process group: starting ranks costs more than the scenarios."""
     torch.set_num_threads(1)
     torch.distributed.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     try:
-        dp = DataParallel(rank, world, strategy="fsdp")
-        model = dp.wrap(load_policy(model_path, device="cpu"))
-        optimizer = make_optimizer(model, CFG)
-        groups = dp.shard(by_problem(group_trajectories()), CFG.num_minibatches)
-        grpo_step(model, optimizer, [t for g in groups for t in g], CFG, global_normalizer=dp.global_normalizer)
-        run_dir = Path(run_dir)
-        parts = dp.checkpoint_parts(model, optimizer, run_dir / "checkpoints" / ".step-000001.optimizer")
+        results = {f"{strategy}-{denominator}": _step_on_ranks(rank, world, model_path, denominator == "global", strategy,
+                                                               f"{out}.{strategy}-{denominator}.optimizer")
+                   for strategy, denominator in [("ddp", "global"), ("fsdp", "global"), ("ddp", "per-rank")]}
+        results["checkpoint"] = _checkpoint_on_ranks(rank, world, model_path, run_dir)
         if rank == 0:
-            save_checkpoint(run_dir, 1, *parts, AutoTokenizer.from_pretrained(model_path), keep=2)
-        torch.distributed.barrier()
-        final = run_dir / "checkpoints" / "step-000001"
-        again = dp.wrap(load_policy(final, device="cpu"))
-        restored = make_optimizer(again, CFG)
-        load_optimizer({"path": str(final)}, dp.restorable_optimizer(again, restored))
-        full = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        saved = get_optimizer_state_dict(model, optimizer, options=full)
-        loaded = get_optimizer_state_dict(again, restored, options=full)
-        if rank == 0:
-            torch.save({"saved": saved, "loaded": loaded, "files": sorted(p.name for p in final.iterdir())}, out)
+            torch.save(results, out)
+        # Tear down together: a rank that leaves while the other still holds the
+        # connection can abort in gloo's teardown (seen once on a loaded machine).
         torch.distributed.barrier()
     finally:
         torch.distributed.destroy_process_group()
 
 
-def test_fsdp_checkpoints_keep_each_ranks_optimizer_shard_and_load_them_back(tmp_path, tiny_model_path):
-    out = tmp_path / "checkpoint.pt"
-    mp.spawn(_rank_checkpoint, args=(2, str(tmp_path / "store-ckpt"), str(tiny_model_path), str(tmp_path / "run"),
-                                     str(out)), nprocs=2)
-    result = torch.load(out, weights_only=False)
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory, tiny_model_path):
+    """The scenarios' results from two gloo ranks, and where the checkpoint scenario wrote its run."""
+    tmp = tmp_path_factory.mktemp("two-ranks")
+    mp.spawn(_rank, args=(2, str(tmp / "store"), str(tiny_model_path), str(tmp / "run"), str(tmp / "out.pt")), nprocs=2)
+    return torch.load(tmp / "out.pt", weights_only=False), tmp / "run"
+
+
+@pytest.fixture(scope="module")
+def one_process(tiny_model_path):
+    torch.manual_seed(0)
+    model = load_policy(tiny_model_path, device="cpu")
+    optimizer = make_optimizer(model, CFG)
+    metrics = grpo_step(model, optimizer, group_trajectories(), CFG)
+    return model.state_dict(), metrics
+
+
+def test_fsdp_checkpoints_keep_each_ranks_optimizer_shard_and_load_them_back(two_ranks):
+    results, run = two_ranks
+    result = results["checkpoint"]
     assert "optimizer" in result["files"] and "optimizer.pt" not in result["files"]  # shards, not one gathered file
-    assert not list((tmp_path / "run" / "checkpoints").glob(".step-*"))  # the staging folder became the checkpoint's
+    assert not list((run / "checkpoints").glob(".step-*"))  # the staging folder became the checkpoint's
     saved, loaded = result["saved"]["state"], result["loaded"]["state"]
     assert saved.keys() == loaded.keys() and saved
     for name in saved:
@@ -141,9 +143,10 @@ def test_shard_deals_each_rank_a_slice_of_every_minibatch():
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
-def test_two_ranks_on_half_batches_take_the_same_step_as_one_process_on_the_whole(tmp_path, tiny_model_path, strategy):
-    single, single_metrics = one_process(tiny_model_path)
-    ranks = two_ranks(tmp_path, tiny_model_path, strategy=strategy)
+def test_two_ranks_on_half_batches_take_the_same_step_as_one_process_on_the_whole(two_ranks, one_process,
+                                                                                  tiny_model_path, strategy):
+    single, single_metrics = one_process
+    ranks = two_ranks[0][f"{strategy}-global"]
     initial = load_policy(tiny_model_path, device="cpu").state_dict()
     assert max_difference(single, initial) > 1e-3  # the step moved the weights
     # float32 sums in another order (FSDP2 reduces after every micro-batch); a wrong denominator gives > 1e-4
@@ -153,12 +156,11 @@ def test_two_ranks_on_half_batches_take_the_same_step_as_one_process_on_the_whol
         assert ranks["metrics"][key] == pytest.approx(single_metrics[key], rel=1e-4, abs=1e-6), key
 
 
-def test_dividing_by_each_ranks_own_token_count_gives_a_different_step(tmp_path, tiny_model_path):
+def test_dividing_by_each_ranks_own_token_count_gives_a_different_step(two_ranks, one_process):
     """The rule the equivalence rests on: the token-mean denominator is global, not per rank."""
-    single, _ = one_process(tiny_model_path)
-    naive = two_ranks(tmp_path, tiny_model_path, global_denominator=False)
-    assert max_difference(naive["weights"], single) > 1e-4
-    print("per-rank denominator: max weight difference", max_difference(naive["weights"], single))
+    naive = two_ranks[0]["ddp-per-rank"]
+    assert max_difference(naive["weights"], one_process[0]) > 1e-4
+    print("per-rank denominator: max weight difference", max_difference(naive["weights"], one_process[0]))
 
 
 def test_combined_metrics_weigh_ranks_by_what_each_metric_counts():
@@ -212,7 +214,7 @@ def test_torchrun_two_ranks_write_one_run_with_the_global_batch(tmp_path, tiny_m
               str(repo / "05-retool" / "retool.py")]
     small = ["--model", str(tiny_model_path), "--cold-start", "none", "--problems-per-step", "4", "--group-size", "2",
              "--max-response-tokens", "16", "--eval-problems", "2", "--eval-max-response-tokens", "16",
-             "--micro-batch-size", "2"]
+             "--micro-batch-size", "2", "--enforce-eager", "true"]
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
 
     def launch(args):
@@ -236,3 +238,47 @@ def test_torchrun_two_ranks_write_one_run_with_the_global_batch(tmp_path, tiny_m
     assert (run / "checkpoints" / "step-000003" / "state.json").exists()
     evals = [json.loads(line)["tag"] for line in (run / "eval.jsonl").read_text().splitlines()]
     assert evals == ["before RL", "after RL", "after RL"]  # rank 0 alone evaluates (end of each launch)
+
+
+@pytest.mark.vllm
+def test_each_ranks_engine_draws_its_own_samples_for_the_same_prompt(tmp_path, tiny_model_path):
+    """Two torchrun ranks start their engines as the loop does (engine_seed) and sample one prompt, unseeded.
+
+    Then both reseed torch's generator alike and sample again: equal samples
+    show that the seed alone made the difference (one seed for every rank's
+    engine would make every rank's samples the same, problem for problem).
+    """
+    import json
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / "samples.py"
+    script.write_text(
+        "import json, sys, torch\n"
+        "from vllm import SamplingParams\n"
+        "from distributed import setup\n"
+        "from retool import Config, start_sampler\n"
+        "dp = setup()\n"
+        "cfg = Config(max_model_len=64, enforce_eager=True)\n"
+        "llm = start_sampler(cfg, sys.argv[1], None, seed=dp.engine_seed(cfg.seed), **dp.engine_kwargs())\n"
+        "params = SamplingParams(n=4, max_tokens=8, temperature=1.0, ignore_eos=True)\n"
+        "def draw():\n"
+        "    out = llm.generate([{'prompt_token_ids': [5, 6, 7, 8]}], params, use_tqdm=False)[0]\n"
+        "    every = [None] * dp.world_size\n"
+        "    torch.distributed.all_gather_object(every, [list(c.token_ids) for c in out.outputs])\n"
+        "    return every\n"
+        "own = draw()\n"
+        "torch.manual_seed(0)\n"
+        "common = draw()\n"
+        "if dp.rank == 0:\n"
+        "    print('SAMPLES', json.dumps({'own': own, 'common': common}))\n"
+        "dp.close()\n")
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           str(script), str(tiny_model_path)], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    samples = json.loads(done.stdout.split("SAMPLES ", 1)[1].splitlines()[0])
+    assert samples["own"][0] != samples["own"][1]  # each rank's engine seed: different samples of one prompt
+    assert samples["common"][0] == samples["common"][1]  # one seed: the same samples on both ranks
