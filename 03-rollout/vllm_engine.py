@@ -59,6 +59,10 @@ def make_llm(
     import torch
     from vllm import LLM
 
+    if engine_kwargs.get("enforce_eager"):
+        # Eager means no compilation at all: vLLM's sampler also compiles a small kernel of its
+        # own on first use (about 10 s a process on a 2-core CPU, cache or not).
+        torch._dynamo.config.disable = True
     on_cuda = torch.cuda.is_available()
     if not on_cuda:
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
