@@ -840,6 +840,8 @@ def test_every_script_answers_help_with_help():
 def test_a_killed_runs_temporary_files_are_removed_at_the_next_start(tmp_path, monkeypatch):
     import tempfile
 
+    import getpass
+
     from lab_cli import private_tmp
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
@@ -850,8 +852,11 @@ def test_a_killed_runs_temporary_files_are_removed_at_the_next_start(tmp_path, m
     (stale / "vllm_dist_0").write_text("left by a killed run")
     alive = tmp_path / f"tool-rl-lab-{os.getppid()}"  # a live process's: kept
     alive.mkdir()
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
     own = private_tmp()
     assert not stale.exists() and alive.exists() and tempfile.gettempdir() == own == os.environ["TMPDIR"]
+    # torch.compile's cache is shared by every run, where torch keeps it by default: not in this process's folder
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / f"torchinductor_{getpass.getuser()}")
 
 
 def test_a_stop_before_the_first_step_is_one_line_and_leaves_the_folder_to_resume(tmp_path, monkeypatch, capsys):
