@@ -42,6 +42,7 @@ PRESETS: dict[str, dict] = {
         eval_max_response_tokens=3072,
         save_every=20,  # trainer.save_freq
         gpu_memory_utilization=0.5,  # vLLM's share while the trainer's weights and AdamW state stay on the GPU
+        enforce_eager=False,  # compiled, with CUDA graphs, as verl's vLLM runs: thousands of decode steps repay it
         dtype="bfloat16",  # the sampler's dtype (verl's rollout dtype)
     ),
     # A real pretrained model on the CPU: SmolLM2-135M-Instruct (hub, else the
@@ -74,6 +75,7 @@ PRESETS: dict[str, dict] = {
         eval_max_response_tokens=64,
         eval_text=True,
         save_every=5,
+        enforce_eager=False,  # its measured run compiled the engine
     ),
 }
 # ToRL-7B: the same script values with Qwen2.5-Math-7B, on the 8 GPUs of one node

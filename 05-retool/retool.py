@@ -95,7 +95,7 @@ class Config:
     seed: int = 0  # the data order, the sampler and the trainer's random state
     dtype: str = "float32"  # the sampler's dtype (the trainer always keeps float32 weights)
     gpu_memory_utilization: float = 0.3  # vLLM's share of the GPU (on a CPU: of host memory) for weights and KV cache
-    enforce_eager: bool = False  # vLLM without compilation (torch.compile, CUDA graphs): starts in seconds, decodes slower
+    enforce_eager: bool = True  # vLLM without compilation (torch.compile, CUDA graphs): starts in seconds, decodes slower
     log: str = ""  # also log to tensorboard, wandb or "tensorboard,wandb" (metrics.jsonl is always written)
     # --- options from the field since ToRL (batch_filters.py, docs/06-beyond-torl.md); off in the torl-* presets ---
     tis_cap: float = 0.0  # truncated importance sampling, min(pi_trainer / pi_sampler, cap) per token; 0 = off

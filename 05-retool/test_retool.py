@@ -901,5 +901,5 @@ def test_the_console_names_the_settings_file_and_only_the_fields_a_run_changed()
     from run_record import settings_changed
 
     assert settings_changed(Config()) == "; every field at its default"
-    assert settings_changed(make_config("cpu-demo", {"seed": 1, "enforce_eager": True, "log": "wandb"})) == (
-        "; changed from the defaults: --seed 1 --enforce-eager true --log wandb")
+    assert settings_changed(make_config("cpu-demo", {"seed": 1, "enforce_eager": False, "log": "wandb"})) == (
+        "; changed from the defaults: --seed 1 --enforce-eager false --log wandb")
