@@ -51,7 +51,11 @@ def private_tmp(prefix: str = "tool-rl-lab-") -> str:
     base = tempfile.gettempdir()
     # torch.compile's cache stays where torch keeps it by default, shared by every run: in the
     # private folder each process would compile vLLM's sampler kernels anew (16 s on 2 cores).
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(base, f"torchinductor_{getpass.getuser()}"))
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError):  # a uid without a passwd entry, as in some containers: torch's own fallback
+        user = f"uid_{os.getuid()}"
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(base, f"torchinductor_{user}"))
     for entry in os.scandir(base):
         if entry.name.startswith(prefix) and entry.name[len(prefix):].isdigit() and entry.is_dir(follow_symlinks=False):
             pid = int(entry.name[len(prefix):])

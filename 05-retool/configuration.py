@@ -29,7 +29,7 @@ def parse_with_field_flags(parser: argparse.ArgumentParser, config_class, argv, 
     meaning = field_comments(config_class)
     fields = parser.add_argument_group("configuration (every field; a preset sets some, these override)")
     for f in dataclasses.fields(config_class):
-        flag = "--" + f.name.replace("_", "-")
+        flag = field_flag(f.name)
         default = preset.get(f.name, f.default)
         text = f"{meaning.get(f.name, '')} [default: {default!r}]".strip().replace("%", "%%")
         if f.type in ("bool", bool):
@@ -41,6 +41,19 @@ def parse_with_field_flags(parser: argparse.ArgumentParser, config_class, argv, 
     args = parser.parse_args(argv)
     names = {f.name for f in dataclasses.fields(config_class)}
     return args, {k: v for k, v in vars(args).items() if k in names}
+
+
+def field_flag(name: str) -> str:
+    """A Config field's command-line flag: seed_rollouts -> --seed-rollouts."""
+    return "--" + name.replace("_", "-")
+
+
+def settings_changed(cfg) -> str:
+    """The fields that differ from Config's defaults, as flags: what this run chose (a preset or the command line)."""
+    defaults = type(cfg)()
+    changed = [f"{field_flag(f.name)} {json.dumps(getattr(cfg, f.name)).strip(chr(34))}"
+               for f in dataclasses.fields(cfg) if getattr(cfg, f.name) != getattr(defaults, f.name)]
+    return f"; changed from the defaults: {' '.join(changed)}" if changed else "; every field at its default"
 
 
 def field_comments(config_class) -> dict[str, str]:

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from checkpoints import (append_jsonl, capture_rng, has_eval_row, latest_checkpoint, load_optimizer, save_checkpoint,
                          stop_with_checkpoint, truncate_jsonl)
+from configuration import settings_changed
 from plots import plot_run
 from stopping import STOPPER, StopRequested, signal_self_for_tests
 
@@ -231,11 +232,3 @@ def step_line(row: dict) -> str:
             f"code {row['code_ratio']:.2f} pass {row['code_pass_ratio']:.2f} len {row['response_length']:.0f} "
             f"| clip {row['clip_low_frac'] + row['clip_high_frac']:.3f} gnorm {row['grad_norm']:.3f} "
             f"mismatch {row['mismatch_abs']:.4f} | {row['rollout_s']:.1f}s rollout {row['update_s']:.1f}s update")
-
-
-def settings_changed(cfg) -> str:
-    """The fields that differ from Config's defaults, as flags: what this run chose (a preset or the command line)."""
-    defaults = type(cfg)()
-    changed = [f"--{f.name.replace('_', '-')} {json.dumps(getattr(cfg, f.name)).strip(chr(34))}"
-               for f in dataclasses.fields(cfg) if getattr(cfg, f.name) != getattr(defaults, f.name)]
-    return f"; changed from the defaults: {' '.join(changed)}" if changed else "; every field at its default"

@@ -898,7 +898,7 @@ def test_a_run_folder_or_a_folder_without_a_model_type_is_no_model(tmp_path):
 
 
 def test_the_console_names_the_settings_file_and_only_the_fields_a_run_changed():
-    from run_record import settings_changed
+    from configuration import settings_changed
 
     assert settings_changed(Config()) == "; every field at its default"
     assert settings_changed(make_config("cpu-demo", {"seed": 1, "enforce_eager": False, "log": "wandb"})) == (
