@@ -84,6 +84,7 @@ def run_script(main) -> None:
     """Run a script's `main`: a one-line refusal (SystemExit with a message) exits 2, as a usage error does.
 
     A numeric exit (a stop's 128 + signal, a count of failures) passes through unchanged.
+    A run that ended (done, or stopped by a signal) exits as soon as its exit handlers ran.
     """
     try:
         main()
@@ -91,4 +92,23 @@ def run_script(main) -> None:
         if isinstance(refusal.code, str):
             print(refusal.code, file=sys.stderr)
             sys.exit(2)
+        if isinstance(refusal.code, int) and refusal.code >= 128:
+            exit_now(refusal.code)
         raise
+    exit_now(0)
+
+
+def exit_now(code: int) -> None:
+    """Exit after the exit handlers, without the interpreter's own teardown.
+
+    Everything a run keeps is written and closed by then. What is left is
+    freeing, one by one, the million objects torch and vLLM hold: 3 s of the
+    5 a process with an engine took to exit on two cores, for nothing.
+    """
+    import atexit
+    import os
+
+    atexit._run_exitfuncs()  # the temporary folder, vLLM's shutdown, logging's flush
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -91,7 +91,7 @@ def test_every_field_is_overridable_from_the_command_line():
 
 
 @pytest.mark.vllm
-def test_loop_runs_is_stopped_killed_and_resumes_where_it_stopped(tiny_model_path, tmp_path):
+def test_loop_runs_is_stopped_killed_and_resumes_where_it_stopped(tiny_model_path, tmp_path, preloaded_python):
     """A real run (vLLM, sandbox, reward, GRPO, sync) stopped by SIGTERM, resumed and killed, resumed to the end.
 
     The run signals itself as a given step begins (RETOOL_TEST_SIGNAL), so
@@ -105,7 +105,7 @@ def test_loop_runs_is_stopped_killed_and_resumes_where_it_stopped(tiny_model_pat
     write_jsonl(train, tmp_path / "train.jsonl")
     write_jsonl(test, tmp_path / "test.jsonl")
     run_dir = tmp_path / "run"
-    argv = [sys.executable, str(RETOOL), "--run-dir", str(run_dir), "--model", str(tiny_model_path), "--cold-start", "none",
+    argv = [RETOOL, "--run-dir", str(run_dir), "--model", str(tiny_model_path), "--cold-start", "none",
             "--train-file", str(tmp_path / "train.jsonl"), "--eval-file", str(tmp_path / "test.jsonl"),
             "--steps", "5", "--problems-per-step", "2", "--group-size", "2", "--micro-batch-size", "2",
             "--save-every", "3", "--eval-every", "2", "--eval-problems", "2", "--lr", "1e-3",
@@ -115,14 +115,14 @@ def test_loop_runs_is_stopped_killed_and_resumes_where_it_stopped(tiny_model_pat
 
     tensorboard = importlib.util.find_spec("tensorboard") is not None  # optional: checked when installed
     argv += ["--log", "tensorboard"] if tensorboard else []
-    resume = [sys.executable, str(RETOOL), "--resume", str(run_dir)]
+    resume = [RETOOL, "--resume", str(run_dir)]
 
     def run(args, signal_at=None):
         env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
         env.pop("RETOOL_TEST_SIGNAL", None)
         if signal_at:
             env["RETOOL_TEST_SIGNAL"] = signal_at
-        return subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+        return preloaded_python.run(args, cwd=REPO, env=env, timeout=900)
 
     def steps(name):
         return [json.loads(l)["step"] for l in (run_dir / name).read_text().splitlines()]
@@ -716,12 +716,12 @@ def test_json_the_lab_writes_has_no_nan():
     assert json.dumps(json_safe(row), allow_nan=False) == '{"code_pass_ratio": null, "sets": {"a": [1.0, null]}, "n": 3}'
 
 
-def test_a_sandbox_that_cannot_contain_code_stops_the_run_before_any_model(tmp_path):
+def test_a_sandbox_that_cannot_contain_code_stops_the_run_before_any_model(tmp_path, preloaded_python):
     """As root, plain isolation cannot read the venv's interpreter files: refused at start, no folder made."""
     if os.geteuid() != 0:
         pytest.skip("the refusal shown here is root's")
-    done = subprocess.run([sys.executable, str(RETOOL), "--sandbox-isolation", "plain", "--run-dir", str(tmp_path / "run")],
-                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    done = preloaded_python.run([RETOOL, "--sandbox-isolation", "plain", "--run-dir", tmp_path / "run"], cwd=tmp_path,
+                                timeout=120)
     lines = done.stderr.strip().splitlines()
     assert done.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: the sandbox cannot start:")
     assert not (tmp_path / "run").exists() and "cold start" not in done.stdout
@@ -759,9 +759,8 @@ def test_a_kv_cache_that_cannot_hold_one_group_is_refused():
     assert any("cannot hold one group (16 x 3472 tokens)" in p for p in plan.problems)
 
 
-def test_the_dry_run_prints_the_plan_and_names_the_missing_data_in_seconds(tmp_path):
-    done = subprocess.run([sys.executable, str(RETOOL), "--preset", "torl-7b", "--dry-run", "--plan-gpus", "1"],
-                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
+def test_the_dry_run_prints_the_plan_and_names_the_missing_data_in_seconds(tmp_path, preloaded_python):
+    done = preloaded_python.run([RETOOL, "--preset", "torl-7b", "--dry-run", "--plan-gpus", "1"], cwd=tmp_path, timeout=120)
     assert done.returncode == 2, done.stderr
     out = done.stdout
     assert "train_file 'data/torl_data/train.parquet' does not exist" in out and "sandbox: ok" in out
@@ -815,24 +814,24 @@ def test_plot_redraws_says_where_and_refuses_the_flags_it_would_ignore(tmp_path,
         retool.main(["--plot", str(tmp_path), "--steps", "3"])
 
 
-def test_every_script_answers_help_with_help():
+def test_every_script_answers_help_with_help(tmp_path, preloaded_python):
     scripts = ["01-data/prepare_data.py", "01-data/word_problems.py", "02-sandbox/sandbox.py", "02-sandbox/bench_sandbox.py",
                "03-rollout/rollout.py", "03-rollout/bench_rollout.py", "04-reward/reward.py", "05-retool/retool.py",
                "05-retool/eval.py", "05-retool/cold_start.py", "06-train/grpo.py", "06-train/show_metrics.py",
                "06-train/ablation.py", "06-train/bench_train.py"]
     # One interpreter runs each script as __main__ with --help, as a shell would (a process each costs 14 starts).
-    check = ("import contextlib, io, runpy, sys\n"
-             "for script in sys.argv[1:]:\n"
-             "    sys.argv, out = [script, '--help'], io.StringIO()\n"
-             "    try:\n"
-             "        with contextlib.redirect_stdout(out):\n"
-             "            runpy.run_path(script, run_name='__main__')\n"
-             "        code = 'no exit'\n"
-             "    except SystemExit as e:\n"
-             "        code = e.code\n"
-             "    print(script, code, 'usage:' in out.getvalue())\n")
-    done = subprocess.run([sys.executable, "-c", check, *(str(REPO / script) for script in scripts)], cwd=REPO,
-                          capture_output=True, text=True, timeout=300)
+    check = tmp_path / "help_of_each.py"
+    check.write_text("import contextlib, io, runpy, sys\n"
+                     "for script in sys.argv[1:]:\n"
+                     "    sys.argv, out = [script, '--help'], io.StringIO()\n"
+                     "    try:\n"
+                     "        with contextlib.redirect_stdout(out):\n"
+                     "            runpy.run_path(script, run_name='__main__')\n"
+                     "        code = 'no exit'\n"
+                     "    except SystemExit as e:\n"
+                     "        code = e.code\n"
+                     "    print(script, code, 'usage:' in out.getvalue())\n")
+    done = preloaded_python.run([check, *(REPO / script for script in scripts)], cwd=REPO, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.splitlines() == [f"{REPO / script} 0 True" for script in scripts], done.stdout + done.stderr[-2000:]
 
@@ -903,3 +902,24 @@ def test_the_console_names_the_settings_file_and_only_the_fields_a_run_changed()
     assert settings_changed(Config()) == "; every field at its default"
     assert settings_changed(make_config("cpu-demo", {"seed": 1, "enforce_eager": False, "log": "wandb"})) == (
         "; changed from the defaults: --seed 1 --enforce-eager false --log wandb")
+
+
+@pytest.mark.parametrize("ending, status", [("return", 0), ("raise SystemExit(143)", 143), ("raise SystemExit(1)", 1)])
+def test_a_script_that_ended_runs_its_exit_handlers_and_skips_the_interpreters_teardown(tmp_path, ending, status):
+    """A run's end (done, or a stop's 128 + signal) exits at once after atexit; other exits go the usual way."""
+    script = tmp_path / "script.py"
+    script.write_text(
+        "import atexit, pathlib, sys\n"
+        f"folder = pathlib.Path({str(tmp_path)!r})\n"
+        "atexit.register(lambda: (folder / 'atexit').write_text('ran'))\n"
+        "class Teardown:\n"
+        "    def __del__(self):\n"
+        "        (folder / 'teardown').write_text('ran')\n"
+        "kept = Teardown()  # freed by the interpreter's teardown, if it runs\n"
+        "from lab_cli import run_script\n"
+        "def main():\n"
+        f"    {ending}\n"
+        "run_script(main)\n")
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
+    assert done.returncode == status and (tmp_path / "atexit").exists()
+    assert (tmp_path / "teardown").exists() == (status == 1)

@@ -3,7 +3,6 @@ import math
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from distributed import DataParallel, combine_metrics
 from grpo import GRPOConfig, group_advantages, grpo_step, load_policy, make_optimizer
@@ -101,10 +100,17 @@ def _rank(rank, world, store, model_path, run_dir, out):
 
 
 @pytest.fixture(scope="module")
-def two_ranks(tmp_path_factory, tiny_model_path):
+def two_ranks(tmp_path_factory, tiny_model_path, preloaded_python):
     """The scenarios' results from two gloo ranks, and where the checkpoint scenario wrote its run."""
+    from pathlib import Path
+
     tmp = tmp_path_factory.mktemp("two-ranks")
-    mp.spawn(_rank, args=(2, str(tmp / "store"), str(tiny_model_path), str(tmp / "run"), str(tmp / "out.pt")), nprocs=2)
+    script = tmp / "ranks.py"
+    script.write_text(f"import os, sys\nsys.path.insert(0, {str(Path(__file__).parent)!r})\n"
+                      "from test_distributed import _rank\n_rank(int(os.environ['RANK']), 2, *sys.argv[1:])\n")
+    ranks = preloaded_python.run_together(
+        [[script, tmp / "store", tiny_model_path, tmp / "run", tmp / "out.pt"]] * 2, cwd=tmp, envs=ranks_environment(), timeout=600)
+    assert all(done.returncode == 0 for done in ranks), [done.stderr[-3000:] for done in ranks]
     return torch.load(tmp / "out.pt", weights_only=False), tmp / "run"
 
 
@@ -199,27 +205,42 @@ def test_one_failing_rank_ends_the_run_instead_of_a_hang(tmp_path):
     report = done.stdout + done.stderr
     assert "sandbox exploded on rank 1" in report and "rank      : 1" in report
 
-@pytest.mark.vllm
-def test_torchrun_two_ranks_write_one_run_with_the_global_batch(tmp_path, tiny_model_path):
-    """Two CPU ranks, each with its own vLLM engine: one metrics.jsonl of the global batch, then a resume."""
-    import json
+
+def ranks_environment(world: int = 2) -> list[dict]:
+    """What torchrun --standalone gives each of `world` ranks on one machine (its rendezvous is the master's port)."""
     import os
-    import subprocess
-    import sys
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    common = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+              "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world), "OMP_NUM_THREADS": "1"}
+    return [{**common, "RANK": str(rank), "LOCAL_RANK": str(rank)} for rank in range(world)]
+
+
+@pytest.mark.vllm
+def test_two_ranks_write_one_run_with_the_global_batch(tmp_path, tiny_model_path, preloaded_python):
+    """Two CPU ranks, each with its own vLLM engine: one metrics.jsonl of the global batch, then a resume.
+
+    The ranks get torchrun's environment and are forks of one preloaded
+    interpreter (a launch without 20 s of imports); torchrun itself starts the
+    ranks of test_one_failing_rank_ends_the_run_instead_of_a_hang.
+    """
+    import json
     from pathlib import Path
 
     repo = Path(__file__).resolve().parent.parent
+    retool = repo / "05-retool" / "retool.py"
     run = tmp_path / "run"
-    common = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-              str(repo / "05-retool" / "retool.py")]
     small = ["--model", str(tiny_model_path), "--cold-start", "none", "--problems-per-step", "4", "--group-size", "2",
              "--max-response-tokens", "16", "--eval-problems", "2", "--eval-max-response-tokens", "16",
              "--micro-batch-size", "2", "--enforce-eager", "true"]
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
 
     def launch(args):
-        done = subprocess.run(common + args, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
-        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        for done in preloaded_python.run_together([[retool, *args]] * 2, cwd=tmp_path, envs=ranks_environment(),
+                                                  timeout=900):
+            assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
 
     launch(["--run-dir", str(run), "--steps", "2", *small])
     launch(["--resume", str(run), "--steps", "3"])  # two ranks pick up rank 0's checkpoint
@@ -241,17 +262,14 @@ def test_torchrun_two_ranks_write_one_run_with_the_global_batch(tmp_path, tiny_m
 
 
 @pytest.mark.vllm
-def test_each_ranks_engine_draws_its_own_samples_for_the_same_prompt(tmp_path, tiny_model_path):
-    """Two torchrun ranks start their engines as the loop does (engine_seed) and sample one prompt, unseeded.
+def test_each_ranks_engine_draws_its_own_samples_for_the_same_prompt(tmp_path, tiny_model_path, preloaded_python):
+    """Two ranks (torchrun's environment, as above) start their engines as the loop does (engine_seed) and sample one prompt, unseeded.
 
     Then both reseed torch's generator alike and sample again: equal samples
     show that the seed alone made the difference (one seed for every rank's
     engine would make every rank's samples the same, problem for problem).
     """
     import json
-    import os
-    import subprocess
-    import sys
 
     script = tmp_path / "samples.py"
     script.write_text(
@@ -275,11 +293,9 @@ def test_each_ranks_engine_draws_its_own_samples_for_the_same_prompt(tmp_path, t
         "    print('SAMPLES', json.dumps({'own': own, 'common': common}), flush=True)\n"
         "dp.close()\n"
         "import os; os._exit(0)  # skip vLLM's shutdown, a full garbage collection of seconds\n")
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           str(script), str(tiny_model_path)], cwd=tmp_path, env=env, capture_output=True, text=True,
-                          timeout=600)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    samples = json.loads(done.stdout.split("SAMPLES ", 1)[1].splitlines()[0])
+    ranks = preloaded_python.run_together([[script, tiny_model_path]] * 2, cwd=tmp_path, envs=ranks_environment(),
+                                          timeout=600)
+    assert all(done.returncode == 0 for done in ranks), [done.stderr[-3000:] for done in ranks]
+    samples = json.loads(ranks[0].stdout.split("SAMPLES ", 1)[1].splitlines()[0])
     assert samples["own"][0] != samples["own"][1]  # each rank's engine seed: different samples of one prompt
     assert samples["common"][0] == samples["common"][1]  # one seed: the same samples on both ranks
