@@ -107,8 +107,10 @@ def exit_now(code: int) -> None:
     """
     import atexit
     import os
+    import threading
 
-    atexit._run_exitfuncs()  # the temporary folder, vLLM's shutdown, logging's flush
+    threading._shutdown()  # what the interpreter does first at exit: join the threads that are not daemons
+    atexit._run_exitfuncs()  # then the exit handlers: the temporary folder, vLLM's shutdown, logging's flush
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)

@@ -906,12 +906,14 @@ def test_the_console_names_the_settings_file_and_only_the_fields_a_run_changed()
 
 @pytest.mark.parametrize("ending, status", [("return", 0), ("raise SystemExit(143)", 143), ("raise SystemExit(1)", 1)])
 def test_a_script_that_ended_runs_its_exit_handlers_and_skips_the_interpreters_teardown(tmp_path, ending, status):
-    """A run's end (done, or a stop's 128 + signal) exits at once after atexit; other exits go the usual way."""
+    """A run's end (done, or a stop's 128 + signal) exits once its threads and exit handlers are done, without
+    the teardown that frees every object; other exits go the usual way."""
     script = tmp_path / "script.py"
     script.write_text(
-        "import atexit, pathlib, sys\n"
+        "import atexit, pathlib, sys, threading, time\n"
         f"folder = pathlib.Path({str(tmp_path)!r})\n"
         "atexit.register(lambda: (folder / 'atexit').write_text('ran'))\n"
+        "threading.Thread(target=lambda: time.sleep(0.2) or (folder / 'thread').write_text('ran')).start()\n"
         "class Teardown:\n"
         "    def __del__(self):\n"
         "        (folder / 'teardown').write_text('ran')\n"
@@ -921,5 +923,5 @@ def test_a_script_that_ended_runs_its_exit_handlers_and_skips_the_interpreters_t
         f"    {ending}\n"
         "run_script(main)\n")
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
-    assert done.returncode == status and (tmp_path / "atexit").exists()
+    assert done.returncode == status and (tmp_path / "atexit").exists() and (tmp_path / "thread").exists()
     assert (tmp_path / "teardown").exists() == (status == 1)
