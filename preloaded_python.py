@@ -97,9 +97,10 @@ def serve() -> None:
 
 
 def _run_job(job: dict) -> None:
-    import atexit
     import runpy
     import traceback
+
+    from lab_cli import exit_now
 
     code = 1
     try:
@@ -120,10 +121,7 @@ def _run_job(job: dict) -> None:
     except BaseException:
         traceback.print_exc()
     finally:
-        atexit._run_exitfuncs()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
+        exit_now(code)  # the interpreter's exit (threads, then exit handlers), without the teardown
 
 
 if __name__ == "__main__":
