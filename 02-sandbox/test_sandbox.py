@@ -50,7 +50,7 @@ def docker_unavailable() -> str:
 
 BACKENDS = ["local", pytest.param("docker", marks=pytest.mark.docker)]
 TIMEOUT = 20.0  # generous: on a loaded machine only runaway code may reach it
-SHORT = 2.0  # the per-call limit of the tests of runaway code, so that they stay quick
+SHORT = 1.0  # the per-call limit of the tests of runaway code, so that they stay quick
 MAX_FILE_MB = 4
 MAX_OUTPUT = 16 * 1024
 
@@ -402,7 +402,7 @@ def test_concurrent_calls_mixing_good_and_hostile_code_keep_their_own_results(ba
             codes.append(f"print({i} * {i}, 'ok')")
             expected[i] = f"{i * i} ok\n"
     with Sandbox(make_config(backend, concurrency=calls, docker_warm=4)) as sb:  # all at once
-        results = sb.run_many(codes, timeout=5.0)  # ends the runaway ones; ample for the others
+        results = sb.run_many(codes, timeout=3.0)  # ends the runaway ones; ample for the others
         assert_still_answers(sb)
     assert len(results) == calls and len(endings) == len(hostile)
     for i, text in expected.items():

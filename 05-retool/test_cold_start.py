@@ -163,6 +163,40 @@ def test_tuning_a_given_model_writes_its_partial_checkpoints_into_a_folder_it_ma
     assert (out / "cold_start.json").exists() and not (out / cold_start.PARTIAL).exists()
 
 
+def test_a_batch_run_in_two_padded_parts_gives_the_whole_batchs_loss_and_gradient(tiny_model_path, tiny_tokenizer):
+    import random
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    import cold_start
+
+    def trace(a, b, tool):
+        prompt = ("prompt", cold_start.render_prompt(f"What is {a} * {b}?", "torl"))
+        if not tool:
+            return {"segments": [prompt, ("model", cold_start.DIRECT_OPENING.format(guess=cold_start.guess(a * b, random.Random(a))))]}
+        return {"segments": [prompt, ("model", cold_start.TOOL_OPENING.format(code=f"print({a} * {b})")),
+                             ("observation", f"\n{a * b}\n```\n"), ("model", cold_start.TOOL_CLOSING.format(answer=a * b))]}
+
+    batch = [cold_start.tokenize_trace(trace(a, b, tool), tiny_tokenizer)
+             for a, b, tool in [(12, 34, True), (567, 8, False), (9, 99, False), (31, 4, True), (70, 7, False)]]
+    shared = cold_start.shared_prompt_length(batch)
+    widths = sorted(len(ids) for ids, _ in batch)
+    assert widths[-1] - widths[0] > 8  # two lengths: the cut runs the short traces at their own width
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32)
+    model.zero_grad()
+    loss = cold_start.batch_loss_backward(model, batch, 0, shared)
+    in_parts = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    width = widths[-1]
+    input_ids = torch.tensor([ids + [0] * (width - len(ids)) for ids, _ in batch])
+    loss_mask = torch.tensor([m + [0] * (width - len(m)) for _, m in batch], dtype=torch.float32)
+    whole = cold_start.trace_loss(model, input_ids, loss_mask, shared)
+    whole.backward()
+    assert loss == pytest.approx(whole.item(), rel=1e-5)
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(in_parts, [p.grad for p in model.parameters()]))
+
+
 def test_sharing_the_templates_opening_gives_the_same_loss_and_gradient(tiny_model_path, tiny_tokenizer):
     import random
 
