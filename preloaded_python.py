@@ -21,6 +21,8 @@ import tempfile
 
 # What the lab's scripts import that costs seconds; a fork shares them.
 PRELOAD = ("torch", "transformers", "vllm", "vllm.entrypoints.llm", "sympy")
+# What a vLLM engine imports as it starts, on this machine's build (skipped where they do not import): 2 s less an engine.
+ENGINE_PRELOAD = ("vllm.v1.worker.cpu_worker", "vllm.model_executor.models.qwen2")
 
 
 class PreloadedPython:
@@ -80,8 +82,18 @@ def serve() -> None:
     import importlib
     import threading
 
+    import gc
+
     for name in PRELOAD:
         importlib.import_module(name)
+    for name in ENGINE_PRELOAD:
+        try:
+            importlib.import_module(name)
+        except Exception:  # another build's modules: its engines import what they need themselves
+            pass
+    # The imported objects are kept for good: frozen, a collection in a fork no longer walks them
+    # (an engine start collects five times: 1.5 s less) and a fork's pages stay shared.
+    gc.freeze()
     assert threading.active_count() == 1, "a fork copies only the thread that forks: nothing may run beside it"
     print("ready", flush=True)
     for line in sys.stdin:
