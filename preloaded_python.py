@@ -78,11 +78,10 @@ class PreloadedPython:
 
 
 def serve() -> None:
-    """Import PRELOAD, then for each line of jobs on stdin: fork one process a job, answer their pids, then their exit statuses."""
+    """Import PRELOAD and ENGINE_PRELOAD, then for each line of jobs on stdin: fork one process a job, answer their pids, then their exit statuses."""
+    import gc
     import importlib
     import threading
-
-    import gc
 
     for name in PRELOAD:
         importlib.import_module(name)
