@@ -120,10 +120,11 @@ def test_score_batch_matches_score_answer_in_input_order():
 
 
 def test_score_batch_bounds_each_answer():
-    # The default bound, not a short one: on a busy machine even "2" = "2" can take
-    # a while, and the pathological answer never finishes whatever the bound.
+    # One worker: the answer after the pathological one runs in the worker started in its place.
+    # 2 s, not a tighter bound: the worker's start is outside it, but on a busy machine even
+    # "2" = "2" can take a while; the pathological answer never finishes whatever the bound.
     texts = ["\\boxed{9^{9^{9^{9}}}}", "\\boxed{2}"]
-    assert [r.correct for r in score_batch(texts, ["1", "2"], workers=1)] == [False, True]
+    assert [r.correct for r in score_batch(texts, ["1", "2"], workers=1, timeout=2.0)] == [False, True]
 
 
 def test_score_batch_rejects_mismatched_lengths():
