@@ -110,7 +110,9 @@ def exit_now(code: int) -> None:
     import threading
 
     threading._shutdown()  # what the interpreter does first at exit: join the threads that are not daemons
-    atexit._run_exitfuncs()  # then the exit handlers: the temporary folder, vLLM's shutdown, logging's flush
+    if "vllm_engine" in sys.modules:  # an engine's teardown frees memory, which the exit does too: 2 s less
+        sys.modules["vllm_engine"].skip_teardown_at_exit()
+    atexit._run_exitfuncs()  # then the exit handlers: the temporary folder, logging's flush
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
