@@ -44,6 +44,11 @@ def tiny_llm(tiny_model_path):
 _preloaded = []  # the one PreloadedPython of the session, once started
 
 
+def pytest_collection_modifyitems(session, config, items):
+    """The tests that fork the preloaded interpreter run last, so the others run while it imports."""
+    items.sort(key=lambda item: "preloaded_python" in getattr(item, "fixturenames", ()))  # stable: else as collected
+
+
 def pytest_collection_finish(session):
     """Start the preloaded interpreter as soon as a selected test needs it: its imports overlap the first tests."""
     if any("preloaded_python" in getattr(item, "fixturenames", ()) for item in session.items):

@@ -20,9 +20,10 @@ import sys
 import tempfile
 
 # What the lab's scripts import that costs seconds; a fork shares them.
-PRELOAD = ("torch", "transformers", "vllm", "vllm.entrypoints.llm", "sympy")
-# What a vLLM engine imports as it starts, on this machine's build (skipped where they do not import): 2 s less an engine.
-ENGINE_PRELOAD = ("vllm.v1.worker.cpu_worker", "vllm.model_executor.models.qwen2")
+PRELOAD = ("torch", "transformers", "vllm", "vllm.entrypoints.llm", "sympy", "matplotlib.pyplot")
+# What a vLLM engine imports as it starts, on this machine's build (skipped where they do not import): 3 s less an engine.
+ENGINE_PRELOAD = ("vllm.v1.worker.cpu_worker", "vllm.model_executor.models.qwen2",
+                  "vllm.model_executor.layers.quantization.compressed_tensors.utils")
 
 
 class PreloadedPython:

@@ -180,10 +180,13 @@ def test_combined_metrics_weigh_ranks_by_what_each_metric_counts():
     assert math.isnan(combine_metrics([b, {**b, "tool_calls": 0.0}])["code_pass_ratio"])
 
 
-def test_one_failing_rank_ends_the_run_instead_of_a_hang(tmp_path):
-    """Rank 1 raises while rank 0 waits for it in a collective: torchrun stops rank 0 and names rank 1."""
-    import subprocess
-    import sys
+def test_one_failing_rank_ends_the_run_instead_of_a_hang(tmp_path, preloaded_python):
+    """Rank 1 raises while rank 0 waits for it in a collective: torchrun stops rank 0 and names rank 1.
+
+    torchrun runs as `python -m torch.distributed.run` would, in a fork of the preloaded interpreter;
+    it starts each rank as a new interpreter, as always.
+    """
+    import torch.distributed.run
 
     script = tmp_path / "fail.py"
     script.write_text(
@@ -196,8 +199,8 @@ def test_one_failing_rank_ends_the_run_instead_of_a_hang(tmp_path):
         "        raise RuntimeError('sandbox exploded on rank 1')\n"
         "    dp.barrier()  # would wait for rank 1 for the collective timeout (an hour)\n"
         "main()\n")
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           str(script)], capture_output=True, text=True, timeout=120)
+    done = preloaded_python.run([torch.distributed.run.__file__, "--standalone", "--nproc-per-node", "2", script],
+                                cwd=tmp_path, timeout=120)
     assert done.returncode != 0
     report = done.stdout + done.stderr
     assert "sandbox exploded on rank 1" in report and "rank      : 1" in report
