@@ -36,9 +36,7 @@ def tiny_llm(tiny_model_path):
     """One real vLLM engine over the tiny model, float32, shared by the whole session."""
     from rollout import make_llm
 
-    llm = make_llm(tiny_model_path, dtype="float32", max_model_len=2048, seed=0, enforce_eager=True)
-    yield llm
-    del llm
+    return make_llm(tiny_model_path, dtype="float32", max_model_len=2048, seed=0, enforce_eager=True)  # kept to the exit
 
 
 _preloaded = []  # the one PreloadedPython of the session, once started
