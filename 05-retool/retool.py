@@ -94,7 +94,8 @@ class Config:
     strategy: str = "ddp"  # under torchrun: a full trainer replica per GPU (ddp) or 1/N of it (fsdp)
     seed: int = 0  # the data order, the sampler and the trainer's random state
     dtype: str = "float32"  # the sampler's dtype (the trainer always keeps float32 weights)
-    gpu_memory_utilization: float = 0.3  # vLLM's share of the GPU (on a CPU: of host memory) for weights and KV cache
+    gpu_memory_utilization: float = 0.3  # vLLM's share of the GPU for weights and KV cache
+    cpu_kv_cache_gib: float = 2.0  # on a CPU: host memory for vLLM's KV cache (a GPU's comes from the share above)
     enforce_eager: bool = True  # vLLM without compilation (torch.compile, CUDA graphs): starts in seconds, decodes slower
     log: str = ""  # also log to tensorboard, wandb or "tensorboard,wandb" (metrics.jsonl is always written)
     # --- options from the field since ToRL (batch_filters.py, docs/06-beyond-torl.md); off in the torl-* presets ---
@@ -284,9 +285,9 @@ def start_sampler(cfg: Config, model_path: str, state: dict | None, seed: int | 
     from rollout import make_llm
 
     seed = cfg.seed if seed is None else seed
-    llm = make_llm(model_path, dtype=cfg.dtype, max_model_len=cfg.max_model_len,
-                   gpu_memory_utilization=cfg.gpu_memory_utilization, seed=seed, enforce_eager=cfg.enforce_eager,
-                   **engine_kwargs)
+    llm = make_llm(model_path, dtype=cfg.dtype, max_model_len=cfg.max_model_len, seed=seed,
+                   gpu_memory_utilization=cfg.gpu_memory_utilization, cpu_kv_cache_gib=cfg.cpu_kv_cache_gib,
+                   enforce_eager=cfg.enforce_eager, **engine_kwargs)
     if state is not None and seed == cfg.seed:  # rank 0 (or one process): the stream it saved goes on
         restore_rng(torch.load(Path(state["path"]) / "rng.pt", weights_only=False))
     else:  # a fresh start, or another rank's resume (rank 0 alone saves): a stream of this rank's own

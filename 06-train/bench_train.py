@@ -85,7 +85,7 @@ def run(args, model_path: str) -> None:
         t = time.perf_counter()
         llm = make_llm(model_path, dtype="auto" if on_cuda else "float32",
                        max_model_len=args.prompt_len + args.response_len + 16,
-                       gpu_memory_utilization=args.gpu_memory_utilization)
+                       gpu_memory_utilization=args.gpu_memory_utilization, cpu_kv_cache_gib=1.0)
         engine_s = time.perf_counter() - t
 
     model = load_policy(model_path)
@@ -362,5 +362,4 @@ def parse_args(argv):
 
 
 if __name__ == "__main__":  # vLLM may spawn processes: keep the guard
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     main()
