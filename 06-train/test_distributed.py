@@ -214,7 +214,7 @@ def ranks_environment(world: int = 2) -> list[dict]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    common = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+    common = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
               "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world), "OMP_NUM_THREADS": "1"}
     return [{**common, "RANK": str(rank), "LOCAL_RANK": str(rank)} for rank in range(world)]
 
@@ -235,18 +235,18 @@ def test_two_ranks_write_one_run_with_the_global_batch(tmp_path, tiny_model_path
     run = tmp_path / "run"
     small = ["--model", str(tiny_model_path), "--cold-start", "none", "--problems-per-step", "4", "--group-size", "2",
              "--max-response-tokens", "16", "--eval-problems", "2", "--eval-max-response-tokens", "16",
-             "--micro-batch-size", "2", "--enforce-eager", "true"]
+             "--micro-batch-size", "2", "--enforce-eager", "true", "--cpu-kv-cache-gib", "0.0625"]
 
     def launch(args):
         for done in preloaded_python.run_together([[retool, *args]] * 2, cwd=tmp_path, envs=ranks_environment(),
                                                   timeout=900):
             assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
 
-    launch(["--run-dir", str(run), "--steps", "2", *small])
-    launch(["--resume", str(run), "--steps", "3"])  # two ranks pick up rank 0's checkpoint
+    launch(["--run-dir", str(run), "--steps", "1", *small])
+    launch(["--resume", str(run), "--steps", "2"])  # two ranks pick up rank 0's checkpoint
 
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [1, 2, 3]  # one writer, no duplicate lines
+    assert [r["step"] for r in rows] == [1, 2]  # one writer, no duplicate lines
     for r in rows:
         assert r["world_size"] == 2
         assert r["trajectories"] == 4 * 2 and r["sequences"] == 4 * 2  # the global batch, not one rank's half
@@ -255,8 +255,8 @@ def test_two_ranks_write_one_run_with_the_global_batch(tmp_path, tiny_model_path
     # resume. The random model earns -1 everywhere, so no step moves the weights here: that a sync
     # carries an update is test_grpo's job; here every rank runs the sync through its DDP wrapper.
     assert all(r["mismatch_abs"] < 1e-4 for r in rows)
-    assert rows[2]["weight_version"] == 3  # the resumed engines hold the step-2 checkpoint, then one sync
-    assert (run / "checkpoints" / "step-000003" / "state.json").exists()
+    assert rows[1]["weight_version"] == 2  # the resumed engines hold the step-1 checkpoint, then one sync
+    assert (run / "checkpoints" / "step-000002" / "state.json").exists()
     evals = [json.loads(line)["tag"] for line in (run / "eval.jsonl").read_text().splitlines()]
     assert evals == ["before RL", "after RL", "after RL"]  # rank 0 alone evaluates (end of each launch)
 
@@ -278,7 +278,7 @@ def test_each_ranks_engine_draws_its_own_samples_for_the_same_prompt(tmp_path, t
         "from distributed import setup\n"
         "from retool import Config, start_sampler\n"
         "dp = setup()\n"
-        "cfg = Config(max_model_len=64, enforce_eager=True)\n"
+        "cfg = Config(max_model_len=64, enforce_eager=True, cpu_kv_cache_gib=0.0625)\n"
         "llm = start_sampler(cfg, sys.argv[1], None, seed=dp.engine_seed(cfg.seed), **dp.engine_kwargs())\n"
         "params = SamplingParams(n=4, max_tokens=8, temperature=1.0, ignore_eos=True)\n"
         "def draw():\n"
