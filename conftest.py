@@ -41,6 +41,16 @@ def tiny_llm(tiny_model_path):
                     cpu_kv_cache_gib=TEST_KV_GIB)  # kept to the exit
 
 
+@pytest.fixture(scope="session")
+def sandbox():
+    """One sandbox with a run's defaults, shared by the tests that only run code through it: each start imports
+    numpy and sympy once more (1.3 s). Chapter 02's tests of the sandbox itself start their own."""
+    from sandbox import Sandbox
+
+    with Sandbox() as sb:
+        yield sb
+
+
 _preloaded = []  # the one PreloadedPython of the session, once started
 
 

@@ -38,7 +38,7 @@ from rollout import (
     torl_observation,
 )
 from rollout_cli import main
-from sandbox import ExecResult, Sandbox, SandboxConfig, format_observation
+from sandbox import ExecResult, format_observation
 from trajectory_view import render_html, token_pieces
 
 # Turn 1 writes one code block and asks for its output; turn 2 answers.
@@ -123,12 +123,6 @@ class RecordingSandbox:
         with self._lock:
             self.batches.append(([code], [result]))
         return result
-
-
-@pytest.fixture(scope="module")
-def sandbox():
-    with Sandbox(SandboxConfig(timeout=10)) as sb:
-        yield sb
 
 
 @pytest.fixture(scope="module", params=SCHEDULES)

@@ -178,16 +178,14 @@ def test_loop_runs_is_stopped_killed_and_resumes_where_it_stopped(tiny_model_pat
 
 @pytest.mark.vllm
 @pytest.mark.parametrize("mode", ["tir", "text"])
-def test_evaluate_writes_one_line_per_sample_and_text_mode_never_runs_code(tiny_llm, tmp_path, mode):
+def test_evaluate_writes_one_line_per_sample_and_text_mode_never_runs_code(tiny_llm, sandbox, tmp_path, mode):
     from eval import evaluate
-    from sandbox import Sandbox
 
     problems = [dict(p, source=s) for p, s in zip(make_toy_task(4, 0, seed=5)[0], ["a", "a", "b", "b"])]
     # Force every response to open and close a code block, so tir mode must run it.
     forced = {"force_turns": (r"```python\nprint\(1\)\n```\n```output",)}
-    with Sandbox() as sandbox:
-        result = evaluate(tiny_llm, problems, sandbox, k=2, mode=mode, max_response_tokens=24, temperature=1.0,
-                          samples_path=tmp_path / "samples.jsonl", rollout_overrides=forced)
+    result = evaluate(tiny_llm, problems, sandbox, k=2, mode=mode, max_response_tokens=24, temperature=1.0,
+                      samples_path=tmp_path / "samples.jsonl", rollout_overrides=forced)
     lines = [json.loads(l) for l in (tmp_path / "samples.jsonl").read_text().splitlines()]
     assert len(lines) == 8 and {l["source"] for l in lines} == {"a", "b"}
     assert set(result["sets"]) == {"a", "b", "all"} and result["sets"]["all"]["samples"] == 8
@@ -514,14 +512,12 @@ def test_a_stop_during_the_update_waits_for_the_step_to_be_recorded():
 
 
 @pytest.mark.vllm
-def test_greedy_evaluation_is_the_default_and_repeats_itself(tiny_llm, tmp_path):
+def test_greedy_evaluation_is_the_default_and_repeats_itself(tiny_llm, sandbox, tmp_path):
     from eval import evaluate
-    from sandbox import Sandbox
 
     problems = make_toy_task(3, 0, seed=6)[0]
-    with Sandbox() as sandbox:
-        first = evaluate(tiny_llm, problems, sandbox, max_response_tokens=16, samples_path=tmp_path / "a.jsonl")
-        again = evaluate(tiny_llm, problems, sandbox, max_response_tokens=16, samples_path=tmp_path / "b.jsonl", seed=7)
+    first = evaluate(tiny_llm, problems, sandbox, max_response_tokens=16, samples_path=tmp_path / "a.jsonl")
+    again = evaluate(tiny_llm, problems, sandbox, max_response_tokens=16, samples_path=tmp_path / "b.jsonl", seed=7)
     assert first["temperature"] == 0 and first["k"] == 1 and first["sets"]["toy"]["samples"] == 3
     texts = [[json.loads(l)["text"] for l in (tmp_path / f).read_text().splitlines()] for f in ("a.jsonl", "b.jsonl")]
     assert texts[0] == texts[1]  # greedy: the seed changes nothing
@@ -768,12 +764,9 @@ def test_the_dry_run_prints_the_plan_and_names_the_missing_data_in_seconds(tmp_p
     assert not (tmp_path / "runs").exists() and not (tmp_path / "data").exists()  # a dry run writes nothing
 
 
-def test_the_sandbox_has_the_packages_math_code_imports():
-    """numpy, sympy, mpmath and scipy: what docs/05-torl.md promises beside SandboxFusion's image."""
-    from sandbox import Sandbox, SandboxConfig
-
-    with Sandbox(SandboxConfig()) as sandbox:
-        result = sandbox.run("import numpy, sympy, mpmath, scipy.special; print(scipy.special.comb(5, 2, exact=True))")
+def test_the_sandbox_has_the_packages_math_code_imports(sandbox):
+    """numpy, sympy, mpmath and scipy: what docs/05-torl.md promises beside SandboxFusion's image (a run's sandbox)."""
+    result = sandbox.run("import numpy, sympy, mpmath, scipy.special; print(scipy.special.comb(5, 2, exact=True))")
     assert result.ok and result.stdout == "10\n", result
 
 

@@ -514,7 +514,7 @@ class RecordingLLM:
 
 
 @pytest.mark.vllm
-def test_three_tool_calls_keep_spans_exact_from_sampler_to_trainer(tiny_llm, policy):
+def test_three_tool_calls_keep_spans_exact_from_sampler_to_trainer(tiny_llm, sandbox, policy):
     """C = 3: every observation masked, every model token kept with vLLM's log-prob, in the trainer's columns too.
 
     The three code turns are forced (a random model writes no code); vLLM applies the
@@ -523,14 +523,12 @@ def test_three_tool_calls_keep_spans_exact_from_sampler_to_trainer(tiny_llm, pol
     observations, is free: there sampler and trainer must agree token for token.
     """
     from rollout import RolloutConfig, rollout
-    from sandbox import Sandbox, SandboxConfig
 
     llm = RecordingLLM(tiny_llm)
     cfg = RolloutConfig(group_size=2, tool_budget=3, max_response_tokens=160, seed=3, schedule="rounds",  # calls recorded
                         force_turns=(CODE_TURN, CODE_TURN, CODE_TURN))
     problems = [{"id": "c3", "question": "What is 1 + 2?", "answer": "3"}]
-    with Sandbox(SandboxConfig(timeout=10)) as sandbox:
-        trajectories = rollout(llm, problems, sandbox, cfg)
+    trajectories = rollout(llm, problems, sandbox, cfg)
     returned = {}  # (context sent, sample index) -> (token ids, log-probs) as vLLM returned them
     for prompts, outs in llm.calls:
         for p, out in zip(prompts, outs):
@@ -641,14 +639,13 @@ def test_bad_option_combinations_fail_with_one_line(change, message):
 
 
 @pytest.mark.vllm
-def test_all_options_run_together_in_a_real_step(tiny_llm, tiny_model_path, policy):
+def test_all_options_run_together_in_a_real_step(tiny_llm, sandbox, tiny_model_path, policy):
     """--tis-cap 2 --dynamic-sampling --mask-truncated --filter-void-turns --tool-budget 2, one real step."""
     import dataclasses
 
     from batch_filters import void_turns
     from retool import Config, train_step
     from rollout import RolloutConfig
-    from sandbox import Sandbox, SandboxConfig
 
     cfg = Config(tis_cap=2.0, dynamic_sampling=True, dynamic_sampling_rounds=2, mask_truncated=True,
                  filter_void_turns=True, tool_budget=2, group_size=4, problems_per_step=2, max_response_tokens=64)
@@ -661,9 +658,8 @@ def test_all_options_run_together_in_a_real_step(tiny_llm, tiny_model_path, poli
     problems = [{"id": f"q{i}", "question": f"What is {i} + 1?", "answer": str(i + 1)} for i in range(2)]
     version = tiny_llm.weight_version = getattr(tiny_llm, "weight_version", 0)
     try:
-        with Sandbox(SandboxConfig(timeout=10)) as sandbox:
-            metrics, trajectories = train_step(tiny_llm, policy, make_optimizer(policy, grpo_cfg), problems, sandbox,
-                                               rollout_cfg, grpo_cfg, cfg, more_problems=lambda r: problems)
+        metrics, trajectories = train_step(tiny_llm, policy, make_optimizer(policy, grpo_cfg), problems, sandbox,
+                                           rollout_cfg, grpo_cfg, cfg, more_problems=lambda r: problems)
     finally:  # the engine is shared by the whole session: put the original weights back
         sync_weights(load_policy(tiny_model_path, device="cpu"), tiny_llm)
         tiny_llm.weight_version = version
