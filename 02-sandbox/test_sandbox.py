@@ -389,7 +389,8 @@ def test_nothing_defined_by_one_call_is_visible_to_the_next(sb):
 
 
 def test_concurrent_calls_mixing_good_and_hostile_code_keep_their_own_results(backend):
-    """Every hostile kind beside good calls, all at once: 32 calls in process, 12 single-use containers with Docker."""
+    """Every hostile kind beside good calls, all at once: 32 calls in process. With Docker, a single-use container a
+    call, the four kinds that load the machine beside two good calls (each kind also has its own test there)."""
     hostile = [  # (code, how it must end)
         ("while True: pass", "timeout"),
         ("import os\nwhile True:\n    try: os.fork()\n    except OSError: pass", "timeout"),
@@ -400,7 +401,8 @@ def test_concurrent_calls_mixing_good_and_hostile_code_keep_their_own_results(ba
         ("import time\ntime.sleep(60)", "timeout"),
         ("raise ValueError('boom')", "ValueError: boom"),
     ]
-    calls = 32 if backend == "local" else 12
+    calls = 32 if backend == "local" else 6
+    hostile = hostile if backend == "local" else hostile[:4]
     spread = {round((k + 1) * calls / len(hostile)) - 1: kind for k, kind in enumerate(hostile)}  # among the good
     codes, expected, endings = [], {}, {}
     for i in range(calls):
