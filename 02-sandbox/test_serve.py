@@ -293,7 +293,9 @@ CLIENTS = 32  # concurrent clients, many more than the server's 2 calls at once 
 PER_CLIENT = 4
 
 
-def test_under_load_every_request_is_answered_exactly_once(server):
+def test_under_load_every_request_is_answered_exactly_once():
+    """32 clients at a server with 4 connections and 2 slots. The latency it prints (pytest -s) is docs/02-service's;
+    throughput against the in-process sandbox is `make bench-sandbox`'s to measure, not a test's."""
     proc, url = start_server("--max-connections", "4")
     try:
         def client(c: int) -> list[tuple[int, str, float]]:
@@ -310,25 +312,9 @@ def test_under_load_every_request_is_answered_exactly_once(server):
     assert all(status == 200 for status, _, _ in service)
     assert sorted(int(stdout) for _, stdout, _ in service) == list(range(CLIENTS * PER_CLIENT))  # each once, correct
     assert f"answered {CLIENTS * PER_CLIENT} (200 Success: {CLIENTS * PER_CLIENT})" in summary  # and the server agrees
-
-    with Sandbox(SandboxConfig(concurrency=2)) as sb:  # the same calls, in process, the same client threads
-        def local_client(c: int) -> list[tuple[int, str, float]]:
-            out = []
-            for k in range(PER_CLIENT):
-                start = time.perf_counter()
-                r = sb.run(f"print({c * PER_CLIENT + k})")
-                out.append((200, r.stdout, time.perf_counter() - start))
-            return out
-
-        sb.run("pass")
-        local, local_s = _timed(local_client, CLIENTS)
-    n = CLIENTS * PER_CLIENT
-    rates = {"service": n / service_s, "in-process": n / local_s}
-    for name, rows in (("service", service), ("in-process", local)):
-        latencies = sorted(t for _, _, t in rows)
-        print(f"{name:<10} {n} calls from {CLIENTS} clients: {rates[name]:.0f} calls/s, "
-              f"p50 {1000 * latencies[n // 2]:.0f} ms, p99 {1000 * latencies[int(n * 0.99)]:.0f} ms")
-    assert rates["service"] > 0.25 * rates["in-process"]  # HTTP costs a little; the sandbox does the work
+    n, latencies = CLIENTS * PER_CLIENT, sorted(t for _, _, t in service)
+    print(f"service {n} calls from {CLIENTS} clients: {n / service_s:.0f} calls/s, "
+          f"p50 {1000 * latencies[n // 2]:.0f} ms, p99 {1000 * latencies[int(n * 0.99)]:.0f} ms")
 
 
 def _timed(client, clients: int) -> tuple[list, float]:
