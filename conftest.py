@@ -3,12 +3,10 @@
 The tiny model is built once per test session (a few seconds) and the vLLM
 engine over it is started once, eager (without compilation it starts in about
 6 s on a 2-core CPU instead of 22): every test that needs real vLLM shares that
-one engine. A test that changes the engine's weights
+one engine, and the tests that only run code through a sandbox share one. A test that changes the engine's weights
 (06-train's weight sync) must put the original weights back before it ends.
 """
 from __future__ import annotations
-
-import os
 
 import pytest
 
