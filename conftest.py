@@ -3,16 +3,13 @@
 The tiny model is built once per test session (a few seconds) and the vLLM
 engine over it is started once, eager (without compilation it starts in about
 6 s on a 2-core CPU instead of 22): every test that needs real vLLM shares that
-one engine, and the tests that only run code through a sandbox share one. A test that changes the engine's weights
-(06-train's weight sync) must put the original weights back before it ends.
+one engine, and the tests that only run code through a sandbox share one. A test
+that changes the engine's weights (06-train's weight sync) must put the original
+weights back before it ends.
 """
 from __future__ import annotations
 
 import pytest
-
-# vLLM on CPU zeroes its whole KV cache as an engine starts (0.6 s a GiB): the tiny model's tests
-# need a few MiB of it (1 KiB a token), so every test engine gets 64 MiB (retool.py --cpu-kv-cache-gib).
-TEST_KV_GIB = 0.0625
 
 
 @pytest.fixture(scope="session")
@@ -34,9 +31,10 @@ def tiny_tokenizer(tiny_model_path):
 def tiny_llm(tiny_model_path):
     """One real vLLM engine over the tiny model, float32, shared by the whole session."""
     from rollout import make_llm
+    from tiny_model import KV_CACHE_GIB
 
     return make_llm(tiny_model_path, dtype="float32", max_model_len=2048, seed=0, enforce_eager=True,
-                    cpu_kv_cache_gib=TEST_KV_GIB)  # kept to the exit
+                    cpu_kv_cache_gib=KV_CACHE_GIB)  # kept to the exit
 
 
 @pytest.fixture(scope="session")

@@ -16,6 +16,7 @@ from configuration import check_config
 from eval import markdown_table, paper_table, pass_at_k, summarise
 from prepare_data import make_toy_task, write_jsonl
 from retool import Config, batch_at, make_config, parse_args, rollout_config
+from tiny_model import KV_CACHE_GIB
 
 REPO = Path(__file__).resolve().parent.parent
 RETOOL = REPO / "05-retool" / "retool.py"
@@ -110,7 +111,7 @@ def test_loop_runs_is_stopped_killed_and_resumes_where_it_stopped(tiny_model_pat
             "--steps", "5", "--problems-per-step", "2", "--group-size", "2", "--micro-batch-size", "2",
             "--save-every", "3", "--eval-every", "2", "--eval-problems", "2", "--lr", "1e-3",
             "--max-response-tokens", "12", "--eval-max-response-tokens", "12", "--max-model-len", "256",
-            "--enforce-eager", "true", "--cpu-kv-cache-gib", "0.0625"]
+            "--enforce-eager", "true", "--cpu-kv-cache-gib", str(KV_CACHE_GIB)]
     import importlib.util
 
     tensorboard = importlib.util.find_spec("tensorboard") is not None  # optional: checked when installed

@@ -7,6 +7,7 @@ import torch
 from distributed import DataParallel, combine_metrics
 from grpo import GRPOConfig, group_advantages, grpo_step, load_policy, make_optimizer
 from rollout import Trajectory
+from tiny_model import KV_CACHE_GIB
 
 PROBLEMS, GROUP = 8, 4
 # 3 does not divide a rank's 8 rows. Ranks never skip zero-advantage rows (grpo_step), so
@@ -235,7 +236,7 @@ def test_two_ranks_write_one_run_with_the_global_batch(tmp_path, tiny_model_path
     run = tmp_path / "run"
     small = ["--model", str(tiny_model_path), "--cold-start", "none", "--problems-per-step", "4", "--group-size", "2",
              "--max-response-tokens", "16", "--eval-problems", "2", "--eval-max-response-tokens", "16",
-             "--micro-batch-size", "2", "--enforce-eager", "true", "--cpu-kv-cache-gib", "0.0625"]
+             "--micro-batch-size", "2", "--enforce-eager", "true", "--cpu-kv-cache-gib", str(KV_CACHE_GIB)]
 
     def launch(args):
         for done in preloaded_python.run_together([[retool, *args]] * 2, cwd=tmp_path, envs=ranks_environment(),
@@ -278,7 +279,7 @@ def test_each_ranks_engine_draws_its_own_samples_for_the_same_prompt(tmp_path, t
         "from distributed import setup\n"
         "from retool import Config, start_sampler\n"
         "dp = setup()\n"
-        "cfg = Config(max_model_len=64, enforce_eager=True, cpu_kv_cache_gib=0.0625)\n"
+        f"cfg = Config(max_model_len=64, enforce_eager=True, cpu_kv_cache_gib={KV_CACHE_GIB})\n"
         "llm = start_sampler(cfg, sys.argv[1], None, seed=dp.engine_seed(cfg.seed), **dp.engine_kwargs())\n"
         "params = SamplingParams(n=4, max_tokens=8, temperature=1.0, ignore_eos=True)\n"
         "def draw():\n"
