@@ -40,7 +40,7 @@ def tiny_llm(tiny_model_path):
 @pytest.fixture(scope="session")
 def sandbox():
     """One sandbox with a run's defaults, shared by the tests that only run code through it: each start imports
-    numpy and sympy once more (1.3 s). Chapter 02's tests of the sandbox itself start their own."""
+    numpy and sympy once more (1.3 s). Chapter 02's tests of the sandbox's rules start their own."""
     from sandbox import Sandbox
 
     with Sandbox() as sb:
@@ -50,13 +50,33 @@ def sandbox():
 _preloaded = []  # the one PreloadedPython of the session, once started
 
 
+# Tests that start no engine and no sandbox and use one core: they run first, while the preloaded interpreter
+# imports on the other core, so that chapter 02's sandbox calls do not run beside those imports.
+ONE_CORE_FIRST = ("test_spine.py", "01-data/", "04-reward/")
+
+
 def pytest_collection_modifyitems(session, config, items):
-    """The tests that fork the preloaded interpreter run last, so the others run while it imports."""
-    items.sort(key=lambda item: "preloaded_python" in getattr(item, "fixturenames", ()))  # stable: else as collected
+    """The one-core chapters first, then the others as collected; last the tests that fork the preloaded interpreter."""
+    items.sort(key=lambda item: ("preloaded_python" in getattr(item, "fixturenames", ()),
+                                 not item.nodeid.startswith(ONE_CORE_FIRST)))  # stable: else as collected
+
+
+FORKING = ("05-retool", "06-train")  # the chapters with tests that fork the preloaded interpreter
+
+
+def pytest_sessionstart(session):
+    """Start the preloaded interpreter before collection when the run includes a whole chapter whose tests fork it:
+    its imports then take the other core while the tests are collected and the one-core chapters run."""
+    root, here = session.config.rootpath, session.config.invocation_params.dir
+    for arg in session.config.args:
+        path = (here / arg.split("::")[0]).resolve()
+        if any(path == root / name or path in (root / name).parents for name in FORKING):
+            _start_preloaded()
+            return
 
 
 def pytest_collection_finish(session):
-    """Start the preloaded interpreter as soon as a selected test needs it: its imports overlap the first tests."""
+    """Or as soon as the run is known to need it."""
     if any("preloaded_python" in getattr(item, "fixturenames", ()) for item in session.items):
         _start_preloaded()
 
@@ -73,7 +93,10 @@ def _start_preloaded():
 def preloaded_python():
     """Runs the lab's scripts as `python script.py` does, each a fork of one interpreter that imported
     torch, transformers and vLLM once (preloaded_python.py): 15-20 s less a start."""
-    python = _start_preloaded()
-    yield python
-    python.close()
-    _preloaded.clear()
+    return _start_preloaded()
+
+
+def pytest_sessionfinish(session):
+    """Stop the preloaded interpreter if it was started, used or not: never left importing after the run."""
+    if _preloaded:
+        _preloaded.pop().close()

@@ -65,6 +65,9 @@ class PreloadedPython:
             return done
 
     def close(self) -> None:
+        """Stop it: at once while it has run nothing (it may still be importing), else when its runs have ended."""
+        if not self._ready:
+            self._server.kill()
         self._server.stdin.close()
         self._server.wait(timeout=30)
         os.unlink(self._log.name)
