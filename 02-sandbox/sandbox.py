@@ -148,7 +148,7 @@ class SandboxConfig:
     max_processes: int = 64  # processes and threads per call; stops fork bombs, leaves room for a thread pool
     concurrency: int = dataclasses.field(default_factory=lambda: os.cpu_count() or 2)  # calls at once; math code is CPU-bound, so one per core
     isolation: str = "namespaces"  # local only: "namespaces" (as root, or in a user namespace when not) or "plain" (weaker, explicit: docs/02-isolation.md)
-    preload: tuple[str, ...] = ("math", "numpy", "sympy")  # imported once by the warm interpreter; missing ones are skipped
+    preload: tuple[str, ...] = ("math", "numpy", "sympy")  # imported once by the warm interpreter (1 s to start); missing ones are skipped
     python: str = sys.executable  # local only: the interpreter of the fork server
     image: str = DEFAULT_IMAGE  # docker only: built by 02-sandbox/build_image.sh or the Dockerfile
     docker_cpus: float = 1.0  # docker only: CPU share of one container
@@ -161,6 +161,9 @@ class SandboxConfig:
             raise ValueError(f"backend must be 'local' or 'docker', or 'sandboxfusion' with urls, got {self.backend!r}")
         if self.backend == "sandboxfusion" and not (self.urls and all(u.startswith(("http://", "https://")) for u in self.urls)):
             raise ValueError(f"urls must name at least one http:// or https:// server for backend 'sandboxfusion', got {self.urls!r}")
+        if not (isinstance(self.preload, tuple)
+                and all(isinstance(m, str) and all(part.isidentifier() for part in m.split(".")) for m in self.preload)):
+            raise ValueError(f"preload must be a tuple of module names (like 'numpy' or 'os.path'), got {self.preload!r}")
         if self.isolation not in ("namespaces", "plain"):
             raise ValueError(f"isolation must be 'namespaces' or 'plain' (weaker isolation is never chosen for you), got {self.isolation!r}")
         for name in _RANGES:  # here, not later in a slot, where a bad value would fail every call or leave state behind

@@ -349,6 +349,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="the local sandbox's isolation (default: %(default)s; see docs/02-sandbox.md)")
     parser.add_argument("--memory-mb", type=at_least(64), default=SandboxConfig.memory_mb,
                         help="memory of one call, in MB (default: %(default)s); a request's memory_limit_MB is not used")
+    parser.add_argument("--preload", default=",".join(SandboxConfig.preload),
+                        help="modules the warm interpreter imports once, comma-separated, '' for none "
+                        "(default: %(default)s)")
     # limits of a request
     parser.add_argument("--max-run-timeout", type=at_least(0.1, float), default=MAX_RUN_TIMEOUT,
                         help="a request's run_timeout is cut to this many seconds (default: %(default)s)")
@@ -365,8 +368,12 @@ def main(argv: list[str] | None = None) -> int:
                      "so it needs a token (--token or $SANDBOX_TOKEN)")
 
     try:
-        sandbox = Sandbox(SandboxConfig(concurrency=args.concurrency, isolation=args.isolation,
-                                        memory_mb=args.memory_mb, timeout=RUN_TIMEOUT))
+        config = SandboxConfig(concurrency=args.concurrency, isolation=args.isolation, memory_mb=args.memory_mb,
+                               timeout=RUN_TIMEOUT, preload=tuple(name for name in args.preload.split(",") if name))
+    except ValueError as e:
+        parser.error(str(e))
+    try:
+        sandbox = Sandbox(config)
         sandbox.run("pass")  # one real call: the containment works, or it says why before listening
         server = Server((args.host, args.port), sandbox, args.token, args.max_connections,
                         args.max_request_kb * 1024, args.max_run_timeout, args.log)

@@ -81,7 +81,7 @@ def server():
 
 @pytest.fixture(scope="module")
 def token_server(server):
-    proc, url = start_server(token=TOKEN)
+    proc, url = start_server("--preload", "", token=TOKEN)  # its calls print: nothing to import ahead
     yield url
     stop_server(proc)
 
@@ -214,6 +214,14 @@ def test_a_non_loopback_address_is_refused_at_start_without_a_token():
                               env=env, timeout=60)
         assert done.returncode == 2 and done.stdout == ""
         assert len(done.stderr.strip().splitlines()) == 1 and "token" in done.stderr
+
+
+def test_a_preload_that_is_not_module_names_is_refused_in_one_line():
+    done = subprocess.run([sys.executable, SERVE, "--port", "0", "--preload", "numpy sympy"], capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr.strip().splitlines() == [
+        "error: preload must be a tuple of module names (like 'numpy' or 'os.path'), got ('numpy sympy',) (see --help)"]
 
 
 def test_only_loopback_addresses_count_as_loopback():

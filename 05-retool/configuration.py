@@ -209,8 +209,9 @@ def sandbox_config(cfg):
     from sandbox import SandboxConfig
 
     urls = tuple(url for url in cfg.sandbox_urls.split(",") if url)
+    preload = tuple(name for name in cfg.sandbox_preload.split(",") if name)
     return SandboxConfig(backend=cfg.sandbox_backend, timeout=cfg.sandbox_timeout, isolation=cfg.sandbox_isolation,
-                         urls=urls)
+                         urls=urls, preload=preload)
 
 
 DTYPES = ("float32", "bfloat16", "float16", "auto")  # the sampler's: vLLM's names

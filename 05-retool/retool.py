@@ -87,6 +87,7 @@ class Config:
     sandbox_urls: str = ""  # sandboxfusion: run_code URLs, comma-separated (the token from $SANDBOX_TOKEN)
     sandbox_timeout: float = 10.0  # seconds a tool call may run (ToRL: 10)
     sandbox_isolation: str = "namespaces"  # local backend: namespaces (contained) or plain (weaker; docs/02)
+    sandbox_preload: str = "math,numpy,sympy"  # modules the warm interpreter imports once, comma-separated; "" for none
     keep_checkpoints: int = 2  # the newest checkpoints kept in the run folder
     train_layers: int = 0  # train only the top N decoder layers (0 = all)
     trainer_threads: int = 0  # CPU torch threads for training (-1 = every core; 0 = vLLM's choice, one)

@@ -57,9 +57,11 @@ def test_the_torl_table_is_the_preset():
 
 
 def test_the_sandbox_comparison_is_the_sandbox_s_config():
+    from configuration import sandbox_config
     from sandbox import SandboxConfig
 
-    cfg = SandboxConfig()
+    cfg = sandbox_config(Config())  # the sandbox a run starts: the sandbox's own defaults
+    assert cfg == SandboxConfig()
     says("05-torl.md", f"`memory_mb` {cfg.memory_mb} MB per call", f"with the same {cfg.timeout:g} s limit",
          f"already imported `{cfg.preload[0]}`, `{cfg.preload[1]}` and `{cfg.preload[2]}`")
 

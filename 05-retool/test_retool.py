@@ -111,7 +111,8 @@ def test_loop_runs_is_stopped_killed_and_resumes_where_it_stopped(tiny_model_pat
             "--steps", "5", "--problems-per-step", "2", "--group-size", "2", "--micro-batch-size", "2",
             "--save-every", "3", "--eval-every", "2", "--eval-problems", "2", "--lr", "1e-3",
             "--max-response-tokens", "12", "--eval-max-response-tokens", "12", "--max-model-len", "256",
-            "--enforce-eager", "true", "--cpu-kv-cache-gib", str(KV_CACHE_GIB)]
+            "--enforce-eager", "true", "--cpu-kv-cache-gib", str(KV_CACHE_GIB),
+            "--sandbox-preload", ""]  # the random model's code imports nothing: a sandbox start without numpy, sympy
     import importlib.util
 
     tensorboard = importlib.util.find_spec("tensorboard") is not None  # optional: checked when installed
@@ -621,6 +622,7 @@ def test_help_gives_each_field_its_meaning_and_the_chosen_presets_value():
     (["--max-response-tokens", "0"], "max_response_tokens must be at least 1"),
     (["--sandbox-timeout", "0"], "sandbox_timeout must be positive"),
     (["--sandbox-backend", "nope"], "sandbox_backend must be 'local' or 'docker'"),
+    (["--sandbox-preload", "numpy sympy"], "sandbox_preload must be a tuple of module names"),
     (["--dtype", "float8"], "dtype must be float32, bfloat16, float16 or auto"),
     (["--scorer", "exact"], "scorer must be lab or torl, got 'exact'"),
     (["--observation-style", "json"], "observation_style must be torl, short or full"),

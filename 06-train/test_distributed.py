@@ -236,7 +236,8 @@ def test_two_ranks_write_one_run_with_the_global_batch(tmp_path, tiny_model_path
     run = tmp_path / "run"
     small = ["--model", str(tiny_model_path), "--cold-start", "none", "--problems-per-step", "4", "--group-size", "2",
              "--max-response-tokens", "16", "--eval-problems", "2", "--eval-max-response-tokens", "16",
-             "--micro-batch-size", "2", "--enforce-eager", "true", "--cpu-kv-cache-gib", str(KV_CACHE_GIB)]
+             "--micro-batch-size", "2", "--enforce-eager", "true", "--cpu-kv-cache-gib", str(KV_CACHE_GIB),
+             "--sandbox-preload", ""]  # the random model's code imports nothing: a sandbox start without numpy, sympy
 
     def launch(args):
         for done in preloaded_python.run_together([[retool, *args]] * 2, cwd=tmp_path, envs=ranks_environment(),
