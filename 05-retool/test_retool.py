@@ -298,7 +298,7 @@ def test_resuming_a_finished_run_says_so_and_exits_cleanly(tmp_path, capsys):
     run_dir = tmp_path / "run"
     (run_dir / "checkpoints" / "step-000003").mkdir(parents=True)
     (run_dir / "checkpoints" / "step-000003" / "state.json").write_text('{"step": 3}')
-    (run_dir / "config.json").write_text(json.dumps({"steps": 3}))
+    (run_dir / "config.json").write_text(json.dumps({"steps": 3, "sandbox_preload": ""}))  # a sandbox start of 0.2 s
     (run_dir / "eval.jsonl").write_text(json.dumps({"step": 3, "tag": "after RL", "sets": {}}) + "\n")
     assert retool.main(["--resume", str(run_dir)]) == run_dir
     assert "already finished: 3 of 3 steps done and evaluated" in capsys.readouterr().out
@@ -867,7 +867,7 @@ def test_a_stop_before_the_first_step_is_one_line_and_leaves_the_folder_to_resum
     monkeypatch.setattr(problems_and_policy, "first_policy", cold_start_interrupted)
     monkeypatch.chdir(tmp_path)
     with pytest.raises(SystemExit) as e:
-        retool.main(["--run-dir", str(tmp_path / "run")])
+        retool.main(["--run-dir", str(tmp_path / "run"), "--sandbox-preload", ""])  # a sandbox start of 0.2 s
     assert e.value.code == 130
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [f"stopped by SIGINT before training began; go on with --resume {tmp_path / 'run'}"]
