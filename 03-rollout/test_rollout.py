@@ -744,6 +744,18 @@ def test_on_policy_check_refuses_what_the_trainer_cannot_reproduce():
         check_on_policy(RolloutConfig(extra_sampling={"top_k": 20}))
 
 
+def test_on_a_cpu_vllm_inspects_a_model_class_in_this_process(tiny_llm):
+    """Not in a new interpreter (20 s of imports on a first run) meant to keep CUDA out of a process that has none."""
+    import os
+
+    import torch
+    from vllm.model_executor.models import registry
+
+    if torch.cuda.is_available():
+        pytest.skip("with CUDA vLLM keeps its own way")
+    assert registry._run_in_subprocess(os.getpid) == os.getpid()
+
+
 def test_an_engine_that_records_raw_logprobs_is_refused():
     raw = SimpleNamespace(model_config=SimpleNamespace(logprobs_mode="raw_logprobs"))
     with pytest.raises(ValueError, match="records raw_logprobs log-probs.*make_llm"):
