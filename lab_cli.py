@@ -34,6 +34,11 @@ def at_least(low: int | float, kind=int):
     return parse
 
 
+def comma_list(text: str) -> tuple[str, ...]:
+    """A setting given as comma-separated names ("math,numpy,sympy"); "" is none."""
+    return tuple(name for name in text.split(",") if name)
+
+
 def private_tmp(prefix: str = "tool-rl-lab-") -> str:
     """A temporary folder of this process's own, made the default for it and its children; stale ones removed.
 

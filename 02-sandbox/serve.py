@@ -332,7 +332,7 @@ def is_loopback(host: str) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from lab_cli import at_least, one_line_errors
+    from lab_cli import at_least, comma_list, one_line_errors
 
     parser = one_line_errors(argparse.ArgumentParser(description=__doc__.split("\n")[0]))
     # where it listens, and who may call it
@@ -369,7 +369,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         config = SandboxConfig(concurrency=args.concurrency, isolation=args.isolation, memory_mb=args.memory_mb,
-                               timeout=RUN_TIMEOUT, preload=tuple(name for name in args.preload.split(",") if name))
+                               timeout=RUN_TIMEOUT, preload=comma_list(args.preload))
     except ValueError as e:
         parser.error(str(e))
     try:

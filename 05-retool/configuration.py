@@ -206,12 +206,11 @@ def config_problems(cfg, world: int | None = None, first_only: bool = False) -> 
 
 def sandbox_config(cfg):
     """Chapter 02's SandboxConfig from a run's Config (SandboxConfig's own checks run as it is made)."""
+    from lab_cli import comma_list
     from sandbox import SandboxConfig
 
-    urls = tuple(url for url in cfg.sandbox_urls.split(",") if url)
-    preload = tuple(name for name in cfg.sandbox_preload.split(",") if name)
     return SandboxConfig(backend=cfg.sandbox_backend, timeout=cfg.sandbox_timeout, isolation=cfg.sandbox_isolation,
-                         urls=urls, preload=preload)
+                         urls=comma_list(cfg.sandbox_urls), preload=comma_list(cfg.sandbox_preload))
 
 
 DTYPES = ("float32", "bfloat16", "float16", "auto")  # the sampler's: vLLM's names
