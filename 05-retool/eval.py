@@ -4,7 +4,7 @@
     .venv/bin/python 05-retool/eval.py --model ... --data data/torl_data/test.parquet     # ToRL's test file
     .venv/bin/python 05-retool/eval.py --model ... --k 16 --temperature 1.0              # avg@16, pass@16
     .venv/bin/python 05-retool/eval.py --model ... --mode text      # same model, no tool: the tool's contribution
-    .venv/bin/python 05-retool/eval.py --model runs/cpu-demo-.../checkpoints/step-000030 --data data/toy_test.jsonl
+    .venv/bin/python 05-retool/eval.py --model runs/cpu-demo-.../checkpoints/step-000020 --data data/toy_test.jsonl
 
 Key decisions: the default is ToRL's protocol (greedy, one response per
 problem, AIME24, AIME25 and MATH500, the paper's numbers beside the measured

@@ -47,7 +47,7 @@ class Config:
     eval_file: str = "data/toy_test.jsonl"  # held-out problems, same schema (or ToRL's test set)
     template: str = "torl"  # prompt template (03-rollout's table)
     max_prompt_tokens: int = 0  # training prompts longer than this (rendered, in tokens) are dropped at load; 0 = keep all
-    steps: int = 30  # RL steps
+    steps: int = 20  # RL steps
     problems_per_step: int = 8  # problems sampled per step, each a group
     group_size: int = 8  # samples per problem: GRPO's group
     max_response_tokens: int = 96  # model + observation tokens per response (ToRL: 3072)

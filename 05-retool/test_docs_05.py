@@ -18,6 +18,7 @@ def test_the_cpu_demo_page_states_the_demo_defaults():
          f"`--tool-only-steps {cfg.cold_start_tool_only_steps}` of {cfg.cold_start_steps}",
          f"{cfg.cold_start_tool_fraction:.0%} of them open a code block",
          f"The RL learning rate, {short(cfg.lr)}",
+         f"over {cfg.steps} RL steps",
          f"Every `save_every` steps ({cfg.save_every} in the demo)",
          f"{cfg.problems_per_step} problems x {cfg.group_size} samples")
 
@@ -88,3 +89,8 @@ def test_the_dry_run_on_the_page_is_the_code_s_check():
          f"dry run of preset torl-1.5b: {args.plan_gpus} x {args.plan_gpu_gb:.0f} GB GPU(s) planned",
          f"--preset torl-7b --dry-run --plan-gpus 1 ... refused: {refusal[0]}")
     assert len(refusal) == 1
+
+
+def test_the_tool_s_share_is_measured_on_the_demo_s_final_checkpoint():
+    steps = Config().steps
+    says("05-torl.md", f"`runs/cpu-demo/checkpoints/step-{steps:06d}`", f"| after {steps} RL steps |")

@@ -204,14 +204,15 @@ def test_the_deal_of_problems_to_ranks_is_shards():
 
 
 def test_part_three_states_the_loop_defaults_and_the_ablation_arms():
-    from ablation import ARMS
+    from ablation import ARMS, parse_args
 
     demo = Config()
+    ablation_steps = parse_args(["run", "--base", "base"]).steps
     says("06-beyond-torl.md",
          f"`--dynamic-sampling-rounds` ({demo.dynamic_sampling_rounds}) extra rounds",
          f"responses use a fraction of the {demo.max_response_tokens}-token budget",
-         f"({demo.steps} steps of {demo.problems_per_step} problems × {demo.group_size} samples, lr {short(demo.lr)}, "
-         f"a {demo.max_response_tokens}-token budget",
+         f"but {ablation_steps} steps instead of {demo.steps} ({demo.problems_per_step} problems × {demo.group_size} "
+         f"samples, lr {short(demo.lr)}, a {demo.max_response_tokens}-token budget",
          f"one sampled answer to each of {demo.eval_problems} toy problems",
          f"ToRL's {TORL['max_response_tokens']}-token budget",
          f"the default `--degenerate-frac {bench_args([]).degenerate_frac}`",
