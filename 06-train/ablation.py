@@ -172,7 +172,7 @@ def parse_args(argv):
     r.add_argument("--out", default="runs/ablation", help="folder of the run folders (default runs/ablation)")
     r.add_argument("--seeds", type=int, nargs="+", default=[0], help="RL seeds (default 0)")
     r.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS), help="which arms (default all)")
-    r.add_argument("--steps", type=int, default=30, help="RL steps per run (default 30, as measured in docs/06-beyond-torl; the demo runs 20)")
+    r.add_argument("--steps", type=int, default=30, help="RL steps per run (default 30: the runs docs/06-beyond-torl measured)")
     s = sub.add_parser("report", help="plots and the markdown table from finished runs")
     s.add_argument("--out", default="runs/ablation", help="folder of the run folders (default runs/ablation)")
     s.add_argument("--img", help="write one PNG per option here (e.g. docs/img)")
