@@ -90,7 +90,7 @@ class Config:
     sandbox_preload: str = "math,numpy,sympy"  # modules the warm interpreter imports once, comma-separated; "" for none
     keep_checkpoints: int = 2  # the newest checkpoints kept in the run folder
     train_layers: int = 0  # train only the top N decoder layers (0 = all)
-    trainer_threads: int = 0  # CPU torch threads for training (-1 = every core; 0 = vLLM's choice, one)
+    trainer_threads: int = 0  # CPU torch threads for training (-1 = every core; 0 = torch's default, which vLLM's CPU engine keeps)
     eval_text: bool = False  # also evaluate without the tool, before and after RL
     strategy: str = "ddp"  # under torchrun: a full trainer replica per GPU (ddp) or 1/N of it (fsdp)
     seed: int = 0  # the data order, the sampler and the trainer's random state
