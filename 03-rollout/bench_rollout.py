@@ -19,6 +19,10 @@ Two workloads, each run with the overlapped rollout (the default) and with round
    `--tool-sleep` seconds, a sandbox call that takes a realistic time. Its
    sandbox admits every sample's call at once: sleeping takes no core.
 
+The sandbox's calls run at `--sandbox-nice` (SandboxConfig's default, 19): their
+CPU work (fork, confinement, exit) takes what decoding leaves idle. At 0 it
+competes with the engine's threads on the same cores.
+
 The baseline for each is a bare `llm.generate` of the same tokens: one request per
 sample, as many tokens as that sample's model tokens, the same sampling, seeds and
 log-probs. For the long-tailed workload the baseline is also constrained by a
