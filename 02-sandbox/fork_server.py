@@ -35,8 +35,7 @@ def serve(options: dict, enter_slot, serve_call) -> None:
     slot runs (sandbox.py's, handed over by the bootstrap: the core imports its machinery,
     never the other way round).
     """
-    # Lower, never higher: the slots and the code inherit it, so calls yield the cores to the caller's work (sampling).
-    os.setpriority(os.PRIO_PROCESS, 0, max(options["nice"], os.getpriority(os.PRIO_PROCESS, 0)))
+    runner.lower_priority(options["nice"])  # inherited by the slots and the code: calls yield the cores to the caller's work
     runner.preload(options["preload"])
     mode = options["isolation"]
     if mode == "namespaces" and os.geteuid() != 0:
