@@ -35,7 +35,6 @@ def serve(options: dict, enter_slot, serve_call) -> None:
     slot runs (sandbox.py's, handed over by the bootstrap: the core imports its machinery,
     never the other way round).
     """
-    runner.lower_priority(options["nice"])  # inherited by the slots and the code: calls yield the cores to the caller's work
     runner.preload(options["preload"])
     mode = options["isolation"]
     if mode == "namespaces" and os.geteuid() != 0:

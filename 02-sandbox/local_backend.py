@@ -106,7 +106,6 @@ class _Server:
             "folder": self.folder,
             "preload": list(cfg.preload),
             "isolation": cfg.isolation,
-            "nice": cfg.nice,
             "spares": cfg.concurrency,  # supervisors kept running: one per concurrent call
             "max_file_mb": cfg.max_file_mb,
             "slot_calls": SLOT_CALLS,

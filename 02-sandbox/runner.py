@@ -104,25 +104,9 @@ def take_request(request_fd: int, files: CallFiles) -> dict:
     return request
 
 
-def lower_priority(nice: int) -> None:
-    """Run at `nice` (never higher than now), this process and its session alike.
-
-    On Linux every session is also a scheduling group (sched_autogroup) whose own
-    niceness, 0 when made, sets its share of the cores against other sessions'; the
-    niceness of the processes inside counts only among themselves.
-    """
-    os.setpriority(os.PRIO_PROCESS, 0, max(nice, os.getpriority(os.PRIO_PROCESS, 0)))
-    try:
-        with open("/proc/self/autogroup", "w") as f:
-            f.write(str(os.getpriority(os.PRIO_PROCESS, 0)))
-    except OSError:
-        pass  # a kernel without autogroups: the process's niceness is all there is
-
-
 def detach(workdir: str) -> None:
     """A session of its own, stdin from /dev/null, no descriptor of the sandbox left open, in the work dir."""
     os.setsid()  # a group of its own: a kill of the group never reaches the supervisor
-    lower_priority(os.getpriority(os.PRIO_PROCESS, 0))  # the new session keeps the slot's priority
     stdin = os.open(os.devnull, os.O_RDONLY)
     os.dup2(stdin, 0)
     os.closerange(3, resource.getrlimit(resource.RLIMIT_NOFILE)[0])  # no socket, pipe or cgroup of the sandbox stays reachable

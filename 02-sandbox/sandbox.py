@@ -147,7 +147,6 @@ class SandboxConfig:
     max_file_mb: int = 16  # largest stream or file the code may write; a print flood is killed here
     max_processes: int = 64  # processes and threads per call; stops fork bombs, leaves room for a thread pool
     concurrency: int = dataclasses.field(default_factory=lambda: os.cpu_count() or 2)  # calls at once; math code is CPU-bound, so one per core
-    nice: int = 19  # local only: CPU priority of the server, its slots and the code (0-19); at 19 a call takes the time that sampling beside it leaves idle, instead of slowing it
     isolation: str = "namespaces"  # local only: "namespaces" (as root, or in a user namespace when not) or "plain" (weaker, explicit: docs/02-isolation.md)
     preload: tuple[str, ...] = ("math", "numpy", "sympy")  # imported once by the warm interpreter (1 s to start); missing ones are skipped
     python: str = sys.executable  # local only: the interpreter of the fork server
@@ -175,7 +174,7 @@ class SandboxConfig:
 _RANGES = {  # setting: (type, smallest, largest); a number (float) must be above 0, an integer at least `smallest`
     "timeout": (float, 0, 86400.0), "memory_mb": (int, 1, 1 << 24), "max_output_bytes": (int, 1, 1 << 30),
     "max_file_mb": (int, 1, 1 << 20), "max_processes": (int, 1, 1 << 22), "concurrency": (int, 1, 1024),
-    "docker_cpus": (float, 0, 1024.0), "docker_warm": (int, 0, 1024), "nice": (int, 0, 19),
+    "docker_cpus": (float, 0, 1024.0), "docker_warm": (int, 0, 1024),
 }
 
 

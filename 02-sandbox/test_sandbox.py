@@ -469,17 +469,6 @@ def test_the_warm_interpreter_already_has_sympy_and_random_state_is_fresh_per_ca
     assert len(set(draws)) == 3  # a fork would otherwise repeat the server's generator state
 
 
-def test_calls_run_at_the_sandboxs_cpu_priority_below_the_callers(sandbox):
-    """The server sets its niceness before it forks anything, so every slot and call inherits it: a call takes the CPU
-    time the caller's own work (sampling) leaves, instead of slowing it (docs/03-schedules.md measures what that buys)."""
-    r = sandbox.run("import os\nprint(os.getpriority(os.PRIO_PROCESS, 0))\n"
-                    "print(open('/proc/self/autogroup').read().split()[-1] if os.path.exists('/proc/self/autogroup') else '')")
-    niceness, session = r.stdout.splitlines()
-    assert int(niceness) == sandbox.config.nice > os.getpriority(os.PRIO_PROCESS, 0), r
-    # The call is a session of its own, which Linux schedules as a group: the group's niceness is what counts.
-    assert session in (str(sandbox.config.nice), "" if not os.path.exists("/proc/self/autogroup") else None), r
-
-
 def readable_python() -> str:
     """An interpreter an unprivileged uid can run from the real file system (plain isolation as root needs one)."""
     if os.geteuid() != 0:
@@ -867,7 +856,7 @@ def test_concurrent_calls_cannot_signal_through_locks_or_notifications_on_shared
 @pytest.mark.parametrize("setting, value", [
     ("timeout", float("inf")), ("timeout", float("nan")), ("memory_mb", True), ("memory_mb", 0.5), ("memory_mb", 2**62),
     ("memory_mb", "1024"), ("max_processes", 1.5), ("max_file_mb", 0.25), ("concurrency", 0.5),
-    ("max_output_bytes", 0), ("docker_cpus", float("inf")), ("nice", 20), ("nice", -1), ("preload", ("numpy sympy",)), ("preload", "numpy"),
+    ("max_output_bytes", 0), ("docker_cpus", float("inf")), ("preload", ("numpy sympy",)), ("preload", "numpy"),
 ])
 def test_a_setting_of_the_wrong_type_or_range_is_refused_at_construction_naming_it(setting, value):
     with pytest.raises(ValueError, match=f"^{setting} must be "):
@@ -1326,7 +1315,6 @@ def test_the_page_states_the_defaults_and_constants_of_the_code():
     says(name, f"| `max_output_bytes` | {cfg.max_output_bytes // 1024} KiB |",
          f"{cfg.max_output_bytes // 1024} KiB of output is far more")
     says(name, f"| `max_processes` | {cfg.max_processes} |", f"{cfg.max_processes} processes leave room for a thread pool")
-    says(name, f"| `nice` | {cfg.nice} |")
     says(name, f"A slot retires after {local_backend.SLOT_CALLS} calls (`local_backend.SLOT_CALLS`)",
          f"removes itself after {runner.IDLE_EXIT / 60:g} minutes")
     says(name, f"the work dir is `{confinement.WORKDIR}`",

@@ -19,10 +19,6 @@ Two workloads, each run with the overlapped rollout (the default) and with round
    `--tool-sleep` seconds, a sandbox call that takes a realistic time. Its
    sandbox admits every sample's call at once: sleeping takes no core.
 
-The sandbox's calls run at `--sandbox-nice` (SandboxConfig's default, 19): their
-CPU work (fork, confinement, exit) takes what decoding leaves idle. At 0 it
-competes with the engine's threads on the same cores.
-
 The baseline for each is a bare `llm.generate` of the same tokens: one request per
 sample, as many tokens as that sample's model tokens, the same sampling, seeds and
 log-probs. For the long-tailed workload the baseline is also constrained by a
@@ -75,15 +71,14 @@ def main(argv: list[str] | None = None) -> int:
                              force_turns=(tail + tool_call_regex(args.tool_sleep), tail))
     load = os.getloadavg()
     runs = {}
-    with Sandbox(SandboxConfig(nice=args.sandbox_nice)) as quick, \
-            Sandbox(SandboxConfig(nice=args.sandbox_nice, concurrency=args.tail_problems * args.group_size)) as slow:
+    with Sandbox(SandboxConfig()) as quick, Sandbox(SandboxConfig(concurrency=args.tail_problems * args.group_size)) as slow:
         runs["equal"] = measure(llm, make_toy_task(args.problems, 0)[0], quick, equal, args.repeats, "equal", plain=True)
         runs["tail"] = measure(llm, make_toy_task(args.tail_problems, 0)[0], slow, longtail, args.repeats, "long-tailed")
 
     t = runs["tail"]["rounds"]
     tokens = statistics.mean(r["model_tokens"] for r in t)
     print(f"bench-rollout: best and median of {args.repeats} runs; model "
-          f"{model if args.model else 'tiny random Qwen2 (tiny_model.py)'}, dtype {args.dtype}; sandbox calls at nice {args.sandbox_nice}")
+          f"{model if args.model else 'tiny random Qwen2 (tiny_model.py)'}, dtype {args.dtype}")
     print(f"  equal lengths: {args.problems} problems x {args.group_size} samples, one tool call, then to the "
           f"{args.max_response_tokens}-token budget with EOS ignored")
     print(f"  long-tailed:   {args.tail_problems} problems x {args.group_size} samples, turns of "
@@ -224,8 +219,6 @@ def _tiny_model() -> Path:
 
 
 def parse_args(argv):
-    from sandbox import SandboxConfig
-
     p = argparse.ArgumentParser(description="Overhead of rollout(), overlapped and in rounds, over a bare llm.generate "
                                             "of the same tokens, on an equal-length and a long-tailed workload.")
     p.add_argument("--model", help="model folder or name (default: build the tiny random model)")
@@ -237,8 +230,6 @@ def parse_args(argv):
     p.add_argument("--tail-shortest", type=int, default=64, help="tokens of a turn's shortest length class")
     p.add_argument("--tail-classes", type=int, default=5, help="length classes, each twice the one before (at most 6)")
     p.add_argument("--tool-sleep", type=float, default=0.2, help="seconds each long-tailed sample's code sleeps")
-    p.add_argument("--sandbox-nice", type=int, default=SandboxConfig.nice,
-                   help="CPU priority of the sandbox's calls (default: %(default)s, SandboxConfig's; 0: they compete with decoding)")
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--repeats", type=int, default=6)
     args = p.parse_args(argv)
@@ -247,8 +238,6 @@ def parse_args(argv):
             p.error(f"--{name.replace('_', '-')} must be at least 1")
     if not 2 <= args.tail_classes <= 6:
         p.error("--tail-classes must be between 2 and 6")
-    if not 0 <= args.sandbox_nice <= 19:
-        p.error("--sandbox-nice must be between 0 and 19")
     if args.tool_sleep < 0:
         p.error("--tool-sleep must be 0 or more")
     if 2 * args.tail_shortest * 2 ** (args.tail_classes - 1) + 256 > args.max_model_len - 256:
