@@ -1,6 +1,6 @@
 """What the tool loop costs on top of bare generation, for both schedules, measured on one engine.
 
-    make bench-rollout                                   # tiny random model on CPU, about three minutes
+    make bench-rollout                                   # tiny random model on CPU, a few minutes
     .venv/bin/python 03-rollout/bench_rollout.py --model Qwen/Qwen2.5-Math-1.5B --dtype bfloat16 --max-response-tokens 3072
 
 Two workloads, each run with the overlapped rollout (the default) and with rounds:
@@ -34,6 +34,14 @@ per token, shown for the mean token count). Each figure is the best and the
 median of `--repeats` runs after one warm-up run of each kind: on a machine
 shared with other work, the fastest run is the least disturbed one. The last
 line is the default rollout on the long-tailed workload, sandbox included.
+
+One more kind splits what is left of the overlapped rollout's cost: "tool
+without CPU" is the same rollout with a stand-in for the sandbox (SleepingTool)
+that answers each forced code block by reading it, after sleeping as long as
+the code would, in the calling thread: no process, no CPU. The same tokens come
+out; what it costs over bare is the schedule's own (each sample's wait for its
+call), and what the real sandbox costs over it is its calls' CPU on the cores
+that decode.
 """
 from __future__ import annotations
 
@@ -89,13 +97,14 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  {'workload':14} {'rollout':26} {'tokens':>6} {'best s':>7} {'median s':>9}  "
           f"{'vs bare, sandbox excluded':>26}  {'sandbox included':>16}  {'engine idle':>11}")
     for name, label in (("equal", "equal lengths"), ("tail", "long-tailed")):
-        for kind in (*SCHEDULES, "plain", "bare"):
+        for kind in (*SCHEDULES, "cpu-free", "plain", "bare"):
             if kind not in runs[name]:
                 continue
             rows = runs[name][kind]
             tokens = statistics.mean(r["model_tokens"] for r in rows)  # seconds below: per token, times this
             best, med = (x * tokens for x in per_token(rows))
-            title = {"plain": "rollout, no tool", "bare": "bare llm.generate"}.get(kind, f"rollout, {kind}" + (" (default)" if kind == default else ""))
+            title = {"plain": "rollout, no tool", "bare": "bare llm.generate", "cpu-free": "overlap, tool without CPU"
+                     }.get(kind, f"rollout, {kind}" + (" (default)" if kind == default else ""))
             line = f"  {label:14} {title:26} {tokens:>6.0f} {best:>7.2f} {med:>9.2f}"
             if kind != "bare":
                 idle = statistics.median(r["sandbox_s"] for r in rows)
@@ -112,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def measure(llm, problems: list[dict], sandbox, cfg, repeats: int, name: str, plain: bool = False) -> dict[str, list[dict]]:
-    """`repeats` runs of each kind after one warm-up: both schedules, (no tool,) and the bare baseline."""
+    """`repeats` runs of each kind after one warm-up: both schedules, the tool without CPU, (no tool,) and bare."""
     from rollout import SCHEDULES, rollout
 
     runs: dict[str, list[dict]] = {}
@@ -126,6 +135,11 @@ def measure(llm, problems: list[dict], sandbox, cfg, repeats: int, name: str, pl
             stats["round_steps"] = sum(map(max, zip(*(turn_lengths(t) for t in trajs))))
             row[schedule] = stats
         lengths = [sum(t.loss_mask) for t in trajs]  # both schedules sample the same tokens: same seeds
+        stats = {}
+        free = rollout(llm, problems, SleepingTool(), replace(cfg, schedule="overlap"), stats)
+        if [t.token_ids for t in free] != [t.token_ids for t in trajs]:
+            raise RuntimeError("the stand-in tool's answers led to other tokens than the sandbox's")
+        row["cpu-free"] = stats
         if plain:
             # The same number of tokens without the tool: one turn each, the loop's bookkeeping alone.
             stats = {}
@@ -139,6 +153,25 @@ def measure(llm, problems: list[dict], sandbox, cfg, repeats: int, name: str, pl
         print(f"{name} run {run}{' (warm-up)' if not run else ''}: " + ", ".join(
             f"{kind} {r['wall_s']:.2f} s" for kind, r in row.items()), file=sys.stderr, flush=True)
     return runs
+
+
+class SleepingTool:
+    """A stand-in for the sandbox, in this bench only: it answers the forced code blocks by reading them.
+
+    It sleeps as long as the code's `time.sleep` asks, in the calling thread, and
+    prints what the code would print: the product of `print(a * b)` or the number
+    of `print(n)`. No process and no CPU: the rollout's cost without the sandbox's work.
+    """
+
+    def run(self, code: str, timeout: float | None = None):
+        from sandbox import ExecResult
+
+        sleep = re.search(r"time\.sleep\(([0-9.]+)\)", code)
+        a, b = re.search(r"print\(([0-9]+)(?: \* ([0-9]+))?\)", code).groups()
+        if sleep:
+            time.sleep(float(sleep.group(1)))
+        return ExecResult(ok=True, stdout=f"{int(a) * int(b or 1)}\n", stderr="", returncode=0, timed_out=False,
+                          truncated=False, latency=float(sleep.group(1)) if sleep else 0.0)
 
 
 def turn_lengths(t) -> tuple[int, int]:

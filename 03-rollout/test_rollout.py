@@ -334,6 +334,15 @@ def test_overlap_continues_a_trajectory_while_another_ones_code_still_runs(tiny_
     assert len(arrived) == 2 and all(t.num_tool_calls == 1 and t.finish_reason == "eos" for t in trajs)
 
 
+def test_the_benchs_stand_in_tool_prints_what_the_sandbox_prints(sandbox):
+    """bench_rollout's tool without CPU must lead to the same tokens as the sandbox, for both forced code shapes."""
+    from bench_rollout import SleepingTool
+
+    for code in ("print(12 * 34)\n", "import time\ntime.sleep(0.01)\nprint(7)\n"):
+        stand_in, real = SleepingTool().run(code), sandbox.run(code)
+        assert (stand_in.stdout, stand_in.ok) == (real.stdout, real.ok) and real.ok
+
+
 @pytest.mark.vllm
 def test_trajectories_come_back_grouped_by_problem_in_sample_order(forced):
     trajs, *_ = forced
