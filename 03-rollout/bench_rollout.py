@@ -167,11 +167,11 @@ class SleepingTool:
         from sandbox import ExecResult
 
         sleep = re.search(r"time\.sleep\(([0-9.]+)\)", code)
+        seconds = float(sleep.group(1)) if sleep else 0.0
         a, b = re.search(r"print\(([0-9]+)(?: \* ([0-9]+))?\)", code).groups()
-        if sleep:
-            time.sleep(float(sleep.group(1)))
+        time.sleep(seconds)
         return ExecResult(ok=True, stdout=f"{int(a) * int(b or 1)}\n", stderr="", returncode=0, timed_out=False,
-                          truncated=False, latency=float(sleep.group(1)) if sleep else 0.0)
+                          truncated=False, latency=seconds)
 
 
 def turn_lengths(t) -> tuple[int, int]:
