@@ -229,21 +229,26 @@ def build_root() -> dict[str, int]:
     return {p: os.open(p, os.O_PATH) for p in binds if any(_inside(p, d) for d in SCRATCH_DIRS)}
 
 
-def mount_proc() -> int:
+def mount_proc() -> tuple[int, int]:
     """A /proc of the slot's own PID namespace; hidepid=2: the code sees only its own processes.
 
     Mounted over the machine's /proc, in the slot's own mount namespace, before build_root
     binds it into the new root: in a user namespace the kernel allows a new proc only
-    where the machine's is visible. Returns a descriptor of the namespace's PID counter,
-    for reset_pids.
+    where the machine's is visible. Returns descriptors of the namespace's PID counter
+    (for reset_pids) and of a second proc of the same namespace without hidepid, which
+    only the slot holds: hidepid=2 hides a process that made itself non-dumpable from
+    the slot too (it would need CAP_SYS_PTRACE on the machine), and the slot's memory
+    watch must see every process of the call.
     """
     mount(None, "/", None, MS_REC | MS_PRIVATE)  # nothing mounted here reaches the host
     try:
+        mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+        every_process = os.open("/proc", os.O_RDONLY | os.O_DIRECTORY)  # below the next: never in the code's root
         mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, "hidepid=2")
     except PermissionError as e:
         raise PermissionError(e.errno, f"{e.strerror} (in a user namespace the kernel mounts a new /proc only where "
                               "the machine's is wholly visible, not masked as in many containers)") from None
-    return os.open("/proc/sys/kernel/ns_last_pid", os.O_WRONLY)
+    return os.open("/proc/sys/kernel/ns_last_pid", os.O_WRONLY), every_process
 
 
 def reset_pids(last_pid: int) -> None:
@@ -416,17 +421,20 @@ class MemoryWatch:
 
     RLIMIT_AS caps each process, not the call: a call of N processes could map N times
     memory_mb. Every TICK seconds of the wait, the slot sums what the call's processes
-    hold of their own (anonymous resident pages above what each inherited from the slot:
-    pages a process shares with its parent after a fork count in both, so this errs on
-    the side of killing) and kills the call past memory_mb. memfds, System V shared
+    hold (anonymous and shared-memory resident pages, swapped pages, above what each
+    inherited from the slot: pages two processes share count in both, so this errs on
+    the side of killing) and kills the call past memory_mb. It reads a /proc without
+    hidepid (mount_proc), where no process of the call can hide. memfds, System V shared
     memory and message queues, which no process's pages show, are denied by the filter
-    instead (seccomp_program(cgroup=False)); files by the scratch tmpfs's size.
+    instead (seccomp_program(cgroup=False)); POSIX message queues and locked memory by
+    their rlimits (runner.set_rlimits); files by the scratch tmpfs's size.
     """
 
     TICK = 0.01
 
-    def __init__(self) -> None:
-        self.base_kb = _own_kb(os.getpid(), 0)  # the slot's: every process of the call starts from a fork of it
+    def __init__(self, proc: int) -> None:
+        self.proc = proc  # a descriptor of the slot's /proc without hidepid
+        self.base_kb = _held_kb(proc, str(os.getpid()))  # the slot's: every process of the call starts from a fork of it
         self.killed = False
 
     def join(self, memory_mb: int, max_processes: int) -> None:
@@ -434,10 +442,10 @@ class MemoryWatch:
 
     def over(self, memory_mb: int) -> bool:
         """Does the call hold more than memory_mb? Once it does, it stays "OOM-killed"."""
-        me, total = os.getpid(), 0
-        for entry in os.listdir("/proc"):
-            if entry.isdigit() and int(entry) != me:
-                total += _own_kb(int(entry), self.base_kb)
+        me, total = str(os.getpid()), 0
+        for entry in os.listdir(self.proc):
+            if entry.isdigit() and entry != me:
+                total += max(0, _held_kb(self.proc, entry) - self.base_kb)
         self.killed = self.killed or total > memory_mb * 1024
         return self.killed
 
@@ -448,17 +456,42 @@ class MemoryWatch:
         pass
 
 
-_PAGE_KB = os.sysconf("SC_PAGE_SIZE") // 1024
+_HELD = ("RssAnon", "RssShmem", "VmSwap")  # private and shared anonymous memory (shmem: MAP_SHARED, /dev/zero), swapped
 
 
-def _own_kb(pid: int, base_kb: int) -> int:
-    """Anonymous resident memory of a process above base_kb (statm: resident minus file and shmem pages)."""
+def _held_kb(proc: int, pid: str) -> int:
+    """What a process holds in memory (_HELD, from /proc/PID/status), in kB; 0 once it is gone.
+
+    A thread group whose leader exited goes on in its other threads, and the leader's
+    status then shows no memory: one of its threads' shows the group's.
+    """
+    fields = _status(proc, f"{pid}/status")
+    if fields.get("RssAnon") is None and int(fields.get("Threads", "1").split()[0]) > 1:
+        try:
+            fd = os.open(f"{pid}/task", os.O_RDONLY | os.O_DIRECTORY, dir_fd=proc)
+            try:
+                threads = os.listdir(fd)
+            finally:
+                os.close(fd)
+        except OSError:
+            threads = []
+        for tid in threads:
+            fields = _status(proc, f"{pid}/task/{tid}/status")
+            if fields.get("RssAnon") is not None:
+                break
+    return sum(int(fields[name].split()[0]) for name in _HELD if name in fields)
+
+
+def _status(proc: int, path: str) -> dict[str, str]:
     try:
-        with open(f"/proc/{pid}/statm") as f:
-            resident, shared = (int(x) for x in f.read().split()[1:3])
-    except (OSError, ValueError):
-        return 0  # gone already
-    return max(0, (resident - shared) * _PAGE_KB - base_kb)
+        fd = os.open(path, os.O_RDONLY, dir_fd=proc)
+        try:
+            text = os.read(fd, 1 << 16).decode()
+        finally:
+            os.close(fd)
+    except OSError:
+        return {}  # gone already
+    return dict(line.split(":", 1) for line in text.splitlines() if ":" in line)
 
 
 def _write(dir_fd: int, name: str, text: str, optional: bool = False) -> None:
@@ -571,10 +604,24 @@ DENIED = (
     # signals between concurrent calls through the files every slot shares (the interpreter's):
     # a lock one call holds and another tests, an access one call makes and another is told of
     "flock", "inotify_init", "inotify_init1", "inotify_add_watch", "inotify_rm_watch",
+    # another process's I/O priority or memory placement: math code never needs them
+    "ioprio_set", "migrate_pages", "move_pages",
 )
+# Allowed on the calling process only (every argument listed 0: "this process"). The kernel lets a
+# process change these of any process of its uid, and unprivileged the code and its slot are one uid:
+# a limit, niceness or CPU set written on the slot would be inherited by every later call of it.
+SELF_ONLY = {"prlimit64": (0,), "setpriority": (0, 1), "sched_setaffinity": (0,), "sched_setscheduler": (0,),
+             "sched_setparam": (0,), "sched_setattr": (0,)}
+# Calls that send a signal, and which argument is its number: real-time signals (32 and up) are denied.
+# The kernel queues every one sent by kill() and the like past RLIMIT_SIGPENDING, on a count per user
+# that every call (and the caller) shares; the 31 standard signals are pending at most once per thread.
+SIGNAL_SENDERS = {"kill": 1, "tkill": 1, "tgkill": 2, "rt_sigqueueinfo": 1, "rt_tgsigqueueinfo": 2, "pidfd_send_signal": 1}
+_REALTIME = 32
 # fcntl commands denied for the same reason: record locks (classic and open-file), leases, dnotify
 FCNTL_DENIED = {"F_GETLK": 5, "F_SETLK": 6, "F_SETLKW": 7, "F_OFD_GETLK": 36, "F_OFD_SETLK": 37, "F_OFD_SETLKW": 38,
-                "F_SETLEASE": 1024, "F_GETLEASE": 1025, "F_NOTIFY": 1026}
+                "F_SETLEASE": 1024, "F_GETLEASE": 1025, "F_NOTIFY": 1026,
+                "F_SETSIG": 10,  # a real-time signal per I/O event, queued past RLIMIT_SIGPENDING
+                "F_SETPIPE_SZ": 1031}  # and pipes past their default 16 pages: the user's pipe pages are one count
 # socket families allowed; any other (AF_VSOCK reaches the hypervisor, whatever the network namespace) fails
 SOCKET_FAMILIES = {"AF_UNIX": 1, "AF_INET": 2, "AF_INET6": 10, "AF_NETLINK": 16}
 # Denied only where no cgroup counts memory: memory held outside every process's pages
@@ -590,7 +637,10 @@ _TABLES = {  # system call numbers: asm/unistd_64.h (x86_64) and asm-generic/uni
         swapoff=168, acct=163, syslog=103, settimeofday=164, clock_settime=227, clock_adjtime=305,
         adjtimex=159, quotactl=179, lookup_dcookie=212, fanotify_init=300, vhangup=153, clone=56, clone3=435,
         flock=73, inotify_init=253, inotify_init1=294, inotify_add_watch=254, inotify_rm_watch=255, fcntl=72,
-        socket=41, memfd_create=319, memfd_secret=447, shmget=29, msgget=68,
+        socket=41, memfd_create=319, memfd_secret=447, shmget=29, msgget=68, ioprio_set=251, migrate_pages=256,
+        move_pages=279, prlimit64=302, setpriority=141, sched_setaffinity=203, sched_setscheduler=144,
+        sched_setparam=142, sched_setattr=314, kill=62, tkill=200, tgkill=234, rt_sigqueueinfo=129,
+        rt_tgsigqueueinfo=297, pidfd_send_signal=424,
     ),
     "aarch64": dict(
         keyctl=219, add_key=217, request_key=218, ptrace=117, process_vm_readv=270, process_vm_writev=271,
@@ -602,7 +652,10 @@ _TABLES = {  # system call numbers: asm/unistd_64.h (x86_64) and asm-generic/uni
         swapoff=225, acct=89, syslog=116, settimeofday=170, clock_settime=112, clock_adjtime=266,
         adjtimex=171, quotactl=60, lookup_dcookie=18, fanotify_init=262, vhangup=58, clone=220, clone3=435,
         flock=32, inotify_init1=26, inotify_add_watch=27, inotify_rm_watch=28, fcntl=25,  # (no inotify_init)
-        socket=198, memfd_create=279, memfd_secret=447, shmget=194, msgget=186,
+        socket=198, memfd_create=279, memfd_secret=447, shmget=194, msgget=186, ioprio_set=30, migrate_pages=238,
+        move_pages=239, prlimit64=261, setpriority=140, sched_setaffinity=122, sched_setscheduler=119,
+        sched_setparam=118, sched_setattr=274, kill=129, tkill=130, tgkill=131, rt_sigqueueinfo=138,
+        rt_tgsigqueueinfo=240, pidfd_send_signal=424,
     ),
 }
 _AUDIT_ARCH = {"x86_64": 0xC000003E, "aarch64": 0xC00000B7}
@@ -612,7 +665,7 @@ NAMESPACE_FLAGS = CLONE_NEWNS | CLONE_NEWCGROUP | CLONE_NEWUTS | CLONE_NEWIPC | 
 _RET_KILL_PROCESS, _RET_ERRNO, _RET_ALLOW = 0x80000000, 0x00050000, 0x7FFF0000
 _EPERM, _ENOSYS, _EAFNOSUPPORT = 1, 38, 97
 _LD_ABS, _JEQ, _JGE, _JSET, _RET = 0x20, 0x15, 0x35, 0x45, 0x06  # BPF_LD|W|ABS, BPF_JMP|{JEQ,JGE,JSET}|K, BPF_RET|K
-_NR, _ARCH, _ARG0, _ARG1 = 0, 4, 16, 24  # offsets in struct seccomp_data (arguments' low 32 bits: little-endian)
+_NR, _ARCH, _ARGS = 0, 4, (16, 24, 32)  # offsets in struct seccomp_data (arguments' low 32 bits: little-endian)
 
 
 def seccomp_program(cgroup: bool = True) -> bytes:
@@ -642,11 +695,17 @@ def seccomp_program(cgroup: bool = True) -> bytes:
         if name in table:
             program += [(_JEQ, 0, 1, table[name]), (_RET, 0, 0, _RET_ERRNO | _EPERM)]
     program += [(_JEQ, 0, 1, table["clone3"]), (_RET, 0, 0, _RET_ERRNO | _ENOSYS)]
-    program += _by_argument(table["fcntl"], _ARG1, [(_JEQ, command, _RET_ERRNO | _EPERM) for command in FCNTL_DENIED.values()],
+    program += _by_argument(table["fcntl"], _ARGS[1], [(_JEQ, command, _RET_ERRNO | _EPERM) for command in FCNTL_DENIED.values()],
                             _RET_ALLOW)
-    program += _by_argument(table["socket"], _ARG0, [(_JEQ, family, _RET_ALLOW) for family in SOCKET_FAMILIES.values()],
+    program += _by_argument(table["socket"], _ARGS[0], [(_JEQ, family, _RET_ALLOW) for family in SOCKET_FAMILIES.values()],
                             _RET_ERRNO | _EAFNOSUPPORT)
-    program += _by_argument(table["clone"], _ARG0, [(_JSET, NAMESPACE_FLAGS, _RET_ERRNO | _EPERM)], _RET_ALLOW)
+    # clone: no new namespace, and no real-time signal for the parent when the child exits (0xE0: 32 and up)
+    program += _by_argument(table["clone"], _ARGS[0], [(_JSET, NAMESPACE_FLAGS, _RET_ERRNO | _EPERM),
+                                                      (_JSET, 0xE0, _RET_ERRNO | _EPERM)], _RET_ALLOW)
+    for name, argument in SIGNAL_SENDERS.items():
+        program += _by_argument(table[name], _ARGS[argument], [(_JGE, _REALTIME, _RET_ERRNO | _EPERM)], _RET_ALLOW)
+    for name, arguments in SELF_ONLY.items():
+        program += _self_only(table[name], arguments)
     program += [(_RET, 0, 0, _RET_ALLOW)]
     return b"".join(struct.pack("HBBI", *instruction) for instruction in program)
 
@@ -661,6 +720,15 @@ def _by_argument(number: int, argument: int, tests: list[tuple[int, int, int]], 
     for code, constant, result in tests:
         body += [(code, 0, 1, constant), (_RET, 0, 0, result)]
     body.append((_RET, 0, 0, otherwise))
+    return [(_JEQ, 0, len(body), number)] + body
+
+
+def _self_only(number: int, arguments: tuple[int, ...]) -> list[tuple]:
+    """Instructions for "is it call `number`? then allow it only if every listed argument is 0; else go on"."""
+    body = []
+    for i, argument in enumerate(arguments):  # a non-zero one jumps over the rest to the EPERM at the end
+        body += [(_LD_ABS, 0, 0, _ARGS[argument]), (_JEQ, 0, 2 * (len(arguments) - 1 - i) + 1, 0)]
+    body += [(_RET, 0, 0, _RET_ALLOW), (_RET, 0, 0, _RET_ERRNO | _EPERM)]
     return [(_JEQ, 0, len(body), number)] + body
 
 

@@ -149,6 +149,7 @@ class Slot:
         self.max_file_mb, self.cgroups, self.program = max_file_mb, cgroups, program  # program: the seccomp filter
         self.keep: dict[str, int] = {}  # interpreter folders inside a scratch dir, bound back by every call
         self.last_pid: int | None = None  # the PID namespace's counter (/proc/sys/kernel/ns_last_pid), once /proc is ours
+        self.proc: int | None = None  # the same /proc without hidepid, for the memory watch: the code's processes, all
 
     def accept(self) -> socket.socket | None:
         """Wait for a call; None when the server exited first."""

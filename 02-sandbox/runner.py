@@ -109,23 +109,37 @@ def detach(workdir: str) -> None:
     os.setsid()  # a group of its own: a kill of the group never reaches the supervisor
     stdin = os.open(os.devnull, os.O_RDONLY)
     os.dup2(stdin, 0)
-    os.closerange(3, resource.getrlimit(resource.RLIMIT_NOFILE)[0])  # no socket, pipe or cgroup of the sandbox stays reachable
+    os.closerange(3, 1 << 30)  # no socket, pipe or cgroup of the sandbox stays reachable
     os.chdir(workdir)
 
 
+CALL_NOFILE = 256  # descriptors per process: bounds the socket and pipe buffers one process can hold
+CALL_SIGPENDING = 64  # signals queued at once, per call: its share of the per-user count every call shares
+# Every other limit, as the server had it when it started: set again for every call, so that nothing
+# of a call's limits comes from an earlier call (unprivileged, the code and its slot are one uid).
+_STARTING_LIMITS = {kind: resource.getrlimit(kind) for name, kind in vars(resource).items() if name.startswith("RLIMIT_")}
+
+
 def set_rlimits(request: dict, uid: int | None, mode: str) -> None:
-    """Address space, CPU time, file size, processes, no core dumps: the request's limits, hard and soft."""
+    """Every rlimit, hard and soft: the request's (address space, CPU time, file size, processes), the
+    call's (descriptors, pending signals, none for core dumps, locked memory or POSIX message queues,
+    which no memory watch sees), and the server's starting value for the rest."""
+    for kind, (soft, hard) in _STARTING_LIMITS.items():
+        resource.setrlimit(kind, (soft, hard))  # fails where a hard limit was lowered: no call runs with it
     mb = 1024 * 1024
     _set_limit(resource.RLIMIT_AS, request["memory_mb"] * mb)
     _set_limit(resource.RLIMIT_CPU, int(request["timeout"]) + 2)
     _set_limit(resource.RLIMIT_FSIZE, request["max_file_mb"] * mb)
+    _set_limit(resource.RLIMIT_NOFILE, CALL_NOFILE)
+    _set_limit(resource.RLIMIT_SIGPENDING, CALL_SIGPENDING)
+    for kind in (resource.RLIMIT_CORE, resource.RLIMIT_MEMLOCK, resource.RLIMIT_MSGQUEUE):
+        _set_limit(kind, 0)
     if mode == "userns" or (mode != "container" and uid is not None):  # the call's own user namespace, or uid: its budget
         _set_limit(resource.RLIMIT_NPROC, request["max_processes"])
     elif mode == "plain":  # the uid is shared with the caller: a budget on top of what it runs
         _set_limit(resource.RLIMIT_NPROC, _tasks_of_uid(os.getuid()) + request["max_processes"])
     # In a container the pids cgroup is the budget: RLIMIT_NPROC would count every
     # container's processes together, since they all run as uid 65534.
-    _set_limit(resource.RLIMIT_CORE, 0)
 
 
 def drop_privileges(uid: int | None) -> None:

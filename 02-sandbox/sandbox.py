@@ -59,7 +59,7 @@ def enter_slot(slot) -> None:
     after each call reaches every process the call left."""
     if slot.mode != "plain":
         confinement.unshare(confinement.CLONE_NEWNS)  # namespaces: mounts of the slot's own
-        slot.last_pid = confinement.mount_proc()  # a /proc of this PID namespace, where the code sees only its own processes
+        slot.last_pid, slot.proc = confinement.mount_proc()  # a /proc of this PID namespace: the code sees only its own processes
         slot.keep = confinement.build_root()  # the file view: pivot into a read-only root of only what Python needs
     else:  # plain: no namespaces; the code's orphans are re-parented to the slot, which kills them
         confinement.prctl(confinement.PR_SET_CHILD_SUBREAPER, 1)
@@ -76,7 +76,7 @@ def serve_call(slot, number: int) -> bool:
         confinement.reset_pids(slot.last_pid)  # namespaces: the code is PID 2 again, whatever the last call forked
         workdir = confinement.fresh_scratch(slot.max_file_mb, slot.keep, slot.uid)  # the file view: empty scratch tmpfs
         # limits: the call's memory and pids cgroup; unprivileged where none can be had, the slot watches its memory
-        group = slot.cgroups.prepare(f"call-{slot.token}-{number}") if slot.cgroups else confinement.MemoryWatch()
+        group = slot.cgroups.prepare(f"call-{slot.token}-{number}") if slot.cgroups else confinement.MemoryWatch(slot.proc)
     else:
         workdir, group = confinement.plain_workdir(slot.uid), None  # plain: a temporary folder, no cgroup
     try:
@@ -322,6 +322,7 @@ def _reason(answer: dict, request: dict) -> str:
         signal.SIGXFSZ: f"OutputLimitError: more than {request['max_file_mb']} MB written to one stream or file",
         signal.SIGXCPU: "TimeoutError: CPU time limit exceeded",
         signal.SIGSEGV: "Segmentation fault: the interpreter crashed (deep recursion or a native library)",
+        signal.SIGBUS: f"Bus error: a memory-mapped file could not grow (all files together hold at most {4 * request['max_file_mb']} MB)",
         signal.SIGKILL: "Killed (SIGKILL): out of memory or killed by another process",
     }
     try:

@@ -1253,6 +1253,147 @@ def test_unprivileged_where_the_kernel_refuses_user_namespaces_the_sandbox_refus
     assert os.listdir(own_tmp) == []
 
 
+# ---------------------------------------------------------------- not root: what a red team tried on the user-namespace mode
+
+# The code and its slot are one uid on the machine, and every call is that uid: each attack below is judged by
+# what the code got and by what the user saw (its own niceness and signal count, a later call's limits).
+ATTACK_DRIVER = r"""
+import json, os, signal, sys, threading, time
+folder, attacks = sys.argv[1], json.loads(sys.stdin.read())
+sys.path.insert(0, folder)
+from sandbox import Sandbox, SandboxConfig, format_observation
+
+def queued():  # the user's pending signals, all its processes together (what RLIMIT_SIGPENDING counts)
+    return int(dict(l.split(':', 1) for l in open('/proc/self/status').read().splitlines())['SigQ'].split('/')[0])
+
+out = {}
+with Sandbox(SandboxConfig(memory_mb=256, concurrency=1, timeout=20)) as sb:
+    def run(code):
+        r = sb.run(code)
+        return dict(ok=r.ok, stdout=r.stdout, timed_out=r.timed_out, observation=format_observation(r))
+    out['poison'] = run(attacks['poison'])
+    out['user_nice'] = os.getpriority(os.PRIO_PROCESS, 0)  # PRIO_USER would reach every process of the user
+    out['next'] = run(attacks['next'])
+    out['affinity'] = sorted(os.sched_getaffinity(0))
+    for name in attacks['memory']:
+        out[name] = run(attacks[name])
+    signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGRTMIN])
+    before, call = queued(), {}
+    worker = threading.Thread(target=lambda: call.update(run(attacks['signals'])))
+    worker.start()
+    seen, steady = before, 0
+    while worker.is_alive() and steady < 50:  # until the call's count stops growing (or the call ends)
+        time.sleep(0.01)
+        now = queued()
+        steady, seen = (steady + 1, seen) if now == seen else (0, now)
+    own, libc = 0, __import__('ctypes').CDLL(None)
+    for _ in range(64):  # the user's own signals, while the call holds what it could queue
+        if libc.sigqueue(os.getpid(), signal.SIGRTMIN, 0) != 0:
+            break
+        own += 1
+    while signal.sigtimedwait([signal.SIGRTMIN], 0) is not None:
+        pass
+    worker.join()
+    out['signals'] = dict(call, held=seen - before, own=own)
+print(json.dumps(out))
+"""
+HOLD = ("import ctypes, mmap, os, sys, threading, time\n"  # 4 processes of {mb} MB each, {how}: together past 256 MB
+        "libc = ctypes.CDLL(None, use_errno=True)\n"
+        "for _ in range(3):\n"
+        "    if os.fork() == 0:\n"
+        "        break\n"
+        "def hold():\n"
+        "    {hold}\n"
+        "    for i in range(0, len(m), 4096):\n"
+        "        m[i] = 1\n"
+        "    print('holding', flush=True)\n"
+        "    time.sleep(30)\n")
+MEMORY_ATTACKS = {
+    "shared_anonymous": HOLD.format(mb=150, how="MAP_SHARED|MAP_ANONYMOUS", hold="m = mmap.mmap(-1, 150 << 20, mmap.MAP_SHARED)")
+    + "hold()\n",
+    "shared_dev_zero": HOLD.format(mb=150, how="MAP_SHARED of /dev/zero",
+                                   hold="m = mmap.mmap(os.open('/dev/zero', os.O_RDWR), 150 << 20, mmap.MAP_SHARED)") + "hold()\n",
+    "non_dumpable": HOLD.format(mb=100, how="each hidden from a hidepid /proc", hold="m = bytearray(100 << 20)")
+    + "libc.prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE 0\nhold()\n",
+    "leader_gone": HOLD.format(mb=100, how="held by a thread whose leader exited", hold="m = bytearray(100 << 20)")
+    + "threading.Thread(target=lambda: (time.sleep(1), hold())).start()\n"
+    "libc.syscall(60 if os.uname().machine == 'x86_64' else 93, 0)  # exit: this thread only, the leader\n",
+}
+POISON = ("import errno, os, resource\n"  # the slot is PID 1 of the call's PID namespace, and the caller's uid
+          "attempts = {\n"
+          "    'prlimit fsize': lambda: resource.prlimit(1, resource.RLIMIT_FSIZE, (0, 0)),\n"
+          "    'prlimit nofile': lambda: resource.prlimit(1, resource.RLIMIT_NOFILE, (8, 8)),\n"
+          "    'prlimit read': lambda: resource.prlimit(1, resource.RLIMIT_NOFILE),\n"
+          "    'nice slot': lambda: os.setpriority(os.PRIO_PROCESS, 1, 19),\n"
+          "    'nice user': lambda: os.setpriority(os.PRIO_USER, 0, 19),\n"
+          "    'affinity slot': lambda: os.sched_setaffinity(1, {0}),\n"
+          "    'pipe size': lambda: __import__('fcntl').fcntl(os.pipe()[0], 1031, 1 << 20),\n"
+          "    'own limit': lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (100, 100)),\n"
+          "    'own nice': lambda: os.nice(1),\n"
+          "}\n"
+          "for name, attempt in attempts.items():\n"
+          "    try:\n"
+          "        attempt()\n"
+          "        print(name, 'allowed')\n"
+          "    except OSError as e:\n"
+          "        print(name, errno.errorcode[e.errno])\n")
+NEXT = ("import os, resource\n"
+        "print(*(resource.getrlimit(getattr(resource, 'RLIMIT_' + k)) for k in ('FSIZE', 'NOFILE', 'SIGPENDING', 'CORE')))\n"
+        "print(os.getpriority(os.PRIO_PROCESS, 0), sorted(os.sched_getaffinity(0)))\n"
+        "open('f', 'wb').write(b'x' << 20 if False else b'x' * (1 << 20))\nprint('written')\n")
+SIGNALS = ("import ctypes, errno, os, signal, time\n"  # queue real-time signals to itself until refused, then hold them
+           "libc = ctypes.CDLL(None, use_errno=True)\n"
+           "signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGRTMIN])\n"
+           "for name, send in (('kill', lambda: os.kill(os.getpid(), signal.SIGRTMIN)),\n"
+           "                   ('sigqueue', lambda: libc.sigqueue(os.getpid(), signal.SIGRTMIN, 0) == 0 or 1 / 0),\n"
+           "                   ('timer_create', lambda: libc.timer_create(1, None, ctypes.byref(ctypes.c_void_p())) == 0 or 1 / 0)):\n"
+           "    n = 0\n"
+           "    try:\n"
+           "        while n < 200000:\n"
+           "            send()\n"
+           "            n += 1\n"
+           "    except (OSError, ZeroDivisionError) as e:\n"
+           "        print(name, n, errno.errorcode[getattr(e, 'errno', None) or ctypes.get_errno()], flush=True)\n"
+           "time.sleep(3)\n")
+
+
+@pytest.fixture(scope="module")
+def attacks(unprivileged_folder):
+    python, folder = unprivileged_folder
+    stdin = json.dumps({"poison": POISON, "next": NEXT, "signals": SIGNALS, "memory": list(MEMORY_ATTACKS), **MEMORY_ATTACKS})
+    done = as_unprivileged(python, folder, ATTACK_DRIVER, stdin)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)
+
+
+def test_unprivileged_the_code_cannot_change_its_slots_limits_priority_or_cpus_nor_pass_them_on(attacks):
+    """prlimit, setpriority and sched_setaffinity reach any process of one's uid: the slot, the user's others."""
+    r = attacks["poison"]
+    assert r["ok"] and r["stdout"].splitlines() == [
+        "prlimit fsize EPERM", "prlimit nofile EPERM", "prlimit read EPERM", "nice slot EPERM", "nice user EPERM",
+        "affinity slot EPERM", "pipe size EPERM", "own limit allowed", "own nice allowed"], r
+    assert attacks["user_nice"] == 0  # the user's own processes were not reniced
+    r = attacks["next"]  # the slot's next call: every limit is the call's own, not what the last call left
+    mb = 1024 * 1024
+    assert r["ok"] and r["stdout"].splitlines() == [
+        f"({SandboxConfig.max_file_mb * mb}, {SandboxConfig.max_file_mb * mb}) (256, 256) (64, 64) (0, 0)",
+        f"0 {attacks['affinity']}", "written"], r
+
+
+@pytest.mark.parametrize("attack", list(MEMORY_ATTACKS))
+def test_unprivileged_memory_the_watch_cannot_miss_is_counted_shared_hidden_or_held_by_threads(attacks, attack):
+    r = attacks[attack]
+    assert not r["timed_out"] and r["observation"] == "MemoryError: the call used more than its 256 MB and was killed", r
+
+
+def test_unprivileged_a_call_holds_only_its_share_of_the_users_pending_signals(attacks):
+    r = attacks["signals"]
+    # kill() and sigqueue() could queue past every limit; what counts against RLIMIT_SIGPENDING (a timer's
+    # signal) stops at the call's own (EAGAIN), not the user's
+    assert r["stdout"].splitlines() == ["kill 0 EPERM", "sigqueue 0 EPERM", "timer_create 64 EAGAIN"], r
+    assert r["held"] <= 64 and r["own"] == 64, r  # the user's own signals still queue
+
+
 # ---------------------------------------------------------------- what the model sees
 
 
