@@ -23,18 +23,23 @@ from __future__ import annotations
 import argparse
 import base64
 import binascii
+import concurrent.futures
 import hmac
+import http
+import http.client
+import io
 import ipaddress
 import json
+import math
 import os
+import re
+import selectors
 import signal
 import socket
-import socketserver
 import subprocess
 import sys
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -44,8 +49,10 @@ DEFAULT_PORT = 8080  # SandboxFusion's own port, so a client's default URL works
 RUN_TIMEOUT = 10.0  # seconds, when a request gives no run_timeout (SandboxFusion's default, and ToRL's)
 MAX_RUN_TIMEOUT = 60.0  # a request's run_timeout is cut to this: one call cannot hold a slot for long
 MAX_REQUEST_KB = 1024  # larger bodies get 413 unread; model code is a few KB
-MAX_CONNECTIONS = 256  # requests held at once (running or waiting for a slot); more wait in the backlog
-READ_TIMEOUT = 10.0  # seconds a client may stay silent while sending its request (a stalled sender frees its thread)
+MAX_CONNECTIONS = 256  # requests held at once (answered or waiting for a slot); more wait in the backlog
+REQUEST_SECONDS = 10.0  # from connect to the request's last byte, whatever the pace: then 408 and the connection goes
+MAX_SENDING = 1024  # connections still sending their request; past it, the one sending longest is dropped
+MAX_HEAD_BYTES = 64 * 1024  # request line and headers
 DRAIN_SECONDS = 2.0  # after a refusal (401, 413, ...), how long the rest of the body is read and dropped
 MIN_TOKEN_CHARS = 16
 LANGUAGES = ("python", "python3")
@@ -58,7 +65,7 @@ def run_code(sandbox: Sandbox, body: dict, max_run_timeout: float = MAX_RUN_TIME
     if body.get("fetch_files"):
         return _sandbox_error("fetch_files is not supported by this server: the code's files are not sent back")
     code = with_inputs(body["code"], body.get("stdin"), body.get("files") or {})
-    timeout = min(float(body.get("run_timeout", RUN_TIMEOUT)), max_run_timeout)
+    timeout = float(min(body.get("run_timeout", RUN_TIMEOUT), max_run_timeout))  # 10**400 is past any float
     try:
         result = sandbox.run(code, timeout=timeout)
     except Exception as e:  # SandboxError or worse: still one answer, in the client's shape
@@ -168,145 +175,278 @@ def request_problem(body) -> str:
 
 
 # --------------------------------------------------------------------------------------
-# HTTP
+# HTTP: one thread reads every request under a total deadline; a pool of threads answers them
 # --------------------------------------------------------------------------------------
 
 
-class Handler(BaseHTTPRequestHandler):
-    """POST /run_code and GET /v1/ping, as SandboxFusion; one request per connection."""
-
-    server: Server
-    timeout = READ_TIMEOUT  # on the socket: a client that stops sending is dropped
-    server_version = "tool-rl-lab-sandbox"
-
-    def do_POST(self) -> None:
-        if self.path.split("?")[0].rstrip("/") != "/run_code":
-            return self._answer(404, {"detail": f"no such endpoint: POST {self.path.split('?')[0]}"})
-        if not self._authorized():
-            return self._answer(401, {"detail": "this server needs its token: Authorization: Bearer <token>"})
-        length = self.headers.get("Content-Length")
-        if length is None or not length.isdigit():
-            return self._answer(411, {"detail": "a Content-Length header is required"})
-        if int(length) > self.server.max_request_bytes:
-            return self._answer(413, {"detail": f"the request is {int(length)} bytes; this server takes at most "
-                                                f"{self.server.max_request_bytes}"})
-        try:
-            data = self.rfile.read(int(length))
-        except OSError:
-            return  # the client stopped sending (READ_TIMEOUT) or went away: no one to answer
-        try:
-            body = json.loads(data)
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            return self._answer(400, {"detail": f"the body is not JSON: {e}"})
-        problem = request_problem(body)
-        if problem:
-            return self._answer(422, {"detail": problem})
-        self._answer(200, run_code(self.server.sandbox, body, self.server.max_run_timeout))
-
-    def do_GET(self) -> None:
-        path = self.path.split("?")[0].rstrip("/")
-        if path == "/v1/ping":
-            return self._answer(200, "pong")  # open to health checks: it runs nothing and tells nothing
-        if path == "/run_code":
-            return self._answer(405, {"detail": "run_code takes POST"})
-        self._answer(404, {"detail": f"no such endpoint: GET {path}"})
-
-    def _authorized(self) -> bool:
-        """The token as `Authorization: Bearer T`, or `?token=T` for clients that cannot set headers."""
-        token = self.server.token
-        if token is None:
-            return True
-        given = self.headers.get("Authorization", "")
-        given = given[len("Bearer "):] if given.startswith("Bearer ") else ""
-        for pair in self.path.partition("?")[2].split("&"):
-            if pair.startswith("token=") and not given:
-                given = pair[len("token="):]
-        return hmac.compare_digest(given.encode(), token.encode())
-
-    def _answer(self, status: int, body) -> None:
-        data = json.dumps(body).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        if status == 401:
-            self.send_header("WWW-Authenticate", "Bearer")
-        self.end_headers()
-        try:
-            self.wfile.write(data)
-        except OSError:  # the client gave up waiting: counted apart, so every request is counted once
-            return self.server.count(status, "client gone")
-        self.server.count(status, body.get("status") if isinstance(body, dict) else None)
-        if status != 200:
-            self._drain()
-
-    def _drain(self) -> None:
-        """After a refusal, read and drop what the client is still sending, for at most DRAIN_SECONDS:
-        closing with unread data resets the connection, and the client could lose the answer."""
-        deadline = time.monotonic() + DRAIN_SECONDS
-        try:
-            self.wfile.flush()
-            self.connection.shutdown(socket.SHUT_WR)
-            while time.monotonic() < deadline:
-                self.connection.settimeout(max(deadline - time.monotonic(), 0.01))
-                if not self.connection.recv(1 << 20):
-                    break
-        except OSError:
-            pass
-
-    def log_message(self, format: str, *args) -> None:
-        if self.server.log:  # the path without its query: a ?token= must not reach a log
-            sys.stderr.write(f"{self.address_string()} {self.command} {self.path.split('?')[0]} {args[1] if len(args) > 1 else ''}\n")
-
-
-class Server(ThreadingHTTPServer):
-    """A thread per request, at most max_connections at once: the accept loop waits for a free
-    one, and connections beyond it wait in the listen backlog, so none is refused or lost."""
-
-    request_queue_size = 1024  # the listen backlog
-    daemon_threads = False
-    block_on_close = True  # on shutdown, requests in flight are answered first
+class Server:
+    """The accept loop reads requests itself, without blocking, each under one deadline
+    (REQUEST_SECONDS from connect to its last byte), and refuses what it can from the
+    head alone (a wrong path or token, a missing or too large Content-Length) before any
+    body is read. Whole requests go to max_connections threads that answer them, in
+    arrival order. A slow client therefore holds a socket for at most REQUEST_SECONDS and
+    never a thread; while max_connections requests are being answered or wait for a
+    thread, new connections wait in the listen backlog; past MAX_SENDING connections
+    still sending, the one that has been sending longest is dropped."""
 
     def __init__(self, address, sandbox: Sandbox, token: str | None = None, max_connections: int = MAX_CONNECTIONS,
                  max_request_bytes: int = MAX_REQUEST_KB * 1024, max_run_timeout: float = MAX_RUN_TIMEOUT,
                  log: bool = False) -> None:
-        self.address_family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET
+        family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET
+        self.listener = socket.create_server(address, family=family, backlog=1024)
+        self.listener.setblocking(False)
+        self.server_address = self.listener.getsockname()
         self.sandbox, self.token, self.log = sandbox, token, log
-        self.max_request_bytes, self.max_run_timeout = max_request_bytes, max_run_timeout
-        self._held = threading.BoundedSemaphore(max_connections)
+        self.max_connections, self.max_request_bytes, self.max_run_timeout = max_connections, max_request_bytes, max_run_timeout
+        self._answerers = concurrent.futures.ThreadPoolExecutor(max_connections, thread_name_prefix="answer")
         self._lock = threading.Lock()
+        self._busy = 0  # requests read whole and not yet answered
+        self._stopping = False
+        self._wake_r, self._wake_w = os.pipe()  # written to by shutdown() and by a thread that answered
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+        self._sending: dict[socket.socket, _Incoming] = {}  # connections whose request is still arriving, or draining
         self.answered: dict[str, int] = {}  # "200 Success", "401", ...: every answer, counted once
-        super().__init__(address, Handler)
 
-    def server_bind(self) -> None:
-        socketserver.TCPServer.server_bind(self)  # HTTPServer's own would look the host's name up in DNS
-        self.server_name, self.server_port = self.server_address[:2]
+    def serve_forever(self) -> None:
+        """Until shutdown(): accept, read, refuse or hand over; then answer what was read whole, and return."""
+        with selectors.DefaultSelector() as selector:
+            selector.register(self._wake_r, selectors.EVENT_READ)
+            listening = False
+            while not self._stopping:
+                if listening != (self._busy < self.max_connections):  # full: the kernel's backlog holds the rest
+                    listening = not listening
+                    if listening:
+                        selector.register(self.listener, selectors.EVENT_READ)
+                    else:
+                        selector.unregister(self.listener)
+                deadlines = [c.deadline for c in self._sending.values()]
+                wait = max(0.0, min(deadlines) - time.monotonic()) if deadlines else None
+                for key, _ in selector.select(wait):
+                    if key.fileobj is self.listener:
+                        self._accept(selector)
+                    elif key.fileobj == self._wake_r:
+                        _drain_pipe(self._wake_r)
+                    else:
+                        self._receive(selector, key.data)
+                now = time.monotonic()
+                for incoming in [c for c in self._sending.values() if c.deadline <= now]:
+                    if incoming.phase == "drain":
+                        self._close(selector, incoming)
+                    else:
+                        self._refuse(selector, incoming, 408, f"the request did not arrive whole within {REQUEST_SECONDS:g} s")
+            for incoming in list(self._sending.values()):
+                self._close(selector, incoming)
+        self.listener.close()
 
-    def handle_error(self, request, client_address) -> None:
-        print(f"serve.py: request from {client_address[0]} failed: {sys.exc_info()[1]!r}", file=sys.stderr)
+    def shutdown(self) -> None:
+        """Stop accepting and reading (safe from a signal handler); requests read whole are still answered."""
+        self._stopping = True
+        _wake(self._wake_w)
 
-    def process_request(self, request, client_address) -> None:
-        self._held.acquire()  # blocks the accept loop: the kernel's backlog holds the rest
+    def server_close(self) -> None:
+        """Wait until every request read whole is answered."""
+        self._answerers.shutdown(wait=True)
+        os.close(self._wake_r)
+        os.close(self._wake_w)
+
+    def _accept(self, selector) -> None:
+        while True:
+            try:
+                conn, peer = self.listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:  # out of descriptors, a connection reset before accept: the next one may do
+                return
+            if len(self._sending) >= MAX_SENDING:  # the one sending longest makes room
+                oldest = min((c for c in self._sending.values() if c.phase != "drain"), key=lambda c: c.deadline, default=None)
+                self._close(selector, oldest or next(iter(self._sending.values())))
+            conn.setblocking(False)
+            incoming = _Incoming(conn, peer[0], time.monotonic() + REQUEST_SECONDS)
+            self._sending[conn] = incoming
+            selector.register(conn, selectors.EVENT_READ, incoming)
+
+    def _receive(self, selector, incoming: _Incoming) -> None:
         try:
-            super().process_request(request, client_address)
-        except BaseException:
-            self._held.release()
-            raise
+            data = incoming.conn.recv(1 << 16)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            data = b""
+        if not data:  # the client closed (or reset) before its request was whole: no one to answer
+            return self._close(selector, incoming)
+        if incoming.phase == "drain":
+            return
+        incoming.data += data
+        if incoming.phase == "head":
+            end = incoming.data.find(b"\r\n\r\n")
+            if end < 0:
+                if len(incoming.data) > MAX_HEAD_BYTES:
+                    self._refuse(selector, incoming, 431, f"the request line and headers take more than {MAX_HEAD_BYTES} bytes")
+                return
+            head, incoming.data = bytes(incoming.data[:end + 2]), incoming.data[end + 4:]
+            refusal = self._read_head(incoming, head)
+            if refusal:
+                return self._refuse(selector, incoming, *refusal)
+            if incoming.phase == "answer":  # GET: nothing more to read
+                return self._hand_over(selector, incoming)
+        if len(incoming.data) >= incoming.length:
+            incoming.data = incoming.data[:incoming.length]
+            self._hand_over(selector, incoming)
 
-    def process_request_thread(self, request, client_address) -> None:
+    def _read_head(self, incoming: _Incoming, head: bytes) -> tuple[int, str] | None:
+        """Parse the request line and headers and check all that can be checked before the body:
+        None to go on, or (status, why) to refuse."""
+        line, _, fields = head.partition(b"\r\n")
+        parts = line.decode("latin-1").split()
+        if len(parts) != 3 or not parts[2].startswith("HTTP/1."):
+            return 400, f"not an HTTP/1 request line: {line[:100].decode('latin-1')!r}"
+        incoming.method, target = parts[0], parts[1]
+        incoming.path = target.split("?")[0].rstrip("/")
         try:
-            super().process_request_thread(request, client_address)
+            headers = http.client.parse_headers(io.BytesIO(fields + b"\r\n"))
+        except http.client.HTTPException as e:
+            return 431, f"the headers cannot be read: {type(e).__name__}"
+        if incoming.method == "GET" and incoming.path in ("/v1/ping", ""):
+            incoming.phase = "answer"  # open to health checks: it runs nothing and tells nothing
+            return None if incoming.path == "/v1/ping" else (404, "no such endpoint: GET /")
+        if incoming.path != "/run_code":
+            return 404, f"no such endpoint: {incoming.method} {incoming.path}"
+        if incoming.method != "POST":
+            return 405, "run_code takes POST"
+        if not self._authorized(headers, target):
+            return 401, "this server needs its token: Authorization: Bearer <token>"
+        lengths = headers.get_all("Content-Length") or []
+        if len(lengths) != 1 or headers.get("Transfer-Encoding") is not None:
+            return 411, "one Content-Length header is required (no chunked bodies)"
+        if not re.fullmatch(r"[0-9]{1,18}", lengths[0].strip()):
+            return 400, f"Content-Length must be a number of bytes in ASCII digits, got {lengths[0][:40]!r}"
+        incoming.length = int(lengths[0])
+        if incoming.length > self.max_request_bytes:
+            return 413, f"the request is {incoming.length} bytes; this server takes at most {self.max_request_bytes}"
+        if headers.get("Expect", "").lower() == "100-continue":  # curl waits for this before a body over 1 KB
+            _send_now(incoming.conn, b"HTTP/1.1 100 Continue\r\n\r\n")
+        incoming.phase = "body"
+        return None
+
+    def _authorized(self, headers, target: str) -> bool:
+        """The token as `Authorization: Bearer T`, or `?token=T` for clients that cannot set headers."""
+        if self.token is None:
+            return True
+        given = headers.get("Authorization", "")
+        given = given[len("Bearer "):] if given.startswith("Bearer ") else ""
+        for pair in target.partition("?")[2].split("&"):
+            if pair.startswith("token=") and not given:
+                given = pair[len("token="):]
+        return hmac.compare_digest(given.encode(errors="replace"), self.token.encode())
+
+    def _hand_over(self, selector, incoming: _Incoming) -> None:
+        selector.unregister(incoming.conn)
+        del self._sending[incoming.conn]
+        with self._lock:
+            self._busy += 1
+        self._answerers.submit(self._answer_request, incoming)
+
+    def _answer_request(self, incoming: _Incoming) -> None:
+        """In an answering thread: the whole request -> one JSON answer."""
+        status, body = 500, {"detail": "the server failed on this request"}
+        try:
+            status, body = self._response(incoming)
+        except Exception as e:
+            print(f"serve.py: request from {incoming.peer} failed: {e!r}", file=sys.stderr)
         finally:
-            self._held.release()
+            try:
+                incoming.conn.setblocking(True)
+                incoming.conn.settimeout(REQUEST_SECONDS)  # a client that does not read its answer frees the thread
+                incoming.conn.sendall(_http_answer(status, body))
+                self._count(incoming, status, body.get("status") if isinstance(body, dict) else None)
+            except OSError:  # the client gave up waiting: counted apart, so every request is counted once
+                self._count(incoming, status, "client gone")
+            finally:
+                incoming.conn.close()
+                with self._lock:
+                    self._busy -= 1
+                _wake(self._wake_w)
 
-    def count(self, status: int, run_status: str | None) -> None:
+    def _response(self, incoming: _Incoming) -> tuple[int, object]:
+        if incoming.method == "GET":
+            return 200, "pong"
+        try:
+            body = json.loads(incoming.data)
+        except (UnicodeDecodeError, ValueError, RecursionError) as e:
+            return 400, {"detail": f"the body is not JSON (or nests too deep): {type(e).__name__}: {str(e)[:200]}"}
+        problem = request_problem(body)
+        if problem:
+            return 422, {"detail": problem}
+        return 200, run_code(self.sandbox, body, self.max_run_timeout)
+
+    def _refuse(self, selector, incoming: _Incoming, status: int, detail: str) -> None:
+        """Answer from the accept loop, without waiting on the client, then read and drop what it still
+        sends for DRAIN_SECONDS: closing with unread data resets the connection, and it could lose the answer."""
+        sent = _send_now(incoming.conn, _http_answer(status, {"detail": detail}))
+        self._count(incoming, status, None if sent else "client gone")
+        try:
+            incoming.conn.shutdown(socket.SHUT_WR)
+        except OSError:
+            pass
+        incoming.phase, incoming.deadline = "drain", time.monotonic() + DRAIN_SECONDS
+
+    def _close(self, selector, incoming: _Incoming) -> None:
+        selector.unregister(incoming.conn)
+        del self._sending[incoming.conn]
+        incoming.conn.close()
+
+    def _count(self, incoming: _Incoming, status: int, run_status: str | None) -> None:
         key = f"{status} {run_status}" if run_status else str(status)
         with self._lock:
             self.answered[key] = self.answered.get(key, 0) + 1
+        if self.log:  # the path without its query: a ?token= must not reach a log
+            print(f"{incoming.peer} {incoming.method or '-'} {incoming.path or '-'} {status}", file=sys.stderr, flush=True)
 
     @property
     def url(self) -> str:
         host, port = self.server_address[:2]
         return f"http://{f'[{host}]' if ':' in host else host}:{port}"
+
+
+class _Incoming:
+    """A connection whose request is arriving: phase head, then body (or answer), or drain after a refusal."""
+
+    def __init__(self, conn: socket.socket, peer: str, deadline: float) -> None:
+        self.conn, self.peer, self.deadline = conn, peer, deadline
+        self.phase, self.data, self.length = "head", bytearray(), 0
+        self.method, self.path = "", ""
+
+
+def _http_answer(status: int, body) -> bytes:
+    """Every answer, errors included: JSON, then the connection closes (one request per connection)."""
+    data = json.dumps(body).encode()
+    extra = "WWW-Authenticate: Bearer\r\n" if status == 401 else ""
+    return (f"HTTP/1.1 {status} {http.HTTPStatus(status).phrase}\r\nServer: tool-rl-lab-sandbox\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\n{extra}Connection: close\r\n\r\n").encode() + data
+
+
+def _send_now(conn: socket.socket, data: bytes) -> bool:
+    """Send what the socket's buffer takes now (a small answer: all of it); never wait on the client."""
+    try:
+        return conn.send(data) == len(data)
+    except OSError:
+        return False
+
+
+def _wake(fd: int) -> None:
+    try:
+        os.write(fd, b"x")
+    except OSError:  # full: the loop is awake already
+        pass
+
+
+def _drain_pipe(fd: int) -> None:
+    try:
+        while os.read(fd, 4096):
+            pass
+    except OSError:
+        pass
 
 
 def start_process(*args: str, env: dict | None = None) -> tuple[subprocess.Popen, str]:
@@ -322,13 +462,20 @@ def start_process(*args: str, env: dict | None = None) -> tuple[subprocess.Popen
 
 
 def is_loopback(host: str) -> bool:
-    """127.0.0.0/8, ::1 or localhost; anything else (0.0.0.0, a name, "") can be reached from elsewhere."""
-    if host == "localhost":
-        return True
+    """127.0.0.0/8 or ::1, or a name every address of which is one of them (resolved now: a name is
+    what /etc/hosts or DNS says); anything else (0.0.0.0, "", a name that does not resolve) may be reached from elsewhere."""
+    return bool(host) and all(ipaddress.ip_address(address).is_loopback for address in _addresses(host))
+
+
+def _addresses(host: str) -> list[str]:
     try:
-        return ipaddress.ip_address(host).is_loopback
+        return [ipaddress.ip_address(host).compressed]
     except ValueError:
-        return False
+        pass
+    try:
+        return sorted({info[4][0].split("%")[0] for info in socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)})
+    except (OSError, UnicodeError):
+        return ["0.0.0.0"]  # unresolvable: not loopback
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -361,6 +508,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="requests held at once; more wait in the listen backlog (default: %(default)s)")
     parser.add_argument("--log", action="store_true", help="one line per request on stderr")
     args = parser.parse_args(argv)
+    if not math.isfinite(args.max_run_timeout):
+        parser.error(f"argument --max-run-timeout: must be a finite number of seconds, got {args.max_run_timeout}")
     if args.token is not None and len(args.token) < MIN_TOKEN_CHARS:
         parser.error(f"--token must be at least {MIN_TOKEN_CHARS} characters")
     if not is_loopback(args.host) and args.token is None:
@@ -375,25 +524,19 @@ def main(argv: list[str] | None = None) -> int:
     try:
         sandbox = Sandbox(config)
         sandbox.run("pass")  # one real call: the containment works, or it says why before listening
-        server = Server((args.host, args.port), sandbox, args.token, args.max_connections,
+        host = args.host if args.token is not None else _addresses(args.host)[0]  # the address just judged loopback
+        server = Server((host, args.port), sandbox, args.token, args.max_connections,
                         args.max_request_kb * 1024, args.max_run_timeout, args.log)
     except (SandboxError, OSError) as e:
         print(f"serve.py: {e}", file=sys.stderr)
         return 2
-    stop = threading.Event()
-
-    def on_signal(signum, frame) -> None:  # shutdown() waits for serve_forever: call it from another thread
-        if not stop.is_set():
-            stop.set()
-            threading.Thread(target=server.shutdown).start()
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, lambda signum, frame: server.shutdown())
+    signal.signal(signal.SIGINT, lambda signum, frame: server.shutdown())
     print(f"serving SandboxFusion's run_code on {server.url}/run_code ({sandbox.isolation}, {args.concurrency} at once, "
           f"{'token required' if args.token else 'no token: loopback only'})", flush=True)
     started = time.monotonic()
     server.serve_forever()
-    server.server_close()  # joins the requests in flight: each is answered before the sandbox closes
+    server.server_close()  # waits for the requests read whole: each is answered before the sandbox closes
     sandbox.close()
     counts = ", ".join(f"{key}: {n}" for key, n in sorted(server.answered.items())) or "none"
     print(f"stopped after {time.monotonic() - started:.0f} s; answered {sum(server.answered.values())} ({counts})", flush=True)
