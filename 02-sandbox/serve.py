@@ -191,12 +191,12 @@ class Server:
 
     def __init__(self, address, sandbox: Sandbox, token: str | None = None, max_connections: int = MAX_CONNECTIONS,
                  max_request_bytes: int = MAX_REQUEST_KB * 1024, max_run_timeout: float = MAX_RUN_TIMEOUT,
-                 log: bool = False) -> None:
+                 log: bool = False, request_seconds: float = REQUEST_SECONDS) -> None:
         family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET
         self.listener = socket.create_server(address, family=family, backlog=1024)
         self.listener.setblocking(False)
         self.server_address = self.listener.getsockname()
-        self.sandbox, self.token, self.log = sandbox, token, log
+        self.sandbox, self.token, self.log, self.request_seconds = sandbox, token, log, request_seconds
         self.max_connections, self.max_request_bytes, self.max_run_timeout = max_connections, max_request_bytes, max_run_timeout
         self._answerers = concurrent.futures.ThreadPoolExecutor(max_connections, thread_name_prefix="answer")
         self._lock = threading.Lock()
@@ -234,7 +234,7 @@ class Server:
                     if incoming.phase == "drain":
                         self._close(selector, incoming)
                     else:
-                        self._refuse(selector, incoming, 408, f"the request did not arrive whole within {REQUEST_SECONDS:g} s")
+                        self._refuse(selector, incoming, 408, f"the request did not arrive whole within {self.request_seconds:g} s")
             for incoming in list(self._sending.values()):
                 self._close(selector, incoming)
         self.listener.close()
@@ -262,7 +262,7 @@ class Server:
                 oldest = min((c for c in self._sending.values() if c.phase != "drain"), key=lambda c: c.deadline, default=None)
                 self._close(selector, oldest or next(iter(self._sending.values())))
             conn.setblocking(False)
-            incoming = _Incoming(conn, peer[0], time.monotonic() + REQUEST_SECONDS)
+            incoming = _Incoming(conn, peer[0], time.monotonic() + self.request_seconds)
             self._sending[conn] = incoming
             selector.register(conn, selectors.EVENT_READ, incoming)
 
@@ -301,8 +301,8 @@ class Server:
         parts = line.decode("latin-1").split()
         if len(parts) != 3 or not parts[2].startswith("HTTP/1."):
             return 400, f"not an HTTP/1 request line: {line[:100].decode('latin-1')!r}"
-        incoming.method, target = parts[0], parts[1]
-        incoming.path = target.split("?")[0].rstrip("/")
+        incoming.method, target = parts[0][:20], parts[1]
+        incoming.path = target.split("?")[0].rstrip("/")[:200]  # as logged and echoed: never the query (a ?token=)
         try:
             headers = http.client.parse_headers(io.BytesIO(fields + b"\r\n"))
         except http.client.HTTPException as e:
@@ -357,7 +357,7 @@ class Server:
         finally:
             try:
                 incoming.conn.setblocking(True)
-                incoming.conn.settimeout(REQUEST_SECONDS)  # a client that does not read its answer frees the thread
+                incoming.conn.settimeout(self.request_seconds)  # a client that does not read its answer frees the thread
                 incoming.conn.sendall(_http_answer(status, body))
                 self._count(incoming, status, body.get("status") if isinstance(body, dict) else None)
             except OSError:  # the client gave up waiting: counted apart, so every request is counted once
@@ -506,10 +506,14 @@ def main(argv: list[str] | None = None) -> int:
                         help="largest request body; larger ones get 413 (default: %(default)s)")
     parser.add_argument("--max-connections", type=at_least(1), default=MAX_CONNECTIONS,
                         help="requests held at once; more wait in the listen backlog (default: %(default)s)")
+    parser.add_argument("--request-timeout", type=at_least(0.1, float), default=REQUEST_SECONDS,
+                        help="seconds a client has to send its whole request, from connect, however it paces it; "
+                        "then 408 (default: %(default)s)")
     parser.add_argument("--log", action="store_true", help="one line per request on stderr")
     args = parser.parse_args(argv)
-    if not math.isfinite(args.max_run_timeout):
-        parser.error(f"argument --max-run-timeout: must be a finite number of seconds, got {args.max_run_timeout}")
+    for name in ("max_run_timeout", "request_timeout"):
+        if not math.isfinite(getattr(args, name)):
+            parser.error(f"argument --{name.replace('_', '-')}: must be a finite number of seconds, got {getattr(args, name)}")
     if args.token is not None and len(args.token) < MIN_TOKEN_CHARS:
         parser.error(f"--token must be at least {MIN_TOKEN_CHARS} characters")
     if not is_loopback(args.host) and args.token is None:
@@ -526,7 +530,7 @@ def main(argv: list[str] | None = None) -> int:
         sandbox.run("pass")  # one real call: the containment works, or it says why before listening
         host = args.host if args.token is not None else _addresses(args.host)[0]  # the address just judged loopback
         server = Server((host, args.port), sandbox, args.token, args.max_connections,
-                        args.max_request_kb * 1024, args.max_run_timeout, args.log)
+                        args.max_request_kb * 1024, args.max_run_timeout, args.log, args.request_timeout)
     except (SandboxError, OSError) as e:
         print(f"serve.py: {e}", file=sys.stderr)
         return 2

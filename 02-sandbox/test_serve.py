@@ -15,6 +15,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.parse
 from pathlib import Path
@@ -74,7 +75,7 @@ def run_code(url: str, code: str, **fields) -> dict:
 def server():
     if os.geteuid() != 0:
         pytest.skip("serve.py runs the local sandbox, whose namespaces and cgroups need root")
-    proc, url = start_server("--max-request-kb", str(MAX_REQUEST_KB), "--max-run-timeout", str(MAX_RUN_TIMEOUT))
+    proc, url = start_server("--max-request-kb", str(MAX_REQUEST_KB), "--max-run-timeout", str(MAX_RUN_TIMEOUT), "--log")
     yield url
     stop_server(proc)
 
@@ -180,6 +181,120 @@ def test_a_malformed_request_gets_a_clear_4xx_and_the_server_goes_on(server, raw
     assert run_code(server, "print(1)")["status"] == "Success"
 
 
+def raw_exchange(url: str, data: bytes, timeout: float = 60) -> tuple[int, dict, object]:
+    """Send bytes as they are and read the answer to its end: (status, headers, decoded JSON body)."""
+    parts = urllib.parse.urlsplit(url)
+    with socket.create_connection((parts.hostname, parts.port), timeout=timeout) as conn:
+        conn.sendall(data)
+        answer = b""
+        while chunk := conn.recv(1 << 16):
+            answer += chunk
+    head, _, body = answer.partition(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    headers = dict(line.split(": ", 1) for line in lines[1:])
+    return int(lines[0].split()[1]), headers, json.loads(body)
+
+
+def post(body: bytes, *headers: str) -> bytes:
+    return b"\r\n".join([b"POST /run_code HTTP/1.1", b"Host: x", *(h.encode("latin-1") for h in headers),
+                         b"Content-Length: %d" % len(body), b"", body])
+
+
+@pytest.mark.parametrize("data, expected", [
+    (b"POST /run_code HTTP/1.1\r\nHost: x\r\nContent-Length: 1\xb2\r\n\r\n1", 400),  # a digit, but not ASCII
+    (post(b"[" * 5000 + b"]" * 5000), 400),  # JSON nested deeper than the decoder recurses
+    (b"GARBAGE\r\n\r\n", 400),  # not a request line
+    (b"GET /v1/ping\r\n\r\n", 400),  # HTTP/0.9
+    (b"BREW /run_code HTTP/1.1\r\nHost: x\r\n\r\n", 405),  # a method no handler has
+    (b"GET /" + b"a" * 200_000 + b" HTTP/1.1\r\n\r\n", 431),  # a request line past the head's limit
+    (b"GET /v1/ping HTTP/1.1\r\n" + b"X-A: b\r\n" * 200 + b"\r\n", 431),  # too many headers
+    (b"POST /run_code HTTP/1.1\r\nContent-Length: 2\r\nContent-Length: 3\r\n\r\n{}", 411),  # which length?
+])
+def test_every_malformed_request_gets_an_http_answer_in_json_and_the_server_goes_on(server, data, expected):
+    status, headers, body = raw_exchange(server, data)
+    assert status == expected and headers["Content-Type"] == "application/json" and body["detail"], body
+    assert run_code(server, "print(1)")["status"] == "Success"
+
+
+def test_a_run_timeout_past_any_float_is_cut_to_the_maximum_not_an_error(server):
+    status, _, body = raw_exchange(server, post(b'{"code": "print(1)", "language": "python", "run_timeout": 1'
+                                                + b"0" * 400 + b"}", "Content-Type: application/json"))
+    assert status == 200 and body["status"] == "Success" and body["run_result"]["stdout"] == "1\n"
+
+
+def test_a_token_server_refuses_before_the_body_arrives(token_server):
+    """The head alone is enough to refuse: the body is never waited for."""
+    status, headers, body = raw_exchange(token_server, b"POST /run_code HTTP/1.1\r\nContent-Length: 1000\r\n\r\n")
+    assert status == 401 and headers["WWW-Authenticate"] == "Bearer" and "token" in body["detail"]
+
+
+SLOW_HEAD = b"POST /run_code HTTP/1.1\r\nX-Slow: "  # a header that never ends
+SLOW_BODY = b"POST /run_code HTTP/1.1\r\nContent-Length: 100000\r\n\r\n"  # a body that never ends
+
+
+def slow_clients(url: str, count: int, seconds: float) -> tuple[list[threading.Thread], list[bytes]]:
+    """count clients of each kind, each sending one byte every 0.1 s for at most `seconds`, never silent
+    long: each notes the server's first answer line, b"closed" if it closed without one, or b"still sending"."""
+    parts, outcomes, ready = urllib.parse.urlsplit(url), [], threading.Barrier(2 * count + 1)
+
+    def client(prefix: bytes) -> None:
+        with socket.create_connection((parts.hostname, parts.port), timeout=30) as conn:
+            conn.sendall(prefix)
+            conn.settimeout(0.1)
+            ready.wait()
+            end = time.monotonic() + seconds
+            while time.monotonic() < end:
+                try:
+                    conn.sendall(b"x")
+                    answer = conn.recv(1 << 16)
+                except socket.timeout:
+                    continue
+                except OSError:
+                    answer = b""
+                if answer:
+                    conn.settimeout(30)
+                    while chunk := conn.recv(1 << 16):
+                        answer += chunk
+                return outcomes.append(answer.split(b"\r\n")[0] + b" " + answer.partition(b"\r\n\r\n")[2]
+                                       if answer else b"closed")
+            outcomes.append(b"still sending")
+
+    threads = [threading.Thread(target=client, args=(prefix,)) for prefix in [SLOW_HEAD, SLOW_BODY] * count]
+    for thread in threads:
+        thread.start()
+    ready.wait()
+    return threads, outcomes
+
+
+def test_slow_clients_hold_neither_the_accept_loop_nor_a_thread_and_each_gets_408_at_its_deadline():
+    """Slowloris: 8 clients that never go silent but never finish, at a server with 2 connections."""
+    proc, url = start_server("--max-connections", "2", "--request-timeout", "2")
+    try:
+        threads, outcomes = slow_clients(url, 4, seconds=30)
+        assert run_code(url, "print(6 * 7)")["run_result"]["stdout"] == "42\n"
+        assert outcomes == []  # answered while every slow client was still sending
+        for thread in threads:
+            thread.join()
+    finally:
+        summary = stop_server(proc)
+    timed_out = b'HTTP/1.1 408 Request Timeout {"detail": "the request did not arrive whole within 2 s"}'
+    assert outcomes == [timed_out] * 8  # a deadline for the whole request, not for each receive
+    assert "200 Success: 1" in summary and "408: 8" in summary
+
+
+def test_sigterm_stops_the_service_at_once_whatever_slow_clients_hold():
+    proc, url = start_server("--max-connections", "2", "--request-timeout", "30")
+    threads, outcomes = slow_clients(url, 4, seconds=60)
+    try:
+        assert run_code(url, "print(1)")["status"] == "Success"
+    finally:
+        summary = stop_server(proc)  # well before any slow client's deadline or end
+        for thread in threads:
+            thread.join()
+    assert proc.returncode == 0 and "answered 1 (200 Success: 1)" in summary
+    assert outcomes == [b"closed"] * 8
+
+
 def test_a_request_without_content_length_gets_411(server):
     parts = urllib.parse.urlsplit(server)
     with socket.create_connection((parts.hostname, parts.port), timeout=30) as conn:
@@ -224,9 +339,20 @@ def test_a_preload_that_is_not_module_names_is_refused_in_one_line():
         "error: preload must be a tuple of module names (like 'numpy' or 'os.path'), got ('numpy sympy',) (see --help)"]
 
 
-def test_only_loopback_addresses_count_as_loopback():
+def test_only_loopback_addresses_count_as_loopback(monkeypatch):
     assert all(serve.is_loopback(h) for h in ("127.0.0.1", "127.8.9.10", "::1", "localhost"))
-    assert not any(serve.is_loopback(h) for h in ("0.0.0.0", "", "::", "10.0.0.1", "192.168.1.1", "sandbox.example"))
+    assert not any(serve.is_loopback(h) for h in ("0.0.0.0", "", "::", "10.0.0.1", "192.168.1.1", "sandbox.invalid"))
+    # A name is what it resolves to: a "localhost" that /etc/hosts points elsewhere is not loopback.
+    monkeypatch.setattr(socket, "getaddrinfo", lambda *a, **k: [(socket.AF_INET, socket.SOCK_STREAM, 6, "", ("10.1.2.3", 0))])
+    assert not serve.is_loopback("localhost")
+
+
+def test_a_run_timeout_limit_that_is_not_a_finite_number_is_refused_in_one_line():
+    for value in ("nan", "inf"):
+        done = subprocess.run([sys.executable, SERVE, "--port", "0", "--max-run-timeout", value], capture_output=True,
+                              text=True, timeout=60)
+        assert done.returncode == 2 and done.stdout == "" and len(done.stderr.strip().splitlines()) == 1
+        assert "--max-run-timeout" in done.stderr and value in done.stderr
 
 
 # --------------------------------------------------------------------------------------
