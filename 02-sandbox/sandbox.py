@@ -322,7 +322,7 @@ def _reason(answer: dict, request: dict) -> str:
         signal.SIGXFSZ: f"OutputLimitError: more than {request['max_file_mb']} MB written to one stream or file",
         signal.SIGXCPU: "TimeoutError: CPU time limit exceeded",
         signal.SIGSEGV: "Segmentation fault: the interpreter crashed (deep recursion or a native library)",
-        signal.SIGBUS: f"Bus error: a memory-mapped file could not grow (all files together hold at most {4 * request['max_file_mb']} MB)",
+        signal.SIGBUS: f"Bus error: a memory-mapped file had no page to give (past its end, or all files hold {4 * request['max_file_mb']} MB)",
         signal.SIGKILL: "Killed (SIGKILL): out of memory or killed by another process",
     }
     try:
