@@ -1491,10 +1491,11 @@ def test_the_page_states_the_defaults_and_constants_of_the_code():
          "| " + ", ".join(f"`{path}`" for path in confinement.SCRATCH_DIRS) + " | fresh size-capped tmpfs per call",
          ", ".join(f"`{os.path.basename(device)}`" for device in confinement.DEVICES) + " (bound)",
          ", ".join(f"`{file}`" for file in confinement._ETC) + " written by the sandbox")
-    says(name, f"the tests call {NUMBER_WORDS[len(SECCOMP_DENIED)]} of the denied calls")
+    says(name, f"| (descriptors, pending signals) | {runner.CALL_NOFILE}, {runner.CALL_SIGPENDING} |")
+    says("02-isolation.md", f"the tests call {NUMBER_WORDS[len(SECCOMP_DENIED)]} of the denied calls")
     says("02-isolation.md", f"knows the system-call numbers of {' and '.join(confinement._TABLES)}")
     if platform.machine() == "x86_64":
-        says(name, f"{len(confinement.seccomp_program()) // 8} instructions on x86_64")
+        says("02-isolation.md", f"{len(confinement.seccomp_program()) // 8} instructions on x86_64")
 
 
 NUMBER_WORDS = {12: "twelve", 13: "thirteen", 14: "fourteen", 15: "fifteen", 16: "sixteen"}
@@ -1508,6 +1509,13 @@ def test_the_isolation_page_states_the_constants_of_the_code():
          f"{confinement.SCRATCH_INODES} inodes", f"the code is uid {confinement.CALL_UID}",
          ", ".join(f"`{call}`" for call in confinement.NO_CGROUP_DENIED[:-1]) + f" and `{confinement.NO_CGROUP_DENIED[-1]}`",
          "allows only " + ", ".join(f"`{family}`" for family in confinement.SOCKET_FAMILIES))
+    import runner
+
+    says(name, f"{runner.CALL_SIGPENDING} queued (timers' signals)", f"the {runner.CALL_NOFILE} descriptors each may hold",
+         f"{runner.CALL_NOFILE} descriptors a process", "`prlimit64`, `setpriority`, `sched_setaffinity`, `sched_setscheduler`, "
+         "`sched_setparam`, `sched_setattr` on any process but the caller")
+    assert set(confinement.SELF_ONLY) == {"prlimit64", "setpriority", "sched_setaffinity", "sched_setscheduler",
+                                          "sched_setparam", "sched_setattr"}
 
 
 def test_the_page_states_what_format_observation_keeps():
