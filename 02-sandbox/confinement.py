@@ -676,7 +676,9 @@ def seccomp_program(cgroup: bool = True) -> bytes:
     a lease or dnotify, socket unless its family is off the list. clone is allowed
     unless it asks for a new namespace; clone3 passes its flags in memory a filter
     cannot read, so it reports ENOSYS and the C library falls back to clone, as under
-    Docker's profile. cgroup=False (no cgroup counts the call's memory) also denies
+    Docker's profile; nor is it allowed a real-time exit signal. SELF_ONLY calls
+    are allowed on the calling process only, SIGNAL_SENDERS for standard signals
+    only. cgroup=False (no cgroup counts the call's memory) also denies
     NO_CGROUP_DENIED.
     """
     machine = platform.machine()

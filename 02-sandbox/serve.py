@@ -13,8 +13,10 @@ Key decisions (the API, the token rule, limits and figures: docs/02-service.md):
    Anything else is answered in that shape (status SandboxError), never a crash.
 2. It runs code for whoever reaches it: loopback by default, any other address only
    with a shared token that every request carries (refused at start without one).
-3. Bounded everywhere: calls at once (the sandbox's concurrency), connections held
-   (more wait in the listen backlog, so none is lost), request size, run timeout.
+3. Bounded everywhere: calls at once (the sandbox's concurrency), requests held
+   (more wait in the listen backlog, so none is lost), request size, run timeout,
+   and the time a client has to send its request: one thread reads every request
+   without blocking, so a slow or unauthenticated client never holds a thread.
 4. stdin and files reach the code through a prologue that runs inside the sandbox,
    with the code's own privileges: the server never writes what a request sends.
 """

@@ -462,4 +462,7 @@ def _timed(client, clients: int) -> tuple[list, float]:
 
 def test_the_page_states_the_services_defaults():
     says("02-service.md", f"port {serve.DEFAULT_PORT}", f"{serve.MAX_REQUEST_KB} KB", f"{serve.MAX_CONNECTIONS} requests",
-         f"{serve.MAX_RUN_TIMEOUT:g} s", f"{serve.RUN_TIMEOUT:g} s", f"{serve.MIN_TOKEN_CHARS} characters")
+         f"{serve.MAX_RUN_TIMEOUT:g} s", f"{serve.RUN_TIMEOUT:g} s", f"{serve.MIN_TOKEN_CHARS} characters",
+         f"| a request's arrival, from connect to its last byte | {serve.REQUEST_SECONDS:g} s |",
+         f"| {serve.MAX_SENDING} connections |", f"Past {serve.MAX_SENDING} connections still sending",
+         f"| request line and headers | {serve.MAX_HEAD_BYTES // 1024} KB |", f"headers over {serve.MAX_HEAD_BYTES // 1024} KB")
