@@ -112,7 +112,7 @@ def code_process(request_fd: int, files: runner.CallFiles, workdir: str, slot, g
     if slot.mode != "plain":  # namespaces: its own view of cgroups; userns: also a user namespace, uid 65534, no capability
         confinement.enter_call_namespaces(userns=slot.mode == "userns")
     runner.detach(workdir)  # a session of its own, stdin /dev/null, no descriptor of the sandbox, in the work dir
-    runner.set_rlimits(request, slot.uid, slot.mode)  # limits: address space, CPU time, file size, processes
+    runner.set_rlimits(request, slot.uid, slot.mode)  # limits: every rlimit, for this call (address space, CPU, files...)
     runner.drop_privileges(slot.uid)  # an unprivileged uid, no_new_privs, death with the slot
     confinement.install_seccomp(slot.program)  # seccomp, last: the steps above need calls it denies
     return runner.run_code(request["code"], workdir)  # run: clean env, a fresh interpreter's state, exec

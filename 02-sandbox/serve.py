@@ -269,6 +269,8 @@ class Server:
             selector.register(conn, selectors.EVENT_READ, incoming)
 
     def _receive(self, selector, incoming: _Incoming) -> None:
+        if self._sending.get(incoming.conn) is not incoming:  # dropped earlier in this round to make room
+            return
         try:
             data = incoming.conn.recv(1 << 16)
         except (BlockingIOError, InterruptedError):
