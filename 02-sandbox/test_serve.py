@@ -11,10 +11,13 @@ import concurrent.futures
 import http.client
 import json
 import os
+import pwd
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.parse
@@ -466,3 +469,39 @@ def test_the_page_states_the_services_defaults():
          f"| a request's arrival, from connect to its last byte | {serve.REQUEST_SECONDS:g} s |",
          f"| {serve.MAX_SENDING} connections |", f"Past {serve.MAX_SENDING} connections still sending",
          f"| request line and headers | {serve.MAX_HEAD_BYTES // 1024} KB |", f"headers over {serve.MAX_HEAD_BYTES // 1024} KB")
+
+
+def test_unprivileged_the_service_answers_and_stops_whatever_slow_clients_hold():
+    """The same, with serve.py run by an unprivileged user (isolation "userns") and the system's stdlib-only Python."""
+    from test_sandbox import UNPRIVILEGED, readable_python, unprivileged_unavailable
+
+    reason = unprivileged_unavailable()
+    if reason:
+        pytest.skip(reason)
+    import local_backend
+
+    here, folder = Path(serve.__file__).resolve().parent, tempfile.mkdtemp(prefix="sbx-serve-")
+    try:
+        os.chmod(folder, 0o755)
+        for source in [here / f"{name}.py" for name in {*local_backend._SERVER_MODULES, "local_backend", "serve"}] \
+                + [here.parent / "lab_cli.py"]:
+            shutil.copy(source, folder)
+            os.chmod(os.path.join(folder, source.name), 0o644)
+        proc = subprocess.Popen([readable_python(), "-I", os.path.join(folder, "serve.py"), "--port", "0", "--preload", "",
+                                 "--concurrency", "2", "--max-connections", "2", "--request-timeout", "30"],
+                                user=UNPRIVILEGED, group=pwd.getpwnam(UNPRIVILEGED).pw_gid, extra_groups=[], cwd="/",
+                                env={"PATH": "/usr/bin:/bin"}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        line = proc.stdout.readline()
+        assert "(userns, 2 at once" in line, line + proc.stderr.read() if not line else line
+        url = line.split(" on ")[1].split("/run_code")[0]
+        threads, outcomes = slow_clients(url, 4, seconds=60)
+        try:
+            assert run_code(url, "print(1)")["run_result"]["stdout"] == "1\n"
+        finally:
+            summary = stop_server(proc)
+            for thread in threads:
+                thread.join()
+        assert proc.returncode == 0 and "answered 1 (200 Success: 1)" in summary
+        assert outcomes == [b"closed"] * 8
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
