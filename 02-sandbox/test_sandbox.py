@@ -939,7 +939,7 @@ def test_the_code_cannot_change_its_slots_limits_priority_or_cpus_nor_pass_them_
         assert r.ok and r.stdout.splitlines() == POISONED, r
         r = sandbox.run(NEXT)  # the one slot's next call
         mb = 1024 * 1024
-        assert r.ok and r.stdout.splitlines() == [f"({MAX_FILE_MB * mb}, {MAX_FILE_MB * mb}) (256, 256) (64, 64) (0, 0)",
+        assert r.ok and r.stdout.splitlines() == [f"({MAX_FILE_MB * mb}, {MAX_FILE_MB * mb}) (256, 256) (64, 64) (0, 0) (0, 0) (0, 0)",
                                                   f"0 {sorted(os.sched_getaffinity(0))}", "written"], r
 
 
@@ -1369,7 +1369,8 @@ POISON = ("import errno, os, resource\n"  # the slot is PID 1 of the call's PID 
 POISONED = ["prlimit fsize EPERM", "prlimit nofile EPERM", "prlimit read EPERM", "nice slot EPERM", "nice user EPERM",
             "affinity slot EPERM", "pipe size EPERM", "own limit allowed", "own nice allowed"]
 NEXT = ("import os, resource\n"
-        "print(*(resource.getrlimit(getattr(resource, 'RLIMIT_' + k)) for k in ('FSIZE', 'NOFILE', 'SIGPENDING', 'CORE')))\n"
+        "print(*(resource.getrlimit(getattr(resource, 'RLIMIT_' + k))\n"
+        "        for k in ('FSIZE', 'NOFILE', 'SIGPENDING', 'CORE', 'MEMLOCK', 'MSGQUEUE')))\n"
         "print(os.getpriority(os.PRIO_PROCESS, 0), sorted(os.sched_getaffinity(0)))\n"
         "open('f', 'wb').write(b'x' * (1 << 20))\nprint('written')\n")
 SIGNALS = ("import ctypes, errno, os, signal, time\n"  # queue real-time signals to itself until refused, then hold them
@@ -1405,7 +1406,7 @@ def test_unprivileged_the_code_cannot_change_its_slots_limits_priority_or_cpus_n
     r = attacks["next"]  # the slot's next call: every limit is the call's own, not what the last call left
     mb = 1024 * 1024
     assert r["ok"] and r["stdout"].splitlines() == [
-        f"({SandboxConfig.max_file_mb * mb}, {SandboxConfig.max_file_mb * mb}) (256, 256) (64, 64) (0, 0)",
+        f"({SandboxConfig.max_file_mb * mb}, {SandboxConfig.max_file_mb * mb}) (256, 256) (64, 64) (0, 0) (0, 0) (0, 0)",
         f"0 {attacks['affinity']}", "written"], r
 
 
