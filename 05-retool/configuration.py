@@ -244,8 +244,9 @@ def model_problem(model: str) -> str | None:
     if isinstance(try_to_load_from_cache(model, "config.json"), str):
         return None
     offline = os.environ.get("HF_HUB_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE")
-    why = "HF_HUB_OFFLINE is set" if offline else hub_unreachable()
-    return f"model '{model}' is a hub id that is not in the local cache, and {why}" if why else None
+    why = "HF_HUB_OFFLINE is set" if offline else (hub_unreachable() or "").split(";")[0]  # its advice is for data sets
+    return (f"model '{model}' is a hub id that is not in the local cache, and {why}: download it where the hub "
+            "answers, or pass a local model folder" if why else None)
 
 
 def data_problem(name: str, path: str) -> str | None:

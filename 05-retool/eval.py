@@ -178,6 +178,7 @@ def main(argv: list[str] | None = None) -> dict:
     from configuration import position_limit
 
     from lab_cli import private_tmp, refuse_chapter_folder
+    from run_folders import check_eval_out
 
     args = parse_args(argv)
     refuse_chapter_folder()
@@ -201,12 +202,13 @@ def main(argv: list[str] | None = None) -> dict:
     if args.mode == "text" and template in ("torl", "qwen-chat"):
         print(f"note: --mode text with the tool prompt '{template}': the model is told to write code that never runs",
               file=sys.stderr)
+    out = Path(args.out or f"runs/eval-{time.strftime('%Y%m%d-%H%M%S')}")
+    check_eval_out(out, args.overwrite)  # an earlier evaluation is replaced only when asked
     problems = load_sets(args.data, args.limit)
 
     from rollout import make_llm
     from sandbox import Sandbox, SandboxConfig
 
-    out = Path(args.out or f"runs/eval-{time.strftime('%Y%m%d-%H%M%S')}")
     made = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
     try:
@@ -287,6 +289,7 @@ def parse_args(argv):
     p.add_argument("--limit", type=at_least(1), help="at most this many problems per data set [default: all]")
     p.add_argument("--seed", type=int, default=0, help="[default: 0]")
     p.add_argument("--out", help="output folder [default: runs/eval-TIMESTAMP]")
+    p.add_argument("--overwrite", action="store_true", help="replace an earlier evaluation in --out")
     args = one_line_errors(p).parse_args(argv)
     if args.gpu_memory_utilization > 1:
         p.error(f"argument --gpu-memory-utilization: a share, at most 1, got {args.gpu_memory_utilization}")

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import random
 import sys
@@ -35,7 +34,8 @@ from lab_cli import at_least, private_tmp, refuse_chapter_folder, run_script
 from plots import plot_run
 from presets import GPU_PRESETS, PRESETS
 from problems_and_policy import drop_long_prompts, first_policy, load_data, trainer_threads
-from run_record import RunRecord, check_new_run_dir, outcome_metrics, remove_if_unstarted
+from run_folders import check_new_run_dir, resume_config, stopped_before_training
+from run_record import RunRecord, outcome_metrics, remove_if_unstarted
 from stopping import STOPPER, StopRequested
 
 
@@ -313,7 +313,7 @@ def main(argv: list[str] | None = None) -> Path:
         return Path(args.plot)
     if args.resume:
         run_dir = Path(args.resume)
-        cfg = load_config(run_dir, overrides)
+        cfg = resume_config(Config, run_dir, overrides, argv, args.change_recipe)
     elif args.dry_run:  # every check that needs no model, and a memory plan per GPU (dry_run.py)
         raise SystemExit(dry_run(make_config(args.preset, overrides), args.preset, args.plan_gpus, args.plan_gpu_gb,
                                  start_sandbox))
@@ -335,7 +335,7 @@ def main(argv: list[str] | None = None) -> Path:
     try:
         train(cfg, run_dir, resume=bool(args.resume), dp=dp)
     except StopRequested as stop:  # before the first step (cold start, model, vLLM): what was made stays
-        print(f"stopped by {stop} before training began; go on with --resume {run_dir}", file=sys.stderr)
+        print(stopped_before_training(stop, run_dir), file=sys.stderr)
         raise SystemExit(128 + stop.signum) from None
     except Exception:
         if dp.is_main and not args.resume:  # a failed start leaves no half-made folder behind
@@ -356,7 +356,8 @@ def parse_args(argv):
     parser.add_argument("--run-dir", help="run folder [default: runs/PRESET-TIMESTAMP]")
     parser.add_argument("--resume", metavar="RUN_DIR", help="continue a run from its latest checkpoint")
     parser.add_argument("--plot", metavar="RUN_DIR", help="only redraw plots.png of an existing run")
-    parser.add_argument("--overwrite", action="store_true", help="replace a run folder that is not empty")
+    parser.add_argument("--overwrite", action="store_true", help="replace a run folder (only one of this lab's)")
+    parser.add_argument("--change-recipe", action="store_true", help="--resume with recipe flags that differ from the run's")
     parser.add_argument("--dry-run", action="store_true", help="check everything that needs no model and plan "
                         "memory per GPU, in seconds; load nothing")
     parser.add_argument("--plan-gpus", type=at_least(1), default=8, help="--dry-run without CUDA: GPUs to plan for [default: 8]")
@@ -369,14 +370,6 @@ def make_config(preset: str, overrides: dict) -> Config:
     if preset not in PRESETS:
         raise SystemExit(f"error: unknown preset '{preset}' (choose from {', '.join(PRESETS)})")
     return Config(**{**PRESETS[preset], **overrides})
-
-
-def load_config(run_dir: Path, overrides: dict) -> Config:
-    path = run_dir / "config.json"
-    if not path.exists():
-        raise SystemExit(f"error: --resume {run_dir}: not a run folder (it has no config.json)")
-    names = {f.name for f in dataclasses.fields(Config)}  # config.json also records facts of the run (run_record.py)
-    return Config(**{k: v for k, v in {**json.loads(path.read_text()), **overrides}.items() if k in names})
 
 
 if __name__ == "__main__":

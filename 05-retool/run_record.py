@@ -22,6 +22,7 @@ from checkpoints import (append_jsonl, capture_rng, has_eval_row, latest_checkpo
                          stop_with_checkpoint, truncate_jsonl)
 from configuration import settings_changed
 from plots import plot_run
+from run_folders import recipe_changes
 from stopping import STOPPER, StopRequested, signal_self_for_tests
 
 
@@ -44,6 +45,8 @@ class RunRecord:
             return
         self.metrics_path, self.eval_path = run_dir / "metrics.jsonl", run_dir / "eval.jsonl"
         if dp.is_main:
+            if resume:  # a recipe changed on resume (--change-recipe) stays on record, with its step
+                facts["recipe_changes"] = recipe_changes(run_dir, cfg, self.start_step)
             config = json.dumps({**dataclasses.asdict(cfg), **facts}, indent=1)
             print(f"settings: {run_dir / 'config.json'}{settings_changed(cfg)}")  # the whole file would flood the console
             (run_dir / "config.json").write_text(config)
@@ -157,21 +160,6 @@ class RunRecord:
             (self.run_dir / "last_step.html").write_text(html)
         plot_run(self.run_dir)
         print(f"run folder: {self.run_dir}  (metrics.jsonl, eval.jsonl, plots.png, last_step.html, checkpoints/)")
-
-
-def check_new_run_dir(run_dir: Path, overwrite: bool) -> None:
-    """Refuse, in one line, a new run into a folder that holds anything: its records would be lost or mixed.
-
-    With `overwrite` such a folder is removed first (by rank 0), unless a live run holds it.
-    """
-    if not run_dir.is_dir() or not any(run_dir.iterdir()):
-        return
-    if not overwrite:
-        raise SystemExit(f"error: run folder {run_dir} is not empty: pass --resume {run_dir} to go on with it, "
-                         "another --run-dir for a new run, or --overwrite to replace it")
-    if os.environ.get("RANK", "0") == "0":  # under torchrun the other ranks wait for rank 0 in setup
-        hold_lock(run_dir).close()  # refuses a folder a live run holds
-        shutil.rmtree(run_dir)
 
 
 def hold_lock(run_dir: Path):
