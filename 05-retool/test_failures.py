@@ -1,0 +1,52 @@
+"""05-retool: failures from the disk, the environment and the data end in one line, checked before the work."""
+import errno
+import json
+from pathlib import Path
+
+import pytest
+
+import checkpoints
+
+
+class FullDiskModel:
+    """A model whose save fails as a full disk makes it fail (control flow only: what is kept, what is said)."""
+
+    def save_pretrained(self, folder):
+        (Path(folder) / "model.safetensors").write_bytes(b"half")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+
+def test_a_full_disk_at_checkpoint_time_keeps_the_last_good_checkpoint_and_says_how_to_resume(tmp_path):
+    good = tmp_path / "checkpoints" / "step-000001"
+    good.mkdir(parents=True)
+    (good / "state.json").write_text('{"step": 1}')
+    with pytest.raises(SystemExit) as e:
+        checkpoints.save_checkpoint(tmp_path, 2, FullDiskModel(), None, None, keep=1)
+    assert str(e.value) == (f"error: writing checkpoint {tmp_path}/checkpoints/step-000002 failed (No space left on "
+                            f"device); the last good checkpoint, {good}, is kept: free space, then go on with "
+                            f"--resume {tmp_path}")
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step-000001"]
+    assert checkpoints.latest_checkpoint(tmp_path)["step"] == 1
+
+
+def test_a_torn_last_line_of_the_record_is_dropped_on_resume_and_a_bad_line_elsewhere_named(tmp_path, capsys):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1, "x": 1.5}\n{"step": 2, "x": null}\n{"step": 3, "x')
+    checkpoints.truncate_jsonl(path, 2)
+    assert path.read_text() == '{"step": 1, "x": 1.5}\n{"step": 2, "x": null}\n'
+    assert capsys.readouterr().out == f"note: {path}, line 3: half-written when the run stopped; left out\n"
+    path.write_text('{"step": 1}\n{"st\n{"step": 2}\n')
+    before = path.read_bytes()
+    with pytest.raises(SystemExit, match=f"error: {path}, line 2: not a row of the run's record"):
+        checkpoints.truncate_jsonl(path, 2)
+    assert path.read_bytes() == before
+
+
+def test_a_full_disk_while_appending_a_record_is_one_line(tmp_path, monkeypatch):
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(checkpoints.os, "fsync", full)
+    with pytest.raises(SystemExit, match=f"writing {tmp_path}/metrics.jsonl failed \\(No space left on device\\): "
+                                         f"free space, then go on with --resume {tmp_path}$"):
+        checkpoints.append_jsonl(tmp_path / "metrics.jsonl", {"step": 1})
