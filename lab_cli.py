@@ -72,7 +72,54 @@ def private_tmp(prefix: str = "tool-rl-lab-") -> str:
     tempfile.tempdir = own
     os.environ["TMPDIR"] = own
     atexit.register(shutil.rmtree, own, True)
+    keep_caches_writable(own)
     return own
+
+
+_cache = {"kept": True}
+
+
+def keep_caches_writable(tmp: str) -> None:
+    """An unwritable cache folder (XDG_CACHE_HOME=/proc, a read-only home) becomes none: one notice, not a traceback.
+
+    The lab's, Hugging Face's and vLLM's caches live under it; they then go in
+    this process's temporary folder and are gone at exit.
+    """
+    import os
+
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    why = cannot_write(cache)
+    if why:
+        print(f"note: the cache folder {cache} cannot be written ({why}): this run keeps no cache", file=sys.stderr)
+        os.environ["XDG_CACHE_HOME"] = os.path.join(tmp, "cache")
+        _cache["kept"] = False
+
+
+def caches_kept() -> bool:
+    """Whether what is cached now is kept for later runs (False after keep_caches_writable fell back)."""
+    return _cache["kept"]
+
+
+def cannot_write(folder) -> str | None:
+    """Why nothing can be written in `folder` (or, if it does not exist yet, its nearest existing parent); None if it can.
+
+    A real file is made and removed: permission bits say nothing of a read-only disk or of /proc.
+    """
+    import os
+    import tempfile
+
+    existing = os.path.abspath(folder)
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        return f"{existing} is a file"
+    try:
+        handle, probe = tempfile.mkstemp(dir=existing, prefix=".write-check-")
+    except OSError as e:
+        return f"{existing}: {e.strerror or type(e).__name__}"
+    os.close(handle)
+    os.unlink(probe)
+    return None
 
 
 def refuse_chapter_folder() -> None:

@@ -25,7 +25,7 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-from lab_cli import at_least, one_line_errors, refuse_chapter_folder
+from lab_cli import at_least, cannot_write, one_line_errors, refuse_chapter_folder
 
 # Named sources. The default training set is DeepScaleR's 40k problems (AIME,
 # AMC, Omni-MATH, STILL): competition math with short final answers, one of the
@@ -56,6 +56,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     refuse_chapter_folder()
     out = Path(args.out)
+    why = cannot_write(out)  # before any data set is read or made
+    if why:
+        print(f"error: --out {out}: cannot write there ({why}); choose a folder on a writable disk", file=sys.stderr)
+        return 2
     explicit = args.train is not None or args.eval is not None
     jobs = []
     if not args.no_toy:

@@ -108,6 +108,7 @@ def cold_started_model(cfg, run_dir: Path) -> str:
     and the model) is copied from the cache instead of trained again.
     """
     import cold_start
+    from lab_cli import caches_kept
 
     base = run_dir / "base"
     if (base / "cold_start.json").exists():
@@ -125,7 +126,8 @@ def cold_started_model(cfg, run_dir: Path) -> str:
         if "<|im_start|>" in render_prompt("", cfg.template):  # ChatML: the model's own template must agree
             check_template(source, cfg.template)
         argv += ["--model", source, "--train-layers", str(cfg.train_layers), "--warmup-steps", "10", "--threads", str(trainer_threads(cfg) or 1)]
-    cached = cold_start_cache() / cold_start_key(argv, cfg.train_file, source) if cfg.cold_start_cache else None
+    keep = cfg.cold_start_cache and caches_kept()  # not where the cache folder cannot be written (lab_cli.py)
+    cached = cold_start_cache() / cold_start_key(argv, cfg.train_file, source) if keep else None
     if cached is not None and (cached / "cold_start.json").exists():
         shutil.copytree(cached, base, dirs_exist_ok=True)
         print(f"cold start: the base made before from the same inputs, {cached} (--cold-start-cache false trains anew)")

@@ -14,7 +14,6 @@ import json
 import os
 import shutil
 import sys
-import tempfile
 from pathlib import Path
 
 # The names a run writes into its folder (run_record.py, checkpoints.py, trackers.py, plots.py).
@@ -92,21 +91,11 @@ def refuse_foreign(folder: Path, entries: set[str], flag: str) -> None:
 
 def check_writable(folder: Path, flag: str) -> None:
     """Refuse, in one line, a folder that cannot be written (a read-only disk, /proc): seconds, not after the work."""
-    existing = Path(os.path.abspath(folder))
-    while not existing.exists():
-        existing = existing.parent
-    if existing.is_dir():
-        try:
-            handle, probe = tempfile.mkstemp(dir=existing, prefix=".write-check-")
-        except OSError as e:
-            why = e.strerror or type(e).__name__
-        else:
-            os.close(handle)
-            os.unlink(probe)
-            return
-    else:
-        why = "a file is in the way"
-    raise SystemExit(f"error: {flag} {folder}: cannot write in {existing} ({why}); choose a folder on a writable disk")
+    from lab_cli import cannot_write
+
+    why = cannot_write(folder)
+    if why:
+        raise SystemExit(f"error: {flag} {folder}: cannot write there ({why}); choose a folder on a writable disk")
 
 
 def read_object(path: Path) -> dict | None:

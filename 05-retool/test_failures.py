@@ -1,5 +1,6 @@
 """05-retool: failures from the disk, the environment and the data end in one line, checked before the work."""
 import errno
+import os
 import json
 from pathlib import Path
 
@@ -50,3 +51,17 @@ def test_a_full_disk_while_appending_a_record_is_one_line(tmp_path, monkeypatch)
     with pytest.raises(SystemExit, match=f"writing {tmp_path}/metrics.jsonl failed \\(No space left on device\\): "
                                          f"free space, then go on with --resume {tmp_path}$"):
         checkpoints.append_jsonl(tmp_path / "metrics.jsonl", {"step": 1})
+
+
+def test_an_unwritable_cache_folder_means_no_cache_with_one_notice(tmp_path, monkeypatch, capsys):
+    import lab_cli
+
+    monkeypatch.setitem(lab_cli._cache, "kept", True)
+    monkeypatch.setenv("XDG_CACHE_HOME", "/proc")
+    lab_cli.keep_caches_writable(str(tmp_path))
+    assert capsys.readouterr().err.startswith("note: the cache folder /proc cannot be written (/proc: ")
+    assert os.environ["XDG_CACHE_HOME"] == str(tmp_path / "cache") and not lab_cli.caches_kept()
+    monkeypatch.setitem(lab_cli._cache, "kept", True)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "not-yet"))  # made on first use: writable
+    lab_cli.keep_caches_writable(str(tmp_path))
+    assert capsys.readouterr().err == "" and lab_cli.caches_kept()

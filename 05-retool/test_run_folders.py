@@ -137,8 +137,8 @@ def test_a_folder_that_cannot_be_written_is_refused_before_anything_runs(tmp_pat
         (tmp_path / "file").write_text("")
         with pytest.raises(SystemExit) as e:
             retool.main(argv + ["--steps", "1"])
-        assert "cannot write in" in str(e.value) and "\n" not in str(e.value)
-    with pytest.raises(SystemExit, match="--out /proc/eval: cannot write in /proc"):
+        assert "cannot write there" in str(e.value) and "\n" not in str(e.value)
+    with pytest.raises(SystemExit, match="--out /proc/eval: cannot write there \\(/proc: "):
         check_eval_out(Path("/proc/eval"), overwrite=False)
 
 
