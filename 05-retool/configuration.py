@@ -120,6 +120,8 @@ def config_problems(cfg, world: int | None = None, first_only: bool = False) -> 
         problems.append(f"cold_start_steps must be at least 1 with cold_start '{cfg.cold_start}', got {cfg.cold_start_steps}")
     if cfg.model:
         problems += [model_problem(cfg.model)] if model_problem(cfg.model) else []
+    if cfg.cold_start in ("scratch", "finetune") and not problems and Path(cfg.train_file).exists():
+        problems += [p for p in [cold_start_problem(cfg)] if p]
     if cfg.max_response_tokens >= cfg.max_model_len:
         problems.append(f"max_response_tokens ({cfg.max_response_tokens}) leaves no room for the prompt in max_model_len ({cfg.max_model_len})")
     if cfg.max_prompt_tokens and cfg.max_prompt_tokens + cfg.max_response_tokens > cfg.max_model_len:
@@ -247,6 +249,14 @@ def model_problem(model: str) -> str | None:
     why = "HF_HUB_OFFLINE is set" if offline else (hub_unreachable() or "").split(";")[0]  # its advice is for data sets
     return (f"model '{model}' is a hub id that is not in the local cache, and {why}: download it where the hub "
             "answers, or pass a local model folder" if why else None)
+
+
+def cold_start_problem(cfg) -> str | None:
+    """Why the cold start cannot use the training file (cold_start.py draws its traces without the sandbox)."""
+    from cold_start import traces_problem
+
+    return traces_problem(cfg.train_file, cfg.cold_start_tool_fraction, cfg.template, cfg.seed,
+                          cfg.cold_start_batch_size, cfg.cold_start_tool_only_steps)
 
 
 def data_problem(name: str, path: str) -> str | None:

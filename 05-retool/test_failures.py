@@ -65,3 +65,21 @@ def test_an_unwritable_cache_folder_means_no_cache_with_one_notice(tmp_path, mon
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "not-yet"))  # made on first use: writable
     lab_cli.keep_caches_writable(str(tmp_path))
     assert capsys.readouterr().err == "" and lab_cli.caches_kept()
+
+
+@pytest.mark.parametrize("rows, says", [
+    ([{"question": f"Solve {n}x = {2 * n}.", "answer": "2"} for n in range(1, 51)],
+     ", row 2: the cold start cannot write a trace for it (not a question this task writes: 'Solve 2x = 4.')"),
+    ("toy5", "5 problems give 0 tool traces, fewer than a cold-start batch (32)"),
+])
+def test_a_training_file_the_cold_start_cannot_use_is_refused_at_load(rows, says, tmp_path, monkeypatch):
+    import retool
+    from prepare_data import make_toy_task, write_jsonl
+
+    monkeypatch.chdir(tmp_path)
+    rows = make_toy_task(5, 0, seed=1)[0] if rows == "toy5" else rows
+    write_jsonl(rows, tmp_path / "train.jsonl")
+    with pytest.raises(SystemExit) as e:
+        retool.main(["--train-file", str(tmp_path / "train.jsonl"), "--run-dir", str(tmp_path / "run")])
+    assert says in str(e.value) and "--cold-start none --model MODEL" in str(e.value) and "\n" not in str(e.value)
+    assert not (tmp_path / "run").exists()
