@@ -33,7 +33,7 @@ from dry_run import check_memory_plan, dry_run
 from lab_cli import at_least, private_tmp, refuse_chapter_folder, run_script
 from plots import plot_run
 from presets import GPU_PRESETS, PRESETS
-from problems_and_policy import drop_long_prompts, first_policy, load_data, trainer_threads
+from problems_and_policy import first_policy, fit_prompts, load_data, trainer_threads
 from run_folders import check_new_run_dir, resume_config, stopped_before_training
 from run_record import RunRecord, outcome_metrics, remove_if_unstarted
 from stopping import STOPPER, StopRequested
@@ -124,8 +124,7 @@ def train(cfg: Config, run_dir: Path, resume: bool = False, dp=None) -> None:
 
     # The policy to train: the latest checkpoint, or the first policy (cold-started or as given).
     model_path = run.state["path"] if run.state else first_policy(cfg, run_dir, dp)
-    if cfg.max_prompt_tokens:
-        train_problems = drop_long_prompts(train_problems, model_path, cfg)
+    train_problems = fit_prompts(train_problems, eval_problems, model_path, cfg)  # --max-prompt-tokens, or refused
     policy = load_policy(model_path, device=dp.device)
     if cfg.train_layers:
         from cold_start import freeze_all_but_top

@@ -83,3 +83,22 @@ def test_a_training_file_the_cold_start_cannot_use_is_refused_at_load(rows, says
         retool.main(["--train-file", str(tmp_path / "train.jsonl"), "--run-dir", str(tmp_path / "run")])
     assert says in str(e.value) and "--cold-start none --model MODEL" in str(e.value) and "\n" not in str(e.value)
     assert not (tmp_path / "run").exists()
+
+
+def test_prompts_longer_than_the_context_are_refused_at_load_naming_max_prompt_tokens(tiny_model_path):
+    from problems_and_policy import fit_prompts
+    from retool import Config
+
+    short = [{"id": str(i), "question": f"What is {i} * {i}?", "answer": str(i * i)} for i in range(3)]
+    long = [{"id": "long", "question": "Add these numbers: " + " + ".join(["7"] * 300), "answer": "2100"}]
+    cfg = Config(train_file="train.jsonl", eval_file="test.jsonl", max_model_len=256, max_response_tokens=96,
+                 eval_max_response_tokens=96)
+    with pytest.raises(SystemExit) as e:
+        fit_prompts(short + long, short, str(tiny_model_path), cfg)
+    assert str(e.value).startswith("error: train_file train.jsonl: 1 of 4 prompts are longer than the 160 tokens "
+                                   "max_model_len 256 leaves beside a response of 96 (the longest: ")
+    assert str(e.value).endswith("pass --max-prompt-tokens 160 to drop them at load, or a larger --max-model-len")
+    cfg.max_prompt_tokens = 160
+    assert fit_prompts(short + long, short, str(tiny_model_path), cfg) == short
+    with pytest.raises(SystemExit, match="error: eval_file test.jsonl: 1 of 4 prompts are longer than the 160"):
+        fit_prompts(short, short + long, str(tiny_model_path), cfg)
