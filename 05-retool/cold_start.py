@@ -38,7 +38,10 @@ import sys
 import time
 from pathlib import Path
 
-from lab_cli import at_least, one_line_errors, run_script
+try:  # the lab's folders are on the path only in its own Python (the venv's tool_rl_lab.pth)
+    from lab_cli import at_least, one_line_errors, run_script
+except ModuleNotFoundError:
+    sys.exit(f"error: {sys.executable} is not the lab's Python: run .venv/bin/python {sys.argv[0]}, or make")
 from prepare_data import DataError, read_problems
 from rollout import encode_plain, observation_text, render_prompt
 from sandbox import Sandbox, SandboxConfig

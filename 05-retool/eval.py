@@ -297,6 +297,8 @@ def parse_args(argv):
 
 
 if __name__ == "__main__":
-    from lab_cli import run_script
-
+    try:  # the lab's folders are on the path only in its own Python (the venv's tool_rl_lab.pth)
+        from lab_cli import run_script
+    except ModuleNotFoundError:
+        sys.exit(f"error: {sys.executable} is not the lab's Python: run .venv/bin/python {sys.argv[0]}, or make")
     run_script(main)

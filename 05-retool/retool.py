@@ -27,10 +27,13 @@ from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
+try:  # the lab's folders are on the path only in its own Python (the venv's tool_rl_lab.pth)
+    from lab_cli import at_least, private_tmp, refuse_chapter_folder, run_script
+except ModuleNotFoundError:
+    sys.exit(f"error: {sys.executable} is not the lab's Python: run .venv/bin/python {sys.argv[0]}, or make")
 from batch_filters import excluded_from_loss, extra_seed, keep_informative_groups
 from configuration import check_config, cuda_available, parse_with_field_flags, sandbox_config
 from dry_run import check_memory_plan, dry_run
-from lab_cli import at_least, private_tmp, refuse_chapter_folder, run_script
 from plots import plot_run
 from presets import GPU_PRESETS, PRESETS
 from problems_and_policy import first_policy, fit_prompts, load_data, trainer_threads

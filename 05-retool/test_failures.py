@@ -102,3 +102,16 @@ def test_prompts_longer_than_the_context_are_refused_at_load_naming_max_prompt_t
     assert fit_prompts(short + long, short, str(tiny_model_path), cfg) == short
     with pytest.raises(SystemExit, match="error: eval_file test.jsonl: 1 of 4 prompts are longer than the 160"):
         fit_prompts(short, short + long, str(tiny_model_path), cfg)
+
+
+@pytest.mark.parametrize("script", ["05-retool/retool.py", "05-retool/eval.py", "05-retool/cold_start.py",
+                                    "01-data/prepare_data.py"])
+def test_a_python_without_the_labs_path_is_told_which_python_to_use(script):
+    """-S: no site-packages, so not the venv's tool_rl_lab.pth, as with the system's Python."""
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parent.parent
+    done = subprocess.run([sys.executable, "-S", script, "--help"], cwd=root, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1 and done.stdout == ""
+    assert done.stderr == f"error: {sys.executable} is not the lab's Python: run .venv/bin/python {script}, or make\n"
