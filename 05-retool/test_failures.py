@@ -115,3 +115,21 @@ def test_a_python_without_the_labs_path_is_told_which_python_to_use(script):
     done = subprocess.run([sys.executable, "-S", script, "--help"], cwd=root, capture_output=True, text=True, timeout=60)
     assert done.returncode == 1 and done.stdout == ""
     assert done.stderr == f"error: {sys.executable} is not the lab's Python: run .venv/bin/python {script}, or make\n"
+
+
+def test_make_refuses_a_variable_it_would_ignore_and_says_how_to_pass_flags():
+    import shutil
+    import subprocess
+
+    if shutil.which("make") is None:
+        pytest.skip("no make on this machine")
+    root = Path(__file__).resolve().parent.parent
+    done = subprocess.run(["make", "--no-print-directory", "-n", "run-05", "STEPS=2"], cwd=root, capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode != 0 and done.stdout == ""  # -n: nothing would have run
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and 'STEPS=2 is not a setting of this Makefile' in lines[0]
+    assert 'make run-05 ARGS="--steps 2"' in lines[0]
+    done = subprocess.run(["make", "--no-print-directory", "-n", "run-05", "ARGS=--steps 2", "PRESET=smollm2"],
+                          cwd=root, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and "retool.py --preset smollm2 --steps 2" in done.stdout
