@@ -177,6 +177,9 @@ def config_problems(cfg, world: int | None = None, first_only: bool = False) -> 
         problems.append(f"tis_cap {cfg.tis_cap}: a cap below 1 shrinks every token, use 0 (off) or at least 1 (2 is common)")
     if cfg.tool_budget < 0:
         problems.append(f"tool_budget must be 0 or more, got {cfg.tool_budget}")
+    elif cfg.tool_budget == 0 and cfg.template not in TEXT_TEMPLATES:
+        problems.append(f"tool_budget 0 with template '{cfg.template}', which asks for programs: no code block would "
+                        f"ever run; pass --tool-budget 1 or more, or a text-only template ({_one_of(TEXT_TEMPLATES)})")
     if cfg.rollout_schedule not in SCHEDULES:
         problems.append(f"rollout_schedule must be {_one_of(SCHEDULES)}, got '{cfg.rollout_schedule}'")
     if cfg.dynamic_sampling and cfg.dynamic_sampling_rounds < 1:
@@ -216,6 +219,7 @@ def sandbox_config(cfg):
 
 
 DTYPES = ("float32", "bfloat16", "float16", "auto")  # the sampler's: vLLM's names
+TEXT_TEMPLATES = ("cot", "qwen-chat-cot")  # 03-rollout's templates that never mention a tool
 
 
 def model_problem(model: str) -> str | None:

@@ -293,6 +293,8 @@ def parse_args(argv):
     args = one_line_errors(p).parse_args(argv)
     if args.gpu_memory_utilization > 1:
         p.error(f"argument --gpu-memory-utilization: a share, at most 1, got {args.gpu_memory_utilization}")
+    if args.tool_budget == 0 and args.mode == "tir":
+        p.error("argument --tool-budget: 0 in tir mode runs no code; for an evaluation without the tool pass --mode text")
     return args
 
 

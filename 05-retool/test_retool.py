@@ -69,6 +69,8 @@ def test_training_rollouts_are_unseeded_unless_asked():
         (dict(train_file="data/nope.jsonl"), "does not exist"),
         (dict(steps=0), "steps must be at least 1"),
         (dict(rollout_schedule="async"), "rollout_schedule must be rounds or overlap"),
+        (dict(tool_budget=0), "tool_budget 0 with template 'torl', which asks for programs: no code block would ever "
+                              "run; pass --tool-budget 1 or more, or a text-only template (cot or qwen-chat-cot)"),
     ],
 )
 def test_bad_configuration_fails_at_start_with_one_line(change, message):
@@ -667,6 +669,8 @@ def test_a_refusal_exits_2_with_one_line_and_no_traceback(tmp_path):
 @pytest.mark.parametrize("argv, says", [
     (["--temperature", "-1"], "argument --temperature: must be at least 0.0, got -1"),
     (["--tool-budget", "-1"], "argument --tool-budget: must be at least 0, got -1"),
+    (["--tool-budget", "0"], "argument --tool-budget: 0 in tir mode runs no code; for an evaluation without the tool "
+                             "pass --mode text"),
     (["--template", "nope"], "argument --template: invalid choice: 'nope'"),
     (["--limit", "0"], "argument --limit: must be at least 1, got 0"),
     (["--dtype", "float8"], "argument --dtype: invalid choice: 'float8'"),
