@@ -362,10 +362,13 @@ def parse_args(argv):
     parser.add_argument("--change-recipe", action="store_true", help="--resume with recipe flags that differ from the run's")
     parser.add_argument("--dry-run", action="store_true", help="check everything that needs no model and plan "
                         "memory per GPU, in seconds; load nothing")
-    parser.add_argument("--plan-gpus", type=at_least(1), default=8, help="--dry-run without CUDA: GPUs to plan for [default: 8]")
+    parser.add_argument("--plan-gpus", type=at_least(1), help="--dry-run without CUDA: GPUs to plan for "
+                        "[default: 8 for a GPU preset, else 1]")
     parser.add_argument("--plan-gpu-gb", type=at_least(1.0, float), default=80.0,
                         help="--dry-run without CUDA: memory of each, in GB [default: 80]")
-    return parse_with_field_flags(parser, Config, argv, PRESETS)
+    args, overrides = parse_with_field_flags(parser, Config, argv, PRESETS)
+    args.plan_gpus = args.plan_gpus or (8 if args.preset in GPU_PRESETS else 1)  # the demos run as one process
+    return args, overrides
 
 
 def make_config(preset: str, overrides: dict) -> Config:

@@ -133,3 +133,32 @@ def test_make_refuses_a_variable_it_would_ignore_and_says_how_to_pass_flags():
     done = subprocess.run(["make", "--no-print-directory", "-n", "run-05", "ARGS=--steps 2", "PRESET=smollm2"],
                           cwd=root, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0 and "retool.py --preset smollm2 --steps 2" in done.stdout
+
+
+def test_the_demos_dry_run_plans_one_process_and_passes_as_make_run_05_does(tmp_path, monkeypatch, capsys):
+    import retool
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as e:
+        retool.main(["--dry-run", "--sandbox-preload", ""])  # a sandbox start of 0.2 s
+    out = capsys.readouterr().out
+    assert e.value.code == 0 and "dry run of preset cpu-demo: 1 x" in out and "ranks: 1 x ddp" in out
+    assert out.strip().endswith("dry run: a real run would start")
+    assert retool.parse_args(["--preset", "torl-1.5b"])[0].plan_gpus == 8
+
+
+def test_a_stop_in_the_first_second_does_not_advise_resuming_a_folder_never_made(tmp_path, monkeypatch, capsys):
+    import signal
+
+    import retool
+    import stopping
+
+    def interrupted(cfg):
+        raise stopping.StopRequested(signal.SIGINT)
+
+    monkeypatch.setattr(retool, "start_sandbox", interrupted)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as e:
+        retool.main(["--run-dir", str(tmp_path / "c1")])
+    assert e.value.code == 130 and not (tmp_path / "c1").exists()
+    assert capsys.readouterr().err == "stopped by SIGINT before the run folder was made: nothing to resume; start it again\n"
