@@ -178,7 +178,7 @@ def main(argv: list[str] | None = None) -> dict:
     from configuration import position_limit
 
     from lab_cli import private_tmp, refuse_chapter_folder
-    from run_folders import check_eval_out
+    from run_folders import check_eval_out, take_run_settings
 
     args = parse_args(argv)
     refuse_chapter_folder()
@@ -190,6 +190,7 @@ def main(argv: list[str] | None = None) -> dict:
     problem = model_problem(args.model)
     if problem:
         sys.exit(f"error: --{problem}")
+    take_run_settings(args)
     max_model_len = args.max_model_len or position_limit(args.model) or 4096  # the model's own context by default
     if args.max_response_tokens >= max_model_len:
         sys.exit(f"error: --max-response-tokens {args.max_response_tokens} leaves no room for the prompt in "
@@ -278,8 +279,10 @@ def parse_args(argv):
     p.add_argument("--temperature", type=at_least(0.0, float), default=0.0, help="0 = greedy, ToRL's protocol [default: 0]")
     p.add_argument("--template", choices=list(TEMPLATES), help="prompt template (03-rollout's table) [default: torl for tir, cot for text]")
     p.add_argument("--tool-budget", type=at_least(0), default=1, help="code executions per response in tir mode [default: 1]")
-    p.add_argument("--max-response-tokens", type=at_least(1), default=3072, help="[default: 3072]")
-    p.add_argument("--max-model-len", type=at_least(2), help="the sampler's context [default: the model's own, else 4096]")
+    p.add_argument("--max-response-tokens", type=at_least(1),
+                   help="[default: a run's checkpoint: its run's eval_max_response_tokens; else 3072]")
+    p.add_argument("--max-model-len", type=at_least(2), help="the sampler's context [default: a run's checkpoint: its "
+                   "run's; else the model's own, else 4096]")
     p.add_argument("--dtype", choices=DTYPES, default="auto", help="the sampler's dtype [default: auto]")
     p.add_argument("--gpu-memory-utilization", type=at_least(0.01, float), default=0.8,
                    help="vLLM's share of the GPU (on a CPU: of host memory) [default: 0.8]")

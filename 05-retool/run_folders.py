@@ -189,3 +189,23 @@ def stopped_before_training(stop, run_dir: Path) -> str:
     if is_run(run_dir):
         return f"stopped by {stop} before training began; go on with --resume {run_dir}"
     return f"stopped by {stop} before the run folder was made: nothing to resume; start it again"
+
+
+def take_run_settings(args) -> None:
+    """eval.py on a run's checkpoint: the context, response budget and template its run used, unless given.
+
+    A tiny model's context (the demo's 512 tokens) is far below eval.py's
+    defaults, which are ToRL's; the run's own settings fit its checkpoints.
+    """
+    model = Path(args.model)
+    run = read_object(model.parent.parent / "config.json") if is_run(model.parent.parent) else None
+    taken = {}
+    for name, field in (("max_model_len", "max_model_len"), ("max_response_tokens", "eval_max_response_tokens"),
+                        ("template", "template")):
+        if getattr(args, name) is None and run and field in run and (name != "template" or args.mode == "tir"):
+            setattr(args, name, run[field])
+            taken[name] = run[field]
+    if taken:
+        print(f"settings of the run {model.parent.parent}: " + " ".join(f"--{k.replace('_', '-')} {v}"
+                                                                         for k, v in taken.items()), file=sys.stderr)
+    args.max_response_tokens = args.max_response_tokens or 3072

@@ -173,3 +173,15 @@ def test_a_model_missing_from_the_cache_is_not_told_to_set_hf_hub_offline(monkey
     problem = model_problem("nobody-here/no-such-model")
     assert "does not answer (ConnectError)" in problem and "pass a local model folder" in problem
     assert "HF_HUB_OFFLINE" not in problem
+
+
+def test_eval_of_a_runs_checkpoint_takes_the_runs_context_and_budget(tmp_path, capsys):
+    """The command eval.py's docstring suggests, on the demo's checkpoint: its 512-token context, not ToRL's 3072."""
+    run = make_run(tmp_path / "run", max_model_len=512, eval_max_response_tokens=96)
+    with pytest.raises(SystemExit, match="missing.jsonl: no such file"):  # every check of the model passed
+        evaluation.main(["--model", str(run / "checkpoints" / "step-000002"), "--data", str(tmp_path / "missing.jsonl"),
+                         "--out", str(tmp_path / "eval")])
+    assert (f"settings of the run {run}: --max-model-len 512 --max-response-tokens 96 --template torl"
+            in capsys.readouterr().err)
+    with pytest.raises(SystemExit, match="--max-response-tokens 600 leaves no room for the prompt in --max-model-len 512"):
+        evaluation.main(["--model", str(run / "checkpoints" / "step-000002"), "--max-response-tokens", "600"])
