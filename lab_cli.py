@@ -138,6 +138,7 @@ def run_script(main) -> None:
     A numeric exit (a stop's 128 + signal, a count of failures) passes through unchanged.
     A run that ended (done, or stopped by a signal) exits as soon as its exit handlers ran.
     """
+    quiet_console()
     try:
         main()
     except SystemExit as refusal:
@@ -148,6 +149,47 @@ def run_script(main) -> None:
             exit_now(refusal.code)
         raise
     exit_now(0)
+
+
+def quiet_console() -> None:
+    """Before any library loads: the lab's lines, one bar per phase and errors, not the libraries' chatter.
+
+    Hugging Face's bars (a model's load and save: a second each) and torch's C++ warnings (vLLM's CPU
+    worker's NUMA note) are off unless their variables say otherwise; written to a file or a pipe,
+    stdout goes out line by line, so the lab's lines and the bars' lines (`progress`) keep their order.
+    """
+    import os
+
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+    if not sys.stdout.isatty():
+        sys.stdout.reconfigure(line_buffering=True)
+
+
+def progress(iterable, **kwargs):
+    """A tqdm bar for a phase. In a terminal as usual; to a file or a pipe, a line every 30 s, not frames."""
+    from tqdm import tqdm
+
+    if not sys.stderr.isatty():  # miniters 1: no refresh from tqdm's monitor thread, which repeats a stale count
+        kwargs = {"file": _Lines(sys.stderr), "mininterval": 30, "miniters": 1, **kwargs}
+    return tqdm(iterable, **kwargs)
+
+
+class _Lines:
+    """tqdm's frames as lines: each new count on a line of its own; blanking writes and repeats dropped."""
+
+    def __init__(self, stream) -> None:
+        self.stream, self.last = stream, None
+
+    def write(self, text: str) -> None:
+        line = text.replace("\r", "").rstrip()
+        count = line.split(" [")[0]  # "RL:  50%|█████     | 1/2": what changed, without the times
+        if line and count != self.last:
+            self.stream.write(line + "\n")
+            self.last = count
+
+    def __getattr__(self, name):  # flush, encoding...: the stream's own
+        return getattr(self.stream, name)
 
 
 def exit_now(code: int) -> None:

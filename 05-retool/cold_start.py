@@ -39,7 +39,7 @@ import time
 from pathlib import Path
 
 try:  # the lab's folders are on the path only in its own Python (the venv's tool_rl_lab.pth)
-    from lab_cli import at_least, one_line_errors, run_script
+    from lab_cli import at_least, one_line_errors, progress, run_script
 except ModuleNotFoundError:
     sys.exit(f"error: {sys.executable} is not the lab's Python: run .venv/bin/python {sys.argv[0]}, or make")
 from prepare_data import DataError, read_problems
@@ -229,14 +229,13 @@ def tokenize_trace(trace: dict, tokenizer) -> tuple[list[int], list[int]]:
 
 def train(model, examples, tool_examples, pad_id: int, args) -> list[float]:
     import torch
-    from tqdm import tqdm
 
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.lr,
                                   weight_decay=0.0, betas=(0.9, 0.95))
     model.train()
     start, losses = resume_partial(model, optimizer, args)
     shared = shared_prompt_length(examples)
-    bar = tqdm(range(start, args.steps), desc="cold start (SFT)", initial=start, total=args.steps)
+    bar = progress(range(start, args.steps), desc="cold start (SFT)", initial=start, total=args.steps)
     for step in bar:
         lr = args.lr * min(1.0, (step + 1) / args.warmup_steps) * 0.5 * (1 + math.cos(math.pi * step / args.steps))
         for group in optimizer.param_groups:
@@ -247,7 +246,7 @@ def train(model, examples, tool_examples, pad_id: int, args) -> list[float]:
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         losses.append(loss)
-        bar.set_postfix(loss=f"{loss:.3f}")
+        bar.set_postfix(loss=f"{loss:.3f}", refresh=False)  # shown with the next step's refresh
         if (step + 1) % args.checkpoint_every == 0 and step + 1 < args.steps:
             save_partial(model, optimizer, step + 1, losses, args)
     (Path(args.out) / PARTIAL).unlink(missing_ok=True)

@@ -66,10 +66,10 @@ class RunRecord:
 
     def steps(self):
         """The steps still to do, under a progress bar (rank 0's)."""
-        from tqdm import tqdm
+        from lab_cli import progress
 
-        self.bar = tqdm(range(self.start_step, self.cfg.steps), desc="RL", initial=self.start_step,
-                        total=self.cfg.steps, disable=not self.dp.is_main)
+        self.bar = progress(range(self.start_step, self.cfg.steps), desc="RL", initial=self.start_step,
+                            total=self.cfg.steps, disable=not self.dp.is_main)
         for step in self.bar:
             signal_self_for_tests(step + 1)
             yield step
@@ -92,7 +92,7 @@ class RunRecord:
         if dp.is_main:
             from tqdm import tqdm
 
-            self.bar.set_postfix(reward=f"{row['reward_mean']:+.2f}", code=f"{row['code_ratio']:.2f}")
+            self.bar.set_postfix(reward=f"{row['reward_mean']:+.2f}", code=f"{row['code_ratio']:.2f}", refresh=False)
             tqdm.write(step_line(row))
         STOPPER.release()  # the step is recorded: a stop that waited for it happens now
         return row
@@ -125,7 +125,9 @@ class RunRecord:
                           max_response_tokens=cfg.eval_max_response_tokens, tool_budget=cfg.tool_budget,
                           temperature=cfg.eval_temperature, seed=cfg.seed, scorer=cfg.scorer,
                           samples_path=self.run_dir / "eval_samples" / f"step-{step:06d}-{mode}.jsonl")
-        print(f"eval {tag}: {summary_line(result)}")
+        from tqdm import tqdm
+
+        tqdm.write(f"eval {tag}: {summary_line(result)}")  # on a line of its own, not after the RL bar
         row = {"step": step, "tag": tag, **result}
         append_jsonl(self.eval_path, row)
         self.trackers.log_eval(row)

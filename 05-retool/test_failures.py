@@ -162,3 +162,23 @@ def test_a_stop_in_the_first_second_does_not_advise_resuming_a_folder_never_made
         retool.main(["--run-dir", str(tmp_path / "c1")])
     assert e.value.code == 130 and not (tmp_path / "c1").exists()
     assert capsys.readouterr().err == "stopped by SIGINT before the run folder was made: nothing to resume; start it again\n"
+
+
+def test_a_bar_written_to_a_file_prints_lines_not_frames(monkeypatch):
+    import io
+
+    from tqdm import tqdm
+
+    import lab_cli
+
+    log = io.StringIO()  # not a terminal
+    monkeypatch.setattr("sys.stderr", log)
+    bar = lab_cli.progress(range(3), desc="RL", mininterval=0)
+    for step in bar:
+        bar.set_postfix(reward="+1.00", refresh=False)
+        tqdm.write(f"step {step + 1}", file=log)
+    lines = log.getvalue().splitlines()
+    assert "\r" not in log.getvalue() and "" not in lines
+    assert [line for line in lines if line.startswith("step")] == ["step 1", "step 2", "step 3"]
+    assert lines[0].startswith("RL:   0%") and lines[-1].startswith("RL: 100%") and "3/3" in lines[-1]
+    assert [line.split("| ")[-1].split(" [")[0] for line in lines if line.startswith("RL")] == ["0/3", "1/3", "2/3", "3/3"]
