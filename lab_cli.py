@@ -162,7 +162,7 @@ def quiet_console() -> None:
 
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
-    if not sys.stdout.isatty():
+    if not sys.stdout.isatty() and hasattr(sys.stdout, "reconfigure"):  # a real stream, not a test's capture
         sys.stdout.reconfigure(line_buffering=True)
 
 

@@ -120,8 +120,6 @@ def config_problems(cfg, world: int | None = None, first_only: bool = False) -> 
         problems.append(f"cold_start_steps must be at least 1 with cold_start '{cfg.cold_start}', got {cfg.cold_start_steps}")
     if cfg.model:
         problems += [model_problem(cfg.model)] if model_problem(cfg.model) else []
-    if cfg.cold_start in ("scratch", "finetune") and not problems and Path(cfg.train_file).exists():
-        problems += [p for p in [cold_start_problem(cfg)] if p]
     if cfg.max_response_tokens >= cfg.max_model_len:
         problems.append(f"max_response_tokens ({cfg.max_response_tokens}) leaves no room for the prompt in max_model_len ({cfg.max_model_len})")
     if cfg.max_prompt_tokens and cfg.max_prompt_tokens + cfg.max_response_tokens > cfg.max_model_len:
@@ -201,6 +199,8 @@ def config_problems(cfg, world: int | None = None, first_only: bool = False) -> 
             problems.append(f"strategy must be {_one_of(STRATEGIES)}, got '{cfg.strategy}'")
         if cfg.aggregation not in AGGREGATIONS:
             problems.append(f"aggregation must be {_one_of(AGGREGATIONS)}, got '{cfg.aggregation}'")
+    if cfg.cold_start in ("scratch", "finetune") and not problems and Path(cfg.train_file).exists():
+        problems += [p for p in [cold_start_problem(cfg)] if p]
     if cfg.model and not problems:
         limit = position_limit(cfg.model)
         if limit is not None and cfg.max_model_len > limit:
