@@ -182,3 +182,35 @@ def test_a_bar_written_to_a_file_prints_lines_not_frames(monkeypatch):
     assert [line for line in lines if line.startswith("step")] == ["step 1", "step 2", "step 3"]
     assert lines[0].startswith("RL:   0%") and lines[-1].startswith("RL: 100%") and "3/3" in lines[-1]
     assert [line.split("| ")[-1].split(" [")[0] for line in lines if line.startswith("RL")] == ["0/3", "1/3", "2/3", "3/3"]
+
+
+@pytest.mark.vllm
+def test_a_run_written_to_a_file_holds_the_labs_lines_and_nothing_of_the_libraries(tiny_model_path, tmp_path):
+    """A real run from a fresh interpreter, as `make run-05 > log 2>&1`: no import-time notices, warnings or frames."""
+    import subprocess
+    import sys
+
+    from prepare_data import make_toy_task, write_jsonl
+    from tiny_model import KV_CACHE_GIB
+
+    root = Path(__file__).resolve().parent.parent
+    train, test = make_toy_task(8, 2, seed=3)
+    write_jsonl(train, tmp_path / "train.jsonl")
+    write_jsonl(test, tmp_path / "test.jsonl")
+    argv = [sys.executable, str(root / "05-retool" / "retool.py"), "--run-dir", str(tmp_path / "run"),
+            "--model", str(tiny_model_path), "--cold-start", "none", "--train-file", str(tmp_path / "train.jsonl"),
+            "--eval-file", str(tmp_path / "test.jsonl"), "--steps", "1", "--problems-per-step", "2",
+            "--group-size", "2", "--micro-batch-size", "2", "--max-response-tokens", "12",
+            "--eval-max-response-tokens", "12", "--max-model-len", "256", "--cpu-kv-cache-gib", str(KV_CACHE_GIB),
+            "--sandbox-preload", ""]
+    env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_DISABLE_PROGRESS_BARS", "TORCH_CPP_LOG_LEVEL")}
+    with open(tmp_path / "log", "w") as log:
+        done = subprocess.run(argv, cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT, env=env, timeout=900)
+    text = (tmp_path / "log").read_text()
+    assert done.returncode == 0, text[-3000:]
+    for noise in ("Triton", "Warning", "NUMA", "checkpoint shards", "Loading weights", "Writing model shards", "\r"):
+        assert noise not in text
+    lines = text.splitlines()
+    assert [line.split(":")[0] for line in lines if line.startswith("eval ")] == ["eval before RL", "eval after RL"]
+    assert any(line.startswith("step    1 | reward") for line in lines)
+    assert len(lines) <= 12, text  # sandbox, settings, 2 evaluations, a step, the bar's lines, the run folder
