@@ -29,17 +29,10 @@ def check_new_run_dir(run_dir: Path, overwrite: bool) -> None:
     With `overwrite` a run folder is removed first (by rank 0), unless a live run
     holds it; any other folder is refused.
     """
-    check_writable(run_dir, "--run-dir")
-    if not run_dir.is_dir() or not any(run_dir.iterdir()):
-        return
-    if not is_run(run_dir):
-        raise SystemExit(f"error: --run-dir {run_dir} is {what_is(run_dir)}, not a run folder, and not empty: "
-                         "choose another --run-dir (--overwrite only ever replaces a run folder)")
-    if not overwrite:
-        raise SystemExit(f"error: run folder {run_dir} is not empty: pass --resume {run_dir} to go on with it, "
-                         "another --run-dir for a new run, or --overwrite to replace it")
-    refuse_foreign(run_dir, RUN_ENTRIES, "--run-dir")
-    if os.environ.get("RANK", "0") == "0":  # under torchrun the other ranks wait for rank 0 in setup
+    keep = (f"error: run folder {run_dir} is not empty: pass --resume {run_dir} to go on with it, "
+            "another --run-dir for a new run, or --overwrite to replace it")
+    if to_replace(run_dir, overwrite, "--run-dir", "a run folder", is_run, RUN_ENTRIES, keep) and \
+            os.environ.get("RANK", "0") == "0":  # under torchrun the other ranks wait for rank 0 in setup
         from run_record import hold_lock
 
         hold_lock(run_dir).close()  # refuses a folder a live run holds
@@ -64,17 +57,25 @@ def check_resume_dir(run_dir: Path) -> None:
 
 def check_eval_out(out: Path, overwrite: bool) -> None:
     """eval.py --out: a new or empty folder, or with `overwrite` an earlier evaluation (removed); else one line."""
-    check_writable(out, "--out")
-    if not out.is_dir() or not any(out.iterdir()):
-        return
-    if not is_evaluation(out):
-        raise SystemExit(f"error: --out {out} is {what_is(out)}, not an evaluation folder, and not empty: "
-                         "choose another --out (--overwrite only ever replaces an evaluation)")
+    keep = (f"error: --out {out} holds an earlier evaluation ({out / 'summary.json'}): "
+            "pass another --out, or --overwrite to replace it")
+    if to_replace(out, overwrite, "--out", "an evaluation folder", is_evaluation, EVAL_ENTRIES, keep):
+        shutil.rmtree(out)
+
+
+def to_replace(folder: Path, overwrite: bool, flag: str, kind: str, is_kind, entries: set[str], keep: str) -> bool:
+    """Whether `folder` must be removed before the lab writes it: False if it is new or empty; True if it is
+    `kind` (`is_kind`), holds only `entries` and `overwrite` asks; else a one-line refusal (`keep` if not asked)."""
+    check_writable(folder, flag)
+    if not folder.is_dir() or not any(folder.iterdir()):
+        return False
+    if not is_kind(folder):
+        raise SystemExit(f"error: {flag} {folder} is {what_is(folder)}, not {kind}, and not empty: choose another "
+                         f"{flag} (--overwrite only ever replaces {kind})")
     if not overwrite:
-        raise SystemExit(f"error: --out {out} holds an earlier evaluation ({out / 'summary.json'}): "
-                         "pass another --out, or --overwrite to replace it")
-    refuse_foreign(out, EVAL_ENTRIES, "--out")
-    shutil.rmtree(out)
+        raise SystemExit(keep)
+    refuse_foreign(folder, entries, flag)
+    return True
 
 
 def refuse_foreign(folder: Path, entries: set[str], flag: str) -> None:
