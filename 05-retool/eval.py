@@ -183,6 +183,8 @@ def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     refuse_chapter_folder()
     private_tmp()  # vLLM's and the sandbox's temporary files go with this process
+    out = Path(args.out or f"runs/eval-{time.strftime('%Y%m%d-%H%M%S')}")
+    check_eval_out(out, args.overwrite)  # first: an earlier evaluation is replaced only when asked
     if args.temperature == 0 and args.k > 1:
         sys.exit(f"error: --k {args.k} with greedy decoding gives {args.k} identical samples; add --temperature 1.0 (or another)")
     from configuration import model_problem
@@ -203,8 +205,6 @@ def main(argv: list[str] | None = None) -> dict:
     if args.mode == "text" and template in ("torl", "qwen-chat"):
         print(f"note: --mode text with the tool prompt '{template}': the model is told to write code that never runs",
               file=sys.stderr)
-    out = Path(args.out or f"runs/eval-{time.strftime('%Y%m%d-%H%M%S')}")
-    check_eval_out(out, args.overwrite)  # an earlier evaluation is replaced only when asked
     problems = load_sets(args.data, args.limit)
 
     from rollout import make_llm
