@@ -339,8 +339,8 @@ def main(argv: list[str] | None = None) -> Path:
     except StopRequested as stop:  # before the first step (cold start, model, vLLM): what was made stays
         print(stopped_before_training(stop, run_dir), file=sys.stderr)
         raise SystemExit(128 + stop.signum) from None
-    except Exception:
-        if dp.is_main and not args.resume:  # a failed start leaves no half-made folder behind
+    except (Exception, SystemExit) as failure:  # an error or a refusal, not a stop's exit (128 + signal)
+        if dp.is_main and not args.resume and not isinstance(getattr(failure, "code", None), int):
             remove_if_unstarted(run_dir)
         raise
     finally:

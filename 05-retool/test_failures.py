@@ -214,3 +214,17 @@ def test_a_run_written_to_a_file_holds_the_labs_lines_and_nothing_of_the_librari
     assert [line.split(":")[0] for line in lines if line.startswith("eval ")] == ["eval before RL", "eval after RL"]
     assert any(line.startswith("step    1 | reward") for line in lines)
     assert len(lines) <= 12, text  # sandbox, settings, 2 evaluations, a step, the bar's lines, the run folder
+
+
+def test_a_refusal_at_load_leaves_no_run_folder_behind(tiny_model_path, tmp_path, monkeypatch):
+    import retool
+    from prepare_data import make_toy_task, write_jsonl
+
+    monkeypatch.chdir(tmp_path)
+    long = {"id": "long", "question": "Add these numbers: " + " + ".join(["7"] * 300), "answer": "2100"}
+    write_jsonl([long] + make_toy_task(8, 0, seed=2)[0], tmp_path / "train.jsonl")
+    with pytest.raises(SystemExit, match="pass --max-prompt-tokens 160 to drop them at load"):
+        retool.main(["--run-dir", str(tmp_path / "run"), "--model", str(tiny_model_path), "--cold-start", "none",
+                     "--train-file", str(tmp_path / "train.jsonl"), "--eval-file", str(tmp_path / "train.jsonl"),
+                     "--max-model-len", "256", "--sandbox-preload", ""])
+    assert not (tmp_path / "run").exists()
