@@ -141,6 +141,9 @@ def run_script(main) -> None:
     quiet_console()
     try:
         main()
+    except KeyboardInterrupt:  # Ctrl-C before a script's own handler is installed (its first seconds)
+        print("stopped by SIGINT (Ctrl-C)", file=sys.stderr)
+        exit_now(130)
     except SystemExit as refusal:
         if isinstance(refusal.code, str):
             print(refusal.code, file=sys.stderr)

@@ -228,3 +228,16 @@ def test_a_refusal_at_load_leaves_no_run_folder_behind(tiny_model_path, tmp_path
                      "--train-file", str(tmp_path / "train.jsonl"), "--eval-file", str(tmp_path / "train.jsonl"),
                      "--max-model-len", "256", "--sandbox-preload", ""])
     assert not (tmp_path / "run").exists()
+
+
+def test_ctrl_c_before_the_runs_own_handler_is_one_line_and_writes_nothing(tmp_path, monkeypatch, capsys):
+    import lab_cli
+
+    def interrupted():
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(lab_cli, "quiet_console", lambda: None)  # the environment of this process stays as it is
+    monkeypatch.setattr(lab_cli, "exit_now", lambda code: (_ for _ in ()).throw(SystemExit(code)))
+    with pytest.raises(SystemExit) as e:
+        lab_cli.run_script(interrupted)
+    assert e.value.code == 130 and capsys.readouterr().err == "stopped by SIGINT (Ctrl-C)\n"
