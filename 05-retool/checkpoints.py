@@ -39,8 +39,12 @@ def save_checkpoint(run_dir: Path, step: int, model, optimizer, tokenizer, keep:
         _write_checkpoint(tmp, step, model, optimizer, tokenizer, rng)
     except Exception as e:  # a full or failing disk (torch and safetensors raise their own types for it)
         shutil.rmtree(tmp, ignore_errors=True)  # the half-written folder goes; the last good checkpoint stays
-        why = getattr(e, "strerror", None) or (str(e).splitlines() or [type(e).__name__])[0]
         last = latest_checkpoint(run_dir)
+        size = sum(p.stat().st_size for p in Path(last["path"]).rglob("*") if p.is_file()) if last else 0
+        free = shutil.disk_usage(root).free
+        why = getattr(e, "strerror", None) or (str(e).splitlines() or [type(e).__name__])[0]
+        if free < max(size, 2**27):  # torch says "unexpected pos": say what it means
+            why = f"the disk is full: {free / 2**20:.0f} MiB free, a checkpoint takes {size / 2**20:.0f} MiB"
         kept = f"the last good checkpoint, {last['path']}, is kept" if last else "no checkpoint was saved yet"
         raise SystemExit(f"error: writing checkpoint {final} failed ({why}); {kept}: free space, "
                          f"then go on with --resume {run_dir}") from None
