@@ -341,7 +341,7 @@ def main(argv: list[str] | None = None) -> Path:
         raise SystemExit(128 + stop.signum) from None
     except (Exception, SystemExit) as failure:  # an error or a refusal, not a stop's exit (128 + signal)
         if dp.is_main and not args.resume and not isinstance(getattr(failure, "code", None), int):
-            remove_if_unstarted(run_dir)
+            remove_if_unstarted(run_dir, say=not isinstance(failure, SystemExit))  # a refusal says what to do
         raise
     finally:
         STOPPER.uninstall()

@@ -181,13 +181,15 @@ def hold_lock(run_dir: Path):
     return lock
 
 
-def remove_if_unstarted(run_dir: Path) -> None:
-    """After a new run failed: remove its folder unless it holds work (a recorded step, a cold start done or begun)."""
+def remove_if_unstarted(run_dir: Path, say: bool = True) -> None:
+    """After a new run failed: remove its folder unless it holds work (a recorded step, a cold start done or begun);
+    `say`: print how to go on with the work kept."""
     metrics = run_dir / "metrics.jsonl"
     base = run_dir / "base"
     if (metrics.exists() and metrics.read_text().strip()) or any((base / name).exists() for name in
                                                                   ("cold_start.json", "partial.pt")):
-        print(f"{run_dir} keeps the work done so far: go on with --resume {run_dir}")
+        if say:
+            print(f"{run_dir} keeps the work done so far: go on with --resume {run_dir}")
         return
     shutil.rmtree(run_dir, ignore_errors=True)
 
