@@ -12,6 +12,12 @@ TORCH_INDEX ?=
 STAMP := $(VENV)/.installed-$(DEVICE)
 PRESET ?=
 ARGS ?=
+# A variable this Makefile does not read (`make run-05 STEPS=2`) would be silently ignored: refused, saying how.
+KNOWN_VARIABLES := PYTHON VENV PY DEVICE TORCH_INDEX STAMP PRESET ARGS NPROC
+UNKNOWN_VARIABLE := $(firstword $(filter-out $(KNOWN_VARIABLES),$(foreach v,$(.VARIABLES),$(if $(filter command line,$(origin $(v))),$(v)))))
+ifneq ($(UNKNOWN_VARIABLE),)
+$(error $(UNKNOWN_VARIABLE)=$(value $(UNKNOWN_VARIABLE)) is not a setting of this Makefile, so it would be ignored: a script's flags go in ARGS, e.g. make $(or $(firstword $(MAKECMDGOALS)),run-05) ARGS="--$(shell echo '$(UNKNOWN_VARIABLE)' | tr 'A-Z_' 'a-z-') $(value $(UNKNOWN_VARIABLE))")
+endif
 # Presets sized for a CUDA GPU (retool.py's GPU_PRESETS): refused before anything is
 # installed when there is none, instead of after three minutes of CPU installs.
 GPU_PRESETS := torl-1.5b torl-7b

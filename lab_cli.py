@@ -72,7 +72,54 @@ def private_tmp(prefix: str = "tool-rl-lab-") -> str:
     tempfile.tempdir = own
     os.environ["TMPDIR"] = own
     atexit.register(shutil.rmtree, own, True)
+    keep_caches_writable(own)
     return own
+
+
+_cache = {"kept": True}
+
+
+def keep_caches_writable(tmp: str) -> None:
+    """An unwritable cache folder (XDG_CACHE_HOME=/proc, a read-only home) becomes none: one notice, not a traceback.
+
+    The lab's, Hugging Face's and vLLM's caches live under it; they then go in
+    this process's temporary folder and are gone at exit.
+    """
+    import os
+
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    why = cannot_write(cache)
+    if why:
+        print(f"note: the cache folder {cache} cannot be written ({why}): this run keeps no cache", file=sys.stderr)
+        os.environ["XDG_CACHE_HOME"] = os.path.join(tmp, "cache")
+        _cache["kept"] = False
+
+
+def caches_kept() -> bool:
+    """Whether what is cached now is kept for later runs (False after keep_caches_writable fell back)."""
+    return _cache["kept"]
+
+
+def cannot_write(folder) -> str | None:
+    """Why nothing can be written in `folder` (or, if it does not exist yet, its nearest existing parent); None if it can.
+
+    A real file is made and removed: permission bits say nothing of a read-only disk or of /proc.
+    """
+    import os
+    import tempfile
+
+    existing = os.path.abspath(folder)
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        return f"{existing} is a file"
+    try:
+        handle, probe = tempfile.mkstemp(dir=existing, prefix=".write-check-")
+    except OSError as e:
+        return f"{existing}: {e.strerror or type(e).__name__}"
+    os.close(handle)
+    os.unlink(probe)
+    return None
 
 
 def refuse_chapter_folder() -> None:
@@ -91,8 +138,12 @@ def run_script(main) -> None:
     A numeric exit (a stop's 128 + signal, a count of failures) passes through unchanged.
     A run that ended (done, or stopped by a signal) exits as soon as its exit handlers ran.
     """
+    quiet_console()
     try:
         main()
+    except KeyboardInterrupt:  # Ctrl-C before a script's own handler is installed (its first seconds)
+        print("stopped by SIGINT (Ctrl-C)", file=sys.stderr)
+        exit_now(130)
     except SystemExit as refusal:
         if isinstance(refusal.code, str):
             print(refusal.code, file=sys.stderr)
@@ -101,6 +152,47 @@ def run_script(main) -> None:
             exit_now(refusal.code)
         raise
     exit_now(0)
+
+
+def quiet_console() -> None:
+    """Before any library loads: the lab's lines, one bar per phase and errors, not the libraries' chatter.
+
+    Hugging Face's bars (a model's load and save: a second each) and torch's C++ warnings (vLLM's CPU
+    worker's NUMA note) are off unless their variables say otherwise; written to a file or a pipe,
+    stdout goes out line by line, so the lab's lines and the bars' lines (`progress`) keep their order.
+    """
+    import os
+
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+    if not sys.stdout.isatty() and hasattr(sys.stdout, "reconfigure"):  # a real stream, not a test's capture
+        sys.stdout.reconfigure(line_buffering=True)
+
+
+def progress(iterable, **kwargs):
+    """A tqdm bar for a phase. In a terminal as usual; to a file or a pipe, a line every 30 s, not frames."""
+    from tqdm import tqdm
+
+    if not sys.stderr.isatty():  # miniters 1: no refresh from tqdm's monitor thread, which repeats a stale count
+        kwargs = {"file": _Lines(sys.stderr), "mininterval": 30, "miniters": 1, **kwargs}
+    return tqdm(iterable, **kwargs)
+
+
+class _Lines:
+    """tqdm's frames as lines: each new count on a line of its own; blanking writes and repeats dropped."""
+
+    def __init__(self, stream) -> None:
+        self.stream, self.last = stream, None
+
+    def write(self, text: str) -> None:
+        line = text.replace("\r", "").rstrip()
+        count = line.split(" [")[0]  # "RL:  50%|█████     | 1/2": what changed, without the times
+        if line and count != self.last:
+            self.stream.write(line + "\n")
+            self.last = count
+
+    def __getattr__(self, name):  # flush, encoding...: the stream's own
+        return getattr(self.stream, name)
 
 
 def exit_now(code: int) -> None:

@@ -25,7 +25,10 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-from lab_cli import at_least, one_line_errors, refuse_chapter_folder
+try:  # the lab's folders are on the path only in its own Python (the venv's tool_rl_lab.pth)
+    from lab_cli import at_least, cannot_write, one_line_errors, refuse_chapter_folder
+except ModuleNotFoundError:
+    sys.exit(f"error: {sys.executable} is not the lab's Python: run .venv/bin/python {sys.argv[0]}, or make")
 
 # Named sources. The default training set is DeepScaleR's 40k problems (AIME,
 # AMC, Omni-MATH, STILL): competition math with short final answers, one of the
@@ -56,6 +59,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     refuse_chapter_folder()
     out = Path(args.out)
+    why = cannot_write(out)  # before any data set is read or made
+    if why:
+        print(f"error: --out {out}: cannot write there ({why}); choose a folder on a writable disk", file=sys.stderr)
+        return 2
     explicit = args.train is not None or args.eval is not None
     jobs = []
     if not args.no_toy:

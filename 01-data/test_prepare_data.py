@@ -133,6 +133,12 @@ def test_cli_bad_input_is_one_line_and_leaves_no_file(tmp_path, capsys):
     assert not out.exists() or list(out.iterdir()) == []
 
 
+def test_an_unwritable_out_folder_is_one_line_before_any_data_is_made(capsys):
+    code = main(["--out", "/proc/lab-data"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith("error: --out /proc/lab-data: cannot write there (/proc: ") and err.count("\n") == 1
+
+
 def test_failed_write_leaves_previous_file_intact(tmp_path):
     path = tmp_path / "rows.jsonl"
     write_jsonl([{"id": "1", "question": "q", "answer": "1", "source": "s"}], path)

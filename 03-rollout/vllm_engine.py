@@ -59,6 +59,7 @@ def make_llm(
     # and per weight sync) would bury the lab's own progress lines: errors only, unless
     # VLLM_LOGGING_LEVEL=INFO (or WARNING) asks for more.
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    quiet_engine_start()
     import torch
     from vllm import LLM
 
@@ -86,10 +87,21 @@ def make_llm(
         enable_sleep_mode=enable_sleep_mode,
         enable_prefix_caching=True,
         logprobs_mode="processed_logprobs",
-        **engine_kwargs,
+        **{"use_tqdm_on_load": False, **engine_kwargs},  # the checkpoint-shard bar: a second of nothing to watch
     )
     keep_until_exit(llm)
     return llm
+
+
+def quiet_engine_start() -> None:
+    """What vLLM says while it is imported, before its own logging is set up, at the level VLLM_LOGGING_LEVEL asks:
+    "Triton is installed, but doesn't include CPU backend" (a warning at import, on the CPU build) and two
+    FutureWarnings of torch's, raised from vllm/triton_utils with their source lines."""
+    import logging
+    import warnings
+
+    logging.getLogger("vllm").setLevel(os.environ["VLLM_LOGGING_LEVEL"].upper())
+    warnings.filterwarnings("ignore", category=FutureWarning, module=r"vllm\.triton_utils")
 
 
 def inspect_models_in_process() -> None:

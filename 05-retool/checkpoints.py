@@ -29,13 +29,37 @@ def save_checkpoint(run_dir: Path, step: int, model, optimizer, tokenizer, keep:
     cannot leave a complete-looking folder of empty files. `rng` is the random
     state to record (default: the current one).
     """
-    import torch
     from transformers.utils import logging as transformers_logging
 
     transformers_logging.disable_progress_bar()  # a "Writing model shards" bar per checkpoint would bury the step lines
     root = run_dir / "checkpoints"
     final = root / f"step-{step:06d}"
     tmp = root / f".step-{step:06d}.tmp"
+    try:
+        _write_checkpoint(tmp, step, model, optimizer, tokenizer, rng)
+    except Exception as e:  # a full or failing disk (torch and safetensors raise their own types for it)
+        shutil.rmtree(tmp, ignore_errors=True)  # the half-written folder goes; the last good checkpoint stays
+        last = latest_checkpoint(run_dir)
+        size = sum(p.stat().st_size for p in Path(last["path"]).rglob("*") if p.is_file()) if last else 0
+        free = shutil.disk_usage(root).free
+        why = getattr(e, "strerror", None) or (str(e).splitlines() or [type(e).__name__])[0]
+        if free < max(size, 2**27):  # torch says "unexpected pos": say what it means
+            why = f"the disk is full: {free / 2**20:.0f} MiB free, a checkpoint takes {size / 2**20:.0f} MiB"
+        kept = f"the last good checkpoint, {last['path']}, is kept" if last else "no checkpoint was saved yet"
+        raise SystemExit(f"error: writing checkpoint {final} failed ({why}); {kept}: free space, "
+                         f"then go on with --resume {run_dir}") from None
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(tmp, final)
+    _fsync(root)  # the rename itself
+    for old in sorted(root.glob("step-*"))[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def _write_checkpoint(tmp: Path, step: int, model, optimizer, tokenizer, rng: dict | None) -> None:
+    """Every file of a checkpoint into `tmp`, each flushed to disk."""
+    import torch
+
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     model.save_pretrained(tmp)
@@ -50,12 +74,6 @@ def save_checkpoint(run_dir: Path, step: int, model, optimizer, tokenizer, keep:
         if path.is_file():
             _fsync(path)
     _fsync(tmp)
-    shutil.rmtree(final, ignore_errors=True)
-    os.replace(tmp, final)
-    _fsync(root)  # the rename itself
-    for old in sorted(root.glob("step-*"))[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
-    return final
 
 
 def _fsync(path: Path) -> None:
@@ -140,9 +158,9 @@ def truncate_jsonl(path: Path, step: int) -> None:
     """Drop the lines of steps after `step` from metrics.jsonl or eval.jsonl, atomically."""
     if not path.exists():
         return
-    lines = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= step]
+    rows = [row for row in read_rows(path, say_repair=True) if row["step"] <= step]
     tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text("".join(line + "\n" for line in lines))
+    tmp.write_text("".join(json.dumps(row) + "\n" for row in rows))
     _fsync(tmp)
     os.replace(tmp, path)
 
@@ -152,15 +170,42 @@ def has_eval_row(run_dir: Path, step: int, tag: str | None = None) -> bool:
     path = run_dir / "eval.jsonl"
     if not path.exists():
         return False
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    rows = read_rows(path)
     return any(r["step"] == step and (tag is None or r.get("tag") == tag) for r in rows)
 
 
+def read_rows(path: Path, say_repair: bool = False) -> list[dict]:
+    """The rows of metrics.jsonl or eval.jsonl. A torn last line (a kill or a full disk mid-write) is left out,
+    with a one-line notice when `say_repair`; a bad line anywhere else is refused, naming the file and line."""
+    lines = path.read_text(errors="replace").splitlines()
+    rows = []
+    for number, line in enumerate(lines, 1):
+        try:
+            row = json.loads(line) if line.strip() else None
+        except ValueError:
+            row = "torn"
+        if row is None:
+            continue
+        if not isinstance(row, dict) or not isinstance(row.get("step"), int):
+            if number == len(lines) and row == "torn":
+                if say_repair:
+                    print(f"note: {path}, line {number}: half-written when the run stopped; left out")
+                continue
+            raise SystemExit(f"error: {path}, line {number}: not a row of the run's record (JSON with a step); "
+                             "repair or remove that line, then --resume again")
+        rows.append(row)
+    return rows
+
+
 def append_jsonl(path: Path, row: dict) -> None:
-    with open(path, "a", encoding="utf-8") as f:
-        f.write(json.dumps(json_safe(row)) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
+    try:
+        with open(path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(json_safe(row)) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as e:  # a full disk: one line; the torn line it may leave is dropped on resume
+        raise SystemExit(f"error: writing {path} failed ({e.strerror or e}): free space, then go on with "
+                         f"--resume {path.parent}") from None
 
 
 def json_safe(value):

@@ -38,7 +38,10 @@ import sys
 import time
 from pathlib import Path
 
-from lab_cli import at_least, one_line_errors, run_script
+try:  # the lab's folders are on the path only in its own Python (the venv's tool_rl_lab.pth)
+    from lab_cli import at_least, one_line_errors, progress, run_script
+except ModuleNotFoundError:
+    sys.exit(f"error: {sys.executable} is not the lab's Python: run .venv/bin/python {sys.argv[0]}, or make")
 from prepare_data import DataError, read_problems
 from rollout import encode_plain, observation_text, render_prompt
 from sandbox import Sandbox, SandboxConfig
@@ -119,17 +122,8 @@ def make_traces(problems: list[dict], tool_fraction: float, rng: random.Random, 
     the toy task's "What is A * B?". Answers must be integers (a direct trace
     boxes a guess of the same length).
     """
-    code_for = code_for or toy_code
-    traces, tool_jobs = [], []
-    for p in problems:
-        prompt = render_prompt(p["question"], template)
-        if rng.random() < tool_fraction:
-            code = code_for(p["question"])
-            traces.append({"tool": True, "segments": [("prompt", prompt), ("model", TOOL_OPENING.format(code=code))],
-                           "code": code, "answer": p["answer"]})
-            tool_jobs.append(traces[-1])
-        else:
-            traces.append({"tool": False, "segments": [("prompt", prompt), ("model", DIRECT_OPENING.format(guess=guess(int(p["answer"]), rng)))]})
+    traces = draw_traces(problems, tool_fraction, rng, template, code_for)
+    tool_jobs = [t for t in traces if t["tool"]]
     # The traces' code is one print: a warm interpreter without numpy and sympy forks in about half the time.
     with Sandbox(SandboxConfig(preload=())) as sandbox:
         results = sandbox.run_many([t["code"] for t in tool_jobs])
@@ -137,6 +131,45 @@ def make_traces(problems: list[dict], tool_fraction: float, rng: random.Random, 
         trace["segments"].append(("observation", observation_text(result)))
         trace["segments"].append(("model", TOOL_CLOSING.format(answer=trace["answer"])))
     return traces
+
+
+def draw_traces(problems: list[dict], tool_fraction: float, rng: random.Random, template: str,
+                code_for=None) -> list[dict]:
+    """The traces without their observations: which problems get a tool trace, its code, a direct trace's guess."""
+    code_for = code_for or toy_code
+    traces = []
+    for p in problems:
+        prompt = render_prompt(p["question"], template)
+        if rng.random() < tool_fraction:
+            code = code_for(p["question"])
+            traces.append({"tool": True, "segments": [("prompt", prompt), ("model", TOOL_OPENING.format(code=code))],
+                           "code": code, "answer": p["answer"]})
+        else:
+            traces.append({"tool": False, "segments": [("prompt", prompt), ("model", DIRECT_OPENING.format(guess=guess(int(p["answer"]), rng)))]})
+    return traces
+
+
+def traces_problem(train_file: str, tool_fraction: float, template: str, seed: int, batch_size: int,
+                   tool_only_steps: int) -> str | None:
+    """Why the cold start cannot use `train_file`, in one line (found in a second, before any model); None if it can.
+
+    The same draw as `build_base_policy`, without the sandbox: a question the
+    traces cannot write code for, an answer that is not an integer, or fewer
+    traces than one batch.
+    """
+    problems, rng, traces = read_problems(train_file), random.Random(seed), []
+    instead = "or pass --cold-start none --model MODEL to start RL from a model as it is"
+    for number, problem in enumerate(problems, 1):
+        try:
+            traces += draw_traces([problem], tool_fraction, rng, template, code_for=trace_code)
+        except ValueError as e:
+            return (f"train_file {train_file}, row {number}: the cold start cannot write a trace for it ({e}); its "
+                    f"traces are for the toy task and 01-data's word problems: use one of those, {instead}")
+    tools = sum(t["tool"] for t in traces)
+    if len(traces) < batch_size or (tool_only_steps and tools < batch_size):
+        return (f"train_file {train_file}: {len(traces)} problems give {tools} tool traces, fewer than a cold-start "
+                f"batch ({batch_size}): pass a larger file, a smaller --cold-start-batch-size, {instead}")
+    return None
 
 
 def toy_code(question: str) -> str:
@@ -196,14 +229,13 @@ def tokenize_trace(trace: dict, tokenizer) -> tuple[list[int], list[int]]:
 
 def train(model, examples, tool_examples, pad_id: int, args) -> list[float]:
     import torch
-    from tqdm import tqdm
 
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.lr,
                                   weight_decay=0.0, betas=(0.9, 0.95))
     model.train()
     start, losses = resume_partial(model, optimizer, args)
     shared = shared_prompt_length(examples)
-    bar = tqdm(range(start, args.steps), desc="cold start (SFT)", initial=start, total=args.steps)
+    bar = progress(range(start, args.steps), desc="cold start (SFT)", initial=start, total=args.steps)
     for step in bar:
         lr = args.lr * min(1.0, (step + 1) / args.warmup_steps) * 0.5 * (1 + math.cos(math.pi * step / args.steps))
         for group in optimizer.param_groups:
@@ -214,7 +246,7 @@ def train(model, examples, tool_examples, pad_id: int, args) -> list[float]:
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         losses.append(loss)
-        bar.set_postfix(loss=f"{loss:.3f}")
+        bar.set_postfix(loss=f"{loss:.3f}", refresh=False)  # shown with the next step's refresh
         if (step + 1) % args.checkpoint_every == 0 and step + 1 < args.steps:
             save_partial(model, optimizer, step + 1, losses, args)
     (Path(args.out) / PARTIAL).unlink(missing_ok=True)

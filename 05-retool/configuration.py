@@ -175,6 +175,9 @@ def config_problems(cfg, world: int | None = None, first_only: bool = False) -> 
         problems.append(f"tis_cap {cfg.tis_cap}: a cap below 1 shrinks every token, use 0 (off) or at least 1 (2 is common)")
     if cfg.tool_budget < 0:
         problems.append(f"tool_budget must be 0 or more, got {cfg.tool_budget}")
+    elif cfg.tool_budget == 0 and cfg.template not in TEXT_TEMPLATES:
+        problems.append(f"tool_budget 0 with template '{cfg.template}', which asks for programs: no code block would "
+                        f"ever run; pass --tool-budget 1 or more, or a text-only template ({_one_of(TEXT_TEMPLATES)})")
     if cfg.rollout_schedule not in SCHEDULES:
         problems.append(f"rollout_schedule must be {_one_of(SCHEDULES)}, got '{cfg.rollout_schedule}'")
     if cfg.dynamic_sampling and cfg.dynamic_sampling_rounds < 1:
@@ -196,6 +199,8 @@ def config_problems(cfg, world: int | None = None, first_only: bool = False) -> 
             problems.append(f"strategy must be {_one_of(STRATEGIES)}, got '{cfg.strategy}'")
         if cfg.aggregation not in AGGREGATIONS:
             problems.append(f"aggregation must be {_one_of(AGGREGATIONS)}, got '{cfg.aggregation}'")
+    if cfg.cold_start in ("scratch", "finetune") and not problems and Path(cfg.train_file).exists():
+        problems += [p for p in [cold_start_problem(cfg)] if p]
     if cfg.model and not problems:
         limit = position_limit(cfg.model)
         if limit is not None and cfg.max_model_len > limit:
@@ -214,6 +219,7 @@ def sandbox_config(cfg):
 
 
 DTYPES = ("float32", "bfloat16", "float16", "auto")  # the sampler's: vLLM's names
+TEXT_TEMPLATES = ("cot", "qwen-chat-cot")  # 03-rollout's templates that never mention a tool
 
 
 def model_problem(model: str) -> str | None:
@@ -244,8 +250,17 @@ def model_problem(model: str) -> str | None:
     if isinstance(try_to_load_from_cache(model, "config.json"), str):
         return None
     offline = os.environ.get("HF_HUB_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE")
-    why = "HF_HUB_OFFLINE is set" if offline else hub_unreachable()
-    return f"model '{model}' is a hub id that is not in the local cache, and {why}" if why else None
+    why = "HF_HUB_OFFLINE is set" if offline else (hub_unreachable() or "").split(";")[0]  # its advice is for data sets
+    return (f"model '{model}' is a hub id that is not in the local cache, and {why}: download it where the hub "
+            "answers, or pass a local model folder" if why else None)
+
+
+def cold_start_problem(cfg) -> str | None:
+    """Why the cold start cannot use the training file (cold_start.py draws its traces without the sandbox)."""
+    from cold_start import traces_problem
+
+    return traces_problem(cfg.train_file, cfg.cold_start_tool_fraction, cfg.template, cfg.seed,
+                          cfg.cold_start_batch_size, cfg.cold_start_tool_only_steps)
 
 
 def data_problem(name: str, path: str) -> str | None:

@@ -178,10 +178,13 @@ def main(argv: list[str] | None = None) -> dict:
     from configuration import position_limit
 
     from lab_cli import private_tmp, refuse_chapter_folder
+    from run_folders import check_eval_out, take_run_settings
 
     args = parse_args(argv)
     refuse_chapter_folder()
     private_tmp()  # vLLM's and the sandbox's temporary files go with this process
+    out = Path(args.out or f"runs/eval-{time.strftime('%Y%m%d-%H%M%S')}")
+    check_eval_out(out, args.overwrite)  # first: an earlier evaluation is replaced only when asked
     if args.temperature == 0 and args.k > 1:
         sys.exit(f"error: --k {args.k} with greedy decoding gives {args.k} identical samples; add --temperature 1.0 (or another)")
     from configuration import model_problem
@@ -189,6 +192,7 @@ def main(argv: list[str] | None = None) -> dict:
     problem = model_problem(args.model)
     if problem:
         sys.exit(f"error: --{problem}")
+    take_run_settings(args)
     max_model_len = args.max_model_len or position_limit(args.model) or 4096  # the model's own context by default
     if args.max_response_tokens >= max_model_len:
         sys.exit(f"error: --max-response-tokens {args.max_response_tokens} leaves no room for the prompt in "
@@ -206,7 +210,6 @@ def main(argv: list[str] | None = None) -> dict:
     from rollout import make_llm
     from sandbox import Sandbox, SandboxConfig
 
-    out = Path(args.out or f"runs/eval-{time.strftime('%Y%m%d-%H%M%S')}")
     made = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
     try:
@@ -276,8 +279,10 @@ def parse_args(argv):
     p.add_argument("--temperature", type=at_least(0.0, float), default=0.0, help="0 = greedy, ToRL's protocol [default: 0]")
     p.add_argument("--template", choices=list(TEMPLATES), help="prompt template (03-rollout's table) [default: torl for tir, cot for text]")
     p.add_argument("--tool-budget", type=at_least(0), default=1, help="code executions per response in tir mode [default: 1]")
-    p.add_argument("--max-response-tokens", type=at_least(1), default=3072, help="[default: 3072]")
-    p.add_argument("--max-model-len", type=at_least(2), help="the sampler's context [default: the model's own, else 4096]")
+    p.add_argument("--max-response-tokens", type=at_least(1),
+                   help="[default: a run's checkpoint: its run's eval_max_response_tokens; else 3072]")
+    p.add_argument("--max-model-len", type=at_least(2), help="the sampler's context [default: a run's checkpoint: its "
+                   "run's; else the model's own, else 4096]")
     p.add_argument("--dtype", choices=DTYPES, default="auto", help="the sampler's dtype [default: auto]")
     p.add_argument("--gpu-memory-utilization", type=at_least(0.01, float), default=0.8,
                    help="vLLM's share of the GPU (on a CPU: of host memory) [default: 0.8]")
@@ -287,13 +292,18 @@ def parse_args(argv):
     p.add_argument("--limit", type=at_least(1), help="at most this many problems per data set [default: all]")
     p.add_argument("--seed", type=int, default=0, help="[default: 0]")
     p.add_argument("--out", help="output folder [default: runs/eval-TIMESTAMP]")
+    p.add_argument("--overwrite", action="store_true", help="replace an earlier evaluation in --out")
     args = one_line_errors(p).parse_args(argv)
     if args.gpu_memory_utilization > 1:
         p.error(f"argument --gpu-memory-utilization: a share, at most 1, got {args.gpu_memory_utilization}")
+    if args.tool_budget == 0 and args.mode == "tir":
+        p.error("argument --tool-budget: 0 in tir mode runs no code; for an evaluation without the tool pass --mode text")
     return args
 
 
 if __name__ == "__main__":
-    from lab_cli import run_script
-
+    try:  # the lab's folders are on the path only in its own Python (the venv's tool_rl_lab.pth)
+        from lab_cli import run_script
+    except ModuleNotFoundError:
+        sys.exit(f"error: {sys.executable} is not the lab's Python: run .venv/bin/python {sys.argv[0]}, or make")
     run_script(main)

@@ -47,6 +47,40 @@ def load_data(cfg, dp=None) -> tuple[list[dict], list[dict]]:
     return loaded[0], loaded[1]
 
 
+def fit_prompts(train: list[dict], evaluation: list[dict], model_path: str, cfg) -> list[dict]:
+    """The training problems to use: those over cfg.max_prompt_tokens dropped (if set); then every prompt must fit.
+
+    A prompt that leaves no room for the response budget in the sampler's
+    context would fail at its first step (or evaluation): refused here, at
+    load, naming the flag that drops such prompts.
+    """
+    if cfg.max_prompt_tokens:
+        train = drop_long_prompts(train, model_path, cfg)
+    evaluation = evaluation[: cfg.eval_problems] if cfg.eval_problems else evaluation
+    for name, problems, budget in (("train_file", train, cfg.max_response_tokens),
+                                   ("eval_file", evaluation, cfg.eval_max_response_tokens)):
+        room = cfg.max_model_len - budget
+        lengths = prompt_lengths(problems, model_path, cfg.template)
+        over = [length for length in lengths if length > room]
+        if over:
+            raise SystemExit(f"error: {name} {getattr(cfg, name)}: {len(over)} of {len(problems)} prompts are longer "
+                             f"than the {room} tokens max_model_len {cfg.max_model_len} leaves beside a response of "
+                             f"{budget} (the longest: {max(over)}): pass --max-prompt-tokens {room} to drop them at "
+                             "load, or a larger --max-model-len")
+    return train
+
+
+def prompt_lengths(problems: list[dict], model_path: str, template: str) -> list[int]:
+    """Each problem's rendered prompt, in tokens of the model at `model_path`."""
+    from transformers import AutoTokenizer
+
+    from rollout import render_prompt
+
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    prompts = [render_prompt(p["question"], template) for p in problems]
+    return [len(ids) for ids in tokenizer(prompts, add_special_tokens=False)["input_ids"]] if prompts else []
+
+
 def drop_long_prompts(problems: list[dict], model_path: str, cfg) -> list[dict]:
     """The problems whose rendered prompt has at most `cfg.max_prompt_tokens` tokens; prints how many were dropped.
 
@@ -54,13 +88,7 @@ def drop_long_prompts(problems: list[dict], model_path: str, cfg) -> list[dict]:
     the tir_base_0309 prompt), so no prompt is ever cut and the response budget
     is the same for every problem.
     """
-    from transformers import AutoTokenizer
-
-    from rollout import render_prompt
-
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
-    prompts = [render_prompt(p["question"], cfg.template) for p in problems]
-    lengths = [len(ids) for ids in tokenizer(prompts, add_special_tokens=False)["input_ids"]]
+    lengths = prompt_lengths(problems, model_path, cfg.template)
     kept = [p for p, length in zip(problems, lengths) if length <= cfg.max_prompt_tokens]
     print(f"{cfg.train_file}: kept {len(kept)} of {len(problems)} problems; dropped {len(problems) - len(kept)} "
           f"whose prompt is over {cfg.max_prompt_tokens} tokens")
@@ -108,6 +136,7 @@ def cold_started_model(cfg, run_dir: Path) -> str:
     and the model) is copied from the cache instead of trained again.
     """
     import cold_start
+    from lab_cli import caches_kept
 
     base = run_dir / "base"
     if (base / "cold_start.json").exists():
@@ -125,7 +154,8 @@ def cold_started_model(cfg, run_dir: Path) -> str:
         if "<|im_start|>" in render_prompt("", cfg.template):  # ChatML: the model's own template must agree
             check_template(source, cfg.template)
         argv += ["--model", source, "--train-layers", str(cfg.train_layers), "--warmup-steps", "10", "--threads", str(trainer_threads(cfg) or 1)]
-    cached = cold_start_cache() / cold_start_key(argv, cfg.train_file, source) if cfg.cold_start_cache else None
+    keep = cfg.cold_start_cache and caches_kept()  # not where the cache folder cannot be written (lab_cli.py)
+    cached = cold_start_cache() / cold_start_key(argv, cfg.train_file, source) if keep else None
     if cached is not None and (cached / "cold_start.json").exists():
         shutil.copytree(cached, base, dirs_exist_ok=True)
         print(f"cold start: the base made before from the same inputs, {cached} (--cold-start-cache false trains anew)")

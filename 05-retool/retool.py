@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import random
 import sys
@@ -28,14 +27,18 @@ from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
+try:  # the lab's folders are on the path only in its own Python (the venv's tool_rl_lab.pth)
+    from lab_cli import at_least, private_tmp, refuse_chapter_folder, run_script
+except ModuleNotFoundError:
+    sys.exit(f"error: {sys.executable} is not the lab's Python: run .venv/bin/python {sys.argv[0]}, or make")
 from batch_filters import excluded_from_loss, extra_seed, keep_informative_groups
 from configuration import check_config, cuda_available, parse_with_field_flags, sandbox_config
 from dry_run import check_memory_plan, dry_run
-from lab_cli import at_least, private_tmp, refuse_chapter_folder, run_script
 from plots import plot_run
 from presets import GPU_PRESETS, PRESETS
-from problems_and_policy import drop_long_prompts, first_policy, load_data, trainer_threads
-from run_record import RunRecord, check_new_run_dir, outcome_metrics, remove_if_unstarted
+from problems_and_policy import first_policy, fit_prompts, load_data, trainer_threads
+from run_folders import check_new_run_dir, resume_config, stopped_before_training
+from run_record import RunRecord, outcome_metrics, remove_if_unstarted
 from stopping import STOPPER, StopRequested
 
 
@@ -124,8 +127,7 @@ def train(cfg: Config, run_dir: Path, resume: bool = False, dp=None) -> None:
 
     # The policy to train: the latest checkpoint, or the first policy (cold-started or as given).
     model_path = run.state["path"] if run.state else first_policy(cfg, run_dir, dp)
-    if cfg.max_prompt_tokens:
-        train_problems = drop_long_prompts(train_problems, model_path, cfg)
+    train_problems = fit_prompts(train_problems, eval_problems, model_path, cfg)  # --max-prompt-tokens, or refused
     policy = load_policy(model_path, device=dp.device)
     if cfg.train_layers:
         from cold_start import freeze_all_but_top
@@ -313,7 +315,7 @@ def main(argv: list[str] | None = None) -> Path:
         return Path(args.plot)
     if args.resume:
         run_dir = Path(args.resume)
-        cfg = load_config(run_dir, overrides)
+        cfg = resume_config(Config, run_dir, overrides, argv, args.change_recipe)
     elif args.dry_run:  # every check that needs no model, and a memory plan per GPU (dry_run.py)
         raise SystemExit(dry_run(make_config(args.preset, overrides), args.preset, args.plan_gpus, args.plan_gpu_gb,
                                  start_sandbox))
@@ -335,11 +337,11 @@ def main(argv: list[str] | None = None) -> Path:
     try:
         train(cfg, run_dir, resume=bool(args.resume), dp=dp)
     except StopRequested as stop:  # before the first step (cold start, model, vLLM): what was made stays
-        print(f"stopped by {stop} before training began; go on with --resume {run_dir}", file=sys.stderr)
+        print(stopped_before_training(stop, run_dir), file=sys.stderr)
         raise SystemExit(128 + stop.signum) from None
-    except Exception:
-        if dp.is_main and not args.resume:  # a failed start leaves no half-made folder behind
-            remove_if_unstarted(run_dir)
+    except (Exception, SystemExit) as failure:  # an error or a refusal, not a stop's exit (128 + signal)
+        if dp.is_main and not args.resume and not isinstance(getattr(failure, "code", None), int):
+            remove_if_unstarted(run_dir, say=not isinstance(failure, SystemExit))  # a refusal says what to do
         raise
     finally:
         STOPPER.uninstall()
@@ -356,27 +358,23 @@ def parse_args(argv):
     parser.add_argument("--run-dir", help="run folder [default: runs/PRESET-TIMESTAMP]")
     parser.add_argument("--resume", metavar="RUN_DIR", help="continue a run from its latest checkpoint")
     parser.add_argument("--plot", metavar="RUN_DIR", help="only redraw plots.png of an existing run")
-    parser.add_argument("--overwrite", action="store_true", help="replace a run folder that is not empty")
+    parser.add_argument("--overwrite", action="store_true", help="replace a run folder (only one of this lab's)")
+    parser.add_argument("--change-recipe", action="store_true", help="--resume with recipe flags that differ from the run's")
     parser.add_argument("--dry-run", action="store_true", help="check everything that needs no model and plan "
                         "memory per GPU, in seconds; load nothing")
-    parser.add_argument("--plan-gpus", type=at_least(1), default=8, help="--dry-run without CUDA: GPUs to plan for [default: 8]")
+    parser.add_argument("--plan-gpus", type=at_least(1), help="--dry-run without CUDA: GPUs to plan for "
+                        "[default: 8 for a GPU preset, else 1]")
     parser.add_argument("--plan-gpu-gb", type=at_least(1.0, float), default=80.0,
                         help="--dry-run without CUDA: memory of each, in GB [default: 80]")
-    return parse_with_field_flags(parser, Config, argv, PRESETS)
+    args, overrides = parse_with_field_flags(parser, Config, argv, PRESETS)
+    args.plan_gpus = args.plan_gpus or (8 if args.preset in GPU_PRESETS else 1)  # the demos run as one process
+    return args, overrides
 
 
 def make_config(preset: str, overrides: dict) -> Config:
     if preset not in PRESETS:
         raise SystemExit(f"error: unknown preset '{preset}' (choose from {', '.join(PRESETS)})")
     return Config(**{**PRESETS[preset], **overrides})
-
-
-def load_config(run_dir: Path, overrides: dict) -> Config:
-    path = run_dir / "config.json"
-    if not path.exists():
-        raise SystemExit(f"error: --resume {run_dir}: not a run folder (it has no config.json)")
-    names = {f.name for f in dataclasses.fields(Config)}  # config.json also records facts of the run (run_record.py)
-    return Config(**{k: v for k, v in {**json.loads(path.read_text()), **overrides}.items() if k in names})
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ from checkpoints import (append_jsonl, capture_rng, has_eval_row, latest_checkpo
                          stop_with_checkpoint, truncate_jsonl)
 from configuration import settings_changed
 from plots import plot_run
+from run_folders import recipe_changes
 from stopping import STOPPER, StopRequested, signal_self_for_tests
 
 
@@ -44,6 +45,8 @@ class RunRecord:
             return
         self.metrics_path, self.eval_path = run_dir / "metrics.jsonl", run_dir / "eval.jsonl"
         if dp.is_main:
+            if resume:  # a recipe changed on resume (--change-recipe) stays on record, with its step
+                facts["recipe_changes"] = recipe_changes(run_dir, cfg, self.start_step)
             config = json.dumps({**dataclasses.asdict(cfg), **facts}, indent=1)
             print(f"settings: {run_dir / 'config.json'}{settings_changed(cfg)}")  # the whole file would flood the console
             (run_dir / "config.json").write_text(config)
@@ -63,10 +66,10 @@ class RunRecord:
 
     def steps(self):
         """The steps still to do, under a progress bar (rank 0's)."""
-        from tqdm import tqdm
+        from lab_cli import progress
 
-        self.bar = tqdm(range(self.start_step, self.cfg.steps), desc="RL", initial=self.start_step,
-                        total=self.cfg.steps, disable=not self.dp.is_main)
+        self.bar = progress(range(self.start_step, self.cfg.steps), desc="RL", initial=self.start_step,
+                            total=self.cfg.steps, disable=not self.dp.is_main)
         for step in self.bar:
             signal_self_for_tests(step + 1)
             yield step
@@ -89,7 +92,7 @@ class RunRecord:
         if dp.is_main:
             from tqdm import tqdm
 
-            self.bar.set_postfix(reward=f"{row['reward_mean']:+.2f}", code=f"{row['code_ratio']:.2f}")
+            self.bar.set_postfix(reward=f"{row['reward_mean']:+.2f}", code=f"{row['code_ratio']:.2f}", refresh=False)
             tqdm.write(step_line(row))
         STOPPER.release()  # the step is recorded: a stop that waited for it happens now
         return row
@@ -122,7 +125,9 @@ class RunRecord:
                           max_response_tokens=cfg.eval_max_response_tokens, tool_budget=cfg.tool_budget,
                           temperature=cfg.eval_temperature, seed=cfg.seed, scorer=cfg.scorer,
                           samples_path=self.run_dir / "eval_samples" / f"step-{step:06d}-{mode}.jsonl")
-        print(f"eval {tag}: {summary_line(result)}")
+        from tqdm import tqdm
+
+        tqdm.write(f"eval {tag}: {summary_line(result)}")  # on a line of its own, not after the RL bar
         row = {"step": step, "tag": tag, **result}
         append_jsonl(self.eval_path, row)
         self.trackers.log_eval(row)
@@ -159,21 +164,6 @@ class RunRecord:
         print(f"run folder: {self.run_dir}  (metrics.jsonl, eval.jsonl, plots.png, last_step.html, checkpoints/)")
 
 
-def check_new_run_dir(run_dir: Path, overwrite: bool) -> None:
-    """Refuse, in one line, a new run into a folder that holds anything: its records would be lost or mixed.
-
-    With `overwrite` such a folder is removed first (by rank 0), unless a live run holds it.
-    """
-    if not run_dir.is_dir() or not any(run_dir.iterdir()):
-        return
-    if not overwrite:
-        raise SystemExit(f"error: run folder {run_dir} is not empty: pass --resume {run_dir} to go on with it, "
-                         "another --run-dir for a new run, or --overwrite to replace it")
-    if os.environ.get("RANK", "0") == "0":  # under torchrun the other ranks wait for rank 0 in setup
-        hold_lock(run_dir).close()  # refuses a folder a live run holds
-        shutil.rmtree(run_dir)
-
-
 def hold_lock(run_dir: Path):
     """An exclusive lock on RUN_DIR/.lock (the open file holds it; the kernel drops it when the process ends)."""
     lock = open(run_dir / ".lock", "a+")
@@ -191,13 +181,15 @@ def hold_lock(run_dir: Path):
     return lock
 
 
-def remove_if_unstarted(run_dir: Path) -> None:
-    """After a new run failed: remove its folder unless it holds work (a recorded step, a cold start done or begun)."""
+def remove_if_unstarted(run_dir: Path, say: bool = True) -> None:
+    """After a new run failed: remove its folder unless it holds work (a recorded step, a cold start done or begun);
+    `say`: print how to go on with the work kept."""
     metrics = run_dir / "metrics.jsonl"
     base = run_dir / "base"
     if (metrics.exists() and metrics.read_text().strip()) or any((base / name).exists() for name in
                                                                   ("cold_start.json", "partial.pt")):
-        print(f"{run_dir} keeps the work done so far: go on with --resume {run_dir}")
+        if say:
+            print(f"{run_dir} keeps the work done so far: go on with --resume {run_dir}")
         return
     shutil.rmtree(run_dir, ignore_errors=True)
 

@@ -69,6 +69,8 @@ def test_training_rollouts_are_unseeded_unless_asked():
         (dict(train_file="data/nope.jsonl"), "does not exist"),
         (dict(steps=0), "steps must be at least 1"),
         (dict(rollout_schedule="async"), "rollout_schedule must be rounds or overlap"),
+        (dict(tool_budget=0), "tool_budget 0 with template 'torl', which asks for programs: no code block would ever "
+                              "run; pass --tool-budget 1 or more, or a text-only template (cot or qwen-chat-cot)"),
     ],
 )
 def test_bad_configuration_fails_at_start_with_one_line(change, message):
@@ -295,10 +297,13 @@ def test_long_training_prompts_are_dropped_at_load_with_a_count(tiny_model_path,
 
 
 def test_resuming_a_finished_run_says_so_and_exits_cleanly(tmp_path, capsys):
+    import dataclasses
+
     run_dir = tmp_path / "run"
     (run_dir / "checkpoints" / "step-000003").mkdir(parents=True)
     (run_dir / "checkpoints" / "step-000003" / "state.json").write_text('{"step": 3}')
-    (run_dir / "config.json").write_text(json.dumps({"steps": 3, "sandbox_preload": ""}))  # a sandbox start of 0.2 s
+    config = {**dataclasses.asdict(Config()), "steps": 3, "sandbox_preload": ""}  # a sandbox start of 0.2 s
+    (run_dir / "config.json").write_text(json.dumps(config))
     (run_dir / "eval.jsonl").write_text(json.dumps({"step": 3, "tag": "after RL", "sets": {}}) + "\n")
     assert retool.main(["--resume", str(run_dir)]) == run_dir
     assert "already finished: 3 of 3 steps done and evaluated" in capsys.readouterr().out
@@ -533,10 +538,12 @@ def folder_snapshot(folder: Path) -> dict:
 
 
 def test_a_new_run_into_a_used_folder_is_refused_and_leaves_it_unchanged(tmp_path, capsys):
+    import dataclasses
+
     run_dir = tmp_path / "run"
     (run_dir / "checkpoints" / "step-000001").mkdir(parents=True)
     (run_dir / "metrics.jsonl").write_text('{"step": 1}\n')
-    (run_dir / "config.json").write_text("{}")
+    (run_dir / "config.json").write_text(json.dumps(dataclasses.asdict(Config())))
     before = folder_snapshot(run_dir)
     with pytest.raises(SystemExit) as e:
         retool.main(["--run-dir", str(run_dir), "--steps", "1"])
@@ -546,10 +553,14 @@ def test_a_new_run_into_a_used_folder_is_refused_and_leaves_it_unchanged(tmp_pat
 
 
 def test_overwrite_replaces_a_used_folder_unless_a_live_run_holds_it(tmp_path):
-    from run_record import check_new_run_dir, hold_lock
+    import dataclasses
+
+    from run_folders import check_new_run_dir
+    from run_record import hold_lock
 
     run_dir = tmp_path / "run"
     run_dir.mkdir()
+    (run_dir / "config.json").write_text(json.dumps(dataclasses.asdict(Config())))
     (run_dir / "metrics.jsonl").write_text('{"step": 1}\n')
     lock = hold_lock(run_dir)  # a live run
     with pytest.raises(SystemExit, match=f"run folder {run_dir} is in use by another run \\(pid {os.getpid()}\\)"):
@@ -658,6 +669,8 @@ def test_a_refusal_exits_2_with_one_line_and_no_traceback(tmp_path):
 @pytest.mark.parametrize("argv, says", [
     (["--temperature", "-1"], "argument --temperature: must be at least 0.0, got -1"),
     (["--tool-budget", "-1"], "argument --tool-budget: must be at least 0, got -1"),
+    (["--tool-budget", "0"], "argument --tool-budget: 0 in tir mode runs no code; for an evaluation without the tool "
+                             "pass --mode text"),
     (["--template", "nope"], "argument --template: invalid choice: 'nope'"),
     (["--limit", "0"], "argument --limit: must be at least 1, got 0"),
     (["--dtype", "float8"], "argument --dtype: invalid choice: 'float8'"),

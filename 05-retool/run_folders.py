@@ -1,0 +1,212 @@
+"""What a folder named on the command line is, checked before anything is written: a run, an evaluation, or not ours.
+
+Key decision: `--overwrite` removes only a folder the lab wrote, recognised by
+its marker file (a run's config.json with the Config's fields, an evaluation's
+summary.json) and holding nothing but the names the lab writes there. Anything
+else (a git clone, a folder of runs, a user's notes, a checkpoint, the folder
+the command runs in) is refused in one line and left as it was. `--resume`
+takes only a run folder. The story: docs/05-retool.md, "Checkpoints, resume, stop".
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+
+# The names a run writes into its folder (run_record.py, checkpoints.py, trackers.py, plots.py).
+RUN_ENTRIES = {".lock", "config.json", "metrics.jsonl", "eval.jsonl", "checkpoints", "base", "eval_samples",
+               "last_step.jsonl", "last_step.html", "plots.png", "tensorboard", "wandb"}
+RUN_MARKS = ("steps", "group_size", "train_file", "cold_start")  # fields every run's config.json records
+EVAL_ENTRIES = {"summary.json", "samples.jsonl"}  # what eval.py writes into --out
+
+
+def check_new_run_dir(run_dir: Path, overwrite: bool) -> None:
+    """Refuse, in one line, a new run into a folder that holds anything: its records would be lost or mixed.
+
+    With `overwrite` a run folder is removed first (by rank 0), unless a live run
+    holds it; any other folder is refused.
+    """
+    keep = (f"error: run folder {run_dir} is not empty: pass --resume {run_dir} to go on with it, "
+            "another --run-dir for a new run, or --overwrite to replace it")
+    if to_replace(run_dir, overwrite, "--run-dir", "a run folder", is_run, RUN_ENTRIES, keep) and \
+            os.environ.get("RANK", "0") == "0":  # under torchrun the other ranks wait for rank 0 in setup
+        from run_record import hold_lock
+
+        hold_lock(run_dir).close()  # refuses a folder a live run holds
+        shutil.rmtree(run_dir)
+
+
+def check_resume_dir(run_dir: Path) -> None:
+    """Refuse, in one line, a --resume of anything but a run folder, naming what it is and what to pass."""
+    if is_run(run_dir):
+        return
+    kind = what_is(run_dir)
+    if kind.startswith("a checkpoint") and is_run(run_dir.parent.parent):
+        hint = f"pass its run, --resume {run_dir.parent.parent} (or evaluate it with eval.py --model {run_dir})"
+    elif kind.startswith(("a model", "a checkpoint")):
+        hint = f"to start RL from it, pass --model {run_dir} --cold-start none (a new run)"
+    elif kind.startswith("a folder of runs") and any(is_run(p) for p in run_dir.iterdir()):
+        hint = f"pass one of them, e.g. --resume {next(p for p in sorted(run_dir.iterdir()) if is_run(p))}"
+    else:
+        hint = "pass a folder retool.py made (it holds the run's config.json)"
+    raise SystemExit(f"error: --resume {run_dir} is {kind}, not a run folder: {hint}")
+
+
+def check_eval_out(out: Path, overwrite: bool) -> None:
+    """eval.py --out: a new or empty folder, or with `overwrite` an earlier evaluation (removed); else one line."""
+    keep = (f"error: --out {out} holds an earlier evaluation ({out / 'summary.json'}): "
+            "pass another --out, or --overwrite to replace it")
+    if to_replace(out, overwrite, "--out", "an evaluation folder", is_evaluation, EVAL_ENTRIES, keep):
+        shutil.rmtree(out)
+
+
+def to_replace(folder: Path, overwrite: bool, flag: str, kind: str, is_kind, entries: set[str], keep: str) -> bool:
+    """Whether `folder` must be removed before the lab writes it: False if it is new or empty; True if it is
+    `kind` (`is_kind`), holds only `entries` and `overwrite` asks; else a one-line refusal (`keep` if not asked)."""
+    check_writable(folder, flag)
+    if not folder.is_dir() or not any(folder.iterdir()):
+        return False
+    if not is_kind(folder):
+        raise SystemExit(f"error: {flag} {folder} is {what_is(folder)}, not {kind}, and not empty: choose another "
+                         f"{flag} (--overwrite only ever replaces {kind})")
+    if not overwrite:
+        raise SystemExit(keep)
+    refuse_foreign(folder, entries, flag)
+    return True
+
+
+def refuse_foreign(folder: Path, entries: set[str], flag: str) -> None:
+    """Refuse to remove `folder` if it holds anything the lab did not write there, or the folder we run in."""
+    foreign = sorted(p.name for p in folder.iterdir() if p.name not in entries)
+    if foreign:
+        names = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
+        raise SystemExit(f"error: {flag} {folder} also holds {names}, which the lab did not write: --overwrite "
+                         "leaves it as it is; move those out, or choose another " + flag)
+    here, target = Path.cwd().resolve(), folder.resolve()
+    if here == target or target in here.parents:
+        raise SystemExit(f"error: {flag} {folder} holds the folder this command runs in: --overwrite leaves it as it is")
+
+
+def check_writable(folder: Path, flag: str) -> None:
+    """Refuse, in one line, a folder that cannot be written (a read-only disk, /proc): seconds, not after the work."""
+    from lab_cli import cannot_write
+
+    why = cannot_write(folder)
+    if why:
+        raise SystemExit(f"error: {flag} {folder}: cannot write there ({why}); choose a folder on a writable disk")
+
+
+def read_object(path: Path) -> dict | None:
+    """The JSON object in `path`, or None if there is none (missing, unreadable, not JSON, not an object)."""
+    try:
+        value = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return value if isinstance(value, dict) else None
+
+
+def is_run(folder: Path) -> bool:
+    config = read_object(folder / "config.json") if folder.is_dir() and not folder.is_symlink() else None
+    return config is not None and all(name in config for name in RUN_MARKS)
+
+
+def is_evaluation(folder: Path) -> bool:
+    summary = read_object(folder / "summary.json") if folder.is_dir() and not folder.is_symlink() else None
+    return summary is not None and "sets" in summary
+
+
+def what_is(folder: Path) -> str:
+    """A few words on what `folder` is, for a refusal: "a checkpoint (a model folder)", "a git clone (it has .git)"..."""
+    if folder.is_symlink():
+        return f"a symbolic link (to {os.readlink(folder)})"
+    if not folder.exists():
+        return "a path that does not exist"
+    if not folder.is_dir():
+        return "a file"
+    if is_run(folder):
+        return "a run folder"
+    if is_evaluation(folder):
+        return "an evaluation folder"
+    config = read_object(folder / "config.json") or {}
+    if "model_type" in config:
+        return "a checkpoint (a model folder)" if (folder / "state.json").exists() else "a model folder"
+    if (folder / ".git").exists():
+        return "a git clone (it has .git)"
+    held = [p.name for p in sorted(folder.iterdir()) if is_run(p) or is_evaluation(p)]
+    if held:
+        return f"a folder of runs ({', '.join(held[:3])}{', ...' if len(held) > 3 else ''})"
+    return "a folder the lab did not make"
+
+
+# What a resumed run may change freely: when and how it evaluates, saves, logs and runs, not what it learns.
+FREE_ON_RESUME = {"steps", "eval_every", "eval_problems", "eval_k", "eval_temperature", "eval_max_response_tokens",
+                  "eval_text", "save_every", "keep_checkpoints", "log", "sandbox_backend", "sandbox_urls",
+                  "sandbox_timeout", "sandbox_isolation", "sandbox_preload", "trainer_threads", "gpu_memory_utilization",
+                  "cpu_kv_cache_gib", "enforce_eager", "micro_batch_size", "gradient_checkpointing",
+                  "skip_zero_advantage", "rollout_schedule", "strategy"}
+
+
+def resume_config(config_class, run_dir: Path, overrides: dict, argv: list[str] | None, change_recipe: bool):
+    """The Config of the run in `run_dir` with `overrides`, refusing what a resume would ignore or silently change.
+
+    The folder and settings are the run's own: --preset, --run-dir and
+    --overwrite are refused. A recipe setting (anything not in FREE_ON_RESUME)
+    that differs from the run's needs --change-recipe; RunRecord records it.
+    """
+    from configuration import field_flag
+
+    check_resume_dir(run_dir)
+    given = [a.split("=")[0] for a in (sys.argv[1:] if argv is None else argv)]
+    clash = [flag for flag in ("--preset", "--run-dir", "--overwrite") if flag in given]
+    if clash:
+        raise SystemExit(f"error: --resume {run_dir} takes its folder and settings from the run, so {clash[0]} "
+                         "would be ignored: drop it, or start a new run without --resume")
+    recorded = read_object(run_dir / "config.json")
+    changed = [name for name, value in overrides.items()
+               if name not in FREE_ON_RESUME and name in recorded and recorded[name] != value]
+    if changed and not change_recipe:
+        name = changed[0]
+        raise SystemExit(f"error: --resume {run_dir} with {field_flag(name)} {overrides[name]}: the run was trained "
+                         f"with {name} {recorded[name]}; pass --change-recipe to change it mid-run (recorded in "
+                         "config.json), or start a new run")
+    names = {f.name for f in dataclasses.fields(config_class)}  # config.json also records facts of the run
+    return config_class(**{k: v for k, v in {**recorded, **overrides}.items() if k in names})
+
+
+def recipe_changes(run_dir: Path, cfg, step: int) -> list[dict]:
+    """config.json's record of recipe changes made on resume, with the one at `step` (if any) added."""
+    recorded = read_object(run_dir / "config.json") or {}
+    changes = list(recorded.get("recipe_changes", []))
+    now = {f.name: [recorded[f.name], getattr(cfg, f.name)] for f in dataclasses.fields(cfg)
+           if f.name not in FREE_ON_RESUME and f.name in recorded and recorded[f.name] != getattr(cfg, f.name)}
+    return changes + ([{"step": step, **now}] if now else [])
+
+
+def stopped_before_training(stop, run_dir: Path) -> str:
+    """The line for a stop before the first step: resume advice only where there is a run to resume."""
+    if is_run(run_dir):
+        return f"stopped by {stop} before training began; go on with --resume {run_dir}"
+    return f"stopped by {stop} before the run folder was made: nothing to resume; start it again"
+
+
+def take_run_settings(args) -> None:
+    """eval.py on a run's checkpoint: the context, response budget and template its run used, unless given.
+
+    A tiny model's context (the demo's 512 tokens) is far below eval.py's
+    defaults, which are ToRL's; the run's own settings fit its checkpoints.
+    """
+    model = Path(args.model)
+    run = read_object(model.parent.parent / "config.json") if is_run(model.parent.parent) else None
+    taken = {}
+    for name, field in (("max_model_len", "max_model_len"), ("max_response_tokens", "eval_max_response_tokens"),
+                        ("template", "template")):
+        if getattr(args, name) is None and run and field in run and (name != "template" or args.mode == "tir"):
+            setattr(args, name, run[field])
+            taken[name] = run[field]
+    if taken:
+        print(f"settings of the run {model.parent.parent}: " + " ".join(f"--{k.replace('_', '-')} {v}"
+                                                                         for k, v in taken.items()), file=sys.stderr)
+    args.max_response_tokens = args.max_response_tokens or 3072
