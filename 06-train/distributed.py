@@ -65,10 +65,12 @@ def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def gradient_sync(model, sync: bool):
-    """DDP: average gradients across ranks on the mini-batch's last backward only.
+    """DDP: average gradients across ranks on the mini-batch's last micro-batch only; wrap its forward.
 
     Earlier micro-batches accumulate locally: one exchange per optimizer step
-    instead of one per micro-batch. FSDP2 reduce-scatters after every backward
+    instead of one per micro-batch. DDP decides at the forward whether the
+    backward exchanges (its reducer is armed there), so the context must hold
+    the forward; around the backward alone it changes nothing. FSDP2 reduce-scatters after every backward
     on purpose: skipping it would hold an unsharded float32 gradient (28 GiB for
     a 7B model) on every GPU. A plain model has nothing to exchange.
     """

@@ -82,6 +82,47 @@ def _checkpoint_on_ranks(rank, world, model_path, run_dir):
             "files": sorted(p.name for p in final.iterdir())}
 
 
+def _exchanges_on_ranks(rank, world, model_path):
+    """DDP: how many gradient exchanges one grpo_step makes (a communication hook counts each one's last bucket)."""
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    dp = DataParallel(rank, world, strategy="ddp")
+    model = dp.wrap(load_policy(model_path, device="cpu"))
+    exchanges = []
+
+    def counting_hook(state, bucket):
+        exchanges.append(bucket.is_last())
+        return allreduce_hook(None, bucket)
+
+    model.register_comm_hook(None, counting_hook)
+    groups = dp.shard(by_problem(group_trajectories()), CFG.num_minibatches)
+    grpo_step(model, make_optimizer(model, CFG), [t for g in groups for t in g], CFG,
+              global_normalizer=dp.global_normalizer)
+    return sum(exchanges)
+
+
+def _engine_weights_on_ranks(rank, world, model_path):
+    """FSDP2: the dtype each weight has when its gather starts, and whether the gathered tensor is the full one."""
+    import weight_sync
+
+    dp = DataParallel(rank, world, strategy="fsdp")
+    model = dp.wrap(load_policy(model_path, device="cpu"))
+    full = dict(load_policy(model_path, device="cpu").named_parameters())  # what the sync hands over (tied: once)
+    gathered_dtypes, real_gather = [], weight_sync.full_tensor
+
+    def recording_gather(tensor):
+        gathered_dtypes.append(tensor.dtype)
+        return real_gather(tensor)
+
+    weight_sync.full_tensor = recording_gather
+    try:
+        weights = dict(weight_sync.engine_weights(model, torch.bfloat16))
+    finally:
+        weight_sync.full_tensor = real_gather
+    exact = all(torch.equal(weights[name], full[name].detach().to(torch.bfloat16)) for name in weights)
+    return {"gathered_dtypes": set(gathered_dtypes), "exact": exact, "names": sorted(weights) == sorted(full)}
+
+
 def _rank(rank, world, store, model_path, run_dir, out):
     """Every two-rank scenario in one process group: starting ranks costs more than the scenarios."""
     torch.set_num_threads(1)
@@ -91,6 +132,8 @@ def _rank(rank, world, store, model_path, run_dir, out):
                                                                f"{out}.{strategy}-{denominator}.optimizer")
                    for strategy, denominator in [("ddp", "global"), ("fsdp", "global"), ("ddp", "per-rank")]}
         results["checkpoint"] = _checkpoint_on_ranks(rank, world, model_path, run_dir)
+        results["ddp-exchanges"] = _exchanges_on_ranks(rank, world, model_path)
+        results["engine-weights"] = _engine_weights_on_ranks(rank, world, model_path)
         if rank == 0:
             torch.save(results, out)
         # Tear down together: a rank that leaves while the other still holds the
@@ -131,6 +174,17 @@ def test_fsdp_checkpoints_keep_each_ranks_optimizer_shard_and_load_them_back(two
     for name in saved:
         for key in ("exp_avg", "exp_avg_sq", "step"):
             assert torch.equal(torch.as_tensor(saved[name][key]), torch.as_tensor(loaded[name][key])), (name, key)
+
+
+def test_ddp_exchanges_gradients_once_per_minibatch_not_per_micro_batch(two_ranks):
+    # each rank: 16 rows in 2 mini-batches of 8, micro-batches of 3 (3 per mini-batch): 6 exchanges if no_sync leaked
+    assert two_ranks[0]["ddp-exchanges"] == CFG.num_minibatches
+
+
+def test_fsdp_weight_sync_casts_each_shard_before_the_gather(two_ranks):
+    result = two_ranks[0]["engine-weights"]
+    assert result["gathered_dtypes"] == {torch.bfloat16}  # the gather moves bf16, not float32
+    assert result["exact"] and result["names"]  # and still hands vLLM every full weight, exactly cast
 
 
 def max_difference(a, b):
