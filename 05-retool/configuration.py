@@ -206,11 +206,13 @@ def config_problems(cfg, world: int | None = None, first_only: bool = False) -> 
 
 def sandbox_config(cfg):
     """Chapter 02's SandboxConfig from a run's Config (SandboxConfig's own checks run as it is made)."""
+    from distributed import cores_per_rank
     from lab_cli import comma_list
     from sandbox import SandboxConfig
 
     return SandboxConfig(backend=cfg.sandbox_backend, timeout=cfg.sandbox_timeout, isolation=cfg.sandbox_isolation,
-                         urls=comma_list(cfg.sandbox_urls), preload=comma_list(cfg.sandbox_preload))
+                         urls=comma_list(cfg.sandbox_urls), preload=comma_list(cfg.sandbox_preload),
+                         concurrency=cores_per_rank())  # the ranks of a node share its cores
 
 
 DTYPES = ("float32", "bfloat16", "float16", "auto")  # the sampler's: vLLM's names

@@ -267,6 +267,16 @@ def setup(strategy: str = "ddp") -> DataParallel:
     return DataParallel(rank, world, local, strategy)
 
 
+def cores_per_rank() -> int:
+    """This rank's share of the node's cores: what its sandbox may run at once (math code is CPU-bound).
+
+    torchrun's LOCAL_WORLD_SIZE ranks share one node; each taking every core
+    would start 8 x 224 warm slots on a 224-core, 8-GPU node.
+    """
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cores // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+
+
 def combine_metrics(per_rank: list[dict]) -> dict:
     """Combine per-rank metric dicts into the whole step's, exactly where the rule allows.
 

@@ -187,6 +187,53 @@ def test_fsdp_weight_sync_casts_each_shard_before_the_gather(two_ranks):
     assert result["exact"] and result["names"]  # and still hands vLLM every full weight, exactly cast
 
 
+def test_the_ranks_of_a_node_share_its_cores_for_their_sandboxes(monkeypatch):
+    from configuration import sandbox_config
+    from retool import Config
+
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(224)))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    assert sandbox_config(Config()).concurrency == 28  # not 224 on each of 8 ranks
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "300")
+    assert sandbox_config(Config()).concurrency == 1
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    assert sandbox_config(Config()).concurrency == 224  # one process: every core
+
+
+@pytest.mark.parametrize("visible, processes", [(None, 8), ("0,1", 2), ("2,-1,3", 1), ("", 1)])
+def test_make_starts_one_process_per_gpu_cuda_visible_devices_shows(tmp_path, visible, processes):
+    """NPROC for a GPU preset: the GPUs CUDA would show this process, not every GPU of the node."""
+    import os
+    import re
+    import subprocess
+    from pathlib import Path
+
+    fake = tmp_path / "nvidia-smi"  # a node of 8 GPUs, as `nvidia-smi -L` lists them
+    fake.write_text("#!/bin/sh\nfor i in 0 1 2 3 4 5 6 7; do echo \"GPU $i: H100\"; done\n")
+    fake.chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
+    env["PATH"] = f"{tmp_path}:{env['PATH']}"
+    if visible is not None:
+        env["CUDA_VISIBLE_DEVICES"] = visible
+    plan = subprocess.run(["make", "-n", "run-05", "PRESET=torl-1.5b", "DEVICE=cuda", "STAMP="], env=env,
+                          cwd=Path(__file__).parents[1], capture_output=True, text=True, check=True).stdout
+    started = re.search(r"--nproc-per-node (\d+)", plan)
+    assert (int(started.group(1)) if started else 1) == processes, plan
+
+
+def test_make_refuses_to_install_cuda_packages_into_an_environment_built_for_the_cpu(tmp_path):
+    """pip would keep the CPU build's torch (2.13.0+cpu satisfies torch==2.13.0): one environment per device."""
+    import subprocess
+    from pathlib import Path
+
+    (tmp_path / ".installed-cpu").touch()  # what `make setup` leaves in a venv it built for the CPU
+    done = subprocess.run(["make", "setup", "DEVICE=cuda", f"VENV={tmp_path}"], cwd=Path(__file__).parents[1],
+                          capture_output=True, text=True)
+    assert done.returncode != 0
+    assert f"error: {tmp_path} was built for cpu, not cuda" in done.stdout
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".installed-cpu"]  # nothing installed
+
+
 def max_difference(a, b):
     return max(float((a[k] - b[k]).abs().max()) for k in a)
 
