@@ -23,7 +23,9 @@ from pathlib import Path
 
 GB = 1e9
 VLLM_WORK_SPACE_GB = 2.0  # vLLM's activations and graphs beside weights and KV cache (an estimate)
-LOGIT_BYTES = 14  # per logit value at the update's peak: bf16 output, float32 copy, about twice that in backward
+# per logit value at the update's backward peak: bf16 output (2), its float32 copy (4), the float32 gradient (4),
+# the softmax of logsumexp's backward (4), the gradient cast back to bf16 for the output layer's backward (2)
+LOGIT_BYTES = 16
 
 
 @dataclass
@@ -87,8 +89,10 @@ def memory_plan(cfg, shape: dict, gpus: int, gpu_gb: float) -> MemoryPlan:
     plan = MemoryPlan(gpus=gpus, gpu_gb=gpu_gb, parameters=p)
     weights, adamw, grads = 4 * p / shard / GB, 8 * p / shard / GB, 4 * p / shard / GB
     share = cfg.gpu_memory_utilization * gpu_gb
-    plan.rollout = {"trainer weights, float32": weights, "AdamW m and v": adamw,
-                    f"vLLM ({cfg.gpu_memory_utilization} of the GPU)": share}
+    plan.rollout = {"trainer weights, float32": weights, "AdamW m and v": adamw}
+    if cfg.strategy == "ddp" and gpus > 1:  # the gradients are views of DDP's buckets, which live as long as it does
+        plan.rollout["DDP's gradient buckets, float32"] = grads
+    plan.rollout[f"vLLM ({cfg.gpu_memory_utilization} of the GPU)"] = share
     tokens = cfg.micro_batch_size * cfg.max_model_len
     plan.update = {"trainer weights, float32": weights, "AdamW m and v": adamw, "gradients, float32": grads,
                    f"logits of a micro-batch of {cfg.micro_batch_size}": tokens * shape["vocab_size"] * LOGIT_BYTES / GB}
@@ -106,11 +110,9 @@ def memory_plan(cfg, shape: dict, gpus: int, gpu_gb: float) -> MemoryPlan:
     plan.tokens_in_flight = cfg.problems_per_step // gpus * cfg.group_size * cfg.max_model_len
     state_gb = weights + adamw + grads
     if state_gb > gpu_gb:
-        need = next((n for n in range(2, 1025) if 16 * p / n / GB < gpu_gb), None)
-        how = ("strategy fsdp over at least " if cfg.strategy != "fsdp" else "at least ") + f"{need} GPUs"
         plan.problems.append(f"the trainer state ({state_gb:.1f} GB a GPU: 16 bytes a parameter, "
                              f"{'sharded over ' + str(shard) if shard > 1 else 'unsharded'}) does not fit a "
-                             f"{gpu_gb:.0f} GB GPU; it needs {how}")
+                             f"{gpu_gb:.0f} GB GPU; {gpus_needed(cfg, shape, gpu_gb)}")
     for phase, parts in (("rollout", plan.rollout), ("update", plan.update)):
         if sum(parts.values()) > gpu_gb and not plan.problems:
             plan.problems.append(f"the {phase} needs {sum(parts.values()):.1f} GB a GPU, more than its {gpu_gb:.0f} GB"
@@ -121,6 +123,20 @@ def memory_plan(cfg, shape: dict, gpus: int, gpu_gb: float) -> MemoryPlan:
                              f"{cfg.gpu_memory_utilization}) cannot hold one group ({cfg.group_size} x "
                              f"{cfg.max_model_len} tokens)")
     return plan
+
+
+def gpus_needed(cfg, shape: dict, gpu_gb: float) -> str:
+    """What makes the plan fit: the fewest GPUs under FSDP2 whose rollout and update both fit, or that none do."""
+    import dataclasses
+
+    sharded = dataclasses.replace(cfg, strategy="fsdp")
+    for n in range(2, 1025):
+        plan = memory_plan(sharded, shape, n, gpu_gb)
+        if not plan.problems or not any(p.startswith(("the trainer state", "the rollout", "the update"))
+                                        for p in plan.problems):
+            return ("it needs strategy fsdp over " if cfg.strategy != "fsdp" else "it needs ") + f"at least {n} GPUs"
+    return (f"no number of GPUs makes it fit at gpu_memory_utilization {cfg.gpu_memory_utilization} and "
+            f"micro_batch_size {cfg.micro_batch_size}")
 
 
 def plan_table(cfg, plan: MemoryPlan, shape: dict) -> str:

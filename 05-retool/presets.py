@@ -11,8 +11,8 @@ PRESETS: dict[str, dict] = {
     # Sized to finish, cold start included, in minutes on a 2-core CPU.
     "cpu-demo": {},
     # ToRL's scripts/torl_1.5b.sh. Every value is the script's (or, where the script
-    # is silent, its verl's default), and the few settings that are this lab's
-    # because it runs on one GPU.
+    # is silent, its verl's default), and the few memory settings that are this lab's
+    # because it keeps the trainer on the GPU beside vLLM (no offload), one rank per GPU.
     "torl-1.5b": dict(
         model="Qwen/Qwen2.5-Math-1.5B",
         cold_start="none",  # ToRL starts RL from the base model: no fine-tuning first
@@ -30,7 +30,7 @@ PRESETS: dict[str, dict] = {
         temperature=1.0,  # rollout.temperature (top_p 1.0)
         lr=1e-6,  # actor.optim.lr, constant (verl's warmup_style constant, no warmup)
         num_minibatches=1,  # ppo_mini_batch_size=1024 prompts >= 128: one update per step
-        micro_batch_size=4,  # gradient accumulation: the 2,048 trajectories fit one GPU 4 at a time
+        micro_batch_size=4,  # gradient accumulation: each GPU's 256 trajectories (8 GPUs), 4 at a time
         eps_low=0.2,  # verl's clip_ratio 0.2, on both sides
         eps_high=0.2,
         scale_advantages=True,  # verl's GRPO: (r - mean) / (std + 1e-6) within each group
@@ -86,7 +86,7 @@ PRESETS["torl-7b"] = dict(
     PRESETS["torl-1.5b"],
     model="Qwen/Qwen2.5-Math-7B",
     strategy="fsdp",  # 16 problems (256 trajectories) of each step's 128 per GPU
-    micro_batch_size=2,  # the logits of 2 x 3,472 tokens x 152k vocabulary peak near 15 GB in backward
+    micro_batch_size=2,  # the logits of 2 x 3,472 tokens x 152k vocabulary peak near 17 GB in backward
     gpu_memory_utilization=0.6,  # 48 GB: 15.2 of bf16 weights, about 31 of KV cache (57 KB a token; --dry-run)
 )
 # Presets sized for a CUDA GPU: refused up front on a machine without one.
