@@ -14,7 +14,7 @@ PRESET ?=
 ARGS ?=
 # Presets sized for a CUDA GPU (retool.py's GPU_PRESETS): refused before anything is
 # installed when there is none, instead of after three minutes of CPU installs.
-GPU_PRESETS := torl-1.5b torl-7b
+GPU_PRESETS := torl-1.5b torl-7b simpletir-7b
 ifneq ($(filter run-05,$(MAKECMDGOALS)),)
 ifneq ($(filter $(PRESET),$(GPU_PRESETS)),)
 ifeq ($(DEVICE),cpu)

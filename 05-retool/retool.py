@@ -30,7 +30,7 @@ from pathlib import Path
 
 from batch_filters import excluded_from_loss, extra_seed, keep_informative_groups
 from configuration import check_config, cuda_available, parse_with_field_flags, sandbox_config
-from dry_run import check_memory_plan, dry_run
+from dry_run import add_plan_flags, check_memory_plan, dry_run
 from lab_cli import at_least, private_tmp, refuse_chapter_folder, run_script
 from plots import plot_run
 from presets import GPU_PRESETS, PRESETS
@@ -315,8 +315,7 @@ def main(argv: list[str] | None = None) -> Path:
         run_dir = Path(args.resume)
         cfg = load_config(run_dir, overrides)
     elif args.dry_run:  # every check that needs no model, and a memory plan per GPU (dry_run.py)
-        raise SystemExit(dry_run(make_config(args.preset, overrides), args.preset, args.plan_gpus, args.plan_gpu_gb,
-                                 start_sandbox))
+        raise SystemExit(dry_run(make_config(args.preset, overrides), args.preset, args, start_sandbox))
     else:
         if args.preset in GPU_PRESETS and not cuda_available():
             raise SystemExit(f"error: preset {args.preset} needs a CUDA GPU and this machine has none; "
@@ -359,9 +358,7 @@ def parse_args(argv):
     parser.add_argument("--overwrite", action="store_true", help="replace a run folder that is not empty")
     parser.add_argument("--dry-run", action="store_true", help="check everything that needs no model and plan "
                         "memory per GPU, in seconds; load nothing")
-    parser.add_argument("--plan-gpus", type=at_least(1), default=8, help="--dry-run without CUDA: GPUs to plan for [default: 8]")
-    parser.add_argument("--plan-gpu-gb", type=at_least(1.0, float), default=80.0,
-                        help="--dry-run without CUDA: memory of each, in GB [default: 80]")
+    add_plan_flags(parser)  # --plan-*: the GPUs a dry run plans for; --assume-*: its rates (dry_run.py)
     return parse_with_field_flags(parser, Config, argv, PRESETS)
 
 
