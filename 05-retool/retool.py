@@ -263,6 +263,11 @@ def start_sandbox(cfg: Config):
     """Chapter 02's sandbox with the run's settings, or a one-line refusal saying why it cannot contain code here."""
     from sandbox import Sandbox, SandboxError
 
+    if cfg.sandbox_backend == "sandboxfusion":  # the preflight: every member of the pool answers, or say which not
+        from sandboxfusion_backend import unreachable
+
+        if dead := unreachable(sandbox_config(cfg)):
+            raise SystemExit(f"error: the sandbox pool is not whole: {'; '.join(dead)}")
     try:
         sandbox = Sandbox(sandbox_config(cfg))
         sandbox.run("pass")  # one real call: the backend and its containment are ready, or say why not
