@@ -402,3 +402,75 @@ def test_each_ranks_engine_draws_its_own_samples_for_the_same_prompt(tmp_path, t
     samples = json.loads(ranks[0].stdout.split("SAMPLES ", 1)[1].splitlines()[0])
     assert samples["own"][0] != samples["own"][1]  # each rank's engine seed: different samples of one prompt
     assert samples["common"][0] == samples["common"][1]  # one seed: the same samples on both ranks
+
+
+def node_environment(node, world_size: int = 2) -> dict:
+    """One "node" of a cluster on this machine: its own temporary folder and caches; only the run folder is shared."""
+    import os
+
+    for name in ("tmp", "cache"):
+        (node / name).mkdir(parents=True)
+    return {**os.environ, "TMPDIR": str(node / "tmp"), "XDG_CACHE_HOME": str(node / "cache"),
+            "VLLM_CACHE_ROOT": str(node / "cache" / "vllm"), "TORCHINDUCTOR_CACHE_DIR": str(node / "cache" / "inductor"),
+            "OMP_NUM_THREADS": "1"}
+
+
+@pytest.mark.vllm
+def test_two_nodes_on_loopback_make_the_run_two_ranks_on_one_node_make(tmp_path, tiny_model_path, preloaded_python):
+    """Two torchrun launchers, one rank each, meet by c10d rendezvous on loopback, as two nodes of a cluster would.
+
+    Each "node" has its own temporary folder and caches, and the run folder is the only one they
+    share. The run equals two ranks on one node (the same trajectories, metrics and weights), and
+    it resumes from the checkpoint both nodes wrote.
+    """
+    import json
+    import socket
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    retool = Path(__file__).resolve().parent.parent / "05-retool" / "retool.py"
+    small = ["--model", str(tiny_model_path), "--cold-start", "none", "--problems-per-step", "4", "--group-size", "2",
+             "--max-response-tokens", "16", "--eval-problems", "2", "--eval-max-response-tokens", "16",
+             "--micro-batch-size", "2", "--enforce-eager", "true", "--cpu-kv-cache-gib", str(KV_CACHE_GIB),
+             "--sandbox-preload", "", "--strategy", "fsdp"]  # FSDP2: every rank writes its optimizer shard
+    one, two = tmp_path / "one-node", tmp_path / "two-nodes"
+    for done in preloaded_python.run_together([[retool, "--run-dir", one, "--steps", "1", *small]] * 2, cwd=tmp_path,
+                                              envs=ranks_environment(), timeout=900):
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    nodes = [node_environment(tmp_path / f"node-{i}") for i in range(2)]
+
+    def launch_nodes(args, attempt):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        launchers = [subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
+             "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"lab-{attempt}",
+             "--node-rank", str(i), str(retool), *map(str, args)], cwd=tmp_path, env=env,
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i, env in enumerate(nodes)]
+        for launcher in launchers:
+            out, _ = launcher.communicate(timeout=900)
+            assert launcher.returncode == 0, out[-4000:]
+
+    launch_nodes(["--run-dir", two, "--steps", "1", *small], 1)
+    rows = {run: [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()] for run in (one, two)}
+    for key in ("world_size", "trajectories", "problem_ids", "reward_mean", "tokens", "loss", "response_length"):
+        assert rows[two][0][key] == rows[one][0][key], key
+    same_batch = [[(t["token_ids"], t["reward"]) for t in map(json.loads, (run / "last_step.jsonl").read_text().splitlines())]
+                  for run in (one, two)]
+    assert same_batch[0] == same_batch[1] and len(same_batch[0]) == 4 * 2  # the same trajectories, in rank order
+    weights = [load_file(run / "checkpoints" / "step-000001" / "model.safetensors") for run in (one, two)]
+    assert weights[0].keys() == weights[1].keys() and all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
+
+    launch_nodes(["--resume", two, "--steps", "2"], 2)  # both nodes pick up the checkpoint in the shared run folder
+    rows = [json.loads(line) for line in (two / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2] and all(r["world_size"] == 2 and r["trajectories"] == 8 for r in rows)
+    assert rows[1]["weight_version"] == 2 and (two / "checkpoints" / "step-000002" / "state.json").exists()
+    shards = sorted(p.name for p in (two / "checkpoints" / "step-000002" / "optimizer").glob("*.distcp"))
+    assert len(shards) == 2  # one optimizer shard from each node, in the shared run folder
+    # each node's processes kept their temporary files and caches in that node's own folders
+    for node in (tmp_path / "node-0", tmp_path / "node-1"):
+        assert list((node / "tmp").glob("torchelastic_*")) and list((node / "cache" / "vllm").iterdir()), node
