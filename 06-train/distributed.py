@@ -1,4 +1,4 @@
-"""Data parallel RL across the devices of one node with torch.distributed; see docs/06-scaling.md.
+"""Data parallel RL across the devices of one node or several, with torch.distributed; see docs/06-scaling.md.
 
     torchrun --nproc-per-node 8 05-retool/retool.py --preset torl-1.5b     # 8 GPUs, DDP
     make run-05 NPROC=8 PRESET=torl-7b                                       # 8 GPUs, FSDP2
