@@ -128,7 +128,7 @@ def check_memory_plan(cfg) -> None:
     shape = model_shape(cfg.model) if cfg.model and gpus else None
     if shape is None:
         return
-    plan = memory_plan(cfg, shape, int(os.environ.get("WORLD_SIZE", "1")), _cuda_gb())
+    plan = memory_plan(cfg, shape, int(os.environ.get("WORLD_SIZE", "1")), _cuda_gb(), per_node=gpus)
     if plan.problems:
         raise SystemExit(f"error: {plan.problems[0]} (see --dry-run)")
 
