@@ -20,7 +20,7 @@ $(error $(UNKNOWN_VARIABLE)=$(value $(UNKNOWN_VARIABLE)) is not a setting of thi
 endif
 # Presets sized for a CUDA GPU (retool.py's GPU_PRESETS): refused before anything is
 # installed when there is none, instead of after three minutes of CPU installs.
-GPU_PRESETS := torl-1.5b torl-7b
+GPU_PRESETS := torl-1.5b torl-7b simpletir-7b
 ifneq ($(filter run-05,$(MAKECMDGOALS)),)
 ifneq ($(filter $(PRESET),$(GPU_PRESETS)),)
 ifeq ($(DEVICE),cpu)
@@ -29,9 +29,13 @@ endif
 endif
 endif
 # Processes for run-05: one per GPU (or CPU processes with gloo), started by torchrun when above 1.
-# A GPU preset takes every visible GPU unless NPROC says otherwise; the demos take one process.
+# A GPU preset takes every visible GPU unless NPROC says otherwise: those CUDA_VISIBLE_DEVICES
+# names where it is set (CUDA stops at the first invalid entry, such as -1), else every GPU of
+# nvidia-smi -L. The demos take one process.
 ifneq ($(filter $(PRESET),$(GPU_PRESETS)),)
-NPROC ?= $(or $(filter-out 0,$(shell nvidia-smi -L 2>/dev/null | grep -c '^GPU')),1)
+NPROC ?= $(or $(filter-out 0,$(shell if [ -n "$${CUDA_VISIBLE_DEVICES+set}" ]; then \
+  echo "$$CUDA_VISIBLE_DEVICES" | tr ',' '\n' | sed '/^ *$$/q; /^ *-/q' | grep -c '^ *[^ -]'; \
+  else nvidia-smi -L 2>/dev/null | grep -c '^GPU'; fi)),1)
 endif
 NPROC ?= 1
 
@@ -39,6 +43,9 @@ NPROC ?= 1
 setup: $(STAMP)
 
 $(STAMP): requirements/common.txt requirements/$(DEVICE).txt
+	@# One environment per device: pip would keep a CPU build's torch 2.13.0+cpu, which satisfies torch==2.13.0.
+	@other=$$(ls $(VENV)/.installed-* 2>/dev/null | grep -v -e '-$(DEVICE)$$' -e '-smollm2$$' | head -1); \
+	  test -z "$$other" || { echo "error: $(VENV) was built for $${other##*-}, not $(DEVICE): use VENV=.venv-$(DEVICE) (or make clean)"; exit 1; }
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 ifeq ($(DEVICE),cpu)
 	$(PY) -m pip install --quiet $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX)) -r requirements/torch-cpu.txt

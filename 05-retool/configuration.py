@@ -104,8 +104,10 @@ def config_problems(cfg, world: int | None = None, first_only: bool = False) -> 
     for name in ("train_file", "eval_file"):
         path = getattr(cfg, name)
         if not Path(path).exists() and "toy_" not in path and "word_" not in path:
-            hint = ("put ToRL's data/torl_data/ folder under data/, or pass --" + name.replace("_", "-")
-                    if "torl_data" in path else "run `make run-01` to prepare data")
+            flag = "--" + name.replace("_", "-")
+            hint = ("put ToRL's data/torl_data/ folder under data/, or pass " + flag if "torl_data" in path else
+                    "join SimpleTIR's datasets/ files there (docs/05-torl.md), or pass " + flag if "simpletir" in path
+                    else "run `make run-01` to prepare data")
             problems.append(f"{name} '{path}' does not exist ({hint})")
         elif Path(path).exists():
             problems += [data_problem(name, path)] if data_problem(name, path) else []
@@ -211,11 +213,13 @@ def config_problems(cfg, world: int | None = None, first_only: bool = False) -> 
 
 def sandbox_config(cfg):
     """Chapter 02's SandboxConfig from a run's Config (SandboxConfig's own checks run as it is made)."""
+    from distributed import cores_per_rank
     from lab_cli import comma_list
     from sandbox import SandboxConfig
 
     return SandboxConfig(backend=cfg.sandbox_backend, timeout=cfg.sandbox_timeout, isolation=cfg.sandbox_isolation,
-                         urls=comma_list(cfg.sandbox_urls), preload=comma_list(cfg.sandbox_preload))
+                         urls=comma_list(cfg.sandbox_urls), preload=comma_list(cfg.sandbox_preload),
+                         concurrency=cores_per_rank())  # the ranks of a node share its cores
 
 
 DTYPES = ("float32", "bfloat16", "float16", "auto")  # the sampler's: vLLM's names

@@ -2,15 +2,18 @@
 
     .venv/bin/python 05-retool/retool.py --preset torl-1.5b --dry-run                 # 8 x 80 GB GPUs planned
     .venv/bin/python 05-retool/retool.py --preset torl-7b --dry-run --plan-gpus 1     # refused: say why
+    .venv/bin/python 05-retool/retool.py --preset simpletir-7b --dry-run --plan-nodes 2
 
 It checks the configuration, the data files (and, where the model's tokenizer is
 on this machine, the prompt filter's counts), the sandbox with one real call, the
 rank layout and batch split, and plans memory per GPU from the model's shape
 (config.json where the model is on this machine, else bench_train.SHAPES):
 the trainer's state, the update's peak (logits of one micro-batch, layer inputs),
-vLLM's share and the KV cache tokens it leaves. A real run on CUDA makes the
-same memory checks before it loads anything (`check_memory_plan`). The
-arithmetic is the one docs/06-scaling.md explains; GB = 10^9 bytes.
+vLLM's share and the KV cache tokens it leaves; then the cost of a step and of
+the whole schedule from FLOP counts and assumed rates (`cost_plan`). A real run
+on CUDA makes the same memory checks before it loads anything
+(`check_memory_plan`). The arithmetic is the one docs/06-scaling.md explains;
+GB = 10^9 bytes.
 """
 from __future__ import annotations
 
@@ -23,7 +26,49 @@ from pathlib import Path
 
 GB = 1e9
 VLLM_WORK_SPACE_GB = 2.0  # vLLM's activations and graphs beside weights and KV cache (an estimate)
-LOGIT_BYTES = 14  # per logit value at the update's peak: bf16 output, float32 copy, about twice that in backward
+# per logit value at the update's backward peak: bf16 output (2), its float32 copy (4), the float32 gradient (4),
+# the softmax of logsumexp's backward (4), the gradient cast back to bf16 for the output layer's backward (2)
+LOGIT_BYTES = 16
+
+
+# Dense bf16 peak of one GPU, TFLOP/s, from the vendors' data sheets (without sparsity).
+PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0, "B200": 2250.0}
+DECODE_MFU = 0.10  # decoding's default share of that peak (2N FLOPs a token), where --assume-decode-rate is not given
+TRAIN_MFU = 0.35  # the update's default share of it
+
+
+def add_plan_flags(parser) -> None:
+    """The dry run's flags: the GPUs it plans for without CUDA, and the throughputs its cost assumes."""
+    from lab_cli import at_least
+
+    plan = parser.add_argument_group("--dry-run: the GPUs to plan for (without CUDA) and the assumed rates of its cost")
+    plan.add_argument("--plan-gpus", type=at_least(1), help="GPUs a node [default: 8 for a GPU preset, else 1]")
+    plan.add_argument("--plan-nodes", type=at_least(1), default=1, help="nodes [default: 1]")
+    plan.add_argument("--plan-gpu-gb", type=at_least(1.0, float), default=80.0, help="memory of each GPU, GB [default: 80]")
+    plan.add_argument("--plan-gpu", choices=sorted(PEAK_TFLOPS), default="H100",
+                      help="the GPU, for its peak bf16 FLOP/s [default: H100]")
+    plan.add_argument("--assume-decode-rate", type=at_least(0.0, float), default=0.0,
+                      help=f"tokens/s one GPU decodes; 0: {DECODE_MFU * 100:g}%% of its peak at 2N FLOPs a token [default: 0]")
+    plan.add_argument("--assume-train-mfu", type=at_least(0.001, float), default=TRAIN_MFU,
+                      help=f"the update's share of the peak FLOP/s [default: {TRAIN_MFU}]")
+    plan.add_argument("--assume-response-tokens", type=at_least(0), default=0,
+                      help="mean response length, tokens; 0: the budget, max_response_tokens [default: 0]")
+
+
+@dataclass
+class CostPlan:
+    trajectories: int  # a step's, on all ranks
+    response_tokens: int  # each trajectory's, as assumed
+    decode_tokens: int  # a step's rollout: generated tokens (tool output counted too: an upper bound)
+    update_tokens: int  # a step's update: every token of every trajectory, prompt and response
+    flops_per_update_token: int  # in units of N: 2 (old log-probs) + 6 (forward, backward) + 2 (recompute)
+    decode_flops: float
+    update_flops: float
+    decode_rate: float  # tokens/s a GPU
+    decode_rate_from_peak: bool  # the rate is DECODE_MFU of the peak (no --assume-decode-rate)
+    decode_s: float
+    update_s: float
+    gpu_hours: float  # the whole schedule
 
 
 @dataclass
@@ -39,18 +84,22 @@ class MemoryPlan:
     problems: list[str] = field(default_factory=list)
 
 
-def dry_run(cfg, preset: str, gpus: int, gpu_gb: float, start_sandbox) -> int:
-    """Print every check and the memory plan; 0 when a real run would start, 2 when it would be refused.
+def dry_run(cfg, preset: str, args, start_sandbox) -> int:
+    """Print every check, the memory plan and the cost; 0 when a real run would start, 2 when it would be refused.
 
-    `start_sandbox(cfg)` is the loop's own (retool.py): the same start, with one real call.
+    `args`: retool's parsed flags (add_plan_flags' among them). `start_sandbox(cfg)` is the
+    loop's own (retool.py): the same start, with one real call.
     """
     from configuration import config_problems
 
     cuda = _cuda_gpus()
+    per_node, nodes, gpu_gb = args.plan_gpus, args.plan_nodes, args.plan_gpu_gb
     if cuda:
-        gpus, gpu_gb = int(os.environ.get("WORLD_SIZE", cuda)), _cuda_gb()
-    print(f"dry run of preset {preset}: {gpus} x {gpu_gb:.0f} GB GPU(s)"
-          + ("" if cuda else " planned (no CUDA here: --plan-gpus, --plan-gpu-gb)"))
+        per_node, gpu_gb = cuda, _cuda_gb()
+        nodes = max(1, int(os.environ.get("WORLD_SIZE", cuda)) // cuda)
+    gpus = per_node * nodes
+    print(f"dry run of preset {preset}: {gpus} x {gpu_gb:.0f} GB GPU(s)" + (f" ({nodes} nodes of {per_node})" if nodes > 1 else "")
+          + ("" if cuda else " planned (no CUDA here: --plan-gpus, --plan-nodes, --plan-gpu-gb)"))
     problems = config_problems(cfg, world=gpus)
     for line in problems:
         print(f"  refused: {line}")
@@ -62,9 +111,13 @@ def dry_run(cfg, preset: str, gpus: int, gpu_gb: float, start_sandbox) -> int:
     if shape is None:
         print(f"  memory plan: the shape of '{cfg.model or 'the cold-started tiny model'}' is unknown here; skipped")
     else:
-        plan = memory_plan(cfg, shape, gpus, gpu_gb)
+        plan = memory_plan(cfg, shape, gpus, gpu_gb, per_node)
         print(plan_table(cfg, plan, shape))
         problems += plan.problems
+        cost = cost_plan(cfg, plan.parameters, gpus, PEAK_TFLOPS[args.plan_gpu], args.assume_decode_rate,
+                         args.assume_train_mfu, args.assume_response_tokens)
+        print(cost_table(cfg, cost, gpus, args.plan_gpu, args.assume_train_mfu))
+        print(f"{preset}: about {cost.gpu_hours:,.0f} GPU-hours on {gpus} x {args.plan_gpu} at the assumed rates")
     print(f"dry run: {'a real run would start' if not problems else f'{len(problems)} problem(s): a real run is refused'}")
     return 2 if problems else 0
 
@@ -75,20 +128,59 @@ def check_memory_plan(cfg) -> None:
     shape = model_shape(cfg.model) if cfg.model and gpus else None
     if shape is None:
         return
-    plan = memory_plan(cfg, shape, int(os.environ.get("WORLD_SIZE", "1")), _cuda_gb())
+    plan = memory_plan(cfg, shape, int(os.environ.get("WORLD_SIZE", "1")), _cuda_gb(), per_node=gpus)
     if plan.problems:
         raise SystemExit(f"error: {plan.problems[0]} (see --dry-run)")
 
 
-def memory_plan(cfg, shape: dict, gpus: int, gpu_gb: float) -> MemoryPlan:
+def cost_plan(cfg, parameters: int, gpus: int, peak_tflops: float, decode_rate: float = 0.0,
+              train_mfu: float = TRAIN_MFU, response_tokens: int = 0) -> CostPlan:
+    """A step's tokens and FLOPs (2N a generated token, 6N a trained one, plus the passes the update adds),
+    its seconds at the assumed rates on `gpus` GPUs, and the GPU-hours of `cfg.steps` steps.
+
+    Not counted: prompt prefill, evaluation, the weight sync, tool calls, dynamic sampling's extra rounds.
+    """
+    n, peak = parameters, peak_tflops * 1e12
+    response = response_tokens or cfg.max_response_tokens
+    prompt = cfg.max_model_len - cfg.max_response_tokens  # the prompt's share of the context
+    trajectories = cfg.problems_per_step * cfg.group_size
+    per_token = 2 + 6 + (2 if cfg.gradient_checkpointing else 0)  # old log-probs, forward and backward, recompute
+    decode_tokens, update_tokens = trajectories * response, trajectories * (prompt + response)
+    rate = decode_rate or DECODE_MFU * peak / (2 * n)
+    decode_s = decode_tokens / (gpus * rate)
+    update_flops = per_token * n * update_tokens
+    update_s = update_flops / (gpus * peak * train_mfu)
+    return CostPlan(trajectories, response, decode_tokens, update_tokens, per_token, 2 * n * decode_tokens,
+                    update_flops, rate, not decode_rate, decode_s, update_s, (decode_s + update_s) * cfg.steps * gpus / 3600)
+
+
+def cost_table(cfg, cost: CostPlan, gpus: int, gpu: str, train_mfu: float) -> str:
+    recompute = ", 2N gradient checkpointing's recompute" if cost.flops_per_update_token == 10 else ""
+    how = f"{cost.decode_rate:,.0f} tokens/s a GPU" + (f" ({DECODE_MFU:.0%} of the peak at 2N a token)"
+                                                       if cost.decode_rate_from_peak else "")
+    step = cost.decode_s + cost.update_s
+    return "\n".join([
+        f"  cost (assumed rates, not measurements: {gpu} at {PEAK_TFLOPS[gpu]:g} TFLOP/s bf16; --assume-*):",
+        f"    rollout: {cost.trajectories:,} trajectories x {cost.response_tokens:,} tokens = "
+        f"{cost.decode_tokens:,} decode tokens a step, 2N FLOPs each: {cost.decode_flops / 1e15:,.1f} PFLOP",
+        f"    update: {cost.trajectories:,} x {cfg.max_model_len - cfg.max_response_tokens + cost.response_tokens:,} "
+        f"tokens = {cost.update_tokens:,} tokens a step, {cost.flops_per_update_token}N FLOPs each (2N old log-probs, "
+        f"6N forward and backward{recompute}): {cost.update_flops / 1e15:,.1f} PFLOP",
+        f"    time a step on {gpus} GPUs: decode at {how} {cost.decode_s:,.1f} s + update at {train_mfu:.0%} MFU "
+        f"{cost.update_s:,.1f} s = {step:,.1f} s; {cfg.steps:,} steps: {step * cfg.steps / 3600:,.1f} hours"])
+
+
+def memory_plan(cfg, shape: dict, gpus: int, gpu_gb: float, per_node: int = 8, advise: bool = True) -> MemoryPlan:
     """GB per GPU during the rollout and during the update, and what cannot fit (one line each)."""
     p = shape["parameters"]
     shard = gpus if cfg.strategy == "fsdp" else 1  # FSDP2 keeps 1/N of the trainer state per GPU
     plan = MemoryPlan(gpus=gpus, gpu_gb=gpu_gb, parameters=p)
     weights, adamw, grads = 4 * p / shard / GB, 8 * p / shard / GB, 4 * p / shard / GB
     share = cfg.gpu_memory_utilization * gpu_gb
-    plan.rollout = {"trainer weights, float32": weights, "AdamW m and v": adamw,
-                    f"vLLM ({cfg.gpu_memory_utilization} of the GPU)": share}
+    plan.rollout = {"trainer weights, float32": weights, "AdamW m and v": adamw}
+    if cfg.strategy == "ddp" and gpus > 1:  # the gradients are views of DDP's buckets, which live as long as it does
+        plan.rollout["DDP's gradient buckets, float32"] = grads
+    plan.rollout[f"vLLM ({cfg.gpu_memory_utilization} of the GPU)"] = share
     tokens = cfg.micro_batch_size * cfg.max_model_len
     plan.update = {"trainer weights, float32": weights, "AdamW m and v": adamw, "gradients, float32": grads,
                    f"logits of a micro-batch of {cfg.micro_batch_size}": tokens * shape["vocab_size"] * LOGIT_BYTES / GB}
@@ -105,22 +197,38 @@ def memory_plan(cfg, shape: dict, gpus: int, gpu_gb: float) -> MemoryPlan:
     plan.group_tokens = cfg.group_size * cfg.max_model_len
     plan.tokens_in_flight = cfg.problems_per_step // gpus * cfg.group_size * cfg.max_model_len
     state_gb = weights + adamw + grads
+    advice = (lambda: gpus_needed(cfg, shape, gpu_gb, per_node)) if advise else (lambda: "")
     if state_gb > gpu_gb:
-        need = next((n for n in range(2, 1025) if 16 * p / n / GB < gpu_gb), None)
-        how = ("strategy fsdp over at least " if cfg.strategy != "fsdp" else "at least ") + f"{need} GPUs"
         plan.problems.append(f"the trainer state ({state_gb:.1f} GB a GPU: 16 bytes a parameter, "
                              f"{'sharded over ' + str(shard) if shard > 1 else 'unsharded'}) does not fit a "
-                             f"{gpu_gb:.0f} GB GPU; it needs {how}")
+                             f"{gpu_gb:.0f} GB GPU; {advice()}")
     for phase, parts in (("rollout", plan.rollout), ("update", plan.update)):
         if sum(parts.values()) > gpu_gb and not plan.problems:
             plan.problems.append(f"the {phase} needs {sum(parts.values()):.1f} GB a GPU, more than its {gpu_gb:.0f} GB"
-                                 + (": lower gpu_memory_utilization" if phase == "rollout"
-                                    else ": lower micro_batch_size or turn on gradient_checkpointing"))
+                                 + (": lower gpu_memory_utilization" if phase == "rollout" else
+                                    ": lower micro_batch_size, turn on gradient_checkpointing, or shard the trainer"
+                                    f" over more GPUs ({advice()})" if cfg.strategy == "fsdp" else
+                                    ": lower micro_batch_size or turn on gradient_checkpointing"))
     if plan.kv_tokens < plan.group_tokens:
         plan.problems.append(f"vLLM's KV cache ({plan.kv_tokens:,} tokens at gpu_memory_utilization "
                              f"{cfg.gpu_memory_utilization}) cannot hold one group ({cfg.group_size} x "
                              f"{cfg.max_model_len} tokens)")
     return plan
+
+
+def gpus_needed(cfg, shape: dict, gpu_gb: float, per_node: int = 8) -> str:
+    """What makes the plan fit: the fewest GPUs under FSDP2 whose rollout and update both fit, or that none do."""
+    import dataclasses
+
+    sharded = dataclasses.replace(cfg, strategy="fsdp")
+    for n in range(2, 1025):
+        plan = memory_plan(sharded, shape, n, gpu_gb, advise=False)
+        if not any(p.startswith(("the trainer state", "the rollout", "the update")) for p in plan.problems):
+            nodes = -(-n // per_node)
+            return (("it needs strategy fsdp over " if cfg.strategy != "fsdp" else "it needs ") + f"at least {n} GPUs"
+                    + (f": {nodes} nodes of {per_node}" if nodes > 1 and per_node > 1 else ""))
+    return (f"no number of GPUs makes it fit at gpu_memory_utilization {cfg.gpu_memory_utilization} and "
+            f"micro_batch_size {cfg.micro_batch_size}")
 
 
 def plan_table(cfg, plan: MemoryPlan, shape: dict) -> str:

@@ -2,7 +2,8 @@
 
 cpu-demo is Config's defaults; torl-1.5b is ToRL's scripts/torl_1.5b.sh value
 by value (docs/05-torl.md has the table, row by row); torl-7b the same with the
-7B model on the 8 GPUs of one node; smollm2 a real pretrained model on the CPU.
+7B model on the 8 GPUs of one node; simpletir-7b SimpleTIR's released recipe over
+several nodes; smollm2 a real pretrained model on the CPU.
 """
 from __future__ import annotations
 
@@ -11,8 +12,8 @@ PRESETS: dict[str, dict] = {
     # Sized to finish, cold start included, in minutes on a 2-core CPU.
     "cpu-demo": {},
     # ToRL's scripts/torl_1.5b.sh. Every value is the script's (or, where the script
-    # is silent, its verl's default), and the few settings that are this lab's
-    # because it runs on one GPU.
+    # is silent, its verl's default), and the few memory settings that are this lab's
+    # because it keeps the trainer on the GPU beside vLLM (no offload), one rank per GPU.
     "torl-1.5b": dict(
         model="Qwen/Qwen2.5-Math-1.5B",
         cold_start="none",  # ToRL starts RL from the base model: no fine-tuning first
@@ -30,7 +31,7 @@ PRESETS: dict[str, dict] = {
         temperature=1.0,  # rollout.temperature (top_p 1.0)
         lr=1e-6,  # actor.optim.lr, constant (verl's warmup_style constant, no warmup)
         num_minibatches=1,  # ppo_mini_batch_size=1024 prompts >= 128: one update per step
-        micro_batch_size=4,  # gradient accumulation: the 2,048 trajectories fit one GPU 4 at a time
+        micro_batch_size=4,  # gradient accumulation: each GPU's 256 trajectories (8 GPUs), 4 at a time
         eps_low=0.2,  # verl's clip_ratio 0.2, on both sides
         eps_high=0.2,
         scale_advantages=True,  # verl's GRPO: (r - mean) / (std + 1e-6) within each group
@@ -86,8 +87,40 @@ PRESETS["torl-7b"] = dict(
     PRESETS["torl-1.5b"],
     model="Qwen/Qwen2.5-Math-7B",
     strategy="fsdp",  # 16 problems (256 trajectories) of each step's 128 per GPU
-    micro_batch_size=2,  # the logits of 2 x 3,472 tokens x 152k vocabulary peak near 15 GB in backward
+    micro_batch_size=2,  # the logits of 2 x 3,472 tokens x 152k vocabulary peak near 17 GB in backward
     gpu_memory_utilization=0.6,  # 48 GB: 15.2 of bf16 weights, about 31 of KV cache (57 KB a token; --dry-run)
 )
+# SimpleTIR-7B (ltzheng/SimpleTIR: its README's 7B training command over train.sh's
+# defaults and recipe/simpletir/): Qwen2.5-7B, multi-turn code, several nodes. Its
+# micro-batch of 2 x 12,096 tokens needs the trainer sharded over 13 or more 80 GB
+# GPUs: refused on one node of 8, planned on two (--dry-run --plan-nodes 2;
+# docs/05-torl.md, "SimpleTIR-7B", names each difference kept).
+PRESETS["simpletir-7b"] = dict(
+    PRESETS["torl-7b"],
+    model="Qwen/Qwen2.5-7B",  # MODEL_NAME=Qwen2.5-7B: the base model, not the Math one; RL from it, no cold start
+    scorer="lab",  # its reward, 1/0 from math-verify (hf_math_verify.py); the lab's ±1 (same std-scaled advantages)
+    train_file="data/simpletir/train.parquet",  # its datasets/simplelr_math_35/train + deepscaler/train, in one file
+    eval_file="data/simpletir/test.parquet",  # simplelr_math_35/test, deepscaler/aime and aime25, in one file
+    template="qwen-chat",  # apply_chat_template=True; the lab's ChatML tool instruction, not SimpleTIR's own text
+    max_prompt_tokens=4096,  # data.max_start_length=4096 (SimpleTIR cuts a longer prompt from the left; the lab drops it)
+    steps=3100,  # total_epochs=100 over 48,838 problems in draws of 1,536 (oversample 3 x 512): 31 an epoch
+    problems_per_step=512,  # data.train_batch_size
+    max_response_tokens=8000,  # max_response_length 8000: every turn's tokens and the observations between them
+    max_model_len=12096,  # 4,096 + 8,000; its engine holds 16,000 + 8,000 (a rolling prompt of the turns so far)
+    tool_budget=5,  # agent.max_turns=5
+    eps_high=0.28,  # clip_ratio 0.2_0.28 (clip_ratio_c 3.0, the dual clip of negative advantages, is not kept)
+    num_minibatches=4,  # ppo_mini_batch_size=128 of 512 prompts: four updates a step
+    micro_batch_size=2,  # ppo_max_token_len_per_gpu=24000 (use_dynamic_bsz): two sequences at their longest
+    eval_every=10,  # trainer.test_freq
+    eval_k=16,  # val_kwargs.n=16 at temperature 1.0 (every problem; SimpleTIR samples 50 of each set)
+    eval_temperature=1.0,
+    eval_max_response_tokens=8000,
+    save_every=10,  # --save_freq 10
+    gpu_memory_utilization=0.75,  # rollout.gpu_memory_utilization (its engines run tensor parallel 2; the lab's 1)
+    filter_void_turns=True,  # --mask_void_turns True: a turn with neither code nor an answer keeps its trajectory out
+    mask_truncated=True,  # --remove_clip True: budget-truncated responses leave the loss
+    dynamic_sampling=True,  # rejection_sample, --acc_filter 0.1_0.9, --oversample 3: the lab keeps groups whose
+    dynamic_sampling_rounds=2,  # rewards differ, drawing up to 2 more rounds (3 x the problems), not the 0.1-0.9 band
+)
 # Presets sized for a CUDA GPU: refused up front on a machine without one.
-GPU_PRESETS = {"torl-1.5b", "torl-7b"}
+GPU_PRESETS = {"torl-1.5b", "torl-7b", "simpletir-7b"}

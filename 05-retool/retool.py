@@ -33,7 +33,7 @@ except ModuleNotFoundError:
     sys.exit(f"error: {sys.executable} is not the lab's Python: run .venv/bin/python {sys.argv[0]}, or make")
 from batch_filters import excluded_from_loss, extra_seed, keep_informative_groups
 from configuration import check_config, cuda_available, parse_with_field_flags, sandbox_config
-from dry_run import check_memory_plan, dry_run
+from dry_run import add_plan_flags, check_memory_plan, dry_run
 from plots import plot_run
 from presets import GPU_PRESETS, PRESETS
 from problems_and_policy import first_policy, fit_prompts, load_data, trainer_threads
@@ -265,6 +265,11 @@ def start_sandbox(cfg: Config):
     """Chapter 02's sandbox with the run's settings, or a one-line refusal saying why it cannot contain code here."""
     from sandbox import Sandbox, SandboxError
 
+    if cfg.sandbox_backend == "sandboxfusion":  # the preflight: every member of the pool answers, or say which not
+        from sandboxfusion_backend import unreachable
+
+        if dead := unreachable(sandbox_config(cfg)):
+            raise SystemExit(f"error: the sandbox pool is not whole: {'; '.join(dead)}")
     try:
         sandbox = Sandbox(sandbox_config(cfg))
         sandbox.run("pass")  # one real call: the backend and its containment are ready, or say why not
@@ -317,8 +322,7 @@ def main(argv: list[str] | None = None) -> Path:
         run_dir = Path(args.resume)
         cfg = resume_config(Config, run_dir, overrides, argv, args.change_recipe)
     elif args.dry_run:  # every check that needs no model, and a memory plan per GPU (dry_run.py)
-        raise SystemExit(dry_run(make_config(args.preset, overrides), args.preset, args.plan_gpus, args.plan_gpu_gb,
-                                 start_sandbox))
+        raise SystemExit(dry_run(make_config(args.preset, overrides), args.preset, args, start_sandbox))
     else:
         if args.preset in GPU_PRESETS and not cuda_available():
             raise SystemExit(f"error: preset {args.preset} needs a CUDA GPU and this machine has none; "
@@ -362,10 +366,7 @@ def parse_args(argv):
     parser.add_argument("--change-recipe", action="store_true", help="--resume with recipe flags that differ from the run's")
     parser.add_argument("--dry-run", action="store_true", help="check everything that needs no model and plan "
                         "memory per GPU, in seconds; load nothing")
-    parser.add_argument("--plan-gpus", type=at_least(1), help="--dry-run without CUDA: GPUs to plan for "
-                        "[default: 8 for a GPU preset, else 1]")
-    parser.add_argument("--plan-gpu-gb", type=at_least(1.0, float), default=80.0,
-                        help="--dry-run without CUDA: memory of each, in GB [default: 80]")
+    add_plan_flags(parser)  # --plan-*: the GPUs a dry run plans for; --assume-*: its rates (dry_run.py)
     args, overrides = parse_with_field_flags(parser, Config, argv, PRESETS)
     args.plan_gpus = args.plan_gpus or (8 if args.preset in GPU_PRESETS else 1)  # the demos run as one process
     return args, overrides

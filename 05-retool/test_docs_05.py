@@ -42,7 +42,7 @@ def test_the_torl_table_is_the_preset():
          f"| problems per step | `data.train_batch_size=128` | {cfg.problems_per_step} |",
          f"| samples per problem | `rollout.n=16` | {cfg.group_size} |",
          f"`num_minibatches={cfg.num_minibatches}`: one AdamW step",
-         f"`micro_batch_size={cfg.micro_batch_size}` sequences on one GPU",
+         f"`micro_batch_size={cfg.micro_batch_size}` sequences on each GPU, 8 GPUs",
          f"`eps_low = eps_high = {cfg.eps_low}`",
          f"| `max_response_length=3072` | {cfg.max_response_tokens} |",
          f"`max_model_len={cfg.max_model_len}`",
@@ -51,7 +51,7 @@ def test_the_torl_table_is_the_preset():
          f"`eval_k={cfg.eval_k}`",
          f"`save_every={cfg.save_every}`; the last {cfg.keep_checkpoints} kept",
          f"`steps={cfg.steps}` (300 x 224)",
-         f"vLLM at {cfg.gpu_memory_utilization} of it",
+         f"vLLM at {cfg.gpu_memory_utilization} of each GPU",
          f"lr {short(cfg.lr)}, betas (0.9, 0.999)")
     assert cfg.cold_start == "none"  # the table's model row: RL from the base model, as ToRL
     says("05-torl.md", f"`scorer={cfg.scorer}`, the same rule", f"`sandbox_timeout={cfg.sandbox_timeout:g}`")

@@ -1,4 +1,4 @@
-"""Data parallel RL across the devices of one node with torch.distributed; see docs/06-scaling.md.
+"""Data parallel RL across the devices of one node or several, with torch.distributed; see docs/06-scaling.md.
 
     torchrun --nproc-per-node 8 05-retool/retool.py --preset torl-1.5b     # 8 GPUs, DDP
     make run-05 NPROC=8 PRESET=torl-7b                                       # 8 GPUs, FSDP2
@@ -65,10 +65,12 @@ def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def gradient_sync(model, sync: bool):
-    """DDP: average gradients across ranks on the mini-batch's last backward only.
+    """DDP: average gradients across ranks on the mini-batch's last micro-batch only; wrap its forward.
 
     Earlier micro-batches accumulate locally: one exchange per optimizer step
-    instead of one per micro-batch. FSDP2 reduce-scatters after every backward
+    instead of one per micro-batch. DDP decides at the forward whether the
+    backward exchanges (its reducer is armed there), so the context must hold
+    the forward; around the backward alone it changes nothing. FSDP2 reduce-scatters after every backward
     on purpose: skipping it would hold an unsharded float32 gradient (28 GiB for
     a 7B model) on every GPU. A plain model has nothing to exchange.
     """
@@ -263,6 +265,16 @@ def setup(strategy: str = "ddp") -> DataParallel:
     if not dist.is_initialized():
         dist.init_process_group(backend, timeout=COLLECTIVE_TIMEOUT)
     return DataParallel(rank, world, local, strategy)
+
+
+def cores_per_rank() -> int:
+    """This rank's share of the node's cores: what its sandbox may run at once (math code is CPU-bound).
+
+    torchrun's LOCAL_WORLD_SIZE ranks share one node; each taking every core
+    would start 8 x 224 warm slots on a 224-core, 8-GPU node.
+    """
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cores // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
 
 
 def combine_metrics(per_rank: list[dict]) -> dict:

@@ -161,7 +161,8 @@ def grpo_step(model, optimizer, trajectories, cfg: GRPOConfig, exclude=None, glo
         micro_batches = rows.split(cfg.micro_batch_size) if len(rows) else ()  # () when every row was skipped
         for i, micro_rows in enumerate(micro_batches):
             micro = batch.select(micro_rows)
-            logprobs, _ = _target_logprobs(model, micro.input_ids, micro.attention_mask, cfg.temperature)
+            with gradient_sync(model, sync=i == len(micro_batches) - 1):  # DDP: one exchange per update
+                logprobs, _ = _target_logprobs(model, micro.input_ids, micro.attention_mask, cfg.temperature)
             device, width = logprobs.device, logprobs.shape[1]
             loss, stats = clipped_policy_loss(
                 logprobs, old_logprobs[micro_rows, :width].to(device), micro.advantages.to(device),
@@ -173,8 +174,7 @@ def grpo_step(model, optimizer, trajectories, cfg: GRPOConfig, exclude=None, glo
             # with ref_logprobs from a frozen copy of the initial model, computed
             # beside old_logprobs. ToRL uses kl_coef = 0, so the lab keeps neither
             # the copy nor its memory.
-            with gradient_sync(model, sync=i == len(micro_batches) - 1):  # DDP: one exchange per update
-                loss.backward()
+            loss.backward()
             tally.add_micro_batch(loss, stats)
         if not micro_batches:
             zero_gradients(model)  # AdamW still steps, as it would have on the rows' zero gradients

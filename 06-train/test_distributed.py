@@ -82,6 +82,47 @@ def _checkpoint_on_ranks(rank, world, model_path, run_dir):
             "files": sorted(p.name for p in final.iterdir())}
 
 
+def _exchanges_on_ranks(rank, world, model_path):
+    """DDP: how many gradient exchanges one grpo_step makes (a communication hook counts each one's last bucket)."""
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    dp = DataParallel(rank, world, strategy="ddp")
+    model = dp.wrap(load_policy(model_path, device="cpu"))
+    exchanges = []
+
+    def counting_hook(state, bucket):
+        exchanges.append(bucket.is_last())
+        return allreduce_hook(None, bucket)
+
+    model.register_comm_hook(None, counting_hook)
+    groups = dp.shard(by_problem(group_trajectories()), CFG.num_minibatches)
+    grpo_step(model, make_optimizer(model, CFG), [t for g in groups for t in g], CFG,
+              global_normalizer=dp.global_normalizer)
+    return sum(exchanges)
+
+
+def _engine_weights_on_ranks(rank, world, model_path):
+    """FSDP2: the dtype each weight has when its gather starts, and whether the gathered tensor is the full one."""
+    import weight_sync
+
+    dp = DataParallel(rank, world, strategy="fsdp")
+    model = dp.wrap(load_policy(model_path, device="cpu"))
+    full = dict(load_policy(model_path, device="cpu").named_parameters())  # what the sync hands over (tied: once)
+    gathered_dtypes, real_gather = [], weight_sync.full_tensor
+
+    def recording_gather(tensor):
+        gathered_dtypes.append(tensor.dtype)
+        return real_gather(tensor)
+
+    weight_sync.full_tensor = recording_gather
+    try:
+        weights = dict(weight_sync.engine_weights(model, torch.bfloat16))
+    finally:
+        weight_sync.full_tensor = real_gather
+    exact = all(torch.equal(weights[name], full[name].detach().to(torch.bfloat16)) for name in weights)
+    return {"gathered_dtypes": set(gathered_dtypes), "exact": exact, "names": sorted(weights) == sorted(full)}
+
+
 def _rank(rank, world, store, model_path, run_dir, out):
     """Every two-rank scenario in one process group: starting ranks costs more than the scenarios."""
     torch.set_num_threads(1)
@@ -91,6 +132,8 @@ def _rank(rank, world, store, model_path, run_dir, out):
                                                                f"{out}.{strategy}-{denominator}.optimizer")
                    for strategy, denominator in [("ddp", "global"), ("fsdp", "global"), ("ddp", "per-rank")]}
         results["checkpoint"] = _checkpoint_on_ranks(rank, world, model_path, run_dir)
+        results["ddp-exchanges"] = _exchanges_on_ranks(rank, world, model_path)
+        results["engine-weights"] = _engine_weights_on_ranks(rank, world, model_path)
         if rank == 0:
             torch.save(results, out)
         # Tear down together: a rank that leaves while the other still holds the
@@ -131,6 +174,64 @@ def test_fsdp_checkpoints_keep_each_ranks_optimizer_shard_and_load_them_back(two
     for name in saved:
         for key in ("exp_avg", "exp_avg_sq", "step"):
             assert torch.equal(torch.as_tensor(saved[name][key]), torch.as_tensor(loaded[name][key])), (name, key)
+
+
+def test_ddp_exchanges_gradients_once_per_minibatch_not_per_micro_batch(two_ranks):
+    # each rank: 16 rows in 2 mini-batches of 8, micro-batches of 3 (3 per mini-batch): 6 exchanges if no_sync leaked
+    assert two_ranks[0]["ddp-exchanges"] == CFG.num_minibatches
+
+
+def test_fsdp_weight_sync_casts_each_shard_before_the_gather(two_ranks):
+    result = two_ranks[0]["engine-weights"]
+    assert result["gathered_dtypes"] == {torch.bfloat16}  # the gather moves bf16, not float32
+    assert result["exact"] and result["names"]  # and still hands vLLM every full weight, exactly cast
+
+
+def test_the_ranks_of_a_node_share_its_cores_for_their_sandboxes(monkeypatch):
+    from configuration import sandbox_config
+    from retool import Config
+
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(224)))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    assert sandbox_config(Config()).concurrency == 28  # not 224 on each of 8 ranks
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "300")
+    assert sandbox_config(Config()).concurrency == 1
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    assert sandbox_config(Config()).concurrency == 224  # one process: every core
+
+
+@pytest.mark.parametrize("visible, processes", [(None, 8), ("0,1", 2), ("2,-1,3", 1), ("", 1)])
+def test_make_starts_one_process_per_gpu_cuda_visible_devices_shows(tmp_path, visible, processes):
+    """NPROC for a GPU preset: the GPUs CUDA would show this process, not every GPU of the node."""
+    import os
+    import re
+    import subprocess
+    from pathlib import Path
+
+    fake = tmp_path / "nvidia-smi"  # a node of 8 GPUs, as `nvidia-smi -L` lists them
+    fake.write_text("#!/bin/sh\nfor i in 0 1 2 3 4 5 6 7; do echo \"GPU $i: H100\"; done\n")
+    fake.chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
+    env["PATH"] = f"{tmp_path}:{env['PATH']}"
+    if visible is not None:
+        env["CUDA_VISIBLE_DEVICES"] = visible
+    plan = subprocess.run(["make", "-n", "run-05", "PRESET=torl-1.5b", "DEVICE=cuda", "STAMP="], env=env,
+                          cwd=Path(__file__).parents[1], capture_output=True, text=True, check=True).stdout
+    started = re.search(r"--nproc-per-node (\d+)", plan)
+    assert (int(started.group(1)) if started else 1) == processes, plan
+
+
+def test_make_refuses_to_install_cuda_packages_into_an_environment_built_for_the_cpu(tmp_path):
+    """pip would keep the CPU build's torch (2.13.0+cpu satisfies torch==2.13.0): one environment per device."""
+    import subprocess
+    from pathlib import Path
+
+    (tmp_path / ".installed-cpu").touch()  # what `make setup` leaves in a venv it built for the CPU
+    done = subprocess.run(["make", "setup", "DEVICE=cuda", f"VENV={tmp_path}"], cwd=Path(__file__).parents[1],
+                          capture_output=True, text=True)
+    assert done.returncode != 0
+    assert f"error: {tmp_path} was built for cpu, not cuda" in done.stdout
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".installed-cpu"]  # nothing installed
 
 
 def max_difference(a, b):
@@ -301,3 +402,75 @@ def test_each_ranks_engine_draws_its_own_samples_for_the_same_prompt(tmp_path, t
     samples = json.loads(ranks[0].stdout.split("SAMPLES ", 1)[1].splitlines()[0])
     assert samples["own"][0] != samples["own"][1]  # each rank's engine seed: different samples of one prompt
     assert samples["common"][0] == samples["common"][1]  # one seed: the same samples on both ranks
+
+
+def node_environment(node, world_size: int = 2) -> dict:
+    """One "node" of a cluster on this machine: its own temporary folder and caches; only the run folder is shared."""
+    import os
+
+    for name in ("tmp", "cache"):
+        (node / name).mkdir(parents=True)
+    return {**os.environ, "TMPDIR": str(node / "tmp"), "XDG_CACHE_HOME": str(node / "cache"),
+            "VLLM_CACHE_ROOT": str(node / "cache" / "vllm"), "TORCHINDUCTOR_CACHE_DIR": str(node / "cache" / "inductor"),
+            "OMP_NUM_THREADS": "1"}
+
+
+@pytest.mark.vllm
+def test_two_nodes_on_loopback_make_the_run_two_ranks_on_one_node_make(tmp_path, tiny_model_path, preloaded_python):
+    """Two torchrun launchers, one rank each, meet by c10d rendezvous on loopback, as two nodes of a cluster would.
+
+    Each "node" has its own temporary folder and caches, and the run folder is the only one they
+    share. The run equals two ranks on one node (the same trajectories, metrics and weights), and
+    it resumes from the checkpoint both nodes wrote.
+    """
+    import json
+    import socket
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    retool = Path(__file__).resolve().parent.parent / "05-retool" / "retool.py"
+    small = ["--model", str(tiny_model_path), "--cold-start", "none", "--problems-per-step", "4", "--group-size", "2",
+             "--max-response-tokens", "16", "--eval-problems", "2", "--eval-max-response-tokens", "16",
+             "--micro-batch-size", "2", "--enforce-eager", "true", "--cpu-kv-cache-gib", str(KV_CACHE_GIB),
+             "--sandbox-preload", "", "--strategy", "fsdp"]  # FSDP2: every rank writes its optimizer shard
+    one, two = tmp_path / "one-node", tmp_path / "two-nodes"
+    for done in preloaded_python.run_together([[retool, "--run-dir", one, "--steps", "1", *small]] * 2, cwd=tmp_path,
+                                              envs=ranks_environment(), timeout=900):
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    nodes = [node_environment(tmp_path / f"node-{i}") for i in range(2)]
+
+    def launch_nodes(args, attempt):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        launchers = [subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
+             "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"lab-{attempt}",
+             "--node-rank", str(i), str(retool), *map(str, args)], cwd=tmp_path, env=env,
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i, env in enumerate(nodes)]
+        for launcher in launchers:
+            out, _ = launcher.communicate(timeout=900)
+            assert launcher.returncode == 0, out[-4000:]
+
+    launch_nodes(["--run-dir", two, "--steps", "1", *small], 1)
+    rows = {run: [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()] for run in (one, two)}
+    for key in ("world_size", "trajectories", "problem_ids", "reward_mean", "tokens", "loss", "response_length"):
+        assert rows[two][0][key] == rows[one][0][key], key
+    same_batch = [[(t["token_ids"], t["reward"]) for t in map(json.loads, (run / "last_step.jsonl").read_text().splitlines())]
+                  for run in (one, two)]
+    assert same_batch[0] == same_batch[1] and len(same_batch[0]) == 4 * 2  # the same trajectories, in rank order
+    weights = [load_file(run / "checkpoints" / "step-000001" / "model.safetensors") for run in (one, two)]
+    assert weights[0].keys() == weights[1].keys() and all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
+
+    launch_nodes(["--resume", two, "--steps", "2"], 2)  # both nodes pick up the checkpoint in the shared run folder
+    rows = [json.loads(line) for line in (two / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2] and all(r["world_size"] == 2 and r["trajectories"] == 8 for r in rows)
+    assert rows[1]["weight_version"] == 2 and (two / "checkpoints" / "step-000002" / "state.json").exists()
+    shards = sorted(p.name for p in (two / "checkpoints" / "step-000002" / "optimizer").glob("*.distcp"))
+    assert len(shards) == 2  # one optimizer shard from each node, in the shared run folder
+    # each node's processes kept their temporary files and caches in that node's own folders
+    for node in (tmp_path / "node-0", tmp_path / "node-1"):
+        assert list((node / "tmp").glob("torchelastic_*")) and list((node / "cache" / "vllm").iterdir()), node

@@ -121,15 +121,18 @@ def test_the_memory_rules_are_memory_plans():
          f"that is {s['num_hidden_layers']} × 2 × {s['num_key_value_heads']} × {head} × 2 = {kv:,} bytes a token",
          f"**Logits: about {LOGIT_BYTES} bytes a value.**",
          f"({s['vocab_size']:,} entries for Qwen2.5-Math-1.5B)",
-         "At the peak that is 2 + 4 + 8 bytes a value",
+         "At the backward peak that is 2 + 4 + 4 + 4 + 2 bytes a value",
          f"hidden float32 values a token ({s['num_hidden_layers']} × {s['hidden_size']} for 1.5B)")
-    assert 2 + 4 + 8 == LOGIT_BYTES and TORL["gradient_checkpointing"] and TORL_7B["gradient_checkpointing"]
+    assert 2 + 4 + 4 + 4 + 2 == LOGIT_BYTES and TORL["gradient_checkpointing"] and TORL_7B["gradient_checkpointing"]
     for preset, model in (("torl-1.5b", "qwen2.5-math-1.5b"), ("torl-7b", "qwen2.5-math-7b")):
         cfg, shape, plan, _ = dry_run_plan(preset)
         p, shard = plan.parameters, plan.gpus if cfg.strategy == "fsdp" else 1
         tokens = cfg.micro_batch_size * cfg.max_model_len
         assert trainer_gb(plan) == pytest.approx(16 * p / shard / GB)
-        assert "gradients, float32" not in plan.rollout  # the gradients exist during the update only
+        # FSDP2's gradients exist during the update only; DDP's live in its buckets for the run
+        assert ("DDP's gradient buckets, float32" in plan.rollout) == (cfg.strategy == "ddp")
+        if cfg.strategy == "ddp":
+            assert plan.rollout["DDP's gradient buckets, float32"] == pytest.approx(4 * p / GB)
         assert plan.update[f"logits of a micro-batch of {cfg.micro_batch_size}"] == pytest.approx(
             tokens * shape["vocab_size"] * LOGIT_BYTES / GB)
         assert plan.update["checkpointed layer inputs"] == pytest.approx(
@@ -152,8 +155,9 @@ def test_the_memory_plan_is_the_torl_presets():
     assert plan.kv_tokens >= plan.tokens_in_flight  # all fit
     from dry_run import memory_plan, model_shape
 
-    one = memory_plan(cfg, model_shape(cfg.model), gpus=1, gpu_gb=plan.gpu_gb)  # only the rank's share changes
-    assert (one.rollout, one.update, one.kv_tokens, one.problems) == (plan.rollout, plan.update, plan.kv_tokens, [])
+    one = memory_plan(cfg, model_shape(cfg.model), gpus=1, gpu_gb=plan.gpu_gb)  # the rank's share, and no DDP
+    assert one.rollout == {k: v for k, v in plan.rollout.items() if not k.startswith("DDP")}
+    assert (one.update, one.kv_tokens, one.problems) == (plan.update, plan.kv_tokens, [])
 
 
 def test_the_gpu_benchmark_runs_at_the_torl_presets_settings():

@@ -37,10 +37,7 @@ def sync_weights(model, llm) -> int:
     asleep = llm.llm_engine.is_sleeping()
     if asleep:
         llm.wake_up(tags=["weights"])  # the weights' memory first; the KV cache after the copy
-    # Full tensors under their Hugging Face names, also from an FSDP2 shard (each a gather, as vLLM's
-    # loader asks for it, one layer's worth at a time), in the engine's dtype: bf16 on a GPU, half of float32.
-    dtype = llm.llm_engine.vllm_config.model_config.dtype
-    weights = ((name, full_tensor(param.detach()).to(dtype)) for name, param in unwrap(model).named_parameters())
+    weights = engine_weights(model, llm.llm_engine.vllm_config.model_config.dtype)
     failure = None
     try:
         llm.collective_rpc(reload_weights_in_worker, args=(weights,))
@@ -58,6 +55,15 @@ def sync_weights(model, llm) -> int:
         raise RuntimeError("vLLM refused to reset its prefix cache: requests are still running")
     llm.weight_version = getattr(llm, "weight_version", 0) + 1  # rollout stamps this on trajectories
     return llm.weight_version
+
+
+def engine_weights(model, dtype):
+    """(Hugging Face name, full tensor in the engine's dtype) per parameter, lazily, as vLLM's loader asks.
+
+    Each shard is cast before it is gathered (FSDP2's `full_tensor` is a collective):
+    the gather then moves bf16 on a GPU, half the bytes of float32.
+    """
+    return ((name, full_tensor(param.detach().to(dtype))) for name, param in unwrap(model).named_parameters())
 
 
 def any_rank_failed(failed: bool) -> bool:

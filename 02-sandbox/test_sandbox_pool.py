@@ -1,0 +1,155 @@
+"""A pool of sandbox servers behind the sandboxfusion backend: a member that dies, a member that misbehaves.
+
+Real sockets on loopback throughout: two serve.py processes for the pool (root, as the
+local sandbox inside them needs), and for answers no real server gives, a small HTTP
+server in this process that sends exactly the bytes a test names.
+"""
+from __future__ import annotations
+
+import http.server
+import json
+import os
+import socket
+import threading
+
+import pytest
+
+import sandboxfusion_backend
+from sandbox import Sandbox, SandboxConfig
+from test_serve import start_server, stop_server
+
+needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="serve.py runs the local sandbox, which needs root")
+
+
+def free_port_url() -> str:
+    """A loopback URL where nothing listens."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"http://127.0.0.1:{s.getsockname()[1]}"
+
+
+@needs_root
+def test_a_pool_member_killed_mid_run_loses_and_repeats_no_call(monkeypatch):
+    monkeypatch.setattr(sandboxfusion_backend, "DOWN_SECONDS", 600.0)  # once dead, skipped for the test
+    (first, first_url), (second, second_url) = start_server(), start_server()
+    try:
+        with Sandbox(SandboxConfig(backend="sandboxfusion", urls=(first_url, second_url), concurrency=8)) as pool:
+            served = []
+            post = pool._backend._post
+            pool._backend._post = lambda index, *a: served.append(index) or post(index, *a)
+            warm = pool.run_many([f"print({i})" for i in range(8)])
+            assert [r.stdout for r in warm] == [f"{i}\n" for i in range(8)] and set(served) == {0, 1}  # both serve
+            # 16 calls that each take a while, so several are in flight on the first server when it dies
+            codes = [f"import time\ntime.sleep(0.4)\nprint({i} * {i})" for i in range(16)]
+            results = []
+            runner = threading.Thread(target=lambda: results.extend(pool.run_many(codes)))
+            runner.start()
+            while served.count(0) < 6:  # the first server has taken calls of this batch
+                threading.Event().wait(0.01)
+            first.kill()  # SIGKILL: no goodbye, its open connections drop
+            runner.join(timeout=120)
+            assert not runner.is_alive()
+            assert [r.stdout for r in results] == [f"{i * i}\n" for i in range(16)]  # each call's own answer, once
+            assert all(r.ok for r in results)
+            after = pool.run_many([f"print({i})" for i in range(4)])
+            assert [r.stdout for r in after] == [f"{i}\n" for i in range(4)]
+    finally:
+        first.kill()
+        first.wait(timeout=60)
+        stop_server(second)
+
+
+class _Scripted(http.server.BaseHTTPRequestHandler):
+    """Answers /v1/ping with 200 and every POST with the server's `answer` bytes."""
+
+    def do_GET(self):
+        self._send(b'"pong"')
+
+    def do_POST(self):
+        self.rfile.read(int(self.headers["Content-Length"]))
+        self._send(self.server.answer)
+
+    def _send(self, body: bytes):
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def scripted():
+    """A loopback server that answers what the test sets in `server.answer`; (server, url)."""
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Scripted)
+    server.answer = b"{}"
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield server, f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+
+
+def run_result(**fields) -> bytes:
+    return json.dumps({"status": "Success", "message": "", "run_result": {
+        "status": "Finished", "return_code": 0, "stdout": "", "stderr": "", **fields}}).encode()
+
+
+@pytest.mark.parametrize("answer", [
+    b"not json at all",
+    b'{"status": "Success", "run_result": {"status": "Finished", "return_code": 1e400}}',  # infinity
+    b'{"status": "Success", "run_result": {"status": "Finished", "return_code": Infinity}}',
+    run_result(return_code=10 ** 40),
+    run_result(return_code="zero"),
+    run_result(return_code=True),
+    run_result(stdout=42),
+    run_result(stderr=["a", "list"]),
+    b'{"status": 5, "message": {"not": "text"}}',
+    b'{"status": "Success", "run_result": "Finished"}',
+    b"[1, 2, 3]",
+    b'"just a string"',
+    b"{" + b'"pad": "' + b"x" * (3 << 20) + b'"}',  # past what two capped streams can take
+])
+def test_a_misbehaving_servers_answer_is_a_failed_call_never_an_exception(scripted, answer):
+    server, url = scripted
+    server.answer = answer
+    with Sandbox(SandboxConfig(backend="sandboxfusion", urls=(url,), max_output_bytes=64 * 1024)) as sb:
+        result = sb.run("print(1)")
+    assert not result.ok and result.stdout == "" and "SandboxError" in result.stderr
+
+
+def test_a_servers_streams_come_back_capped_as_the_local_sandboxs(scripted):
+    server, url = scripted
+    cap = 1000
+    server.answer = run_result(stdout="a" * 600 + "b" * 5000 + "c" * 600, stderr="short\n")
+    with Sandbox(SandboxConfig(backend="sandboxfusion", urls=(url,), max_output_bytes=cap)) as sb:
+        result = sb.run("print(1)")
+    assert result.ok and result.truncated and result.stderr == "short\n"
+    # head and tail of cap bytes in all, and the line the local sandbox writes between them
+    assert result.stdout == "a" * 500 + "\n... [5200 bytes cut] ...\n" + "c" * 500
+
+
+@needs_root
+def test_a_capped_stream_reads_as_the_local_sandboxs(scripted):
+    server, url = scripted
+    text = "".join(f"{i}\n" for i in range(40_000))
+    server.answer = run_result(stdout=text)
+    with Sandbox(SandboxConfig(backend="sandboxfusion", urls=(url,), max_output_bytes=4096)) as remote, \
+            Sandbox(SandboxConfig(max_output_bytes=4096)) as local:
+        over_http, in_process = remote.run("print(1)"), local.run("for i in range(40_000): print(i)")
+    assert (over_http.stdout, over_http.truncated) == (in_process.stdout, in_process.truncated) and in_process.truncated
+
+
+def test_the_preflight_names_each_pool_member_that_does_not_answer(scripted, tmp_path, monkeypatch):
+    import retool
+
+    _, live = scripted
+    dead = free_port_url()
+    config = SandboxConfig(backend="sandboxfusion", urls=(live, dead))
+    problems = sandboxfusion_backend.unreachable(config)
+    assert len(problems) == 1 and problems[0].startswith(f"{dead}/run_code: ")
+    assert sandboxfusion_backend.unreachable(SandboxConfig(backend="sandboxfusion", urls=(live,))) == []
+    cfg = retool.Config(sandbox_backend="sandboxfusion", sandbox_urls=f"{live},{dead}")
+    with pytest.raises(SystemExit, match=f"error: the sandbox pool is not whole: {dead}/run_code: "):
+        retool.start_sandbox(cfg)
