@@ -352,14 +352,14 @@ def _old_logprobs_and_entropy(model, batch: Batch, cfg: GRPOConfig):
 def _check_step_inputs(trajectories, cfg: GRPOConfig, exclude) -> None:
     if not trajectories:
         raise ValueError("grpo_step needs at least one trajectory")
+    if objective_problems(cfg, tuple(OBJECTIVES)):  # objectives.py: settings that would train something else
+        raise ValueError(objective_problems(cfg, tuple(OBJECTIVES))[0])
     if cfg.aggregation not in AGGREGATIONS:
         raise ValueError(f"unknown aggregation {cfg.aggregation!r} (choose from {', '.join(AGGREGATIONS)})")
     if cfg.aggregation == "token-sum" and cfg.max_response_tokens < 1:
         raise ValueError("aggregation token-sum divides by the response budget: set GRPOConfig.max_response_tokens")
     if exclude is not None and len(exclude) != len(trajectories):
         raise ValueError(f"exclude has {len(exclude)} entries for {len(trajectories)} trajectories")
-    if objective_problems(cfg, tuple(OBJECTIVES)):
-        raise ValueError(objective_problems(cfg, tuple(OBJECTIVES))[0])
 
 
 def _set_gradient_checkpointing(model, on: bool) -> None:

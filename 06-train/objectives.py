@@ -82,13 +82,14 @@ def objective_aggregation(cfg) -> str:
     return "sequence-mean" if cfg.objective == "gspo" else cfg.aggregation
 
 
-def objective_problems(cfg, objectives=("ppo-clip", "gspo", "cispo")) -> list[str]:
-    """What is wrong with the objective and importance-sampling settings of a GRPOConfig or a retool Config."""
+def objective_problems(cfg, objectives: tuple[str, ...]) -> list[str]:
+    """What is wrong with the objective and importance-sampling settings of a GRPOConfig or a retool Config,
+    one line each; `objectives`: the names grpo.OBJECTIVES knows."""
     problems = []
     if cfg.objective not in objectives:
-        problems.append(f"objective must be {', '.join(objectives)}, got '{cfg.objective}'")
+        problems.append(f"objective must be one of {', '.join(objectives)}, got '{cfg.objective}'")
     if cfg.tis_mode not in TIS_MODES:
-        problems.append(f"tis_mode must be {', '.join(TIS_MODES)}, got '{cfg.tis_mode}'")
+        problems.append(f"tis_mode must be one of {', '.join(TIS_MODES)}, got '{cfg.tis_mode}'")
     elif cfg.tis_mode != "truncate" and not cfg.tis_cap > 1:
         problems.append(f"tis_mode {cfg.tis_mode} keeps ratios inside [1/tis_cap, tis_cap]: set tis_cap above 1 "
                         f"(2 is common), got {cfg.tis_cap}")
@@ -103,3 +104,4 @@ def objective_problems(cfg, objectives=("ppo-clip", "gspo", "cispo")) -> list[st
         if cfg.aggregation == "token-sum":
             problems.append("objective gspo averages over sequences: aggregation token-sum does not apply")
     return problems
+
