@@ -869,7 +869,7 @@ def test_micro_batches_with_the_mini_batch_normalizer_add_up_to_the_whole_loss()
 
 
 def test_gspo_by_hand_one_sequence_in_the_band_one_clipped():
-    """Tokens ratios 1.001, 0.999 (A = +1): s = 1.0000005, full gradient s / 2 / 2 each; 1.001, 1.001 (A = +1):
+    """Token ratios 1.001, 0.999 (A = +1): s = 0.9999995, full gradient s / 2 / 2 each; 1.001, 1.001 (A = +1):
     s = 1.001 > 1 + 4e-4, clipped, term -1.0004 and no gradient."""
     from objectives import gspo_loss
 
