@@ -28,7 +28,7 @@ def gspo_loss(logprobs, old_logprobs, advantages, loss_mask, eps_low: float = 3e
     replaces the sequence count, as in `aggregate`. `token_weights` ([B, T], no
     gradient) weigh a sequence by their mean over its model tokens: with
     sequence-mask that is its 0 or 1. Example, A = +1, eps_high 4e-4: token
-    ratios 1.001 and 0.999 give s = 1.0000 and the full gradient; 1.001 and
+    ratios 1.001 and 0.999 give s = 0.9999995 and the full gradient; 1.001 and
     1.001 give s = 1.001, clipped: no gradient for either token.
     """
     if aggregation != "sequence-mean":
