@@ -176,7 +176,7 @@ class GRPOConfig:
     betas: tuple[float, float] = (0.9, 0.999)
     max_grad_norm: float = 1.0  # clip the global gradient norm of each mini-batch
     # the clipped objective
-    objective: str = "ppo-clip"  # or "gspo" (a ratio per sequence: eps ~1000x narrower) or "cispo" (objectives.py)
+    objective: str = "ppo-clip"  # "ppo-clip", "gspo" (a ratio per sequence: eps ~1000x narrower) or "cispo" (objectives.py)
     eps_low: float = 0.2  # the ratio may fall to 1 - eps_low (gspo: the paper's 3e-4)
     eps_high: float = 0.28  # and rise to 1 + eps_high (clip-higher; gspo: the paper's 4e-4)
     force_gspo_clip: bool = False  # let gspo run with a PPO-sized band (above 0.01), refused otherwise
