@@ -1008,3 +1008,14 @@ def test_each_new_objective_and_mask_runs_real_steps_with_finite_metrics(tiny_ll
         sync_weights(load_policy(tiny_model_path, device="cpu"), tiny_llm)
         tiny_llm.weight_version = version
     assert masked[1] > 0  # forced tokens out of [1/2, 2] under token-mask
+
+
+def test_every_ablation_arm_is_a_configuration_the_loop_accepts():
+    """An arm the loop would refuse (a GSPO band left PPO-sized, a mask without a band) fails here, not hours in."""
+    from ablation import ARMS
+    from configuration import config_problems
+    from retool import make_config, parse_args
+
+    for arm, (flags, *_) in ARMS.items():
+        args, overrides = parse_args(flags)
+        assert config_problems(make_config(args.preset, overrides)) == [], arm
