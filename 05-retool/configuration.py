@@ -195,12 +195,14 @@ def config_problems(cfg, world: int | None = None, first_only: bool = False) -> 
             problems.append(missing)
     if not (first_only and problems):
         from distributed import STRATEGIES
-        from grpo import AGGREGATIONS
+        from grpo import AGGREGATIONS, OBJECTIVES
+        from objectives import objective_problems
 
         if cfg.strategy not in STRATEGIES:
             problems.append(f"strategy must be {_one_of(STRATEGIES)}, got '{cfg.strategy}'")
         if cfg.aggregation not in AGGREGATIONS:
             problems.append(f"aggregation must be {_one_of(AGGREGATIONS)}, got '{cfg.aggregation}'")
+        problems += objective_problems(cfg, tuple(OBJECTIVES))
     if cfg.cold_start in ("scratch", "finetune") and not problems and Path(cfg.train_file).exists():
         problems += [p for p in [cold_start_problem(cfg)] if p]
     if cfg.model and not problems:

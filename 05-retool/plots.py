@@ -1,4 +1,4 @@
-"""plots.png of a run, drawn from its metrics.jsonl: reward, accuracy, tool use, response length per RL step.
+"""plots.png of a run, drawn from its metrics.jsonl: reward, accuracy, tool use, response length, entropy per RL step.
 
 Drawn from the record alone, so `retool.py --plot RUN_DIR` redraws any run,
 finished, stopped or still going. The story: docs/05-retool.md.
@@ -9,8 +9,18 @@ import json
 from pathlib import Path
 
 
+# (title, metrics.jsonl keys drawn in it), left to right
+PANELS = [
+    ("reward (mean, ±1 scale)", ["reward_mean"]),
+    ("accuracy", ["accuracy"]),
+    ("tool use", ["code_ratio", "code_pass_ratio"]),
+    ("response length (tokens)", ["response_length"]),
+    ("policy entropy (nats per model token)", ["entropy"]),  # falling to 0: the policy stops exploring
+]
+
+
 def plot_run(run_dir: Path) -> Path:
-    """plots.png from metrics.jsonl: reward, accuracy, code ratio and pass ratio, response length."""
+    """plots.png from metrics.jsonl: reward, accuracy, code ratio and pass ratio, response length, policy entropy."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -21,14 +31,8 @@ def plot_run(run_dir: Path) -> Path:
         raise SystemExit(f"error: {path}: no metrics to plot")
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     steps = [r["step"] for r in rows]
-    panels = [
-        ("reward (mean, ±1 scale)", ["reward_mean"]),
-        ("accuracy", ["accuracy"]),
-        ("tool use", ["code_ratio", "code_pass_ratio"]),
-        ("response length (tokens)", ["response_length"]),
-    ]
-    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.2))
-    for ax, (title, keys) in zip(axes, panels):
+    fig, axes = plt.subplots(1, len(PANELS), figsize=(4.2 * len(PANELS), 3.2))
+    for ax, (title, keys) in zip(axes, PANELS):
         for key in keys:
             values = [float("nan") if r.get(key) is None else r[key] for r in rows]  # null: undefined that step
             ax.plot(steps, values, marker=".", label=key)

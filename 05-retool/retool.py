@@ -108,6 +108,10 @@ class Config:
     dynamic_sampling_rounds: int = 4  # the most extra rollout rounds a step may take for that
     mask_truncated: bool = False  # DAPO's overlong filtering: budget-truncated trajectories get no gradient
     filter_void_turns: bool = False  # SimpleTIR: a turn with neither complete code nor an answer keeps its trajectory out
+    # --- the objectives after DAPO (06-train/objectives.py, docs/06-objectives.md) ---
+    objective: str = "ppo-clip"  # ppo-clip, gspo (one ratio per sequence: its eps ~1000x narrower, the paper's 3e-4 / 4e-4) or cispo
+    force_gspo_clip: bool = False  # let gspo run with a PPO-sized clip band (above 0.01), refused otherwise
+    tis_mode: str = "truncate"  # with tis_cap: truncate, or weight 0 outside [1/cap, cap] per token-mask or sequence-mask
 
 
 def train(cfg: Config, run_dir: Path, resume: bool = False, dp=None) -> None:
@@ -258,6 +262,7 @@ def grpo_config(cfg: Config):
         num_minibatches=cfg.num_minibatches, micro_batch_size=cfg.micro_batch_size,
         temperature=cfg.temperature, gradient_checkpointing=cfg.gradient_checkpointing,
         max_response_tokens=cfg.max_response_tokens, tis_cap=cfg.tis_cap, skip_zero_advantage=cfg.skip_zero_advantage,
+        objective=cfg.objective, force_gspo_clip=cfg.force_gspo_clip, tis_mode=cfg.tis_mode,
     )
 
 

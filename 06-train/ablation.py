@@ -40,6 +40,20 @@ ARMS: dict[str, tuple[list[str], str, str, list[str]]] = {
     "bf16": (["--dtype", "bfloat16"], "bf16 sampler, no correction", "", ["mismatch_abs"]),
     "bf16-tis": (["--dtype", "bfloat16", "--tis-cap", "2.0"], "bf16 sampler + truncated IS, cap 2", "bf16",
                  ["tis_weight_mean", "tis_capped_frac", "mismatch_abs"]),
+    # the objectives after DAPO (docs/06-objectives.md: its predictions were written before these ran)
+    "gspo": (["--objective", "gspo", "--eps-low", "3e-4", "--eps-high", "4e-4"], "GSPO, sequence ratio clipped at 3e-4 / 4e-4",
+             "baseline", ["clip_high_frac", "clip_low_frac", "entropy"]),
+    "fast": (["--num-minibatches", "8", "--lr", "5e-5"], "8 mini-batches x lr 5e-5: the clip fires (docs/06-train)",
+             "baseline", ["clip_high_frac", "clip_low_frac", "entropy"]),
+    "fast-cispo": (["--num-minibatches", "8", "--lr", "5e-5", "--objective", "cispo"],
+                   "CISPO at 8 x 5e-5: clipped tokens keep a clipped weight", "fast",
+                   ["clip_high_frac", "clip_low_frac", "entropy"]),
+    "bf16-token-mask": (["--dtype", "bfloat16", "--tis-mode", "token-mask", "--tis-cap", "1.1"],
+                        "bf16 sampler + token mask outside [1/1.1, 1.1]", "bf16",
+                        ["tis_masked_frac", "tis_masked_seq_frac", "mismatch_max"]),
+    "bf16-sequence-mask": (["--dtype", "bfloat16", "--tis-mode", "sequence-mask", "--tis-cap", "1.1"],
+                           "bf16 sampler + sequence mask outside [1/1.1, 1.1]", "bf16",
+                           ["tis_masked_seq_frac", "tis_masked_frac", "mismatch_abs"]),
 }
 
 

@@ -9,8 +9,9 @@ no std); only tokens the model wrote carry gradient (`loss_mask`); pi_old is
 recomputed by the trainer, so the first mini-batch's ratio is exactly 1 and the
 gap to vLLM's log-probs is logged as a mismatch; clip-higher by default (0.2
 below, 0.28 above); token-mean aggregation; no KL term; float32 master weights.
-The options (`exclude`, TIS, skipping zero-advantage rows, the data-parallel
-denominator) are helpers in update_options.py.
+The options (`exclude`, importance sampling, skipping zero-advantage rows, the
+data-parallel denominator) are helpers in update_options.py; the objectives
+beside PPO-clip (GSPO, CISPO) are in objectives.py.
 """
 from __future__ import annotations
 
@@ -20,9 +21,10 @@ from dataclasses import dataclass
 import torch
 
 from distributed import full_tensor, gradient_sync, unwrap
-from update_metrics import UpdateTally, masked_mean, sampler_mismatch
-from update_options import (exclude_rows, loss_normalizer, rows_with_gradient, skip_zero_advantage, step_if_finite,
-                            tis_weights, zero_gradients)
+from objectives import cispo_loss, gspo_loss, objective_aggregation, objective_problems
+from update_metrics import UpdateTally, ratio_stats, sampler_mismatch
+from update_options import (aggregate, exclude_rows, loss_normalizer, rows_with_gradient, skip_zero_advantage,
+                            step_if_finite, tis_weights, zero_gradients)
 from weight_sync import sleep_sampler, sync_weights  # re-exported: the loop takes the chapter's parts from here
 
 
@@ -67,14 +69,12 @@ def clipped_policy_loss(
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """PPO-clip surrogate `-min(r*A, clip(r, 1-eps_low, 1+eps_high)*A)` over model tokens; returns (loss, stats).
 
-    All tensors are [B, T] (advantages may be [B], one per sequence).
-    "token-mean": sum over model tokens / number of model tokens.
-    "sequence-mean": each sequence's mean over its model tokens, then the mean
-    over sequences that have any. "token-sum" (Dr. GRPO): the sum divided by
-    `normalizer`, which it requires (response budget x sequences). Otherwise
-    `normalizer` replaces the denominator, so the micro-batches of one
-    mini-batch add up to the mini-batch's loss. `token_weights` ([B, T], no
-    gradient) multiply each token's term: truncated importance sampling.
+    All tensors are [B, T] (advantages may be [B], one per sequence). The token
+    terms add up as `aggregation` says: "token-mean" (sum / model tokens),
+    "sequence-mean" or Dr. GRPO's "token-sum"; `normalizer` replaces the
+    denominator, so the micro-batches of one mini-batch add up to its loss
+    (`aggregate` in update_options.py). `token_weights` ([B, T], no gradient)
+    multiply each token's term: importance sampling.
 
     Where the clip is active the gradient is zero: with A > 0 once r > 1 + eps_high,
     with A < 0 once r < 1 - eps_low. Example, A = +1: r = 1.5 gives -1.28 and no
@@ -94,34 +94,13 @@ def clipped_policy_loss(
     if token_weights is not None:
         token_terms = token_terms * token_weights.detach()
     token_terms = torch.where(mask, token_terms, 0.0)
+    loss = aggregate(token_terms, mask, aggregation, normalizer)  # update_options.py
+    adv, r = advantages.expand_as(ratio), ratio.detach()
+    return loss, ratio_stats(ratio, log_ratio, mask, (adv < 0) & (r < 1.0 - eps_low), (adv > 0) & (r > 1.0 + eps_high))
 
-    if aggregation == "token-sum":
-        if normalizer is None:
-            raise ValueError("token-sum needs normalizer = response budget x number of sequences")
-        loss = token_terms.sum() / normalizer
-    elif aggregation == "token-mean":
-        denominator = normalizer if normalizer is not None else mask.sum().clamp(min=1)
-        loss = token_terms.sum() / denominator
-    elif aggregation == "sequence-mean":
-        tokens_per_seq = mask.sum(dim=1)
-        per_seq = token_terms.sum(dim=1) / tokens_per_seq.clamp(min=1)
-        denominator = normalizer if normalizer is not None else (tokens_per_seq > 0).sum().clamp(min=1)
-        loss = per_seq.sum() / denominator
-    else:
-        raise ValueError(f"unknown aggregation {aggregation!r}")
 
-    with torch.no_grad():
-        adv = advantages.expand_as(ratio)
-        r = ratio.detach()
-        stats = {
-            "clip_low_frac": masked_mean((adv < 0) & (r < 1.0 - eps_low), mask),
-            "clip_high_frac": masked_mean((adv > 0) & (r > 1.0 + eps_high), mask),
-            "ratio_mean": masked_mean(r, mask),
-            "ratio_max": float(r[mask].max()) if mask.any() else 1.0,
-            "approx_kl": masked_mean((r - 1.0) - log_ratio.detach(), mask),
-            "tokens": float(mask.sum()),
-        }
-    return loss, stats
+# The objective's name -> its loss; all take clipped_policy_loss's arguments (docs/06-objectives.md).
+OBJECTIVES = {"ppo-clip": clipped_policy_loss, "gspo": gspo_loss, "cispo": cispo_loss}
 
 
 def grpo_step(model, optimizer, trajectories, cfg: GRPOConfig, exclude=None, global_normalizer=None) -> dict[str, float]:
@@ -145,16 +124,16 @@ def grpo_step(model, optimizer, trajectories, cfg: GRPOConfig, exclude=None, glo
     metrics["excluded_sequences"] = float(sum(bool(e) for e in exclude or ()))
     loss_tokens = float(batch.loss_mask.bool().sum())
     metrics["tokens"] = loss_tokens
-    token_weights, tis_metrics = tis_weights(old_logprobs, batch, cfg.tis_cap)
+    token_weights, tis_metrics = tis_weights(old_logprobs, batch, cfg.tis_cap, cfg.tis_mode)
     metrics.update(tis_metrics)
     has_gradient = rows_with_gradient(trajectories, batch.loss_mask)
     # Token-mean divides by every token in the loss, informative or not: this share is the
     # factor by which zero-advantage rows shrink the step (docs/06-beyond-torl.md, the exercise).
     metrics["informative_frac"] = float(batch.loss_mask.bool()[has_gradient].sum()) / max(loss_tokens, 1)
 
-    tally = UpdateTally()
+    tally, objective, aggregation = UpdateTally(), OBJECTIVES[cfg.objective], objective_aggregation(cfg)
     for rows in batch.minibatches(cfg.num_minibatches):
-        normalizer = loss_normalizer(batch.loss_mask[rows], cfg.aggregation, cfg.max_response_tokens, global_normalizer)
+        normalizer = loss_normalizer(batch.loss_mask[rows], aggregation, cfg.max_response_tokens, global_normalizer)
         rows, skipped = skip_zero_advantage(rows, has_gradient, model, cfg.skip_zero_advantage)
         tally.rows_skipped += skipped
         optimizer.zero_grad(set_to_none=True)
@@ -164,9 +143,9 @@ def grpo_step(model, optimizer, trajectories, cfg: GRPOConfig, exclude=None, glo
             with gradient_sync(model, sync=i == len(micro_batches) - 1):  # DDP: one exchange per update
                 logprobs, _ = _target_logprobs(model, micro.input_ids, micro.attention_mask, cfg.temperature)
             device, width = logprobs.device, logprobs.shape[1]
-            loss, stats = clipped_policy_loss(
+            loss, stats = objective(
                 logprobs, old_logprobs[micro_rows, :width].to(device), micro.advantages.to(device),
-                micro.loss_mask.to(device), cfg.eps_low, cfg.eps_high, cfg.aggregation, normalizer=normalizer,
+                micro.loss_mask.to(device), cfg.eps_low, cfg.eps_high, aggregation, normalizer=normalizer,
                 token_weights=None if token_weights is None else token_weights[micro_rows, :width].to(device),
             )
             # ---- A KL penalty to a reference model would go here. ----------------
@@ -197,11 +176,14 @@ class GRPOConfig:
     betas: tuple[float, float] = (0.9, 0.999)
     max_grad_norm: float = 1.0  # clip the global gradient norm of each mini-batch
     # the clipped objective
-    eps_low: float = 0.2  # the ratio may fall to 1 - eps_low
-    eps_high: float = 0.28  # and rise to 1 + eps_high (clip-higher)
-    aggregation: str = "token-mean"  # or "sequence-mean", or "token-sum" (Dr. GRPO)
+    objective: str = "ppo-clip"  # "ppo-clip", "gspo" (a ratio per sequence: eps ~1000x narrower) or "cispo" (objectives.py)
+    eps_low: float = 0.2  # the ratio may fall to 1 - eps_low (gspo: the paper's 3e-4)
+    eps_high: float = 0.28  # and rise to 1 + eps_high (clip-higher; gspo: the paper's 4e-4)
+    force_gspo_clip: bool = False  # let gspo run with a PPO-sized band (above 0.01), refused otherwise
+    aggregation: str = "token-mean"  # or "sequence-mean", or "token-sum" (Dr. GRPO); gspo: always sequence-mean
     max_response_tokens: int = 0  # the response budget: token-sum divides by it times the sequences
-    tis_cap: float = 0.0  # truncated importance sampling: weight min(pi_old / pi_sampler, tis_cap); 0 = off
+    tis_cap: float = 0.0  # importance sampling of the sampler/trainer gap: the cap, or the band [1/cap, cap]; 0 = off
+    tis_mode: str = "truncate"  # weight min(pi_old / pi_sampler, cap), or 0 outside the band: "token-mask", "sequence-mask"
     # batching: one step = num_minibatches optimizer updates over the trajectories
     num_minibatches: int = 2
     micro_batch_size: int = 4  # sequences per forward/backward; gradients accumulate across them
@@ -370,6 +352,8 @@ def _old_logprobs_and_entropy(model, batch: Batch, cfg: GRPOConfig):
 def _check_step_inputs(trajectories, cfg: GRPOConfig, exclude) -> None:
     if not trajectories:
         raise ValueError("grpo_step needs at least one trajectory")
+    if objective_problems(cfg, tuple(OBJECTIVES)):  # objectives.py: settings that would train something else
+        raise ValueError(objective_problems(cfg, tuple(OBJECTIVES))[0])
     if cfg.aggregation not in AGGREGATIONS:
         raise ValueError(f"unknown aggregation {cfg.aggregation!r} (choose from {', '.join(AGGREGATIONS)})")
     if cfg.aggregation == "token-sum" and cfg.max_response_tokens < 1:
@@ -388,7 +372,7 @@ def _set_gradient_checkpointing(model, on: bool) -> None:
 
 
 __all__ = [
-    "GRPOConfig", "AGGREGATIONS", "Batch", "group_advantages", "grpo_step", "clipped_policy_loss", "sync_weights",
+    "GRPOConfig", "AGGREGATIONS", "OBJECTIVES", "Batch", "group_advantages", "grpo_step", "clipped_policy_loss", "sync_weights",
     "sleep_sampler", "make_optimizer", "load_policy", "build_batch", "token_logprobs",
 ]
 

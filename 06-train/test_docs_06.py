@@ -226,7 +226,55 @@ def test_part_three_states_the_loop_defaults_and_the_ablation_arms():
     assert not demo.dynamic_sampling and demo.skip_zero_advantage
 
 
-@pytest.mark.parametrize("name", ["06-train.md", "06-scaling.md", "06-beyond-torl.md"])
+# --------------------------------------------------------------------------- part 4: the objectives after DAPO
+
+
+def test_part_four_restates_the_refusals_the_worked_examples_and_the_arms():
+    import math
+    from types import SimpleNamespace
+
+    from ablation import ARMS
+    from objectives import GSPO_WIDEST_EPS, cispo_loss, gspo_loss
+    from plots import PANELS
+    from update_options import tis_weights
+
+    ordinal = ["first", "second", "third", "fourth", "fifth", "sixth"]
+    entropy_panel = next(i for i, (_, keys) in enumerate(PANELS) if keys == ["entropy"])
+    says("06-objectives.md", f"a clip band wider than {GSPO_WIDEST_EPS} on either side",
+         f"a band above {GSPO_WIDEST_EPS} unless", f"in the {ordinal[entropy_panel]} panel of `plots.png`",
+         *(f"| {arm} | {ARMS[arm][1]} | {ARMS[arm][2]} |" for arm in
+           ("gspo", "fast", "fast-cispo", "bf16-token-mask", "bf16-sequence-mask")))
+    assert ARMS["gspo"][0][-4:] == ["--eps-low", "3e-4", "--eps-high", "4e-4"]
+    assert ARMS["fast"][0] == ARMS["fast-cispo"][0][:4] == ["--num-minibatches", "8", "--lr", "5e-5"]
+    # GSPO: one token at 1.5 among ten is a sequence ratio of 1.0414, clipped: -1.0004 and no gradient
+    old = torch.full((1, 10), -1.0)
+    logprobs = old.clone()
+    logprobs[0, 0] += math.log(1.5)
+    loss, stats = gspo_loss(logprobs.requires_grad_(), old, torch.tensor([1.0]), torch.ones(1, 10))
+    says("06-objectives.md", f"s = 1.5^(1/10) = {1.5 ** 0.1:.4f}, above 1 + 4e-4", f"the constant -{-float(loss.detach()):.4f}",
+         f"(`clip_high_frac` {stats['clip_high_frac']})")
+    # CISPO's column of the table: part 1's hand case
+    logprobs = torch.log(torch.tensor([[1.5, 0.5, 1.0], [1.1, 0.7, 1.6]])).requires_grad_()
+    loss, _ = cispo_loss(logprobs, torch.zeros(2, 3), torch.tensor([1.0, -1.0]), torch.tensor([[1, 1, 0], [1, 1, 1]]))
+    loss.backward()
+    g = (logprobs.grad * 5).tolist()
+    says("06-objectives.md", f"| A = +1, r = 1.5 | 0 (clipped) | {g[0][0]:g} / 5 |", f"| A = +1, r = 0.5 | -0.5 / 5 | {g[0][1]:g} / 5 |",
+         f"| A = -1, r = 0.7 | 0 (clipped) | +{g[1][1]:g} / 5 |", f"| A = -1, r = 1.6 | +1.6 / 5 | +{g[1][2]:g} / 5 |")
+    # the masks' worked example
+    batch = SimpleNamespace(loss_mask=torch.ones(1, 3), sampler_logprobs=torch.tensor([[-3.0, -0.2, -1.0]]))
+    old = torch.tensor([[-1.5, -0.25, -1.05]])
+    rows = {}
+    for mode in ("truncate", "token-mask", "sequence-mask"):
+        weights, metrics = tis_weights(old, batch, 2.0, mode)
+        rows[mode] = (", ".join(f"{w:.3g}" for w in weights[0].tolist()), metrics)
+    says("06-objectives.md", f"| truncate | {rows['truncate'][0]} | `tis_capped_frac` {rows['truncate'][1]['tis_capped_frac']:.3f} |",
+         f"| token-mask | {rows['token-mask'][0]} | `tis_masked_frac` {rows['token-mask'][1]['tis_masked_frac']:.3f}, "
+         f"`tis_masked_seq_frac` {rows['token-mask'][1]['tis_masked_seq_frac']:g} |",
+         f"| sequence-mask | {rows['sequence-mask'][0]} (geometric mean {math.exp((1.5 - 0.05 - 0.05) / 3):.3f}",
+         f"`tis_masked_frac` {rows['sequence-mask'][1]['tis_masked_frac']:g}, `tis_masked_seq_frac` 0 |")
+
+
+@pytest.mark.parametrize("name", ["06-train.md", "06-scaling.md", "06-beyond-torl.md", "06-objectives.md"])
 def test_each_page_ends_with_questions_and_folded_answers(name):
     text = (DOCS / name).read_text(encoding="utf-8")
     questions = text.split("## Questions to check yourself")[1].split("## Answers")[0]

@@ -1,6 +1,7 @@
 """The GRPO update's contract, one rule per test (tiny model, CPU, float32)."""
 import copy
 import math
+import re
 
 import pytest
 import torch
@@ -709,3 +710,312 @@ def test_a_failing_weight_load_still_joins_every_gather_and_raises(policy, monke
         weight_sync.sync_weights(policy, llm)
     assert "did not expect" in str(e.value.__cause__)
     assert len(gathered) == len(list(policy.parameters()))
+
+
+# --------------------------------------------------------------------------- the objectives after DAPO
+# Each loss and its gradient against a reference written here, token by token in float64, with the gradient
+# derived by hand (not by autograd): a missing detach, a wrong normaliser or a clip on the wrong side shows.
+
+EPS = {"ppo-clip": (0.2, 0.28), "cispo": (0.2, 0.28), "gspo": (3e-4, 4e-4)}
+
+
+def random_batch(seed, objective):
+    """6 rows of uneven length (padding after), an observation hole, one excluded row (no model token), and
+    log-probs far from each other (ppo-clip, cispo) or close (gspo) so that every clip region is visited."""
+    g = torch.Generator().manual_seed(seed)
+    rows, width = 6, 9
+    mask = torch.zeros(rows, width)
+    for i, length in enumerate([9, 4, 7, 0, 2, 6]):  # row 3: excluded
+        mask[i, :length] = 1
+    mask[0, 3:5] = 0  # interpreter output
+    mask[5, 1] = 0
+    old = -torch.rand(rows, width, generator=g, dtype=torch.float64) * 3
+    spread = 5e-4 if objective == "gspo" else 0.35
+    new = old + torch.randn(rows, width, generator=g, dtype=torch.float64) * spread
+    new[mask == 0] = 80.0  # padding and observations: exp would overflow; must not matter
+    sampler = old + torch.randn(rows, width, generator=g, dtype=torch.float64) * 0.6
+    advantage = torch.tensor([1.5, -0.5, 0.7, 2.0, -1.2, 0.0], dtype=torch.float64)
+    return new, old, sampler, advantage, mask
+
+
+def reference_weights(old, sampler, mask, cap, mode):
+    """pi_old / pi_sampler per model token: truncated, or 1 / 0 inside / outside [1/cap, cap]."""
+    w = torch.zeros_like(old)
+    for i in range(old.shape[0]):
+        cols = [t for t in range(old.shape[1]) if mask[i, t]]
+        if not cols:
+            continue
+        geometric = math.exp(sum(float(old[i, t] - sampler[i, t]) for t in cols) / len(cols))
+        for t in cols:
+            ratio = math.exp(float(old[i, t] - sampler[i, t]))
+            if mode == "truncate":
+                w[i, t] = min(ratio, cap)
+            elif mode == "token-mask":
+                w[i, t] = 1.0 if 1 / cap <= ratio <= cap else 0.0
+            else:
+                w[i, t] = 1.0 if 1 / cap <= geometric <= cap else 0.0
+    return w
+
+
+def reference_loss_and_gradient(new, old, advantage, mask, objective, aggregation, weights):
+    """(loss, d loss / d new) by the definitions, one token at a time."""
+    eps_low, eps_high = EPS[objective]
+    rows, width = new.shape
+    cols = [[t for t in range(width) if mask[i, t]] for i in range(rows)]
+    sequences = sum(1 for c in cols if c)
+    tokens = sum(len(c) for c in cols)
+    loss, grad = 0.0, torch.zeros_like(new)
+    for i in range(rows):
+        a, n = float(advantage[i]), len(cols[i])
+        if not n:
+            continue
+        if objective == "gspo":  # one term per sequence, mean over sequences
+            s = math.exp(sum(float(new[i, t] - old[i, t]) for t in cols[i]) / n)
+            w = sum(float(weights[i, t]) for t in cols[i]) / n
+            clipped = min(max(s, 1 - eps_low), 1 + eps_high)
+            loss += -w * min(s * a, clipped * a) / sequences
+            clip_acts = (a > 0 and s > 1 + eps_high) or (a < 0 and s < 1 - eps_low)
+            for t in cols[i]:
+                grad[i, t] = 0.0 if clip_acts else -w * a * s / n / sequences
+            continue
+        share = {"token-mean": 1 / tokens, "sequence-mean": 1 / (n * sequences)}[aggregation]
+        for t in cols[i]:
+            r = math.exp(float(new[i, t] - old[i, t]))
+            clipped = min(max(r, 1 - eps_low), 1 + eps_high)
+            w = float(weights[i, t])
+            if objective == "ppo-clip":
+                loss += -w * min(r * a, clipped * a) * share
+                clip_acts = (a > 0 and r > 1 + eps_high) or (a < 0 and r < 1 - eps_low)
+                grad[i, t] = 0.0 if clip_acts else -w * r * a * share
+            else:  # cispo: the clipped ratio is a constant weight on log pi
+                loss += -w * clipped * a * float(new[i, t]) * share
+                grad[i, t] = -w * clipped * a * share
+    return loss, grad
+
+
+def combinations():
+    for objective in ("ppo-clip", "cispo"):
+        for aggregation in ("token-mean", "sequence-mean"):
+            for mode in (None, "truncate", "token-mask", "sequence-mask"):
+                yield objective, aggregation, mode
+    yield "gspo", "sequence-mean", None
+    yield "gspo", "sequence-mean", "sequence-mask"
+
+
+@pytest.mark.parametrize("objective, aggregation, mode", list(combinations()))
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_each_objective_and_mode_matches_the_reference_loss_and_gradient(objective, aggregation, mode, seed):
+    from grpo import OBJECTIVES
+    from types import SimpleNamespace
+
+    from update_options import tis_weights
+
+    new, old, sampler, advantage, mask = random_batch(seed, objective)
+    cap = 1.5
+    if mode:
+        batch = SimpleNamespace(loss_mask=mask, sampler_logprobs=sampler)
+        weights, metrics = tis_weights(old, batch, cap, mode)
+        expected = reference_weights(old, sampler, mask, cap, mode)
+        assert torch.allclose(weights.double(), expected, atol=1e-9)
+        if mode != "truncate":
+            masked = (expected == 0) & (mask == 1)
+            assert metrics["tis_masked_frac"] == pytest.approx(float(masked.sum() / mask.sum()))
+            in_loss = mask.sum(1) > 0
+            assert metrics["tis_masked_seq_frac"] == pytest.approx(float(masked.any(1)[in_loss].float().mean()))
+    else:
+        weights = None
+    logprobs = new.clone().requires_grad_()
+    eps_low, eps_high = EPS[objective]
+    per_token_advantage = mask * advantage[:, None]  # as build_batch lays it out
+    loss, stats = OBJECTIVES[objective](logprobs, old, per_token_advantage, mask, eps_low, eps_high, aggregation,
+                                        token_weights=weights)
+    loss.backward()
+    ref_loss, ref_grad = reference_loss_and_gradient(new, old, advantage, mask, objective, aggregation,
+                                                     weights if weights is not None else torch.ones_like(new))
+    assert float(loss.detach()) == pytest.approx(ref_loss, rel=1e-9, abs=1e-12)
+    assert torch.isfinite(logprobs.grad).all()
+    assert torch.allclose(logprobs.grad, ref_grad, rtol=1e-9, atol=1e-12)
+    assert stats["tokens"] == float(mask.sum())
+    # the draw visits both sides of the clip (gspo: per sequence) and leaves some tokens unclipped
+    if objective != "gspo" and seed == 0:
+        assert stats["clip_low_frac"] > 0 and stats["clip_high_frac"] > 0
+        assert stats["clip_low_frac"] + stats["clip_high_frac"] < 0.9
+
+
+def test_gspo_draws_clip_some_sequences_and_not_others():
+    from objectives import gspo_loss
+
+    clipped = []
+    for seed in (0, 1, 2):
+        new, old, _, advantage, mask = random_batch(seed, "gspo")
+        _, stats = gspo_loss(new, old, advantage, mask)
+        clipped.append(stats["clip_low_frac"] + stats["clip_high_frac"])
+    assert any(c > 0 for c in clipped) and all(c < 0.9 for c in clipped)
+
+
+def test_micro_batches_with_the_mini_batch_normalizer_add_up_to_the_whole_loss():
+    """Each objective: two halves of the rows, each divided by the whole's count, sum to the whole."""
+    from grpo import OBJECTIVES
+    from update_options import loss_normalizer
+
+    for objective, aggregation in (("gspo", "sequence-mean"), ("cispo", "token-mean"), ("cispo", "sequence-mean")):
+        new, old, _, advantage, mask = random_batch(0, objective)
+        eps = EPS[objective]
+        whole, _ = OBJECTIVES[objective](new, old, advantage, mask, *eps, aggregation)
+        n = loss_normalizer(mask, aggregation, 0)
+        halves = sum(OBJECTIVES[objective](new[r], old[r], advantage[r], mask[r], *eps, aggregation, normalizer=n)[0]
+                     for r in (slice(0, 3), slice(3, 6)))
+        assert float(halves) == pytest.approx(float(whole), rel=1e-9)
+
+
+def test_gspo_by_hand_one_sequence_in_the_band_one_clipped():
+    """Token ratios 1.001, 0.999 (A = +1): s = 0.9999995, full gradient s / 2 / 2 each; 1.001, 1.001 (A = +1):
+    s = 1.001 > 1 + 4e-4, clipped, term -1.0004 and no gradient."""
+    from objectives import gspo_loss
+
+    old = torch.tensor([[-1.0, -2.0], [-1.0, -2.0]])
+    ratios = torch.tensor([[1.001, 0.999], [1.001, 1.001]])
+    logprobs = (old + ratios.log()).requires_grad_()
+    loss, stats = gspo_loss(logprobs, old, torch.tensor([1.0, 1.0]), torch.ones(2, 2))
+    s0 = math.sqrt(1.001 * 0.999)
+    assert float(loss.detach()) == pytest.approx((-s0 - 1.0004) / 2, abs=1e-6)
+    loss.backward()
+    assert torch.allclose(logprobs.grad[0], torch.full((2,), -s0 / 2 / 2), atol=1e-6)
+    assert (logprobs.grad[1] == 0).all()
+    assert stats["clip_high_frac"] == 0.5 and stats["clip_low_frac"] == 0
+
+
+def test_cispo_keeps_the_gradient_ppo_clip_removes():
+    """The hand case's clipped tokens (r = 1.5 with A = +1, r = 0.7 with A = -1) get the clipped weight."""
+    from objectives import cispo_loss
+
+    logprobs, old, adv, mask = hand_case()
+    loss, stats = cispo_loss(logprobs, old, adv, mask, 0.2, 0.28, "token-mean")
+    loss.backward()
+    g = logprobs.grad
+    assert float(g[0, 0]) == pytest.approx(-1.28 / 5) and float(g[1, 1]) == pytest.approx(0.8 / 5)
+    assert float(g[0, 1]) == pytest.approx(-0.8 / 5)  # r = 0.5 -> weight 0.8
+    assert float(g[1, 2]) == pytest.approx(1.28 / 5)  # r = 1.6 -> weight 1.28
+    assert g[0, 2] == 0  # padding
+    assert stats["clip_high_frac"] == pytest.approx(2 / 5) and stats["clip_low_frac"] == pytest.approx(2 / 5)
+
+
+@pytest.mark.parametrize("objective, against", [("cispo", {}), ("gspo", {"aggregation": "sequence-mean"})])
+def test_at_ratio_one_each_objective_takes_ppo_clips_step(policy, objective, against):
+    """One mini-batch sees ratio 1: CISPO's gradient is then PPO's; GSPO's is PPO's with sequence-mean.
+    An excluded row and a zero-advantage row ride along."""
+    trajectories = random_trajectories(4)
+    trajectories[2].advantage = 0.0
+    exclude = [False, True, False, False]
+    eps = {"eps_low": 3e-4, "eps_high": 4e-4} if objective == "gspo" else {}
+    theirs, metrics = sgd_step(policy, trajectories, exclude=exclude, objective=objective, **eps)
+    ppo, _ = sgd_step(policy, trajectories, exclude=exclude, **against)
+    assert (ppo - flat_weights(policy)).abs().max() > 1e-3
+    assert torch.allclose(theirs, ppo, atol=1e-6)
+    assert metrics["clip_low_frac"] == metrics["clip_high_frac"] == 0
+
+
+def with_token_gaps(policy, trajectory, gaps):
+    """Recorded log-probs such that pi_trainer / pi_sampler is gaps[k] on the k-th model token (1 elsewhere)."""
+    lp = iter(trainer_scores(policy, trajectory).tolist())
+    model_token = iter(range(len(trajectory.token_ids)))
+    trajectory.logprobs = [next(lp) - math.log(gaps.get(next(model_token), 1.0)) if m else 0.0 for m in trajectory.loss_mask]
+    return trajectory
+
+
+def test_sequence_mask_zeroes_a_sequence_whose_geometric_mean_is_out_of_band_and_keeps_its_tokens_in_the_denominator(policy):
+    kept, far = with_sampler_gap(policy, random_trajectories(2), [1.0, 4.0])  # far: every token 4x, mean 4 > cap 2
+    alone, _ = sgd_step(policy, [kept])
+    masked, metrics = sgd_step(policy, [kept, far], tis_cap=2.0, tis_mode="sequence-mask")
+    share = sum(kept.loss_mask) / (sum(kept.loss_mask) + sum(far.loss_mask))
+    start = flat_weights(policy)
+    assert torch.allclose(masked - start, share * (alone - start), atol=1e-6)
+    assert metrics["tis_masked_seq_frac"] == 0.5 and metrics["tis_masked_frac"] == pytest.approx(1 - share)
+    assert metrics["tis_weight_mean"] == pytest.approx(share)
+
+
+def test_token_mask_zeroes_one_token_where_sequence_mask_keeps_the_sequence(policy):
+    t = random_trajectories(1)[0]
+    with_token_gaps(policy, t, {0: 4.0, 1: 0.3})  # two tokens out of [1/2, 2]; geometric mean inside it
+    n = sum(t.loss_mask)
+    _, token = sgd_step(policy, [t], tis_cap=2.0, tis_mode="token-mask")
+    _, sequence = sgd_step(policy, [t], tis_cap=2.0, tis_mode="sequence-mask")
+    assert token["tis_masked_frac"] == pytest.approx(2 / n) and token["tis_masked_seq_frac"] == 1.0
+    assert sequence["tis_masked_frac"] == 0.0 and sequence["tis_masked_seq_frac"] == 0.0
+    assert token["tis_weight_mean"] == pytest.approx(1 - 2 / n)
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(objective="gspo"), "about 1000x tighter than PPO's: eps_low 0.2 / eps_high 0.28 are PPO-sized"),
+    (dict(objective="gspo", eps_low=3e-4, eps_high=4e-4, tis_cap=2.0), "tis_mode must be sequence-mask"),
+    (dict(objective="gspo", eps_low=3e-4, eps_high=4e-4, aggregation="token-sum"), "token-sum does not apply"),
+    (dict(objective="grpo"), "objective must be one of ppo-clip, gspo, cispo, got 'grpo'"),
+    (dict(tis_mode="token-mask"), "set tis_cap above 1"),
+    (dict(tis_mode="mask", tis_cap=2.0), "tis_mode must be one of truncate, token-mask, sequence-mask"),
+])
+def test_objective_settings_that_would_train_something_else_are_refused_in_one_line(policy, change, message):
+    from configuration import check_config
+    from retool import Config
+
+    with pytest.raises(SystemExit) as e:
+        check_config(Config(**change), resuming=False)
+    assert message in str(e.value) and "\n" not in str(e.value)
+    with pytest.raises(ValueError, match=re.escape(message)):  # grpo_step refuses the same, in the same words
+        sgd_step(policy, random_trajectories(1), **change)
+
+
+def test_a_forced_wide_gspo_band_runs_and_the_loop_refuses_it_before_loading_anything(policy, tmp_path):
+    import retool
+
+    _, metrics = sgd_step(policy, random_trajectories(2), objective="gspo", force_gspo_clip=True)
+    assert math.isfinite(metrics["loss"])
+    with pytest.raises(SystemExit, match="--force-gspo-clip true"):
+        retool.main(["--objective", "gspo", "--run-dir", str(tmp_path / "run")])
+    assert not (tmp_path / "run").exists()
+    args, overrides = retool.parse_args(["--objective", "cispo", "--tis-mode", "sequence-mask", "--tis-cap", "2"])
+    grpo_cfg = retool.grpo_config(retool.make_config(args.preset, overrides))
+    assert (grpo_cfg.objective, grpo_cfg.tis_mode, grpo_cfg.tis_cap) == ("cispo", "sequence-mask", 2.0)
+
+
+@pytest.mark.vllm
+def test_each_new_objective_and_mask_runs_real_steps_with_finite_metrics(tiny_llm, sandbox, tiny_model_path, policy):
+    """One real step each (vLLM, sandbox, reward, update, sync): gspo + sequence-mask, cispo + token-mask
+    (the 3-step runs with the loop are measured in docs/06-objectives.md). The forced turns make the mismatch
+    real: on a forced token vLLM records the log-prob of the regex-constrained distribution, higher than the
+    trainer's, so the masks have something to do."""
+    from retool import Config, train_step
+    from rollout import RolloutConfig
+
+    settings = [dict(objective="gspo", eps_low=3e-4, eps_high=4e-4, tis_cap=2.0, tis_mode="sequence-mask"),
+                dict(objective="cispo", tis_cap=2.0, tis_mode="token-mask")]
+    rollout_cfg = RolloutConfig(group_size=4, tool_budget=1, max_response_tokens=32, seed=5,
+                                force_turns=(f"({CODE_TURN}|{ANSWER_TURN})", ANSWER_TURN))
+    problems = [{"id": f"q{i}", "question": f"What is {i} + 1?", "answer": str(i + 1)} for i in range(2)]
+    version = tiny_llm.weight_version = getattr(tiny_llm, "weight_version", 0)
+    masked = []
+    try:
+        for change in settings:
+            grpo_cfg = GRPOConfig(lr=1e-3, num_minibatches=2, micro_batch_size=4, max_response_tokens=32, **change)
+            cfg = Config(group_size=4, problems_per_step=2, max_response_tokens=32, **change)
+            metrics, _ = train_step(tiny_llm, policy, make_optimizer(policy, grpo_cfg), problems, sandbox,
+                                    rollout_cfg, grpo_cfg, cfg)
+            for key in ("entropy", "loss", "grad_norm", "clip_low_frac", "clip_high_frac", "tis_weight_mean",
+                        "tis_masked_frac", "tis_masked_seq_frac"):
+                assert math.isfinite(metrics[key]), (change, key)
+            assert metrics["entropy"] > 0 and 0 <= metrics["tis_masked_frac"] <= 1
+            masked.append(metrics["tis_masked_frac"])
+    finally:  # the engine is shared by the whole session: put the original weights back
+        sync_weights(load_policy(tiny_model_path, device="cpu"), tiny_llm)
+        tiny_llm.weight_version = version
+    assert masked[1] > 0  # forced tokens out of [1/2, 2] under token-mask
+
+
+def test_every_ablation_arm_is_a_configuration_the_loop_accepts():
+    """An arm the loop would refuse (a GSPO band left PPO-sized, a mask without a band) fails here, not hours in."""
+    from ablation import ARMS
+    from configuration import config_problems
+    from retool import make_config, parse_args
+
+    for arm, (flags, *_) in ARMS.items():
+        args, overrides = parse_args(flags)
+        assert config_problems(make_config(args.preset, overrides)) == [], arm

@@ -28,6 +28,22 @@ def sampler_mismatch(old_logprobs: torch.Tensor, entropy: torch.Tensor, batch) -
     }
 
 
+def ratio_stats(ratio: torch.Tensor, log_ratio: torch.Tensor, mask: torch.Tensor, clipped_low: torch.Tensor,
+                clipped_high: torch.Tensor) -> dict[str, float]:
+    """A micro-batch's stats, whatever the objective: the share of model tokens the clip acted on at each
+    side (what acting means is the objective's), the token ratios and the k3 estimate of KL(old || new)."""
+    with torch.no_grad():
+        r = ratio.detach()
+        return {
+            "clip_low_frac": masked_mean(clipped_low, mask),
+            "clip_high_frac": masked_mean(clipped_high, mask),
+            "ratio_mean": masked_mean(r, mask),
+            "ratio_max": float(r[mask].max()) if mask.any() else 1.0,
+            "approx_kl": masked_mean((r - 1.0) - log_ratio.detach(), mask),
+            "tokens": float(mask.sum()),
+        }
+
+
 class UpdateTally:
     """Sums over a step's micro-batches and optimizer updates, turned into its metrics at the end."""
 

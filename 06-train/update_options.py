@@ -1,9 +1,10 @@
 """The update's options and safeguards, one small helper each, called from `grpo_step`.
 
-Each changes one thing: a token weight (truncated importance sampling), rows
-kept out of the loss (`exclude`), rows not run (zero advantage), the loss's
-denominator (aggregation, data parallel), and whether AdamW steps (all rows
-skipped, non-finite gradient). Why each exists: docs/06-train.md and docs/06-beyond-torl.md.
+Each changes one thing: a token weight (truncated or masked importance
+sampling), rows kept out of the loss (`exclude`), rows not run (zero
+advantage), the loss's denominator (aggregation, data parallel), and whether
+AdamW steps (all rows skipped, non-finite gradient). Why each exists:
+docs/06-train.md, docs/06-beyond-torl.md and docs/06-objectives.md.
 """
 from __future__ import annotations
 
@@ -16,19 +17,51 @@ from distributed import is_data_parallel
 from update_metrics import masked_mean
 
 
-def tis_weights(old_logprobs: torch.Tensor, batch, cap: float) -> tuple[torch.Tensor | None, dict[str, float]]:
-    """Truncated importance sampling: min(pi_old / pi_sampler, cap) per token in the loss, and its metrics.
+TIS_MODES = ("truncate", "token-mask", "sequence-mask")
+
+
+def tis_weights(old_logprobs: torch.Tensor, batch, cap: float, mode: str = "truncate"
+                ) -> tuple[torch.Tensor | None, dict[str, float]]:
+    """Importance weights for the sampler/trainer gap, one per token in the loss, and their metrics.
 
     The sample came from the sampler, the gradient is for the trainer's policy;
-    the weight corrects for that and is never differentiated. `cap` 0: off (None, no metrics).
+    the weight corrects for that and is never differentiated. "truncate":
+    min(pi_old / pi_sampler, cap). The masks (`masked_importance_weights`) give 1
+    or 0. `cap` 0: off (None, no metrics).
     """
     if cap <= 0:
         return None, {}
     mask = batch.loss_mask.bool()
-    trainer_over_sampler = torch.exp(torch.where(mask, old_logprobs - batch.sampler_logprobs, 0.0))
+    log_ratio = torch.where(mask, old_logprobs - batch.sampler_logprobs, 0.0)
+    if mode != "truncate":
+        return masked_importance_weights(log_ratio, mask, cap, mode)
+    trainer_over_sampler = torch.exp(log_ratio)
     weights = torch.where(mask, trainer_over_sampler.clamp(max=cap), 0.0)
     return weights, {"tis_weight_mean": masked_mean(weights, mask),
                      "tis_capped_frac": masked_mean(trainer_over_sampler > cap, mask)}
+
+
+def masked_importance_weights(log_ratio: torch.Tensor, mask: torch.Tensor, cap: float, mode: str
+                              ) -> tuple[torch.Tensor, dict[str, float]]:
+    """Weight 0 outside the band [1/cap, cap], 1 inside: per token ("token-mask", IcePop's rule) or per
+    sequence on its geometric-mean ratio ("sequence-mask"). A masked token still counts in the denominator.
+
+    tis_masked_frac: share of tokens in the loss with weight 0; tis_masked_seq_frac: share of
+    sequences in the loss with at least one (all of them, with sequence-mask).
+    """
+    band = math.log(cap)
+    if mode == "token-mask":
+        outside = log_ratio.abs() > band
+    elif mode == "sequence-mask":
+        per_sequence = log_ratio.sum(dim=1, keepdim=True) / mask.sum(dim=1, keepdim=True).clamp(min=1)
+        outside = (per_sequence.abs() > band).expand_as(mask)
+    else:
+        raise ValueError(f"unknown tis_mode {mode!r} (choose from {', '.join(TIS_MODES)})")
+    outside = outside & mask
+    weights = (mask & ~outside).float()
+    in_loss = mask.any(dim=1)
+    return weights, {"tis_weight_mean": masked_mean(weights, mask), "tis_masked_frac": masked_mean(outside, mask),
+                     "tis_masked_seq_frac": masked_mean(outside.any(dim=1), in_loss)}
 
 
 def exclude_rows(batch, exclude):
@@ -73,6 +106,29 @@ def loss_normalizer(loss_mask: torch.Tensor, aggregation: str, max_response_toke
     else:
         count = max(float((loss_mask.sum(dim=1) > 0).sum()), 1.0)
     return count if global_normalizer is None else global_normalizer(count)
+
+
+def aggregate(token_terms: torch.Tensor, mask: torch.Tensor, aggregation: str, normalizer: float | None = None
+              ) -> torch.Tensor:
+    """The loss from per-token terms (zero off the mask): token-mean, sequence-mean or token-sum.
+
+    "token-mean": sum / model tokens. "sequence-mean": each sequence's mean over
+    its model tokens, then the mean over sequences that have any. "token-sum"
+    (Dr. GRPO): sum / `normalizer`, which it requires (response budget x
+    sequences). Otherwise `normalizer` replaces the denominator, so the
+    micro-batches of one mini-batch add up to the mini-batch's loss.
+    """
+    if aggregation == "token-sum":
+        if normalizer is None:
+            raise ValueError("token-sum needs normalizer = response budget x number of sequences")
+        return token_terms.sum() / normalizer
+    if aggregation == "token-mean":
+        return token_terms.sum() / (normalizer if normalizer is not None else mask.sum().clamp(min=1))
+    if aggregation == "sequence-mean":
+        tokens_per_seq = mask.sum(dim=1)
+        per_seq = token_terms.sum(dim=1) / tokens_per_seq.clamp(min=1)
+        return per_seq.sum() / (normalizer if normalizer is not None else (tokens_per_seq > 0).sum().clamp(min=1))
+    raise ValueError(f"unknown aggregation {aggregation!r}")
 
 
 def zero_gradients(model) -> None:

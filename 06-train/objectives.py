@@ -1,0 +1,107 @@
+"""The objectives the field adopted after DAPO, beside grpo.py's PPO-clip; the story is docs/06-objectives.md.
+
+GSPO (Zheng et al., 2025) clips one ratio per sequence, the geometric mean of
+its tokens' ratios, so its clip band is about a thousand times narrower than
+PPO's. CISPO (MiniMax-M1, 2025) clips the importance weight instead of the
+term and detaches it, so no token loses its gradient to the clip. Both take
+the arguments of `grpo.clipped_policy_loss` and return (loss, stats) alike;
+`objective_problems` refuses, in one line each, the settings that would
+silently train something else.
+"""
+from __future__ import annotations
+
+import torch
+
+from update_metrics import ratio_stats
+from update_options import TIS_MODES, aggregate
+
+GSPO_WIDEST_EPS = 0.01  # a wider GSPO band is PPO-sized: the paper uses 3e-4 / 4e-4
+
+
+def gspo_loss(logprobs, old_logprobs, advantages, loss_mask, eps_low: float = 3e-4, eps_high: float = 4e-4,
+              aggregation: str = "sequence-mean", normalizer: float | None = None, token_weights=None):
+    """GSPO: -min(s_i A_i, clip(s_i, 1-eps_low, 1+eps_high) A_i) per sequence, mean over sequences.
+
+    s_i = exp(mean over the sequence's model tokens of log pi - log pi_old): its
+    gradient reaches every model token, s_i / |y_i| each (GSPO-token's gradient).
+    `aggregation` must be "sequence-mean" (the objective's own); `normalizer`
+    replaces the sequence count, as in `aggregate`. `token_weights` ([B, T], no
+    gradient) weigh a sequence by their mean over its model tokens: with
+    sequence-mask that is its 0 or 1. Example, A = +1, eps_high 4e-4: token
+    ratios 1.001 and 0.999 give s = 0.9999995 and the full gradient; 1.001 and
+    1.001 give s = 1.001, clipped: no gradient for either token.
+    """
+    if aggregation != "sequence-mean":
+        raise ValueError(f"gspo averages over sequences: aggregation {aggregation!r} does not apply")
+    mask = loss_mask.bool()
+    tokens = mask.sum(dim=1)
+    in_loss = tokens > 0
+    if advantages.dim() == 2:  # the batch's [B, T] form: the sequence's advantage on each of its model tokens
+        advantages = torch.where(mask, advantages, 0.0).sum(dim=1) / tokens.clamp(min=1)
+    log_ratio = torch.where(mask, logprobs - old_logprobs, 0.0)
+    sequence_ratio = torch.exp(log_ratio.sum(dim=1) / tokens.clamp(min=1))
+    clipped = torch.clamp(sequence_ratio, 1.0 - eps_low, 1.0 + eps_high)
+    terms = -torch.minimum(sequence_ratio * advantages, clipped * advantages)
+    if token_weights is not None:
+        terms = terms * torch.where(mask, token_weights.detach(), 0.0).sum(dim=1) / tokens.clamp(min=1)
+    terms = torch.where(in_loss, terms, 0.0)
+    loss = terms.sum() / (normalizer if normalizer is not None else in_loss.sum().clamp(min=1))
+    s = sequence_ratio.detach()[:, None].expand_as(mask)
+    a = advantages[:, None].expand_as(mask)
+    return loss, ratio_stats(torch.exp(log_ratio), log_ratio, mask,
+                             (a < 0) & (s < 1.0 - eps_low), (a > 0) & (s > 1.0 + eps_high))
+
+
+def cispo_loss(logprobs, old_logprobs, advantages, loss_mask, eps_low: float = 0.2, eps_high: float = 0.28,
+               aggregation: str = "token-mean", normalizer: float | None = None, token_weights=None):
+    """CISPO: -detach(clip(r, 1-eps_low, 1+eps_high)) * A * log pi per model token, aggregated as `aggregation` says.
+
+    The clip bounds the weight, not the term: every model token keeps the
+    gradient clip(r) * A * grad log pi. Example, A = +1: r = 1.5 gives weight
+    1.28 and gradient 1.28 * grad log pi where PPO-clip gives none. The loss's
+    value is not PPO's (it holds log pi, not r); its gradient at r = 1 is.
+    clip_low_frac / clip_high_frac: tokens (with a non-zero advantage) whose weight was clipped.
+    """
+    if advantages.dim() == 1:
+        advantages = advantages.unsqueeze(-1)
+    mask = loss_mask.bool()
+    log_ratio = torch.where(mask, logprobs - old_logprobs, 0.0)
+    ratio = torch.exp(log_ratio)
+    weight = torch.clamp(ratio, 1.0 - eps_low, 1.0 + eps_high).detach()
+    token_terms = -weight * advantages * torch.where(mask, logprobs, 0.0)
+    if token_weights is not None:
+        token_terms = token_terms * token_weights.detach()
+    token_terms = torch.where(mask, token_terms, 0.0)
+    moving = advantages.expand_as(ratio) != 0
+    return aggregate(token_terms, mask, aggregation, normalizer), ratio_stats(
+        ratio, log_ratio, mask, moving & (ratio < 1.0 - eps_low), moving & (ratio > 1.0 + eps_high))
+
+
+def objective_aggregation(cfg) -> str:
+    """The aggregation the objective uses: GSPO's loss is a mean over sequences by definition."""
+    return "sequence-mean" if cfg.objective == "gspo" else cfg.aggregation
+
+
+def objective_problems(cfg, objectives: tuple[str, ...]) -> list[str]:
+    """What is wrong with the objective and importance-sampling settings of a GRPOConfig or a retool Config,
+    one line each; `objectives`: the names grpo.OBJECTIVES knows."""
+    problems = []
+    if cfg.objective not in objectives:
+        problems.append(f"objective must be one of {', '.join(objectives)}, got '{cfg.objective}'")
+    if cfg.tis_mode not in TIS_MODES:
+        problems.append(f"tis_mode must be one of {', '.join(TIS_MODES)}, got '{cfg.tis_mode}'")
+    elif cfg.tis_mode != "truncate" and not cfg.tis_cap > 1:
+        problems.append(f"tis_mode {cfg.tis_mode} keeps ratios inside [1/tis_cap, tis_cap]: set tis_cap above 1 "
+                        f"(2 is common), got {cfg.tis_cap}")
+    if cfg.objective == "gspo":
+        if max(cfg.eps_low, cfg.eps_high) > GSPO_WIDEST_EPS and not cfg.force_gspo_clip:
+            problems.append(f"objective gspo clips a sequence's ratio, about 1000x tighter than PPO's: eps_low "
+                            f"{cfg.eps_low} / eps_high {cfg.eps_high} are PPO-sized; use the paper's 3e-4 / 4e-4 "
+                            "(--eps-low 3e-4 --eps-high 4e-4) or force them (--force-gspo-clip true)")
+        if cfg.tis_cap and cfg.tis_mode != "sequence-mask":
+            problems.append(f"objective gspo weighs whole sequences: with tis_cap, tis_mode must be sequence-mask, "
+                            f"got '{cfg.tis_mode}'")
+        if cfg.aggregation == "token-sum":
+            problems.append("objective gspo averages over sequences: aggregation token-sum does not apply")
+    return problems
+
