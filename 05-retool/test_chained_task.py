@@ -71,3 +71,30 @@ def test_cold_start_traces_show_each_move_at_the_low_rate_with_the_sandboxs_real
         assert boxed == f"The answer is \\boxed{{{row['answer']}}}." or trace["calls"] < len(steps) + (reading[0] == "0")
     for made, possible in ((fixes, fix_points), (chains, chain_points)):
         assert possible > 40 and abs(made / possible - FURTHER_CALL_RATE) < 0.1, (made, possible)
+
+
+def test_the_experiments_page_states_the_task_the_cold_start_and_the_preset():
+    from collections import Counter
+
+    from chained_problems import PADDED_SHARE, TEST_FRAMES, TRAIN_FRAMES, TWO_STEP_SHARE
+    from doc_pages import says
+    from retool import Config, make_config
+
+    cfg, demo, words = make_config("cpu-chained", {}), Config(), {2: "two", 4: "four", 0.5: "half", 1 / 3: "a third"}
+    held_out = Counter(kind(r) for r in make_chained_problems(2000, 200, seed=0)[1][:cfg.eval_problems])
+    says("06-experiments.md",
+         f"two steps ({words[TWO_STEP_SHARE]} the problems) and a reading below 1000 ({words[PADDED_SHARE]})",
+         f"({words[len(TEST_FRAMES)]} frames against {words[len(TRAIN_FRAMES)]} in training)",
+         *(f"| {name} | {detail} | {held_out[k]} |" for k, name, detail in (
+             ("1step", "one step", "1"), ("1step-padded", "one step, padded reading", "2: the error, then the same call"
+                                          " without the zeros"),
+             ("2step", "two steps", "2: the second reads the first's printed result"),
+             ("2step-padded", "two steps, padded reading", "3"))),
+         f"{cfg.cold_start_tool_fraction:.0%} of its traces call the tool",
+         f"`FURTHER_CALL_RATE` = {FURTHER_CALL_RATE}",
+         f"The cold start trains {cfg.cold_start_steps} steps, the first {cfg.cold_start_tool_only_steps} on tool traces "
+         f"alone (the demo's {demo.cold_start_steps} and {demo.cold_start_tool_only_steps}",
+         f"({cfg.problems_per_step} problems × {cfg.group_size} samples, lr {cfg.lr:.0e}".replace("e-05", "e-5"),
+         f"a tool budget of {cfg.tool_budget} (the hardest kind needs 3), {cfg.max_response_tokens} response tokens",
+         f"and {cfg.steps} steps. None of it was tuned",
+         f"each of the first {cfg.eval_problems} held-out problems")
