@@ -36,6 +36,11 @@ import re
 from pathlib import Path
 from typing import Callable
 
+STEP_PHRASES = {"*": "multiply it by {n}", "+": "add {n} to it", "-": "subtract {n} from it"}
+TWO_STEP_SHARE = 0.5  # of the problems, the rest have one step
+PADDED_SHARE = 1 / 3  # readings below 1000, shown with leading zeros
+LARGEST_ANSWER = 10**8 - 1  # answers and intermediate values stay positive and below this
+
 # (opening, question): the sentences around the steps. {reading} is the counter's four digits.
 TRAIN_FRAMES = [
     ("A counter shows {reading}.", "What number do you get?"),
@@ -47,10 +52,6 @@ TEST_FRAMES = [
     ("A gauge displays {reading}.", "What is the final number?"),
     ("The scoreboard shows {reading}.", "What number do you reach?"),
 ]
-STEP_PHRASES = {"*": "multiply it by {n}", "+": "add {n} to it", "-": "subtract {n} from it"}
-TWO_STEP_SHARE = 0.5  # of the problems, the rest have one step
-PADDED_SHARE = 1 / 3  # readings below 1000, shown with leading zeros
-LARGEST_ANSWER = 10**8 - 1  # answers and intermediate values stay positive and below this
 
 
 def make_chained_problems(n_train: int, n_test: int, seed: int = 0) -> tuple[list[dict], list[dict]]:
@@ -168,14 +169,13 @@ def _apply(x: int, op: str, y: int) -> int:
 if __name__ == "__main__":
     from prepare_data import write_jsonl
 
-    parser = argparse.ArgumentParser(description="Write counter problems of one or two steps: training and held-out frames.",
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--out-dir", default="data", help="folder chained_train.jsonl and chained_test.jsonl are written to")
-    parser.add_argument("--train", type=int, default=2000, help="problems in the training frames")
-    parser.add_argument("--test", type=int, default=200, help="problems in the held-out frames")
-    parser.add_argument("--seed", type=int, default=0, help="random seed")
+    parser = argparse.ArgumentParser(description="Write counter problems of one or two steps, training and held-out.")
+    parser.add_argument("--out-dir", default="data", help="folder of chained_train.jsonl and chained_test.jsonl (default data)")
+    parser.add_argument("--sizes", type=int, nargs=2, default=[2000, 200], metavar=("TRAIN", "TEST"),
+                        help="problems in the training frames and in the held-out ones (default 2000 200)")
+    parser.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     args = parser.parse_args()
-    train, test = make_chained_problems(args.train, args.test, args.seed)
-    write_jsonl(train, Path(args.out_dir) / "chained_train.jsonl")
-    write_jsonl(test, Path(args.out_dir) / "chained_test.jsonl")
-    print(f"{len(train)} training problems ({len(TRAIN_FRAMES)} frames), {len(test)} held-out ({len(TEST_FRAMES)} frames) in {args.out_dir}")
+    for split, rows, frames in zip(("train", "test"), make_chained_problems(*args.sizes, seed=args.seed),
+                                   (TRAIN_FRAMES, TEST_FRAMES)):
+        write_jsonl(rows, Path(args.out_dir) / f"chained_{split}.jsonl")
+        print(f"{Path(args.out_dir) / f'chained_{split}.jsonl'}: {len(rows)} problems in {len(frames)} frames")
