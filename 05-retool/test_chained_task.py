@@ -98,3 +98,18 @@ def test_the_experiments_page_states_the_task_the_cold_start_and_the_preset():
          f"a tool budget of {cfg.tool_budget} (the hardest kind needs 3), {cfg.max_response_tokens} response tokens",
          f"and {cfg.steps} steps. None of it was tuned",
          f"each of the first {cfg.eval_problems} held-out problems")
+
+
+def test_a_cold_start_on_the_chained_task_trains_on_its_chained_traces(tmp_path, monkeypatch):
+    import cold_start
+    from prepare_data import write_jsonl
+
+    write_jsonl(make_chained_problems(40, 0, seed=3)[0], tmp_path / "chained.jsonl")
+    built = []
+    real = cold_start.chained_traces
+    monkeypatch.setattr(cold_start, "chained_traces", lambda *a, **k: built.append(real(*a, **k)) or built[-1])
+    out = cold_start.main(["--train-file", str(tmp_path / "chained.jsonl"), "--steps", "2", "--tool-only-steps", "1",
+                           "--batch-size", "4", "--hidden-size", "64", "--num-layers", "1", "--vocab-size", "128",
+                           "--max-len", "128", "--warmup-steps", "1", "--tool-fraction", "0.5", "--out", str(tmp_path / "base")])
+    assert (out / "config.json").exists() and len(built) == 1 and len(built[0]) == 40
+    assert any(t["tool"] for t in built[0]) and any(not t["tool"] for t in built[0])
