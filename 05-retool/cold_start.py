@@ -77,7 +77,8 @@ def build_base_policy(args) -> Path:
     out = Path(args.out)
 
     # 1. Traces: text segments (prompt, model, observation, model) per problem.
-    traces = make_traces(problems, args.tool_fraction, rng, args.template, code_for=trace_code)
+    traces = (chained_traces(problems, args.tool_fraction, rng, args.template) if is_chained_task(problems)
+              else make_traces(problems, args.tool_fraction, rng, args.template, code_for=trace_code))
     print(f"cold start: {len(traces)} traces, {sum(t['tool'] for t in traces)} with a tool call")
 
     # 2. The model: a pretrained one as it is (--model), or a tiny random-init Qwen2
@@ -184,6 +185,52 @@ def trace_code(question: str) -> str:
     from word_problems import solution_code
 
     return solution_code(question)
+
+
+# The chained task (01-data/chained_problems.py): the share of the points where a further call is possible (after
+# an error, the fix; after a result with a step left, the next step) at which a tool trace makes it.
+FURTHER_CALL_RATE = 0.25
+
+
+def is_chained_task(problems: list[dict]) -> bool:
+    from chained_problems import parse
+
+    try:
+        parse(problems[0]["question"])
+    except ValueError:
+        return False
+    return True
+
+
+def chained_traces(problems: list[dict], tool_fraction: float, rng: random.Random, template: str) -> list[dict]:
+    """Traces of the chained task: a direct guess, or calls of the taught shape run one by one in the real sandbox.
+
+    A tool trace copies the reading as written into its first call; at each point
+    where a further call is possible it makes it with FURTHER_CALL_RATE, whether
+    or not it pays, else it boxes the last result (a guess after an error). The
+    base learns every move; when each one pays is left to RL (docs/06-experiments.md).
+    """
+    from chained_problems import scripted_calls
+
+    traces = []
+    with Sandbox(SandboxConfig(preload=())) as sandbox:
+        for p in problems:
+            segments = [("prompt", render_prompt(p["question"], template))]
+            if rng.random() >= tool_fraction:
+                segments.append(("model", DIRECT_OPENING.format(guess=guess(int(p["answer"]), rng))))
+                traces.append({"tool": False, "segments": segments})
+                continue
+
+            def run(code: str) -> str | None:
+                result = sandbox.run(code)
+                segments.extend([("model", TOOL_OPENING.format(code=code)), ("observation", observation_text(result))])
+                return result.stdout.strip() if result.ok else None
+
+            calls, answer = scripted_calls(p["question"], run, lambda move: rng.random() < FURTHER_CALL_RATE)
+            boxed = answer if answer is not None else guess(int(p["answer"]), rng)
+            segments.append(("model", TOOL_CLOSING.format(answer=boxed)))
+            traces.append({"tool": True, "segments": segments, "calls": len(calls), "answer": p["answer"]})
+    return traces
 
 
 def freeze_all_but_top(model, layers: int) -> int:

@@ -3,7 +3,8 @@
 cpu-demo is Config's defaults; torl-1.5b is ToRL's scripts/torl_1.5b.sh value
 by value (docs/05-torl.md has the table, row by row); torl-7b the same with the
 7B model on the 8 GPUs of one node; simpletir-7b SimpleTIR's released recipe over
-several nodes; smollm2 a real pretrained model on the CPU.
+several nodes; smollm2 a real pretrained model on the CPU; cpu-chained the tiny
+model on the task where calls chain (docs/06-experiments.md).
 """
 from __future__ import annotations
 
@@ -79,6 +80,20 @@ PRESETS: dict[str, dict] = {
         enforce_eager=False,  # its measured run compiled the engine
     ),
 }
+# The chained task (01-data/chained_problems.py): the tiny model from scratch on problems
+# that need one to three calls, where a later call reads an earlier one's output and a
+# first call may fail. Sized, not tuned: docs/06-experiments.md says why each value.
+# Write its data first: .venv/bin/python 01-data/chained_problems.py --out-dir data
+PRESETS["cpu-chained"] = dict(
+    train_file="data/chained_train.jsonl",
+    eval_file="data/chained_test.jsonl",
+    tool_budget=4,  # the hardest kind needs 3 calls (error, fix, next step); one to spare
+    max_response_tokens=256,  # a 3-call trace is about 200 tokens, 75 of them the SyntaxError's line
+    eval_max_response_tokens=256,
+    steps=30,
+    cold_start_steps=400,  # the demo's 300, and 100 more on tool traces: they hold three moves, not one
+    cold_start_tool_only_steps=300,
+)
 # ToRL-7B: the same script values with Qwen2.5-Math-7B, on the 8 GPUs of one node
 # (torchrun --nproc-per-node 8; make run-05 NPROC=8 PRESET=torl-7b). Its trainer
 # state (16 bytes per parameter: 122 GB) fits no single GPU, so FSDP2 shards it

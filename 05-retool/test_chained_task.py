@@ -1,0 +1,115 @@
+"""The chained task against the real sandbox and chapter 04's reward, and the cold start's traces of it."""
+import random
+
+from chained_problems import make_chained_problems, parse, scripted_calls, without_leading_zeros
+from cold_start import FURTHER_CALL_RATE, chained_traces, is_chained_task
+from reward import score_answer
+from rollout import observation_text
+
+
+def kind(row: dict) -> str:
+    return row["source"].removeprefix("chained-heldout-").removeprefix("chained-")
+
+
+def play(row, sandbox, decide) -> tuple[list[str], float]:
+    """A scripted policy's calls through the sandbox, and the reward its boxed answer earns (-1 if it gave up)."""
+    def run(code):
+        result = sandbox.run(code)
+        return result.stdout.strip() if result.ok else None
+
+    calls, answer = scripted_calls(row["question"], run, decide)
+    text = "The answer is \\boxed{%s}." % answer if answer is not None else "I give up."
+    return calls, score_answer(text, row["answer"]).reward
+
+
+def test_every_answer_is_scored_plus_one_and_the_multi_call_policy_earns_it_in_the_sandbox(sandbox):
+    train, test = make_chained_problems(30, 30, seed=4)
+    for row in train + test:
+        assert score_answer("The answer is \\boxed{%s}." % row["answer"], row["answer"]).reward == 1.0
+        calls, reward = play(row, sandbox, lambda move: True)
+        assert reward == 1.0, (row, calls)
+        assert len(calls) == {"1step": 1, "1step-padded": 2, "2step": 2, "2step-padded": 3}[kind(row)]
+
+
+def test_the_single_call_policy_solves_only_the_one_step_unpadded_problems(sandbox):
+    train, test = make_chained_problems(30, 30, seed=4)
+    for row in train + test:
+        calls, reward = play(row, sandbox, lambda move: False)
+        assert len(calls) == 1
+        assert reward == (1.0 if kind(row) == "1step" else -1.0), (row, calls)
+
+
+def test_a_padded_first_call_fails_and_the_observation_says_why(sandbox):
+    q = next(r["question"] for r in make_chained_problems(50, 0, seed=4)[0] if kind(r) == "2step-padded")
+    reading, ((op, n), _) = parse(q)
+    first = sandbox.run(f"print({reading} {op} {n})")
+    assert not first.ok
+    assert observation_text(first).startswith("\nSyntaxError: leading zeros in decimal integer literals are not permitted")
+    fixed = sandbox.run(without_leading_zeros(f"print({reading} {op} {n})"))
+    assert fixed.ok and int(fixed.stdout) == {"*": int(reading) * n, "+": int(reading) + n, "-": int(reading) - n}[op]
+
+
+def test_cold_start_traces_show_each_move_at_the_low_rate_with_the_sandboxs_real_output():
+    train, _ = make_chained_problems(300, 0, seed=0)
+    assert is_chained_task(train) and not is_chained_task([{"question": "What is 12 * 34?"}])
+    traces = chained_traces(train, tool_fraction=1.0, rng=random.Random(0), template="torl")
+    fixes = chains = fix_points = chain_points = 0
+    for row, trace in zip(train, traces):
+        kinds = [k for k, _ in trace["segments"]]
+        assert kinds == ["prompt"] + ["model", "observation"] * trace["calls"] + ["model"]
+        codes = [text.removeprefix("```python\n").removesuffix("\n```\n```output")
+                 for k, text in trace["segments"][1:-1:2]]
+        reading, steps = parse(row["question"])
+        assert codes[0] == f"print({reading} {steps[0][0]} {steps[0][1]})"  # the reading as written
+        for code, (_, observation) in zip(codes, trace["segments"][2::2]):
+            out = observation.strip("\n`")
+            fix_points += out.startswith("SyntaxError")
+            chain_points += out.isdigit() and code.endswith(f" {steps[0][1]})") and len(steps) == 2
+        fixes += any(code == without_leading_zeros(codes[0]) != codes[0] for code in codes[1:])
+        chains += len(codes) > 1 and codes[-1].endswith(f" {steps[-1][1]})") and len(steps) == 2
+        boxed = trace["segments"][-1][1]
+        assert boxed == f"The answer is \\boxed{{{row['answer']}}}." or trace["calls"] < len(steps) + (reading[0] == "0")
+    for made, possible in ((fixes, fix_points), (chains, chain_points)):
+        assert possible > 40 and abs(made / possible - FURTHER_CALL_RATE) < 0.1, (made, possible)
+
+
+def test_the_experiments_page_states_the_task_the_cold_start_and_the_preset():
+    from collections import Counter
+
+    from chained_problems import PADDED_SHARE, TEST_FRAMES, TRAIN_FRAMES, TWO_STEP_SHARE
+    from doc_pages import says
+    from retool import Config, make_config
+
+    cfg, demo, words = make_config("cpu-chained", {}), Config(), {2: "two", 4: "four", 0.5: "half", 1 / 3: "a third"}
+    held_out = Counter(kind(r) for r in make_chained_problems(2000, 200, seed=0)[1][:cfg.eval_problems])
+    says("06-experiments.md",
+         f"two steps ({words[TWO_STEP_SHARE]} the problems) and a reading below 1000 ({words[PADDED_SHARE]})",
+         f"({words[len(TEST_FRAMES)]} frames against {words[len(TRAIN_FRAMES)]} in training)",
+         *(f"| {name} | {detail} | {held_out[k]} |" for k, name, detail in (
+             ("1step", "one step", "1"), ("1step-padded", "one step, padded reading", "2: the error, then the same call"
+                                          " without the zeros"),
+             ("2step", "two steps", "2: the second reads the first's printed result"),
+             ("2step-padded", "two steps, padded reading", "3"))),
+         f"{cfg.cold_start_tool_fraction:.0%} of its traces call the tool",
+         f"`FURTHER_CALL_RATE` = {FURTHER_CALL_RATE}",
+         f"The cold start trains {cfg.cold_start_steps} steps, the first {cfg.cold_start_tool_only_steps} on tool traces "
+         f"alone (the demo's {demo.cold_start_steps} and {demo.cold_start_tool_only_steps}",
+         f"({cfg.problems_per_step} problems × {cfg.group_size} samples, lr {cfg.lr:.0e}".replace("e-05", "e-5"),
+         f"a tool budget of {cfg.tool_budget} (the hardest kind needs 3), {cfg.max_response_tokens} response tokens",
+         f"and {cfg.steps} steps. None of it was tuned",
+         f"each of the first {cfg.eval_problems} held-out problems")
+
+
+def test_a_cold_start_on_the_chained_task_trains_on_its_chained_traces(tmp_path, monkeypatch):
+    import cold_start
+    from prepare_data import write_jsonl
+
+    write_jsonl(make_chained_problems(40, 0, seed=3)[0], tmp_path / "chained.jsonl")
+    built = []
+    real = cold_start.chained_traces
+    monkeypatch.setattr(cold_start, "chained_traces", lambda *a, **k: built.append(real(*a, **k)) or built[-1])
+    out = cold_start.main(["--train-file", str(tmp_path / "chained.jsonl"), "--steps", "2", "--tool-only-steps", "1",
+                           "--batch-size", "4", "--hidden-size", "64", "--num-layers", "1", "--vocab-size", "128",
+                           "--max-len", "128", "--warmup-steps", "1", "--tool-fraction", "0.5", "--out", str(tmp_path / "base")])
+    assert (out / "config.json").exists() and len(built) == 1 and len(built[0]) == 40
+    assert any(t["tool"] for t in built[0]) and any(not t["tool"] for t in built[0])
