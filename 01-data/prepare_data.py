@@ -82,13 +82,14 @@ def main(argv: list[str] | None = None) -> int:
                 write_jsonl(test, out / "toy_test.jsonl")
                 print(f"toy: {len(train)} train and {len(test)} test problems -> {out}/toy_{{train,test}}.jsonl")
                 continue
-            rows, dropped = load_problems(source, limit=args.limit)
+            rows, dropped = load_problems(source)
             if kind == "eval":
                 eval_questions |= {question_key(r) for r in rows}
             else:
                 rows, leaked = drop_eval_questions(rows, eval_questions)
                 if leaked:
                     dropped["in an evaluation set"] = leaked
+            rows = rows[: args.limit] if args.limit else rows  # after every filter, the overlap's included
             name = "train" if kind == "train" else source_name(source)
             path = out / f"{name}.jsonl"
             write_jsonl(rows, path)
@@ -104,14 +105,14 @@ def main(argv: list[str] | None = None) -> int:
     return 1 if failed else 0
 
 
-def load_problems(source: str, limit: int | None = None) -> tuple[list[dict], dict[str, int]]:
+def load_problems(source: str) -> tuple[list[dict], dict[str, int]]:
     """Load `source` (a named set, a hub id or a local file) as clean rows, and the drop counts."""
     raw, origin = read_source(source)
     if not raw:
         raise DataError(f"{origin}: no rows")
     rows = [normalise(r, origin, i, default_source=source_name(source)) for i, r in enumerate(raw)]
     kept, dropped = filter_verifiable(rows)
-    return (kept[:limit] if limit else kept), dropped
+    return kept, dropped
 
 
 def normalise(row: dict, origin: str, index: int, default_source: str) -> dict:

@@ -71,6 +71,14 @@ def test_training_rows_whose_question_is_in_an_evaluation_set_are_left_out(tmp_p
     assert "dropped 1 (in an evaluation set)" in capsys.readouterr().out
 
 
+def test_limit_counts_rows_kept_after_every_filter_the_evaluation_overlap_included(tmp_path):
+    ev = write_lines(tmp_path / "ev.jsonl", [{"question": "What is 2+2?", "answer": "4"}])
+    tr = write_lines(tmp_path / "tr.jsonl", [{"question": f"What is {a}+{a}?", "answer": str(2 * a)} for a in (2, 3, 4)])
+    out = tmp_path / "out"
+    assert main(["--train", str(tr), "--eval", str(ev), "--no-toy", "--limit", "2", "--out", str(out)]) == 0
+    assert [r["question"] for r in read_problems(out / "train.jsonl")] == ["What is 3+3?", "What is 4+4?"]
+
+
 def test_toy_task_is_deterministic_correct_and_splits_do_not_overlap():
     train, test = make_toy_task(50, 20, seed=7)
     assert (train, test) == make_toy_task(50, 20, seed=7)

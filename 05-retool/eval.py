@@ -13,7 +13,7 @@ samples of which c are right; every metric is reported per data set (each
 problem's `source`); `--mode text` gives the model no tool and a prompt that
 never mentions one (`cot`), since a tool prompt without the tool makes a model
 write code and invent its output. The loop (retool.py) calls `evaluate` for
-its own evaluations. The story: docs/05-retool.md, "eval.py".
+its own evaluations. The story: docs/05-torl.md, "Evaluation: eval.py".
 """
 from __future__ import annotations
 

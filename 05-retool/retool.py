@@ -115,7 +115,7 @@ class Config:
 
 
 def train(cfg: Config, run_dir: Path, resume: bool = False, dp=None) -> None:
-    """Problems, the first policy, vLLM and the sandbox; then `train_step` once per step, each step recorded."""
+    """The sandbox, the run folder, problems, the first policy and vLLM; then `train_step` once per step, each step recorded."""
     if cfg.trainer_threads:  # before torch starts: it reads this once; vLLM's engine then leaves it
         os.environ["OMP_NUM_THREADS"] = str(trainer_threads(cfg))
     from distributed import DataParallel
