@@ -25,7 +25,7 @@ def test_the_cpu_demo_page_states_the_demo_defaults():
 
 def test_the_smollm2_recipe_table_is_the_preset():
     cfg = make_config("smollm2", {})
-    says("05-retool.md",
+    says("05-smollm2.md",
          f"{cfg.cold_start_steps} steps x {cfg.cold_start_batch_size} traces of the word problems",
          f"{cfg.cold_start_tool_fraction:.0%} tool traces, the first {cfg.cold_start_tool_only_steps} steps on tool "
          f"traces alone, lr {short(cfg.cold_start_lr)}",
