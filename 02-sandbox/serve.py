@@ -490,7 +490,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s); "
                         "any non-loopback address needs --token")
     parser.add_argument("--port", type=at_least(0), default=DEFAULT_PORT, help="port, 0 for any free one (default: %(default)s)")
-    parser.add_argument("--token", default=os.environ.get("SANDBOX_TOKEN"),
+    parser.add_argument("--token", default=os.environ.get("SANDBOX_TOKEN") or None,  # set but empty: no token
                         help=f"shared secret every request must carry (default: $SANDBOX_TOKEN; at least {MIN_TOKEN_CHARS} "
                         "characters); prefer the variable: a command line is visible to every process")
     # the sandbox behind it

@@ -334,6 +334,13 @@ def test_a_non_loopback_address_is_refused_at_start_without_a_token():
         assert len(done.stderr.strip().splitlines()) == 1 and "token" in done.stderr
 
 
+def test_an_empty_sandbox_token_reads_as_none_not_as_a_short_token():
+    env = {**os.environ, "SANDBOX_TOKEN": ""}
+    done = subprocess.run([sys.executable, SERVE, "--port", "0", "--host", "0.0.0.0"], capture_output=True,
+                          text=True, env=env, timeout=60)
+    assert done.returncode == 2 and "needs a token" in done.stderr and "at least" not in done.stderr
+
+
 def test_a_preload_that_is_not_module_names_is_refused_in_one_line():
     done = subprocess.run([sys.executable, SERVE, "--port", "0", "--preload", "numpy sympy"], capture_output=True,
                           text=True, timeout=60)
