@@ -5,9 +5,9 @@
 The server can be the lab's own (02-sandbox/serve.py) or a real SandboxFusion. Calls
 are spread over `urls` (a pool): the least busy server, ties taken in turn (so round
 robin when idle). A server that refuses a connection, or drops one before it answers
-(it died mid-call), is skipped for a few seconds and the call runs again on another
-one: a call's code has no effects outside it, and its one answer is the one that
-arrives. Any other failure (no answer in time, an HTTP error, a SandboxError, an
+(it died mid-call: while the request went out, or before the answer was whole), is
+skipped for a few seconds and the call runs again on another one: a call's code has
+no effects outside it, and its one answer is the one that arrives. Any other failure (no answer in time, an HTTP error, a SandboxError, an
 answer that is not a well-formed RunCodeResponse) is the call's answer, never an
 exception. A server's stdout and stderr come back capped as the local sandbox caps
 them. `unreachable(urls)` is a run's preflight: every pool member must answer at
@@ -122,7 +122,7 @@ class SandboxFusionBackend:
                     raise ValueError(f"an answer over {limit:,} bytes")
                 return json.loads(data)
         except urllib.error.URLError as e:
-            if isinstance(e.reason, ConnectionRefusedError):
+            if isinstance(e.reason, ConnectionError):  # refused, or reset or broken while the request was sent
                 raise e.reason from None
             raise
 

@@ -10,6 +10,7 @@ import http.server
 import json
 import os
 import socket
+import struct
 import threading
 
 import pytest
@@ -85,10 +86,49 @@ def scripted():
     """A loopback server that answers what the test sets in `server.answer`; (server, url)."""
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Scripted)
     server.answer = b"{}"
-    threading.Thread(target=server.serve_forever, daemon=True).start()
+    threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
     yield server, f"http://127.0.0.1:{server.server_address[1]}"
     server.shutdown()
     server.server_close()
+
+
+def resetting_server() -> tuple[socket.socket, str]:
+    """A loopback server that answers a ping, and resets each other request after reading a little of it (a member
+    dying while a request goes out); (its socket, its url)."""
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def serve():
+        while True:
+            try:
+                connection, _ = listener.accept()
+            except OSError:
+                return  # closed: the test is over
+            if connection.recv(1024).startswith(b"GET"):
+                connection.sendall(b'HTTP/1.1 200 OK\r\nContent-Length: 6\r\nConnection: close\r\n\r\n"pong"')
+                connection.close()
+                continue
+            connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # close with RST
+            connection.close()
+
+    threading.Thread(target=serve, daemon=True).start()
+    return listener, f"http://127.0.0.1:{listener.getsockname()[1]}"
+
+
+def test_a_member_that_resets_a_request_while_it_is_sent_is_skipped_and_the_call_runs_elsewhere(scripted):
+    server, good = scripted
+    server.answer = run_result(stdout="answered\n")
+    listener, resetting = resetting_server()
+    try:
+        code = "# a request long enough to be on its way when the reset comes\n" + "#" * (4 << 20) + "\nprint(1)"
+        with Sandbox(SandboxConfig(backend="sandboxfusion", urls=(resetting, good), concurrency=1)) as pool:
+            served = []
+            post = pool._backend._post
+            pool._backend._post = lambda index, *a: served.append(index) or post(index, *a)
+            results = pool.run_many([code] * 4)
+    finally:
+        listener.close()
+    assert served[0] == 0 and served.count(1) == 4  # the resetting member was tried, then skipped
+    assert [(r.ok, r.stdout) for r in results] == [(True, "answered\n")] * 4
 
 
 def run_result(**fields) -> bytes:
