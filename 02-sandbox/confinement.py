@@ -262,7 +262,7 @@ def reset_pids(last_pid: int) -> None:
 _MOUNTED_SCRATCH: list[str] = []  # this slot's scratch mounts, in the order they were made
 
 
-def fresh_scratch(max_file_mb: int, keep: dict[str, int], uid: int | None) -> str:
+def fresh_scratch(max_file_mb: int, interpreter_in_scratch: dict[str, int], uid: int | None) -> str:
     """Per call: one empty tmpfs behind every scratch dir (the previous call's detached), a work dir for uid.
 
     One tmpfs, not one per dir, so that all the code's files together hold at most
@@ -281,12 +281,12 @@ def fresh_scratch(max_file_mb: int, keep: dict[str, int], uid: int | None) -> st
         os.chmod(folder, 0o1777)  # past the umask
         mount(folder, path, None, MS_BIND)
         _MOUNTED_SCRATCH.append(path)
-        for kept, fd in keep.items():
-            if _inside(kept, path):
-                os.makedirs(kept, mode=0o755, exist_ok=True)
-                mount(f"/proc/self/fd/{fd}", kept, None, MS_BIND)
-                mount(None, kept, None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV)
-                _MOUNTED_SCRATCH.append(kept)
+        for folder_of_python, fd in interpreter_in_scratch.items():  # build_root's: bound back, read-only
+            if _inside(folder_of_python, path):
+                os.makedirs(folder_of_python, mode=0o755, exist_ok=True)
+                mount(f"/proc/self/fd/{fd}", folder_of_python, None, MS_BIND)
+                mount(None, folder_of_python, None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV)
+                _MOUNTED_SCRATCH.append(folder_of_python)
     os.mkdir(WORKDIR, 0o700)
     if uid is not None:  # userns: the slot's own uid, which is the code's in the call's user namespace
         os.chown(WORKDIR, uid, uid)

@@ -31,7 +31,7 @@ import runner
 def serve(options: dict, enter_slot, serve_call) -> None:
     """Run until the caller closes our stdin. The first stdout line says what isolation we got, or why none.
 
-    enter_slot(slot) and serve_call(slot, number) -> bool: the containment sequence each
+    enter_slot(slot) and serve_call(slot, call_index) -> bool: the containment sequence each
     slot runs (sandbox.py's, handed over by the bootstrap: the core imports its machinery,
     never the other way round).
     """
@@ -140,14 +140,14 @@ def _hello(**fields) -> None:
 
 
 class Slot:
-    """What a slot's calls need, set when the slot is forked (keep: once its root is built)."""
+    """What a slot's calls need, set when the slot is forked (interpreter_in_scratch: once its root is built)."""
 
     def __init__(self, listener: socket.socket, alive: int, token: int, uid: int | None, mode: str,
                  max_file_mb: int, cgroups, program: bytes) -> None:
         self.listener, self.alive = listener, alive  # the server's socket; EOF on alive: the server is gone
         self.token, self.uid, self.mode = token, uid, mode  # uid: of this slot's calls, None where we are not root
         self.max_file_mb, self.cgroups, self.program = max_file_mb, cgroups, program  # program: the seccomp filter
-        self.keep: dict[str, int] = {}  # interpreter folders inside a scratch dir, bound back by every call
+        self.interpreter_in_scratch: dict[str, int] = {}  # interpreter folders under a scratch dir (a venv in /tmp): every call binds them back
         self.last_pid: int | None = None  # the PID namespace's counter (/proc/sys/kernel/ns_last_pid), once /proc is ours
         self.proc: int | None = None  # the same /proc without hidepid, for the memory watch: the code's processes, all
 
@@ -184,8 +184,8 @@ def _slot(slot: Slot, leaving: int, report: int, slot_calls: int, enter_slot, se
             raise
         finally:
             os.close(report)
-        for number in range(slot_calls):
-            if not serve_call(slot, number):  # the server is gone
+        for call_index in range(slot_calls):
+            if not serve_call(slot, call_index):  # the server is gone
                 status = 0
                 return
         os.write(leaving, struct.pack("q", slot.token))

@@ -164,9 +164,12 @@ def run_code(source: str, workdir: str) -> int:
     return _exec(source)
 
 
-def collect(pid: int, files: CallFiles, answer_fd: int, group=None, may_copy: bool = False) -> None:
+def collect(pid: int, files: CallFiles, answer_fd: int, limiter=None, may_copy: bool = False) -> None:
     """The supervisor's side: wait for the code's process up to the time limit, kill every
-    process the call left, and send the answer (the call's cgroup says whether it was OOM-killed).
+    process the call left, and send the answer.
+
+    limiter: the call's cgroup (confinement.CallGroup) or the slot's confinement.MemoryWatch,
+    which says whether the call was OOM-killed; None in plain isolation and in a container.
 
     may_copy: the output may pass through this process's memory where sendfile is
     refused; only a single-use container may.
@@ -180,10 +183,10 @@ def collect(pid: int, files: CallFiles, answer_fd: int, group=None, may_copy: bo
         cap = DEFAULT_CAP
     else:
         timeout, cap, memory_mb = limits
-        watch = getattr(group, "over", None)  # a MemoryWatch, where no cgroup counts the call's memory
-        status, timed_out = _wait_for(pid, timeout, watch and (lambda: watch(memory_mb)), getattr(group, "TICK", None))
+        watch = getattr(limiter, "over", None)  # a MemoryWatch, where no cgroup counts the call's memory
+        status, timed_out = _wait_for(pid, timeout, watch and (lambda: watch(memory_mb)), getattr(limiter, "TICK", None))
     _kill_the_rest()  # before answering: when the caller has its result, nothing is left running
-    oom_killed = group.oom_killed() if group is not None else False
+    oom_killed = limiter.oom_killed() if limiter is not None else False
     try:
         _send_answer(answer_fd, status, timed_out, oom_killed, files.out, files.err, cap, may_copy)
     finally:

@@ -10,10 +10,12 @@ chapter 03's rollout.torl_observation).
         print(format_observation(r))                       # what the model reads
     .venv/bin/python 02-sandbox/sandbox.py -c "print(1+1)"           # the same from a shell
 
-The file opens with the containment sequence, one named call a step: enter_slot once
-per warm slot, then serve_call and code_process for every call. The steps' detail lives
-beside it: confinement.py (namespaces, the root, cgroups, seccomp), runner.py (request,
-rlimits, uid, run, answer), fork_server.py and local_backend.py (the warm server).
+The file opens with the caller's side (ExecResult, SandboxConfig, Sandbox.run and run_many,
+format_observation: what chapter 03 uses), then the containment sequence, one named call
+a step: enter_slot once per warm slot, then serve_call and code_process for every call.
+The steps' detail lives beside it: confinement.py (namespaces, the root, cgroups,
+seccomp), runner.py (request, rlimits, uid, run, answer), fork_server.py and
+local_backend.py (the warm server).
 
 Key decisions (the why, the threat model and the figures: docs/02-sandbox.md):
 1. A warm fork server (fork_server.py, started and called by local_backend.py)
@@ -45,78 +47,6 @@ import runner
 HERE = Path(__file__).resolve().parent
 LAB_ROOT = str(HERE.parent)  # never visible to the code: it holds the data sets and their answers
 DEFAULT_IMAGE = "tool-rl-lab-sandbox:latest"
-
-# --------------------------------------------------------------------------------------
-# The containment sequence. It runs in the fork server's slots: local_backend.py loads this
-# file into the server, whose slots call enter_slot once, then serve_call for each call.
-# (The caller's side, Sandbox and its records, starts at ExecResult below.)
-# --------------------------------------------------------------------------------------
-
-
-def enter_slot(slot) -> None:
-    """Once per slot. With namespaces (root, or "userns": inside the server's user namespace) the
-    fork server forked it into a PID namespace of its own, where it is PID 1: its kill(-1)
-    after each call reaches every process the call left."""
-    if slot.mode != "plain":
-        confinement.unshare(confinement.CLONE_NEWNS)  # namespaces: mounts of the slot's own
-        slot.last_pid, slot.proc = confinement.mount_proc()  # a /proc of this PID namespace: the code sees only its own processes
-        slot.keep = confinement.build_root()  # the file view: pivot into a read-only root of only what Python needs
-    else:  # plain: no namespaces; the code's orphans are re-parented to the slot, which kills them
-        confinement.prctl(confinement.PR_SET_CHILD_SUBREAPER, 1)
-
-
-def serve_call(slot, number: int) -> bool:
-    """One call, every step in order; False when the server went away before a call came.
-
-    slot: a fork_server.Slot (mode, the calls' uid, cgroups, seccomp program, listener).
-    """
-    # Prepared before the call arrives, so that none of it is in the call's latency:
-    if slot.mode != "plain":
-        confinement.unshare(confinement.CLONE_NEWNET | confinement.CLONE_NEWIPC)  # namespaces: no network, no earlier IPC
-        confinement.reset_pids(slot.last_pid)  # namespaces: the code is PID 2 again, whatever the last call forked
-        workdir = confinement.fresh_scratch(slot.max_file_mb, slot.keep, slot.uid)  # the file view: empty scratch tmpfs
-        # limits: the call's memory and pids cgroup; unprivileged where none can be had, the slot watches its memory
-        group = slot.cgroups.prepare(f"call-{slot.token}-{number}") if slot.cgroups else confinement.MemoryWatch(slot.proc)
-    else:
-        workdir, group = confinement.plain_workdir(slot.uid), None  # plain: a temporary folder, no cgroup
-    try:
-        conn = slot.accept()
-        if conn is None:
-            return False
-        with conn:
-            files = runner.CallFiles()  # stdout and stderr as memory files, and a pipe for two numbers
-            pid = os.fork()  # the one fork per call: a copy of this warm slot becomes the code
-            if pid == 0:
-                runner.exit_after(code_process, conn.fileno(), files, workdir, slot, group)  # never returns
-            try:
-                runner.collect(pid, files, conn.fileno(), group)  # collect: wait up to the timeout, kill the rest, answer
-            except (BrokenPipeError, ConnectionResetError):
-                pass  # the caller gave up waiting; the call's processes are already gone
-        return True
-    finally:
-        if group is not None:
-            group.remove()  # its network and IPC namespaces went with the call's last process
-        if slot.mode == "plain":  # in namespaces the tmpfs goes with the next call or the slot
-            shutil.rmtree(workdir, ignore_errors=True)
-
-
-def code_process(request_fd: int, files: runner.CallFiles, workdir: str, slot, group) -> int:
-    """The forked process that becomes the code; returns the code's exit status.
-
-    It reads its own request, so the code and its output never enter the slot's memory,
-    which later calls inherit.
-    """
-    request = runner.take_request(request_fd, files)  # the slot learns only the time limit and the output and memory caps
-    if group is not None:
-        group.join(request["memory_mb"], request["max_processes"])  # limits: the cgroup, joined while still root
-    if slot.mode != "plain":  # namespaces: its own view of cgroups; userns: also a user namespace, uid 65534, no capability
-        confinement.enter_call_namespaces(userns=slot.mode == "userns")
-    runner.detach(workdir)  # a session of its own, stdin /dev/null, no descriptor of the sandbox, in the work dir
-    runner.set_rlimits(request, slot.uid, slot.mode)  # limits: every rlimit, for this call (address space, CPU, files...)
-    runner.drop_privileges(slot.uid)  # an unprivileged uid, no_new_privs, death with the slot
-    confinement.install_seccomp(slot.program)  # seccomp, last: the steps above need calls it denies
-    return runner.run_code(request["code"], workdir)  # run: clean env, a fresh interpreter's state, exec
-
 
 # --------------------------------------------------------------------------------------
 # The caller's side
@@ -344,6 +274,78 @@ def _clip_middle(text: str, limit: int) -> str:
     marker = "\n...\n"
     keep = max(limit - len(marker), 0)
     return text[: keep - keep // 2] + marker + (text[len(text) - keep // 2:] if keep // 2 else "")
+
+
+# --------------------------------------------------------------------------------------
+# The containment sequence. It runs in the fork server's slots: local_backend.py loads this
+# file into the server, whose slots call enter_slot once, then serve_call for each call.
+# --------------------------------------------------------------------------------------
+
+
+def enter_slot(slot) -> None:
+    """Once per slot. With namespaces (root, or "userns": inside the server's user namespace) the
+    fork server forked it into a PID namespace of its own, where it is PID 1: its kill(-1)
+    after each call reaches every process the call left."""
+    if slot.mode != "plain":
+        confinement.unshare(confinement.CLONE_NEWNS)  # namespaces: mounts of the slot's own
+        slot.last_pid, slot.proc = confinement.mount_proc()  # a /proc of this PID namespace: the code sees only its own processes
+        slot.interpreter_in_scratch = confinement.build_root()  # the file view: pivot into a read-only root of only what Python needs
+    else:  # plain: no namespaces; the code's orphans are re-parented to the slot, which kills them
+        confinement.prctl(confinement.PR_SET_CHILD_SUBREAPER, 1)
+
+
+def serve_call(slot, call_index: int) -> bool:
+    """One call, every step in order; False when the server went away before a call came.
+
+    slot: a fork_server.Slot (mode, the calls' uid, cgroups, seccomp program, listener).
+    call_index: how many calls this slot served before; it names the call's cgroup.
+    """
+    # Prepared before the call arrives, so that none of it is in the call's latency:
+    if slot.mode != "plain":
+        confinement.unshare(confinement.CLONE_NEWNET | confinement.CLONE_NEWIPC)  # namespaces: no network, no earlier IPC
+        confinement.reset_pids(slot.last_pid)  # namespaces: the code is PID 2 again, whatever the last call forked
+        workdir = confinement.fresh_scratch(slot.max_file_mb, slot.interpreter_in_scratch, slot.uid)  # the file view: empty scratch tmpfs
+        # limits: the call's memory and pids cgroup; unprivileged where none can be had, the slot watches its memory
+        limiter = slot.cgroups.prepare(f"call-{slot.token}-{call_index}") if slot.cgroups else confinement.MemoryWatch(slot.proc)
+    else:
+        workdir, limiter = confinement.plain_workdir(slot.uid), None  # plain: a temporary folder, no cgroup
+    try:
+        conn = slot.accept()
+        if conn is None:
+            return False
+        with conn:
+            files = runner.CallFiles()  # stdout and stderr as memory files, and a pipe for three numbers (time limit, output and memory caps)
+            pid = os.fork()  # the one fork per call: a copy of this warm slot becomes the code
+            if pid == 0:
+                runner.exit_after(code_process, conn.fileno(), files, workdir, slot, limiter)  # never returns
+            try:
+                runner.collect(pid, files, conn.fileno(), limiter)  # collect: wait up to the timeout, kill the rest, answer
+            except (BrokenPipeError, ConnectionResetError):
+                pass  # the caller gave up waiting; the call's processes are already gone
+        return True
+    finally:
+        if limiter is not None:
+            limiter.remove()  # the call's cgroup goes (its namespaces already went with its last process)
+        if slot.mode == "plain":  # in namespaces the tmpfs goes with the next call or the slot
+            shutil.rmtree(workdir, ignore_errors=True)
+
+
+def code_process(request_fd: int, files: runner.CallFiles, workdir: str, slot, limiter) -> int:
+    """The forked process that becomes the code; returns the code's exit status.
+
+    It reads its own request, so the code and its output never enter the slot's memory,
+    which later calls inherit.
+    """
+    request = runner.take_request(request_fd, files)  # the slot learns only the time limit and the output and memory caps
+    if limiter is not None:
+        limiter.join(request["memory_mb"], request["max_processes"])  # limits: the cgroup, joined while still root
+    if slot.mode != "plain":  # namespaces: its own view of cgroups; userns: also a user namespace, uid 65534, no capability
+        confinement.enter_call_namespaces(userns=slot.mode == "userns")
+    runner.detach(workdir)  # a session of its own, stdin /dev/null, no descriptor of the sandbox, in the work dir
+    runner.set_rlimits(request, slot.uid, slot.mode)  # limits: every rlimit, for this call (address space, CPU, files...)
+    runner.drop_privileges(slot.uid)  # an unprivileged uid, no_new_privs, death with the slot
+    confinement.install_seccomp(slot.program)  # seccomp, last: the steps above need calls it denies
+    return runner.run_code(request["code"], workdir)  # run: clean env, a fresh interpreter's state, exec
 
 
 # --------------------------------------------------------------------------------------
