@@ -584,7 +584,7 @@ def _find_cgroups() -> tuple[int, list[str]]:
 # --------------------------------------------------------------------------------------
 
 # System calls math code never needs, with Docker's default profile as the reference.
-# The reason each is denied is in docs/02-sandbox.md; they fail with EPERM.
+# The reason each is denied is in docs/02-isolation.md; they fail with EPERM.
 DENIED = (
     # kernel keyrings are not namespaced: a key outlives the call and can be shared across uids
     "keyctl", "add_key", "request_key",

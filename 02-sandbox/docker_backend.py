@@ -4,7 +4,7 @@ A container runs `python3 -I -c <runner.py's source> --container OPTIONS` (so th
 never goes stale), has no network, memory/pids/CPU limits, a read-only root, a tmpfs on
 /tmp, no capabilities, Docker's default seccomp profile and uid 65534. A few are started
 ahead of need (their runner has already imported sympy); each takes one call on stdin and
-is removed afterwards, so there is no state to reset between calls. docs/02-sandbox.md
+is removed afterwards, so there is no state to reset between calls. docs/02-isolation.md
 says when to prefer it; the image is 02-sandbox/Dockerfile (+ build_image.sh).
 """
 from __future__ import annotations
