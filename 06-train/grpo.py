@@ -23,7 +23,7 @@ import torch
 from distributed import full_tensor, gradient_sync, unwrap
 from objectives import cispo_loss, gspo_loss, objective_aggregation, objective_problems
 from update_metrics import UpdateTally, ratio_stats, sampler_mismatch
-from update_options import (aggregate, exclude_rows, loss_normalizer, rows_with_gradient, skip_zero_advantage,
+from update_options import (aggregate, exclude_rows, loss_normalizer, rows_to_run, rows_with_gradient,
                             step_if_finite, tis_weights, zero_gradients)
 from weight_sync import sleep_sampler, sync_weights  # re-exported: the loop takes the chapter's parts from here
 
@@ -133,8 +133,10 @@ def grpo_step(model, optimizer, trajectories, cfg: GRPOConfig, exclude=None, glo
 
     tally, objective, aggregation = UpdateTally(), OBJECTIVES[cfg.objective], objective_aggregation(cfg)
     for rows in batch.minibatches(cfg.num_minibatches):
+        # The mini-batch's loss denominator, a float: its tokens in the loss (token-mean), its sequences that
+        # have any (sequence-mean) or budget x sequences (token-sum). Rows skipped next still count in it.
         normalizer = loss_normalizer(batch.loss_mask[rows], aggregation, cfg.max_response_tokens, global_normalizer)
-        rows, skipped = skip_zero_advantage(rows, has_gradient, model, cfg.skip_zero_advantage)
+        rows, skipped = rows_to_run(rows, has_gradient, model, cfg.skip_zero_advantage)
         tally.rows_skipped += skipped
         optimizer.zero_grad(set_to_none=True)
         micro_batches = rows.split(cfg.micro_batch_size) if len(rows) else ()  # () when every row was skipped
@@ -186,7 +188,9 @@ class GRPOConfig:
     tis_mode: str = "truncate"  # weight min(pi_old / pi_sampler, cap), or 0 outside the band: "token-mask", "sequence-mask"
     # batching: one step = num_minibatches optimizer updates over the trajectories
     num_minibatches: int = 2
-    micro_batch_size: int = 4  # sequences per forward/backward; gradients accumulate across them
+    # sequences per forward/backward; gradients accumulate, so it sets memory and speed, never the update.
+    # 4 is torl-1.5b's (3k-token sequences on one GPU); a run passes its own Config's (the CPU demo's 16).
+    micro_batch_size: int = 4
     # numerics
     temperature: float = 1.0  # the sampler's temperature: logits are divided by it
     gradient_checkpointing: bool = False

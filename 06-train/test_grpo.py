@@ -310,7 +310,7 @@ def test_truncated_importance_weights_multiply_each_token_term_by_hand():
 
 
 def with_sampler_gap(policy, trajectories, factors):
-    """Set each trajectory's recorded log-probs so that pi_trainer / pi_sampler is `factors[i]` on every token."""
+    """Set each trajectory's recorded log-probs so that pi_old / pi_sampler is `factors[i]` on every token."""
     for t, k in zip(trajectories, factors):
         lp = trainer_scores(policy, t).tolist()
         it = iter(lp)
@@ -916,7 +916,7 @@ def test_at_ratio_one_each_objective_takes_ppo_clips_step(policy, objective, aga
 
 
 def with_token_gaps(policy, trajectory, gaps):
-    """Recorded log-probs such that pi_trainer / pi_sampler is gaps[k] on the k-th model token (1 elsewhere)."""
+    """Recorded log-probs such that pi_old / pi_sampler is gaps[k] on the k-th model token (1 elsewhere)."""
     lp = iter(trainer_scores(policy, trajectory).tolist())
     model_token = iter(range(len(trajectory.token_ids)))
     trajectory.logprobs = [next(lp) - math.log(gaps.get(next(model_token), 1.0)) if m else 0.0 for m in trajectory.loss_mask]

@@ -35,10 +35,10 @@ def tis_weights(old_logprobs: torch.Tensor, batch, cap: float, mode: str = "trun
     log_ratio = torch.where(mask, old_logprobs - batch.sampler_logprobs, 0.0)
     if mode != "truncate":
         return masked_importance_weights(log_ratio, mask, cap, mode)
-    trainer_over_sampler = torch.exp(log_ratio)
-    weights = torch.where(mask, trainer_over_sampler.clamp(max=cap), 0.0)
+    old_over_sampler = torch.exp(log_ratio)
+    weights = torch.where(mask, old_over_sampler.clamp(max=cap), 0.0)
     return weights, {"tis_weight_mean": masked_mean(weights, mask),
-                     "tis_capped_frac": masked_mean(trainer_over_sampler > cap, mask)}
+                     "tis_capped_frac": masked_mean(old_over_sampler > cap, mask)}
 
 
 def masked_importance_weights(log_ratio: torch.Tensor, mask: torch.Tensor, cap: float, mode: str
@@ -79,15 +79,15 @@ def rows_with_gradient(trajectories, loss_mask: torch.Tensor) -> torch.Tensor:
     return (advantage != 0) & loss_mask.bool().any(dim=1)
 
 
-def skip_zero_advantage(rows: torch.Tensor, has_gradient: torch.Tensor, model, on: bool) -> tuple[torch.Tensor, int]:
-    """The rows to run forward and backward on, and how many were skipped.
+def rows_to_run(rows: torch.Tensor, has_gradient: torch.Tensor, model, skip_zero_advantage: bool) -> tuple[torch.Tensor, int]:
+    """The rows to run forward and backward on, and how many were skipped (GRPOConfig.skip_zero_advantage).
 
     A skipped row adds 0 to the gradient but still counts in the denominator
     (`loss_normalizer` sees every row), so the update is the same. Under DDP or
     FSDP2 nothing is skipped: every rank must run the same backward passes, the
     gradient exchange happens inside them.
     """
-    if not on or is_data_parallel(model):
+    if not skip_zero_advantage or is_data_parallel(model):
         return rows, 0
     return rows[has_gradient[rows]], int((~has_gradient[rows]).sum())
 
