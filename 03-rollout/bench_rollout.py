@@ -129,27 +129,27 @@ def measure(llm, problems: list[dict], sandbox, cfg, repeats: int, name: str, pl
         row = {}
         cfg = replace(cfg, seed=run)
         for schedule in SCHEDULES:
-            stats: dict = {}
-            trajs = rollout(llm, problems, sandbox, replace(cfg, schedule=schedule), stats)
-            stats["longest"] = max(sum(t.loss_mask) for t in trajs)
-            stats["round_steps"] = sum(map(max, zip(*(turn_lengths(t) for t in trajs))))
-            row[schedule] = stats
+            spent: dict = {}
+            trajs = rollout(llm, problems, sandbox, replace(cfg, schedule=schedule), spent)
+            spent["longest"] = max(sum(t.loss_mask) for t in trajs)
+            spent["round_steps"] = sum(map(max, zip(*(turn_lengths(t) for t in trajs))))
+            row[schedule] = spent
         lengths = [sum(t.loss_mask) for t in trajs]  # both schedules sample the same tokens: same seeds
-        stats = {}
-        free = rollout(llm, problems, SleepingTool(), replace(cfg, schedule="overlap"), stats)
+        spent = {}
+        free = rollout(llm, problems, SleepingTool(), replace(cfg, schedule="overlap"), spent)
         if [t.token_ids for t in free] != [t.token_ids for t in trajs]:
             raise RuntimeError("the stand-in tool's answers led to other tokens than the sandbox's")
-        row["cpu-free"] = stats
+        row["cpu-free"] = spent
         if plain:
             # The same number of tokens without the tool: one turn each, the loop's bookkeeping alone.
-            stats = {}
+            spent = {}
             rollout(llm, problems, sandbox, replace(cfg, tool_budget=0, force_turns=(), max_response_tokens=round(
-                statistics.mean(lengths))), stats)
-            row["plain"] = stats
+                statistics.mean(lengths))), spent)
+            row["plain"] = spent
         row["bare"] = bare_generate(llm, problems, cfg, lengths, grammar=not cfg.extra_sampling.get("ignore_eos"))
         if run:
-            for kind, stats in row.items():
-                runs.setdefault(kind, []).append(stats)
+            for kind, spent in row.items():
+                runs.setdefault(kind, []).append(spent)
         print(f"{name} run {run}{' (warm-up)' if not run else ''}: " + ", ".join(
             f"{kind} {r['wall_s']:.2f} s" for kind, r in row.items()), file=sys.stderr, flush=True)
     return runs

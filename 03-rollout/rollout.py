@@ -40,12 +40,12 @@ from vllm_engine import check_logprobs_mode, check_on_policy, make_llm, weight_v
 STOP = "```output"
 
 
-def rollout(llm, problems: list[dict], sandbox, cfg: RolloutConfig | None = None, stats: dict | None = None) -> list[Trajectory]:
+def rollout(llm, problems: list[dict], sandbox, cfg: RolloutConfig | None = None, spent: dict | None = None) -> list[Trajectory]:
     """Sample `group_size` tool-integrated responses per problem; return them grouped by problem.
 
     `problems` are dicts {id, question, answer, source}. `sandbox` needs `run(code)`,
     called from several threads at once, for the overlapped schedule and
-    `run_many(codes)` for rounds (chapter 02's Sandbox has both). If `stats` is a
+    `run_many(codes)` for rounds (chapter 02's Sandbox has both). If `spent` is a
     dict it receives wall seconds spent in the engine (`generate_s`), waiting for
     the sandbox with nothing to decode (`sandbox_s`) and in all (`wall_s`), the
     number of engine steps or rounds, and token counts.
@@ -68,9 +68,10 @@ def rollout(llm, problems: list[dict], sandbox, cfg: RolloutConfig | None = None
                 weight_version=version, model=model,
             )
             in_flight.append(_InFlight(traj=traj, problem_index=problem_index, limit=limit,
-                                       context_binds=limit < cfg.max_response_tokens, calls_left=cfg.tool_budget))
+                                       limit_is_context=limit < cfg.max_response_tokens, calls_left=cfg.tool_budget))
 
-    spent = {"generate_s": 0.0, "sandbox_s": 0.0}
+    spent = {} if spent is None else spent  # what the rollout spent: seconds, engine steps, tokens, tool calls
+    spent.update(generate_s=0.0, sandbox_s=0.0)
     if cfg.schedule == "overlap":
         _run_overlapped(llm.llm_engine, in_flight, sandbox, cfg, tokenizer, spent)
     else:  # rounds_schedule.py: the same trajectories for a seed, one generate call per turn of the batch
@@ -81,12 +82,10 @@ def rollout(llm, problems: list[dict], sandbox, cfg: RolloutConfig | None = None
     trajectories = [state.traj for state in in_flight]
     for t in trajectories:
         t.text = tokenizer.decode(t.token_ids, skip_special_tokens=True)
-    if stats is not None:
-        stats.update(spent)
-        stats["wall_s"] = time.perf_counter() - started
-        stats["model_tokens"] = sum(sum(t.loss_mask) for t in trajectories)
-        stats["observation_tokens"] = sum(len(t.loss_mask) - sum(t.loss_mask) for t in trajectories)
-        stats["tool_calls"] = sum(t.num_tool_calls for t in trajectories)
+    spent["wall_s"] = time.perf_counter() - started
+    spent["model_tokens"] = sum(sum(t.loss_mask) for t in trajectories)
+    spent["observation_tokens"] = sum(len(t.loss_mask) - sum(t.loss_mask) for t in trajectories)
+    spent["tool_calls"] = sum(t.num_tool_calls for t in trajectories)
     return trajectories
 
 
@@ -200,7 +199,7 @@ class _InFlight:
     traj: Trajectory
     problem_index: int  # the problem's position in the batch (for seeds)
     limit: int  # the most tokens the response may hold: budget or context, whichever is smaller
-    context_binds: bool  # the limit comes from max_model_len, not the response budget
+    limit_is_context: bool  # the limit comes from max_model_len, not the response budget
     calls_left: int  # tool calls it may still make; at 0, STOP is no longer a stop string
     wants_tool: bool = False  # the last turn ended on STOP: an observation must follow before it goes on
     code: str = ""  # what that turn asks to run; "" when it held no complete block (nothing runs)
@@ -262,7 +261,7 @@ class _InFlight:
             self._end()
 
     def _end(self, reason: str | None = None) -> None:
-        self.traj.finish_reason = reason or ("length" if self.context_binds else "budget")
+        self.traj.finish_reason = reason or ("length" if self.limit_is_context else "budget")
         self.traj.truncated = True
         self.done = True
 

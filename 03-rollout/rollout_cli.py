@@ -113,10 +113,10 @@ def _cmd_demo(args) -> None:
     llm = make_llm(model, dtype="float32", max_model_len=2048)
     cfg = RolloutConfig(group_size=args.group_size, max_response_tokens=256, force_turns=DEMO_TURNS, seed=0)
     problems = [{"id": "demo-1", "question": DEMO_QUESTION, "answer": "56088", "source": "demo"}]
-    stats: dict = {}
+    spent: dict = {}
     with Sandbox(SandboxConfig()) as sandbox:
-        trajs = rollout(llm, problems, sandbox, cfg, stats)
-    _save_and_report(trajs, args.out, stats, llm.get_tokenizer())
+        trajs = rollout(llm, problems, sandbox, cfg, spent)
+    _save_and_report(trajs, args.out, spent, llm.get_tokenizer())
 
 
 def _cmd_sample(args) -> None:
@@ -127,20 +127,20 @@ def _cmd_sample(args) -> None:
     llm = make_llm(args.model, dtype=args.dtype, max_model_len=args.max_model_len, seed=args.seed)
     cfg = RolloutConfig(group_size=args.group_size, max_response_tokens=args.max_response_tokens,
                         tool_budget=args.tool_budget, template=args.template, seed=args.seed, schedule=args.schedule)
-    stats: dict = {}
+    spent: dict = {}
     with Sandbox(SandboxConfig()) as sandbox:
-        trajs = rollout(llm, problems, sandbox, cfg, stats)
-    _save_and_report(trajs, args.out, stats)
+        trajs = rollout(llm, problems, sandbox, cfg, spent)
+    _save_and_report(trajs, args.out, spent)
 
 
-def _save_and_report(trajs: list[Trajectory], out: str, stats: dict, tokenizer=None) -> None:
+def _save_and_report(trajs: list[Trajectory], out: str, spent: dict, tokenizer=None) -> None:
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     save_trajectories(trajs, out)
     if tokenizer is not None:
         for t in trajs:
             print(f"--- problem {t.problem_id}, sample {t.group_index}: {t.finish_reason}, {t.num_tool_calls} tool call(s)")
             print(draw_tokens(t, tokenizer))
-    print(json.dumps({"out": out, "trajectories": len(trajs), **{k: round(v, 3) for k, v in stats.items()}}))
+    print(json.dumps({"out": out, "trajectories": len(trajs), **{k: round(v, 3) for k, v in spent.items()}}))
 
 
 if __name__ == "__main__":

@@ -134,10 +134,10 @@ def schedule(request):
 @pytest.fixture(scope="module")
 def forced(tiny_llm, sandbox, schedule):
     """Two problems, three samples each, one forced tool call then a forced answer."""
-    llm, sb, stats = RecordingLLM(tiny_llm, weight_version=5), RecordingSandbox(sandbox), {}
+    llm, sb, spent = RecordingLLM(tiny_llm, weight_version=5), RecordingSandbox(sandbox), {}
     cfg = RolloutConfig(group_size=3, max_response_tokens=200, force_turns=(CODE_TURN, ANSWER_TURN), seed=1, schedule=schedule)
-    trajs = rollout(llm, PROBLEMS, sb, cfg, stats)
-    return trajs, llm, sb, stats
+    trajs = rollout(llm, PROBLEMS, sb, cfg, spent)
+    return trajs, llm, sb, spent
 
 
 def run(tiny_llm, sandbox, schedule, problems=PROBLEMS[:1], **cfg):
@@ -249,8 +249,8 @@ def test_rounds_first_turn_is_one_request_per_problem_with_n_samples(forced):
 @pytest.mark.vllm
 @pytest.mark.parametrize("schedule", ["rounds"], indirect=True)
 def test_rounds_each_later_round_is_one_generate_call_and_one_run_many(forced):
-    trajs, llm, sb, stats = forced
-    assert len(llm.calls) == 2 == stats["rounds"]
+    trajs, llm, sb, spent = forced
+    assert len(llm.calls) == 2 == spent["rounds"]
     assert len(llm.calls[1][0]) == len(trajs)  # every live trajectory continues in one call
     assert [p.n for p in llm.calls[1][1]] == [1] * len(trajs)
     assert len(sb.batches) == 1 and len(sb.batches[0][0]) == len(trajs)
@@ -357,16 +357,16 @@ def test_weight_version_is_stamped_on_every_trajectory(forced):
 
 
 @pytest.mark.vllm
-def test_stats_report_generate_and_sandbox_time_and_rounds(forced, schedule):
-    trajs, _, _, stats = forced
-    assert stats["generate_s"] > 0 and stats["wall_s"] >= stats["generate_s"] + stats["sandbox_s"]
+def test_spent_reports_generate_and_sandbox_time_and_rounds(forced, schedule):
+    trajs, _, _, spent = forced
+    assert spent["generate_s"] > 0 and spent["wall_s"] >= spent["generate_s"] + spent["sandbox_s"]
     # Rounds always wait for the sandbox; the overlapped loop only when nothing is left to decode.
     if schedule == "rounds":
-        assert stats["sandbox_s"] > 0
-    assert stats["rounds" if schedule == "rounds" else "steps"] >= 2
-    assert stats["tool_calls"] == 6
-    assert stats["model_tokens"] + stats["observation_tokens"] == sum(len(t.token_ids) for t in trajs)
-    says("03-rollout.md", *(f"`{key}`" for key in stats))  # the page lists every key the rollout fills in
+        assert spent["sandbox_s"] > 0
+    assert spent["rounds" if schedule == "rounds" else "steps"] >= 2
+    assert spent["tool_calls"] == 6
+    assert spent["model_tokens"] + spent["observation_tokens"] == sum(len(t.token_ids) for t in trajs)
+    says("03-rollout.md", *(f"`{key}`" for key in spent))  # the page lists every key the rollout fills in
 
 
 @pytest.mark.vllm

@@ -51,7 +51,7 @@ def make_llm(
     unseeded request's noise from numpy's global generator. Set
     VLLM_USE_V2_MODEL_RUNNER=1 to try V2. Engines on several ranks need
     different `seed`s either way, or they draw the same noise (distributed.py's
-    engine_seed).
+    rank_seed).
     """
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
