@@ -278,7 +278,7 @@ def read_hub(path: str, split: str) -> list[dict]:
         raise HubUnreachable(f"could not load '{path}' (split {split}) from the Hugging Face hub: {first}") from None
 
 
-_hub: dict[str, str | None] = {}
+_hub_probe: dict[str, str | None] = {}  # "unreachable_because": _probe_hub's answer, once per process
 
 
 def hub_unreachable() -> str | None:
@@ -287,9 +287,9 @@ def hub_unreachable() -> str | None:
     Without it each data set would spend its own retries (about 24 s) finding out.
     With HF_HUB_OFFLINE=1 no network is tried at all: `datasets` reads its cache.
     """
-    if "why" not in _hub:
-        _hub["why"] = _probe_hub()
-    return _hub["why"]
+    if "unreachable_because" not in _hub_probe:
+        _hub_probe["unreachable_because"] = _probe_hub()
+    return _hub_probe["unreachable_because"]
 
 
 def _probe_hub(timeout: float = 5.0) -> str | None:

@@ -37,12 +37,19 @@ DECODE_MFU = 0.10  # decoding's default share of that peak (2N FLOPs a token), w
 TRAIN_MFU = 0.35  # the update's default share of it
 
 
+PLAN_GPUS = {"gpu": 8, "demo": 1}  # --plan-gpus' default: a node of 8 for a GPU preset; the demos run as one process
+
+
 def add_plan_flags(parser) -> None:
-    """The dry run's flags: the GPUs it plans for without CUDA, and the throughputs its cost assumes."""
+    """The dry run's flags: the GPUs it plans for without CUDA, and the throughputs its cost assumes.
+
+    --plan-gpus' default depends on the preset: parse the flags, then call fill_plan_defaults.
+    """
     from lab_cli import at_least
 
     plan = parser.add_argument_group("--dry-run: the GPUs to plan for (without CUDA) and the assumed rates of its cost")
-    plan.add_argument("--plan-gpus", type=at_least(1), help="GPUs a node [default: 8 for a GPU preset, else 1]")
+    plan.add_argument("--plan-gpus", type=at_least(1),
+                      help=f"GPUs a node [default: {PLAN_GPUS['gpu']} for a GPU preset, else {PLAN_GPUS['demo']}]")
     plan.add_argument("--plan-nodes", type=at_least(1), default=1, help="nodes [default: 1]")
     plan.add_argument("--plan-gpu-gb", type=at_least(1.0, float), default=80.0, help="memory of each GPU, GB [default: 80]")
     plan.add_argument("--plan-gpu", choices=sorted(PEAK_TFLOPS), default="H100",
@@ -53,6 +60,14 @@ def add_plan_flags(parser) -> None:
                       help=f"the update's share of the peak FLOP/s [default: {TRAIN_MFU}]")
     plan.add_argument("--assume-response-tokens", type=at_least(0), default=0,
                       help="mean response length, tokens; 0: the budget, max_response_tokens [default: 0]")
+
+
+def fill_plan_defaults(args) -> None:
+    """The one rule for --plan-gpus when it is not given: PLAN_GPUS by the kind of `args.preset`."""
+    from presets import GPU_PRESETS
+
+    if args.plan_gpus is None:
+        args.plan_gpus = PLAN_GPUS["gpu" if args.preset in GPU_PRESETS else "demo"]
 
 
 @dataclass

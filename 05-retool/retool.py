@@ -33,7 +33,7 @@ except ModuleNotFoundError:
     sys.exit(f"error: {sys.executable} is not the lab's Python: run .venv/bin/python {sys.argv[0]}, or make")
 from batch_filters import excluded_from_loss, extra_seed, keep_informative_groups
 from configuration import check_config, cuda_available, parse_with_field_flags, sandbox_config
-from dry_run import add_plan_flags, check_memory_plan, dry_run
+from dry_run import add_plan_flags, check_memory_plan, dry_run, fill_plan_defaults
 from plots import plot_run
 from presets import GPU_PRESETS, PRESETS
 from problems_and_policy import first_policy, fit_prompts, load_data, trainer_threads
@@ -64,7 +64,7 @@ class Config:
     eps_high: float = 0.28  # its upper side, 1 + eps_high where the advantage is positive (DAPO's clip-higher)
     scale_advantages: bool = False  # divide by the group's std (original GRPO; ToRL's verl does)
     num_minibatches: int = 2  # optimizer steps per RL step (ToRL: 1)
-    micro_batch_size: int = 16  # sequences per forward/backward pass (gradient accumulation)
+    micro_batch_size: int = 16  # sequences per forward/backward pass: memory and speed, not the update (GRPOConfig's 4 is torl-1.5b's)
     eval_every: int = 10  # steps; 0 = only before and after training
     eval_problems: int = 100  # held-out problems per evaluation; 0 = all
     eval_k: int = 1  # samples per problem
@@ -79,31 +79,35 @@ class Config:
     cold_start_lr: float = 2e-3  # the cold start's learning rate
     cold_start_batch_size: int = 32  # traces per cold-start step
     cold_start_cache: bool = True  # reuse a base cold-started before from the same inputs (~/.cache/tool-rl-lab)
-    # --- how the lab runs it ---
+    # ===== Below: how the lab runs the recipe, and options beyond it. A first read can stop here. =====
+    # --- the same method, run another way (rollout and update mechanics) ---
+    seed: int = 0  # the data order, the sampler and the trainer's random state
     observation_style: str = "torl"  # ToRL's rule; on the toy task "short" would show the same text
     rollout_schedule: str = "overlap"  # rollout's default; "rounds": one generate call per turn of the batch (docs/03)
     seed_rollouts: bool = False  # per-request seeds: reproducible rollouts, but vLLM's slow sampling path on a GPU
     aggregation: str = "token-mean"  # how token losses add up: token-mean, sequence-mean or token-sum (docs/06)
-    gradient_checkpointing: bool = False  # recompute activations in backward: less memory, more time
     skip_zero_advantage: bool = True  # no forward/backward for rows without gradient: the same update, faster
+    gradient_checkpointing: bool = False  # recompute activations in backward: less memory, more time
+    train_layers: int = 0  # train only the top N decoder layers (0 = all)
+    # --- the sandbox (02-sandbox) ---
     sandbox_backend: str = "local"  # where model code runs: local (fork server), docker, or sandboxfusion (02-sandbox)
     sandbox_urls: str = ""  # sandboxfusion: run_code URLs, comma-separated (the token from $SANDBOX_TOKEN)
     sandbox_timeout: float = 10.0  # seconds a tool call may run (ToRL: 10)
     sandbox_isolation: str = "namespaces"  # local backend: namespaces (contained) or plain (weaker; docs/02)
     sandbox_preload: str = "math,numpy,sympy"  # modules the warm interpreter imports once, comma-separated; "" for none
-    keep_checkpoints: int = 2  # the newest checkpoints kept in the run folder
-    train_layers: int = 0  # train only the top N decoder layers (0 = all)
-    trainer_threads: int = 0  # CPU torch threads for training (-1 = every core; 0 = torch's default, which vLLM's CPU engine keeps)
-    eval_text: bool = False  # also evaluate without the tool, before and after RL
+    # --- the engines: vLLM and the trainer on this machine's devices ---
     strategy: str = "ddp"  # under torchrun: a full trainer replica per GPU (ddp) or 1/N of it (fsdp)
-    seed: int = 0  # the data order, the sampler and the trainer's random state
+    trainer_threads: int = 0  # CPU torch threads for training (-1 = every core; 0 = torch's default, which vLLM's CPU engine keeps)
     dtype: str = "float32"  # the sampler's dtype (the trainer always keeps float32 weights)
     gpu_memory_utilization: float = 0.3  # vLLM's share of the GPU for weights and KV cache
     cpu_kv_cache_gib: float = 2.0  # on a CPU: host memory for vLLM's KV cache (a GPU's comes from the share above)
     enforce_eager: bool = True  # vLLM without compilation (torch.compile, CUDA graphs): starts in seconds, decodes slower
+    # --- what the run records ---
+    eval_text: bool = False  # also evaluate without the tool, before and after RL
+    keep_checkpoints: int = 2  # the newest checkpoints kept in the run folder
     log: str = ""  # also log to tensorboard, wandb or "tensorboard,wandb" (metrics.jsonl is always written)
     # --- options from the field since ToRL (batch_filters.py, docs/06-beyond-torl.md); off in the torl-* presets ---
-    tis_cap: float = 0.0  # truncated importance sampling, min(pi_trainer / pi_sampler, cap) per token; 0 = off
+    tis_cap: float = 0.0  # truncated importance sampling, min(pi_old / pi_sampler, cap) per token; 0 = off
     dynamic_sampling: bool = False  # DAPO: sample more problems until every group of the step is informative
     dynamic_sampling_rounds: int = 4  # the most extra rollout rounds a step may take for that
     mask_truncated: bool = False  # DAPO's overlong filtering: budget-truncated trajectories get no gradient
@@ -123,14 +127,14 @@ def train(cfg: Config, run_dir: Path, resume: bool = False, dp=None) -> None:
 
     dp = dp or DataParallel()  # a world of one unless torchrun started several ranks
     sandbox = start_sandbox(cfg)  # first: where code cannot be contained, the run stops before any model loads
-    run = RunRecord(cfg, run_dir, resume, dp, sandbox_isolation_used=sandbox.isolation)  # config.json, resume, records
-    if run.finished:
+    run_record = RunRecord(cfg, run_dir, resume, dp, sandbox_isolation_used=sandbox.isolation)  # the folder, resume, records
+    if run_record.finished:
         sandbox.close()
         return
     train_problems, eval_problems = load_data(cfg, dp)
 
     # The policy to train: the latest checkpoint, or the first policy (cold-started or as given).
-    model_path = run.state["path"] if run.state else first_policy(cfg, run_dir, dp)
+    model_path = run_record.state["path"] if run_record.state else first_policy(cfg, run_dir, dp)
     train_problems = fit_prompts(train_problems, eval_problems, model_path, cfg)  # --max-prompt-tokens, or refused
     policy = load_policy(model_path, device=dp.device)
     if cfg.train_layers:
@@ -140,22 +144,22 @@ def train(cfg: Config, run_dir: Path, resume: bool = False, dp=None) -> None:
     model = dp.wrap(policy)  # under torchrun: gradients averaged over ranks (DDP) or the trainer sharded (FSDP2)
     grpo_cfg = grpo_config(cfg)
     optimizer = make_optimizer(model, grpo_cfg)
-    run.restore_optimizer(model, optimizer)
+    run_record.restore_optimizer(model, optimizer)
 
     # The sampler runs the same weights.
-    llm = start_sampler(cfg, model_path, run.state, seed=dp.engine_seed(cfg.seed), **dp.engine_kwargs())
-    llm.weight_version = run.start_step
+    llm = start_sampler(cfg, model_path, run_record.state, dp)
+    llm.weight_version = run_record.start_step
     trajectories = []
-    with sandbox, run.stops_saved(model, optimizer, llm):
-        run.evaluate_if_due(run.start_step, llm, sandbox, eval_problems, resumed=True)
-        for step in run.steps():
+    with sandbox, run_record.stops_saved(model, optimizer, llm):
+        run_record.evaluate_if_due(run_record.start_step, llm, sandbox, eval_problems, resumed=True)
+        for step in run_record.steps():
             problems = batch_at(train_problems, step, cfg.problems_per_step, cfg.seed)
             metrics, trajectories = train_step(
                 llm, model, optimizer, dp.shard(problems, cfg.num_minibatches), sandbox, rollout_config(cfg, step, dp),
                 grpo_cfg, cfg, dp=dp, more_problems=partial(extra_problems, train_problems, step, cfg, dp))
-            run.record_step(step + 1, metrics, problems, model, optimizer, llm)
-            run.evaluate_if_due(step + 1, llm, sandbox, eval_problems)
-    run.finish(trajectories, llm)  # the last step's batch, plots.png
+            run_record.record_step(step + 1, metrics, problems, model, optimizer, llm)
+            run_record.evaluate_if_due(step + 1, llm, sandbox, eval_problems)
+    run_record.finish(trajectories, llm)  # the last step's batch, plots.png
 
 
 def train_step(llm, model, optimizer, problems, sandbox, rollout_cfg, grpo_cfg, cfg: Config, dp=None,
@@ -171,14 +175,14 @@ def train_step(llm, model, optimizer, problems, sandbox, rollout_cfg, grpo_cfg, 
     # 1-2. Sample groups, the sandbox in the loop, and score each trajectory +1 or -1.
     trajectories, results = sample_and_score(llm, problems, sandbox, rollout_cfg, cfg, timing)
     outcome = outcome_metrics(trajectories, results)  # the step's own problems, with or without dynamic sampling
-    options: dict = {}
+    dynamic_sampling_metrics: dict = {}
     if cfg.dynamic_sampling:  # DAPO (batch_filters.py): more problems until every group differs in reward
         def sample_extra_round(extra_round):
             extra_cfg = dataclasses.replace(rollout_cfg, seed=extra_seed(rollout_cfg.seed, extra_round))
             return sample_and_score(llm, more_problems(extra_round), sandbox, extra_cfg, cfg, timing)
 
-        trajectories, results, options = keep_informative_groups(trajectories, results, sample_extra_round,
-                                                                 cfg.group_size, cfg.dynamic_sampling_rounds)
+        trajectories, results, dynamic_sampling_metrics = keep_informative_groups(
+            trajectories, results, sample_extra_round, cfg.group_size, cfg.dynamic_sampling_rounds)
     # 3. Advantages: each reward against its group's mean.
     advantages, degenerate = group_advantages([t.reward for t in trajectories], cfg.group_size, scale=cfg.scale_advantages)
     for t, advantage in zip(trajectories, advantages):
@@ -196,7 +200,7 @@ def train_step(llm, model, optimizer, problems, sandbox, rollout_cfg, grpo_cfg, 
     t0 = time.perf_counter()
     sync_weights(model, llm)
     timing["sync_s"] = time.perf_counter() - t0
-    metrics = {**outcome, "degenerate_groups": degenerate, **options, **exclusions,
+    metrics = {**outcome, "degenerate_groups": degenerate, **dynamic_sampling_metrics, **exclusions,
                **update, **timing, "weight_version": llm.weight_version}
     return metrics, trajectories
 
@@ -207,11 +211,11 @@ def sample_and_score(llm, problems, sandbox, rollout_cfg, cfg: Config, timing: d
     from rollout import rollout
 
     t0 = time.perf_counter()
-    stats: dict = {}
-    trajectories = rollout(llm, problems, sandbox, rollout_cfg, stats=stats)
+    spent: dict = {}
+    trajectories = rollout(llm, problems, sandbox, rollout_cfg, spent=spent)
     timing["rollout_s"] += time.perf_counter() - t0
-    timing["generate_s"] += stats["generate_s"]
-    timing["sandbox_s"] += stats["sandbox_s"]
+    timing["generate_s"] += spent["generate_s"]
+    timing["sandbox_s"] += spent["sandbox_s"]
     t0 = time.perf_counter()
     results = score_batch([t.text for t in trajectories], [t.reference for t in trajectories], scorer=cfg.scorer)
     for t, result in zip(trajectories, results):
@@ -247,7 +251,7 @@ def rollout_config(cfg: Config, step: int, dp=None):
     rollout_cfg = RolloutConfig(
         group_size=cfg.group_size, temperature=cfg.temperature, max_response_tokens=cfg.max_response_tokens,
         tool_budget=cfg.tool_budget, observation_style=cfg.observation_style, template=cfg.template,
-        seed=dp.rollout_seed(seed) if dp else seed, schedule=cfg.rollout_schedule,
+        seed=dp.rank_seed(seed) if dp else seed, schedule=cfg.rollout_schedule,
     )
     check_on_policy(rollout_cfg)
     return rollout_cfg
@@ -284,12 +288,13 @@ def start_sandbox(cfg: Config):
     return sandbox
 
 
-def start_sampler(cfg: Config, model_path: str, state: dict | None, seed: int | None = None, **engine_kwargs):
+def start_sampler(cfg: Config, model_path: str, state: dict | None, dp=None):
     """The vLLM engine over `model_path`, then the random state: the checkpoint's, or fresh from the seed.
 
     In that order because vLLM seeds Python's, numpy's and torch's global
     generators when its engine starts: a state restored before would be
-    silently replaced. `seed` is the engine's (under torchrun, one per rank).
+    silently replaced. Under torchrun (`dp`, 06's DataParallel) each rank's engine
+    gets a seed of its own and joins torchrun's world.
     """
     import numpy as np
     import torch
@@ -297,13 +302,14 @@ def start_sampler(cfg: Config, model_path: str, state: dict | None, seed: int | 
     from checkpoints import restore_rng
     from rollout import make_llm
 
-    seed = cfg.seed if seed is None else seed
+    seed = dp.rank_seed(cfg.seed) if dp else cfg.seed  # one seed for every rank would draw the same samples
     llm = make_llm(model_path, dtype=cfg.dtype, max_model_len=cfg.max_model_len, seed=seed,
                    gpu_memory_utilization=cfg.gpu_memory_utilization, cpu_kv_cache_gib=cfg.cpu_kv_cache_gib,
-                   enforce_eager=cfg.enforce_eager, **engine_kwargs)
-    if state is not None and seed == cfg.seed:  # rank 0 (or one process): the stream it saved goes on
+                   enforce_eager=cfg.enforce_eager, **(dp.engine_kwargs() if dp else {}))
+    saved_its_rng = dp is None or dp.is_main  # rank 0 alone writes rng.pt into a checkpoint
+    if state is not None and saved_its_rng:  # its stream goes on where the checkpoint left it
         restore_rng(torch.load(Path(state["path"]) / "rng.pt", weights_only=False))
-    else:  # a fresh start, or another rank's resume (rank 0 alone saves): a stream of this rank's own
+    else:  # a fresh start, or another rank's resume: a stream of this rank's own
         seed += state["step"] if state is not None else 0
         random.seed(seed)
         np.random.seed(seed)
@@ -373,7 +379,7 @@ def parse_args(argv):
                         "memory per GPU, in seconds; load nothing")
     add_plan_flags(parser)  # --plan-*: the GPUs a dry run plans for; --assume-*: its rates (dry_run.py)
     args, overrides = parse_with_field_flags(parser, Config, argv, PRESETS)
-    args.plan_gpus = args.plan_gpus or (8 if args.preset in GPU_PRESETS else 1)  # the demos run as one process
+    fill_plan_defaults(args)  # --plan-gpus by the preset (dry_run.py)
     return args, overrides
 
 

@@ -806,7 +806,7 @@ def test_each_rank_seeds_its_engine_and_numpy_on_its_own_and_a_resume_restores_n
     monkeypatch.setattr(rollout, "make_llm", engine)
     draws = []
     for rank in (0, 1):
-        retool.start_sampler(Config(), "model", None, seed=DataParallel(rank=rank, world_size=2).engine_seed(0))
+        retool.start_sampler(Config(), "model", None, DataParallel(rank=rank, world_size=2))
         draws.append(np.random.random())
     assert seeds[0] == 0 and seeds[1] != seeds[0] and draws[0] != draws[1]
 

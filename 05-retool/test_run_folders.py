@@ -168,8 +168,9 @@ def test_a_model_missing_from_the_cache_is_not_told_to_set_hf_hub_offline(monkey
     from configuration import model_problem
 
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
-    monkeypatch.setitem(prepare_data._hub, "why", "https://hub does not answer (ConnectError); "
-                                                  "set HF_HUB_OFFLINE=1 to use data sets already in the local cache")
+    monkeypatch.setitem(prepare_data._hub_probe, "unreachable_because",
+                        "https://hub does not answer (ConnectError); "
+                        "set HF_HUB_OFFLINE=1 to use data sets already in the local cache")
     problem = model_problem("nobody-here/no-such-model")
     assert "does not answer (ConnectError)" in problem and "pass a local model folder" in problem
     assert "HF_HUB_OFFLINE" not in problem

@@ -129,13 +129,10 @@ class DataParallel:
         dist.all_reduce(count)
         return float(count) / self.world_size
 
-    def rollout_seed(self, seed: int | None) -> int | None:
-        """A different sampling seed per rank (rank 0 keeps the single-process one)."""
+    def rank_seed(self, seed: int | None) -> int | None:
+        """This rank's seed for sampling, the engine's and the requests' (rank 0 keeps the single-process one):
+        with one seed every rank's engine would draw the same noise, and its groups the same samples."""
         return None if seed is None else seed + 1_000_003 * self.rank
-
-    def engine_seed(self, seed: int) -> int:
-        """The vLLM engine's seed on this rank: with one seed every rank's unseeded requests draw the same noise."""
-        return self.rollout_seed(seed)
 
     # ----------------------------------------------------------------- the model
 

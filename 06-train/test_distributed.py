@@ -366,7 +366,7 @@ def test_two_ranks_write_one_run_with_the_global_batch(tmp_path, tiny_model_path
 
 @pytest.mark.vllm
 def test_each_ranks_engine_draws_its_own_samples_for_the_same_prompt(tmp_path, tiny_model_path, preloaded_python):
-    """Two ranks (torchrun's environment, as above) start their engines as the loop does (engine_seed) and sample one prompt, unseeded.
+    """Two ranks (torchrun's environment, as above) start their engines as the loop does (rank_seed) and sample one prompt, unseeded.
 
     Then both reseed torch's generator alike and sample again: equal samples
     show that the seed alone made the difference (one seed for every rank's
@@ -382,7 +382,7 @@ def test_each_ranks_engine_draws_its_own_samples_for_the_same_prompt(tmp_path, t
         "from retool import Config, start_sampler\n"
         "dp = setup()\n"
         f"cfg = Config(max_model_len=64, enforce_eager=True, cpu_kv_cache_gib={KV_CACHE_GIB})\n"
-        "llm = start_sampler(cfg, sys.argv[1], None, seed=dp.engine_seed(cfg.seed), **dp.engine_kwargs())\n"
+        "llm = start_sampler(cfg, sys.argv[1], None, dp)\n"
         "params = SamplingParams(n=4, max_tokens=8, temperature=1.0, ignore_eos=True)\n"
         "def draw():\n"
         "    out = llm.generate([{'prompt_token_ids': [5, 6, 7, 8]}], params, use_tqdm=False)[0]\n"
