@@ -63,6 +63,13 @@ def test_part_one_states_the_demo_and_torl_settings():
     assert TORL["eps_low"] == TORL["eps_high"]
 
 
+def test_the_page_says_which_micro_batch_size_each_default_is():
+    """GRPOConfig's default is the torl-1.5b preset's, Config's the CPU demo's (cpu-demo is Config's defaults)."""
+    assert GRPOConfig.micro_batch_size == TORL["micro_batch_size"] and "micro_batch_size" not in PRESETS["cpu-demo"]
+    says("06-train.md", f"`GRPOConfig`'s {GRPOConfig.micro_batch_size} is the torl-1.5b preset's",
+         f"chapter 05's `Config` has the CPU demo's {Config.micro_batch_size}")
+
+
 def test_the_advantage_printout_is_what_group_advantages_gives():
     for rewards in ([1, -1, -1, -1], [1, 1, 1, -1], [-1, -1, -1, -1], [1, 1, -1, -1]):
         says("06-train.md", f"{rewards} -> {group_advantages(rewards, 4)} "
