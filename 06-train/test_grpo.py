@@ -318,7 +318,7 @@ def with_sampler_gap(policy, trajectories, factors):
     return trajectories
 
 
-def test_tis_weight_is_trainer_over_sampler_capped_and_scales_the_update(policy):
+def test_tis_weight_is_old_over_sampler_capped_and_scales_the_update(policy):
     base = random_trajectories(3)
     plain, _ = sgd_step(policy, base)
     start = flat_weights(policy)
