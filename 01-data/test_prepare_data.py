@@ -171,7 +171,7 @@ def test_an_unreachable_hub_is_found_once_not_per_data_set(tmp_path, monkeypatch
     import prepare_data
 
     probes = []
-    monkeypatch.setattr(prepare_data, "_hub", {})
+    monkeypatch.setattr(prepare_data, "_hub_probe", {})
     monkeypatch.setattr(prepare_data, "_probe_hub", lambda: probes.append(1) or "no answer (test)")
     monkeypatch.setattr(datasets, "load_dataset", lambda *a, **k: pytest.fail("tried the hub after finding it unreachable"))
     assert prepare_data.main(["--out", str(tmp_path)]) == 0  # the default run: toy task, train set, two eval sets
