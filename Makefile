@@ -77,6 +77,7 @@ test: $(STAMP)
 
 run-01: $(STAMP)
 	$(PY) 01-data/prepare_data.py $(ARGS)
+	$(PY) 01-data/chained_problems.py --out-dir data
 
 run-05: $(STAMP) $(if $(filter smollm2,$(PRESET)),$(SMOLLM2_STAMP))
 	$(if $(filter $(PRESET),$(GPU_PRESETS)),@echo "run-05: $(PRESET) on $(NPROC) GPU(s): one process per GPU (NPROC=N to choose)")

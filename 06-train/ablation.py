@@ -4,6 +4,9 @@
     .venv/bin/python 06-train/ablation.py run --base runs/abl/base --out runs/abl --seeds 0 1
     .venv/bin/python 06-train/ablation.py report --out runs/abl --img docs/img
 
+On the chained task (docs/06-experiments.md) the same with `--preset cpu-chained`
+and the base that task's cold start made.
+
 `run` trains one RL run per (arm, seed) with 05-retool/retool.py from the same
 base and the same settings, changing only the arm's flags; rollouts are seeded,
 so two arms draw the same random numbers until their policies differ; a run whose final
@@ -37,6 +40,9 @@ ARMS: dict[str, tuple[list[str], str, str, list[str]]] = {
                  ["tool_calls", "void_filtered"]),
     "token-sum": (["--aggregation", "token-sum"], "Dr. GRPO: sum / (96 x sequences)", "baseline",
                   ["grad_norm", "response_length"]),
+    # the tool budget C (docs/06-experiments.md): against the baseline's 4 on the chained task
+    "calls-1": (["--tool-budget", "1"], "one tool call (C = 1, ToRL's)", "baseline", ["tool_calls", "code_pass_ratio"]),
+    "calls-2": (["--tool-budget", "2"], "two tool calls (C = 2)", "baseline", ["tool_calls", "code_pass_ratio"]),
     "bf16": (["--dtype", "bfloat16"], "bf16 sampler, no correction", "", ["mismatch_abs"]),
     "bf16-tis": (["--dtype", "bfloat16", "--tis-cap", "2.0"], "bf16 sampler + truncated IS, cap 2", "bf16",
                  ["tis_weight_mean", "tis_capped_frac", "mismatch_abs"]),
@@ -75,7 +81,8 @@ def run(args) -> None:
                 print(f"{run_dir}: done already")
                 continue
             shutil.rmtree(run_dir, ignore_errors=True)  # a run cut short starts over: same base, same seed
-            cmd = [sys.executable, str(RETOOL), "--model", args.base, "--cold-start", "none", "--run-dir", str(run_dir), "--seed", str(seed),
+            preset = ["--preset", args.preset] if args.preset else []
+            cmd = [sys.executable, str(RETOOL), *preset, "--model", args.base, "--cold-start", "none", "--run-dir", str(run_dir), "--seed", str(seed),
                    "--steps", str(args.steps), "--eval-every", "0", "--keep-checkpoints", "1",
                    "--save-every", str(args.steps), "--seed-rollouts", "true", *ARMS[arm][0]]
             print(" ".join(cmd), flush=True)
@@ -186,6 +193,8 @@ def parse_args(argv):
     r.add_argument("--out", default="runs/ablation", help="folder of the run folders (default runs/ablation)")
     r.add_argument("--seeds", type=int, nargs="+", default=[0], help="RL seeds (default 0)")
     r.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS), help="which arms (default all)")
+    r.add_argument("--preset", help="05-retool's preset the runs start from (default: the CPU demo's settings; "
+                                    "cpu-chained for docs/06-experiments.md)")
     r.add_argument("--steps", type=int, default=30, help="RL steps per run (default 30: the runs docs/06-beyond-torl measured)")
     s = sub.add_parser("report", help="plots and the markdown table from finished runs")
     s.add_argument("--out", default="runs/ablation", help="folder of the run folders (default runs/ablation)")
