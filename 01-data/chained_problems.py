@@ -19,9 +19,9 @@ prints 17834, and only with that printed number can the second step be written,
     two steps, padded reading         3
 
 No single program of that shape over a two-step problem's numbers gives its
-answer (the generator redraws the few where one would). Held-out problems have
-opening and question sentences of their own and number tuples never used in
-training; the step phrases are shared, because a model trained from scratch
+answer (the generator redraws the few where one would). Held-out problems pair
+each opening with a question sentence no training problem pairs it with, and use
+number tuples never used in training; the step phrases are shared, because a model trained from scratch
 has no other words for the operations. A row's source names its kind
 ("chained-2step-padded", "chained-heldout-1step"), so an evaluation reports
 each kind on its own.
@@ -51,10 +51,10 @@ TRAIN_FRAMES = [
     ("A display shows {reading}.", "What number is shown at the end?"),
     ("The odometer says {reading}.", "Which number do you end with?"),
 ]
-TEST_FRAMES = [
-    ("A gauge displays {reading}.", "What is the final number?"),
-    ("The scoreboard shows {reading}.", "What number do you reach?"),
-]
+# Held out: each opening with a question sentence no training problem pairs it with. Sentences never seen at all
+# would test what a 2-layer model trained from scratch cannot do: it copies by position, and a new sentence of
+# another length moves every number (docs/06-experiments.md).
+TEST_FRAMES = [(TRAIN_FRAMES[i][0], TRAIN_FRAMES[(i + 2) % len(TRAIN_FRAMES)][1]) for i in range(len(TRAIN_FRAMES))]
 
 
 def make_chained_problems(n_train: int, n_test: int, seed: int = 0) -> tuple[list[dict], list[dict]]:

@@ -105,17 +105,24 @@ def build_base_policy(args) -> Path:
     # model learns the tool's grammar (copy the factors into code, the output into
     # the box), then on the mix, which sets how often it reaches for the tool.
     tool_examples = [e for e, t in zip(examples, traces) if t["tool"]]
-    losses = train(model, examples, tool_examples, tokenizer.pad_token_id, args)
-    for p in model.parameters():
-        p.requires_grad_(True)  # a checkpoint of the whole model; the RL trainer freezes its own way
-    model.save_pretrained(out)
-    tokenizer.save_pretrained(out)
-    print(f"cold start: final loss {losses[-1]:.3f}; base policy saved to {out}")
     moves = {}
-    if is_chained_task(problems):  # RL can only amplify moves the base makes: checked before any RL
-        from moves_check import check_base
+    for round_ in range(1, args.rounds + 1):  # the chained task: the schedule again, until the base has the moves
+        args.round = round_  # part of a partial checkpoint's settings: a restart never mixes two rounds
+        losses = train(model, examples, tool_examples, tokenizer.pad_token_id, args)
+        for p in model.parameters():
+            p.requires_grad_(True)  # a checkpoint of the whole model; the RL trainer freezes its own way
+        model.save_pretrained(out)
+        tokenizer.save_pretrained(out)
+        print(f"cold start: final loss {losses[-1]:.3f}; base policy saved to {out}")
+        if not is_chained_task(problems):
+            break
+        from moves_check import check_base  # RL can only amplify moves the base makes: checked before any RL
 
-        moves = {"moves": check_base(out, args.template, args.seed)}
+        moves = {"moves": check_base(out, args.template, args.seed), "rounds": round_}
+        if moves["moves"]["passed"]:
+            break
+        if args.train_layers:
+            freeze_all_but_top(model, args.train_layers)
     (out / "cold_start.json").write_text(json.dumps({**vars(args), "final_loss": losses[-1], **moves}, indent=2))
     return out
 
@@ -416,6 +423,9 @@ def parse_args(argv):
     p.add_argument("--warmup-steps", type=at_least(1), default=50)
     p.add_argument("--hidden-size", type=multiple_of_64, default=256, help="a multiple of 64 (vLLM's CPU attention wants head_dim 64)")
     p.add_argument("--num-layers", type=at_least(1), default=2)
+    p.add_argument("--rounds", type=at_least(1), default=1,
+                   help="chained task: at most this many runs of the schedule, each from the last one's weights, "
+                        "until the moves check passes (05-retool/moves_check.py)")
     p.add_argument("--kv-heads", type=at_least(1), default=1,
                    help="key-value heads, dividing hidden-size / 64 (1: all heads share one, as the demo's base)")
     p.add_argument("--vocab-size", type=at_least(64), default=384)

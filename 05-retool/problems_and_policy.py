@@ -150,8 +150,9 @@ def cold_started_model(cfg, run_dir: Path) -> str:
             "--tool-fraction", str(cfg.cold_start_tool_fraction), "--template", cfg.template,
             "--seed", str(cfg.seed), "--tool-only-steps", str(cfg.cold_start_tool_only_steps),
             "--lr", str(cfg.cold_start_lr), "--batch-size", str(cfg.cold_start_batch_size)]
-    if cfg.cold_start_kv_heads != 1:  # only where set: the demo's argv, and so its cached base, stay as they were
-        argv += ["--kv-heads", str(cfg.cold_start_kv_heads)]
+    for flag, value in (("--kv-heads", cfg.cold_start_kv_heads), ("--rounds", cfg.cold_start_rounds)):
+        if value != 1:  # only where set: the demo's argv, and so its cached base, stay as they were
+            argv += [flag, str(value)]
     source = None
     if cfg.cold_start == "finetune":  # a pretrained model: find it (hub, else the package's GGUF), fine-tune it
         from rollout import render_prompt

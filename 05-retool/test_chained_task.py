@@ -113,11 +113,13 @@ def test_a_cold_start_on_the_chained_task_trains_on_its_chained_traces(tmp_path,
     monkeypatch.setattr(cold_start, "chained_traces", lambda *a, **k: built.append(real(*a, **k)) or built[-1])
     out = cold_start.main(["--train-file", str(tmp_path / "chained.jsonl"), "--steps", "2", "--tool-only-steps", "1",
                            "--batch-size", "4", "--hidden-size", "64", "--num-layers", "1", "--vocab-size", "128",
-                           "--max-len", "128", "--warmup-steps", "1", "--tool-fraction", "0.5", "--out", str(tmp_path / "base")])
+                           "--max-len", "128", "--warmup-steps", "1", "--tool-fraction", "0.5", "--out", str(tmp_path / "base"),
+                           "--rounds", "2"])
     assert (out / "config.json").exists() and len(built) == 1 and len(built[0]) == 40
     assert any(t["tool"] for t in built[0]) and any(not t["tool"] for t in built[0])
     moves = json.loads((out / "cold_start.json").read_text())["moves"]  # checked before any RL, and kept with the base
     assert set(moves) == {"call", "box", "fix", "chain", "passed"} and moves["passed"] is False  # two steps learn nothing
+    assert json.loads((out / "cold_start.json").read_text())["rounds"] == 2  # so the schedule ran again, then gave up
 
 
 def test_the_moves_check_scores_exactly_the_tokens_of_each_move(tiny_model_path):
