@@ -237,5 +237,6 @@ def step_line(row: dict) -> str:
     """The console's line for a step, from its metrics.jsonl row."""
     return (f"step {row['step']:4d} | reward {row['reward_mean']:+.3f} acc {row['accuracy']:.3f} "
             f"code {row['code_ratio']:.2f} pass {row['code_pass_ratio']:.2f} len {row['response_length']:.0f} "
-            f"| clip {row['clip_low_frac'] + row['clip_high_frac']:.3f} gnorm {row['grad_norm']:.3f} "
+            f"| clip {row['clip_low_frac'] + row['clip_high_frac']:.3f} ent {row.get('entropy', float('nan')):.3f} "
+            f"gnorm {row['grad_norm']:.3f} "
             f"mismatch {row['mismatch_abs']:.4f} | {row['rollout_s']:.1f}s rollout {row['update_s']:.1f}s update")
