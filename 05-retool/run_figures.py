@@ -1,0 +1,77 @@
+"""A run's figures for the docs, read from its metrics.jsonl and eval.jsonl into one results file (results.py).
+
+    make run-05 ARGS="--run-dir runs/cpu-demo"
+    .venv/bin/python 05-retool/run_figures.py runs/cpu-demo 05-cpu-demo --run-command 'make run-05 ARGS="--run-dir runs/cpu-demo"'
+
+writes docs/results/05-cpu-demo.json, whose command is the two lines above joined: the run, then this read
+of it. The page that quotes the run is rewritten with `python results.py`. What each figure means:
+docs/05-retool.md (the demo) and docs/06-train.md (its metrics).
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+from checkpoints import read_rows
+from lab_cli import one_line_errors
+from results import save
+
+# The first step's metrics a page reads, with the decimals they are shown with.
+FIRST_STEP = {"reward_mean": 2, "accuracy": 2, "code_ratio": 2, "code_ratio_correct": 2, "code_ratio_incorrect": 2,
+              "degenerate_groups": 0, "tokens": 0, "ratio_max": 3, "clip_low_frac": 3, "clip_high_frac": 3,
+              "mismatch_abs": 4, "entropy": 3, "rollout_s": 2, "sandbox_s": 2, "reward_s": 2, "update_s": 2,
+              "sync_s": 2}
+SECONDS = ("rollout_s", "reward_s", "update_s", "sync_s")  # a step's parts; their medians over the run
+
+
+def figures(run_dir: Path) -> dict:
+    """Held-out accuracy and tool use at each evaluation, the reward's climb, the first step, the clip, step times."""
+    metrics, evals = (run_dir / "metrics.jsonl"), (run_dir / "eval.jsonl")
+    if not metrics.exists() or not evals.exists():
+        raise SystemExit(f"error: {run_dir}: no metrics.jsonl and eval.jsonl: not a finished run folder")
+    rows, out = read_rows(metrics), {}
+    for row in read_rows(evals):
+        if row.get("mode", "tir") == "tir":
+            (summary,) = row["sets"].values()
+            out[f"heldout_accuracy_step_{row['step']}"] = round(summary[f"avg@{row['k']}"], 2)
+            out[f"heldout_code_ratio_step_{row['step']}"] = round(summary["code_ratio"], 2)
+    if not rows:
+        raise SystemExit(f"error: {metrics}: no steps recorded")
+    rewards = [r["reward_mean"] for r in rows]
+    out.update(steps=len(rows), reward_first_5=round(statistics.mean(rewards[:5]), 2),
+               reward_last_5=round(statistics.mean(rewards[-5:]), 2),
+               ratio_max_highest=round(max(r["ratio_max"] for r in rows), 3),
+               clip_frac_highest=round(max(max(r["clip_low_frac"], r["clip_high_frac"]) for r in rows), 3))
+    later = rows[5:]
+    if later:
+        lowest = min(later, key=lambda r: r["reward_mean"])
+        out.update(reward_lowest_after_step_5=round(lowest["reward_mean"], 2), reward_lowest_at_step=lowest["step"])
+    reached = [r["step"] for r in rows if r["reward_mean"] >= 0.8]
+    if reached:
+        out["first_step_reward_0_8"] = reached[0]
+    if len(rows) >= 3 and rows[2].get("entropy") is not None:
+        out["entropy_step_3"] = round(rows[2]["entropy"], 3)
+    for key, decimals in FIRST_STEP.items():
+        if rows[0].get(key) is not None:
+            out[f"step_1_{key}"] = round(rows[0][key], decimals) if decimals else int(rows[0][key])
+    for key in SECONDS:
+        out[f"median_{key}"] = round(statistics.median(r[key] for r in rows), 2)
+    out["median_step_s"] = round(statistics.median(sum(r[k] for k in SECONDS) for r in rows), 2)
+    return out
+
+
+def main() -> int:
+    parser = one_line_errors(argparse.ArgumentParser(description=__doc__.split("\n")[0]))
+    parser.add_argument("run_dir", type=Path, help="a finished run folder")
+    parser.add_argument("name", help="the results file: docs/results/NAME.json")
+    parser.add_argument("--run-command", required=True, help="the command that made the run, recorded with the figures")
+    args = parser.parse_args()
+    command = f"{args.run_command}; .venv/bin/python 05-retool/run_figures.py {args.run_dir} {args.name}"
+    print(f"wrote {save(args.name, command, figures(args.run_dir))}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,48 @@
+"""A run folder's record becomes the figures the docs quote (run_figures.py)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import results
+from run_figures import figures
+
+
+def write_run(run_dir, rewards):
+    """A record as a run writes it: one metrics row per step, evaluations before RL and after."""
+    run_dir.mkdir()
+    keys = dict(accuracy=0.5, code_ratio=0.3, code_ratio_correct=1.0, code_ratio_incorrect=0.02, degenerate_groups=1,
+                tokens=1430, clip_low_frac=0.0, clip_high_frac=0.0, mismatch_abs=0.0, rollout_s=1.6, sandbox_s=0.0,
+                reward_s=0.1, update_s=1.7, sync_s=0.04)
+    rows = [{"step": i + 1, "reward_mean": r, "ratio_max": 1.0 + i / 100, "entropy": 0.3 - i / 100, **keys}
+            for i, r in enumerate(rewards)]
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    evals = [{"step": s, "tag": "", "mode": "tir", "k": 1, "sets": {"toy": {"avg@1": a, "code_ratio": c}}}
+             for s, a, c in ((0, 0.281, 0.26), (len(rewards), 0.94, 0.97))]
+    evals.append({"step": 0, "tag": "before RL (text only)", "mode": "text", "k": 1,
+                  "sets": {"toy": {"avg@1": 0.0, "code_ratio": 0.0}}})
+    (run_dir / "eval.jsonl").write_text("".join(json.dumps(r) + "\n" for r in evals))
+
+
+def test_a_runs_record_gives_its_held_out_figures_reward_climb_and_first_step(tmp_path):
+    write_run(tmp_path / "run", [-0.4, -0.2, 0.0, 0.2, 0.4, 0.5, 0.9, 0.3, 0.85, 0.95])
+    out = figures(tmp_path / "run")
+    assert out["heldout_accuracy_step_0"] == 0.28 and out["heldout_code_ratio_step_0"] == 0.26  # tool loop only
+    assert out["heldout_accuracy_step_10"] == 0.94 and out["steps"] == 10
+    assert out["reward_first_5"] == 0.0 and out["reward_last_5"] == 0.7 and out["first_step_reward_0_8"] == 7
+    assert out["reward_lowest_after_step_5"] == 0.3 and out["reward_lowest_at_step"] == 8
+    assert out["step_1_ratio_max"] == 1.0 and out["ratio_max_highest"] == 1.09 and out["entropy_step_3"] == 0.28
+    assert out["step_1_tokens"] == 1430 and out["median_step_s"] == 3.44
+
+
+def test_the_figures_save_as_a_results_file(tmp_path, monkeypatch):
+    monkeypatch.setattr(results, "RESULTS", tmp_path / "results")
+    write_run(tmp_path / "run", [0.1] * 3)
+    results.save("demo", "make run-05", figures(tmp_path / "run"))
+    assert results.load("demo")["figures"]["heldout_accuracy_step_3"] == 0.94
+
+
+def test_a_folder_without_a_record_is_refused_in_one_line(tmp_path):
+    with pytest.raises(SystemExit, match="not a finished run folder"):
+        figures(tmp_path)
