@@ -48,9 +48,7 @@ def figures(run_dir: Path) -> dict:
     if later:
         lowest = min(later, key=lambda r: r["reward_mean"])
         out.update(reward_lowest_after_step_5=round(lowest["reward_mean"], 2), reward_lowest_at_step=lowest["step"])
-    reached = [r["step"] for r in rows if r["reward_mean"] >= 0.8]
-    if reached:
-        out["first_step_reward_0_8"] = reached[0]
+    out["first_step_reward_0_8"] = next((r["step"] for r in rows if r["reward_mean"] >= 0.8), "never")
     if len(rows) >= 3 and rows[2].get("entropy") is not None:
         out["entropy_step_3"] = round(rows[2]["entropy"], 3)
     for key, decimals in FIRST_STEP.items():

@@ -41,6 +41,7 @@ def test_the_figures_save_as_a_results_file(tmp_path, monkeypatch):
     write_run(tmp_path / "run", [0.1] * 3)
     results.save("demo", "make run-05", figures(tmp_path / "run"))
     assert results.load("demo")["figures"]["heldout_accuracy_step_3"] == 0.94
+    assert results.load("demo")["figures"]["first_step_reward_0_8"] == "never"
 
 
 def test_a_folder_without_a_record_is_refused_in_one_line(tmp_path):
