@@ -47,16 +47,14 @@ def load(name: str) -> dict:
     path = RESULTS / f"{name}.json"
     if not path.exists():
         raise KeyError(f"no results file {path.relative_to(ROOT)}")
-    return json.loads(path.read_text())
+    try:
+        return json.loads(path.read_text())
+    except ValueError as e:
+        raise ValueError(f"{path.relative_to(ROOT)}: not a results file ({e})") from None
 
 
 def names() -> list[str]:
     return sorted(p.stem for p in RESULTS.glob("*.json"))
-
-
-def value_text(value) -> str:
-    """How a page shows a figure: numbers as the file holds them (the writer rounds), strings as they are."""
-    return str(value)
 
 
 def block(name: str, keys: list[str]) -> str:
@@ -66,7 +64,7 @@ def block(name: str, keys: list[str]) -> str:
     missing = [key for key in keys if key not in figures]
     if missing:
         raise KeyError(f"results {name} has no figure {', '.join(missing)}")
-    rows = [f"| `{key}` | {value_text(figures[key])} |" for key in keys or sorted(figures)]
+    rows = [f"| `{key}` | {figures[key]} |" for key in keys or sorted(figures)]
     return (f"Measured by `{result['command']}` ([results/{name}.json](results/{name}.json)):\n\n"
             "| figure | value |\n| --- | --- |\n" + "\n".join(rows) + "\n")
 
@@ -79,7 +77,7 @@ def render(text: str) -> str:
         figures = load(m[1])["figures"]
         if m[2] not in figures:
             raise KeyError(f"results {m[1]} has no figure {m[2]}")
-        value = value_text(figures[m[2]])
+        value = str(figures[m[2]])  # as the file holds it: the writer rounds
         if not WORD.fullmatch(value):
             raise ValueError(f"results {m[1]}.{m[2]} is {value!r}, not one word: quote it in a block")
         out += [text[last:m.end()], value]
@@ -128,15 +126,17 @@ def main(argv: list[str]) -> int:
     if argv:
         print("usage: python results.py   (rewrites every page's figures from docs/results/*.json)", file=sys.stderr)
         return 2
-    for page in pages():
-        text = page.read_text(encoding="utf-8")
+    texts, rewritten = {page: page.read_text(encoding="utf-8") for page in pages()}, {}
+    for page, text in texts.items():  # every page rendered before one is written: a bad quote changes none
         try:
-            new = render(text)
+            rewritten[page] = render(text)
         except (KeyError, ValueError) as e:
             print(f"error: {page.relative_to(ROOT)}: {e.args[0]}", file=sys.stderr)
             return 1
-        if new != text:
-            page.write_text(new, encoding="utf-8")
+    for page, text in rewritten.items():
+        if text != texts[page]:
+            page.with_suffix(".md.tmp").write_text(text, encoding="utf-8")
+            os.replace(page.with_suffix(".md.tmp"), page)
             print(f"rewrote {page.relative_to(ROOT)}")
     return 0
 

@@ -87,3 +87,14 @@ def test_a_results_file_holds_numbers_and_short_strings_only(tmp_path, monkeypat
         with pytest.raises(ValueError):
             results.save(name, "cmd", figures)
     assert list(tmp_path.iterdir()) == []  # nothing half-written
+
+
+def test_the_rewrite_changes_no_page_while_one_quotes_what_is_not_there(one_file, tmp_path, monkeypatch):
+    good, bad = tmp_path / "good.md", tmp_path / "bad.md"
+    good.write_text(one_file["docs/a.md"].replace("-->0.94,", "-->0.5,"))
+    bad.write_text("<!-- r demo.nosuch -->1\n")
+    monkeypatch.setattr(results, "pages", lambda: [good, bad])
+    monkeypatch.setattr(results, "ROOT", tmp_path)
+    assert results.main([]) == 1 and "-->0.5," in good.read_text()
+    bad.write_text("")
+    assert results.main([]) == 0 and good.read_text() == one_file["docs/a.md"]
