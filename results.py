@@ -21,8 +21,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent
 RESULTS = ROOT / "docs" / "results"
 NAME = re.compile(r"[\w-]+")
-BLOCK = re.compile(r"<!-- results ([\w-]+)((?: \w+)*) -->\n(.*?)<!-- /results -->", re.S)
-QUOTE = re.compile(r"<!-- r ([\w-]+)\.(\w+) -->")
+# A marker in backticks is an example of one (README.md shows them), not a quote.
+BLOCK = re.compile(r"(?<!`)<!-- results ([\w-]+)((?: \w+)*) -->\n(.*?)<!-- /results -->", re.S)
+QUOTE = re.compile(r"(?<!`)<!-- r ([\w-]+)\.(\w+) -->")
 WORD = re.compile(r"[^\s|<>()\[\]*,;:]*[^\s|<>()\[\]*,;:.]")  # a value in prose, without a closing full stop
 
 

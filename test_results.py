@@ -56,6 +56,11 @@ def test_a_new_measurement_fails_until_the_page_is_rewritten(one_file):
     assert "-->0.96, in <!-- r demo.wall_s -->270 s." in page and results.problems({"docs/a.md": page}) == []
 
 
+def test_a_marker_in_backticks_is_an_example_not_a_quote(one_file):
+    example = "Quote inline as `<!-- r NAME.key -->0.94`, in blocks as `<!-- results NAME -->`.\n"
+    assert results.problems({**one_file, "README.md": example}) == []
+
+
 def test_one_run_quoted_on_two_pages_fails(one_file):
     found = results.problems({**one_file, "docs/b.md": "Also <!-- r demo.accuracy -->0.94.\n"})
     assert found == ["results demo (one run) is quoted on 2 pages: docs/a.md, docs/b.md"]
