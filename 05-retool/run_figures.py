@@ -24,10 +24,12 @@ FIRST_STEP = {"reward_mean": 2, "accuracy": 2, "code_ratio": 2, "code_ratio_corr
               "mismatch_abs": 4, "entropy": 3, "rollout_s": 2, "sandbox_s": 2, "reward_s": 2, "update_s": 2,
               "sync_s": 2}
 SECONDS = ("rollout_s", "reward_s", "update_s", "sync_s")  # a step's parts; their medians over the run
+STRETCH = {"reward_mean": 2, "degenerate_groups": 1, "informative_frac": 2, "grad_norm": 3, "update_s": 2}  # means
 
 
-def figures(run_dir: Path) -> dict:
-    """Held-out accuracy and tool use at each evaluation, the reward's climb, the first step, the clip, step times."""
+def figures(run_dir: Path, stretches: list[tuple[int, int]] = ()) -> dict:
+    """Held-out accuracy and tool use at each evaluation, the reward's climb, the first step, the clip, step times;
+    and, per stretch of steps (first, last), the means that show degenerate groups diluting the step."""
     metrics, evals = (run_dir / "metrics.jsonl"), (run_dir / "eval.jsonl")
     if not metrics.exists() or not evals.exists():
         raise SystemExit(f"error: {run_dir}: no metrics.jsonl and eval.jsonl: not a finished run folder")
@@ -57,7 +59,28 @@ def figures(run_dir: Path) -> dict:
     for key in SECONDS:
         out[f"median_{key}"] = round(statistics.median(r[key] for r in rows), 2)
     out["median_step_s"] = round(statistics.median(sum(r[k] for k in SECONDS) for r in rows), 2)
+    for first, last in stretches:
+        part = [r for r in rows if first <= r["step"] <= last]
+        if not part:
+            raise SystemExit(f"error: {metrics}: no steps {first}-{last}")
+        means = {key: statistics.mean(r[key] for r in part) for key in STRETCH}
+        out.update({f"steps_{first}_{last}_{key}": round(means[key], d) for key, d in STRETCH.items()})
+        if means["informative_frac"]:
+            out[f"steps_{first}_{last}_grad_norm_per_informative"] = round(means["grad_norm"] / means["informative_frac"], 3)
+    if stretches:
+        groups = max(r["degenerate_groups"] for r in rows)  # the step's groups, when all of them are degenerate
+        out["first_step_with_a_degenerate_group"] = next((r["step"] for r in rows if r["degenerate_groups"]), "never")
+        out["degenerate_groups_most"], out["degenerate_groups_most_at_step"] = groups, next(
+            r["step"] for r in rows if r["degenerate_groups"] == groups)
     return out
+
+
+def stretch(text: str) -> tuple[int, int]:
+    """'8-14' -> (8, 14)."""
+    first, _, last = text.partition("-")
+    if not (first.isdigit() and last.isdigit() and 0 < int(first) <= int(last)):
+        raise argparse.ArgumentTypeError(f"{text!r}: steps FIRST-LAST, e.g. 8-14")
+    return int(first), int(last)
 
 
 def main() -> int:
@@ -65,9 +88,14 @@ def main() -> int:
     parser.add_argument("run_dir", type=Path, help="a finished run folder")
     parser.add_argument("name", help="the results file: docs/results/NAME.json")
     parser.add_argument("--run-command", required=True, help="the command that made the run, recorded with the figures")
+    parser.add_argument("--stretches", nargs="+", type=stretch, default=[], metavar="FIRST-LAST",
+                        help="also the means over these stretches of steps (reward, degenerate groups, informative_frac, "
+                        "grad_norm, update_s)")
     args = parser.parse_args()
     command = f"{args.run_command}; .venv/bin/python 05-retool/run_figures.py {args.run_dir} {args.name}"
-    print(f"wrote {save(args.name, command, figures(args.run_dir))}")
+    if args.stretches:
+        command += " --stretches " + " ".join(f"{first}-{last}" for first, last in args.stretches)
+    print(f"wrote {save(args.name, command, figures(args.run_dir, args.stretches))}")
     return 0
 
 

@@ -13,10 +13,10 @@ def write_run(run_dir, rewards):
     """A record as a run writes it: one metrics row per step, evaluations before RL and after."""
     run_dir.mkdir()
     keys = dict(accuracy=0.5, code_ratio=0.3, code_ratio_correct=1.0, code_ratio_incorrect=0.02, degenerate_groups=1,
-                tokens=1430, clip_low_frac=0.0, clip_high_frac=0.0, mismatch_abs=0.0, rollout_s=1.6, sandbox_s=0.0,
+                tokens=1430, informative_frac=0.5, grad_norm=0.2, clip_low_frac=0.0, clip_high_frac=0.0, mismatch_abs=0.0, rollout_s=1.6, sandbox_s=0.0,
                 reward_s=0.1, update_s=1.7, sync_s=0.04)
-    rows = [{"step": i + 1, "reward_mean": r, "ratio_max": 1.0 + i / 100, "entropy": 0.3 - i / 100, **keys}
-            for i, r in enumerate(rewards)]
+    rows = [{"step": i + 1, "reward_mean": r, "ratio_max": 1.0 + i / 100, "entropy": 0.3 - i / 100, **keys,
+             "degenerate_groups": int(r > 0.8) + int(r > 0.9)} for i, r in enumerate(rewards)]
     (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     evals = [{"step": s, "tag": "", "mode": "tir", "k": 1, "sets": {"toy": {"avg@1": a, "code_ratio": c}}}
              for s, a, c in ((0, 0.281, 0.26), (len(rewards), 0.94, 0.97))]
@@ -34,6 +34,17 @@ def test_a_runs_record_gives_its_held_out_figures_reward_climb_and_first_step(tm
     assert out["reward_lowest_after_step_5"] == 0.3 and out["reward_lowest_at_step"] == 8
     assert out["step_1_ratio_max"] == 1.0 and out["ratio_max_highest"] == 1.09 and out["entropy_step_3"] == 0.28
     assert out["step_1_tokens"] == 1430 and out["median_step_s"] == 3.44
+
+
+def test_stretches_of_steps_give_the_means_that_show_degenerate_groups_diluting_the_step(tmp_path):
+    write_run(tmp_path / "run", [-0.4, -0.2, 0.0, 0.2, 0.4, 0.5, 0.9, 0.3, 0.85, 0.95])
+    out = figures(tmp_path / "run", [(1, 5), (6, 10)])
+    assert out["steps_1_5_reward_mean"] == 0.0 and out["steps_6_10_reward_mean"] == 0.7
+    assert out["steps_1_5_degenerate_groups"] == 0 and out["steps_6_10_degenerate_groups"] == 0.8
+    assert out["steps_6_10_grad_norm_per_informative"] == 0.4 and out["first_step_with_a_degenerate_group"] == 7
+    assert (out["degenerate_groups_most"], out["degenerate_groups_most_at_step"]) == (2, 10)
+    with pytest.raises(SystemExit, match="no steps 11-12"):
+        figures(tmp_path / "run", [(11, 12)])
 
 
 def test_the_figures_save_as_a_results_file(tmp_path, monkeypatch):
