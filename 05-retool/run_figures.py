@@ -72,6 +72,8 @@ def figures(run_dir: Path, stretches: list[tuple[int, int]] = ()) -> dict:
         out["first_step_with_a_degenerate_group"] = next((r["step"] for r in rows if r["degenerate_groups"]), "never")
         out["degenerate_groups_most"], out["degenerate_groups_most_at_step"] = groups, next(
             r["step"] for r in rows if r["degenerate_groups"] == groups)
+        highest = max(rows, key=lambda r: r["grad_norm"])  # before clipping: above max_grad_norm, it was rescaled
+        out["grad_norm_highest"], out["grad_norm_highest_at_step"] = round(highest["grad_norm"], 3), highest["step"]
     return out
 
 

@@ -43,6 +43,7 @@ def test_stretches_of_steps_give_the_means_that_show_degenerate_groups_diluting_
     assert out["steps_1_5_degenerate_groups"] == 0 and out["steps_6_10_degenerate_groups"] == 0.8
     assert out["steps_6_10_grad_norm_per_informative"] == 0.4 and out["first_step_with_a_degenerate_group"] == 7
     assert (out["degenerate_groups_most"], out["degenerate_groups_most_at_step"]) == (2, 10)
+    assert (out["grad_norm_highest"], out["grad_norm_highest_at_step"]) == (0.2, 1)
     with pytest.raises(SystemExit, match="no steps 11-12"):
         figures(tmp_path / "run", [(11, 12)])
 
