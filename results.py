@@ -29,18 +29,23 @@ WORD = re.compile(r"[^\s|<>()\[\]*,;:]*[^\s|<>()\[\]*,;:.]")  # a value in prose
 
 def save(name: str, command: str, figures: dict) -> Path:
     """Write docs/results/NAME.json (sorted keys, atomically: a reader sees the old file or the new one)."""
-    if not NAME.fullmatch(name):
-        raise ValueError(f"results name {name!r}: letters, digits, '-' and '_' only")
-    for key, value in figures.items():
-        if not re.fullmatch(r"\w+", key) or not isinstance(value, (int, float, str)) or isinstance(value, bool) \
-                or (isinstance(value, str) and len(value) > 40):
-            raise ValueError(f"results {name}: figure {key}={value!r}: keys are words, values numbers or short strings")
+    check(name, figures)
     path = RESULTS / f"{name}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".json.tmp")
     tmp.write_text(json.dumps({"command": command, "figures": figures}, indent=1, sort_keys=True) + "\n")
     os.replace(tmp, path)
     return path
+
+
+def check(name: str, figures: dict) -> None:
+    """Refuse what a results file may not hold: a name that is not a plain word, a figure that is not small."""
+    if not NAME.fullmatch(name):
+        raise ValueError(f"results name {name!r}: letters, digits, '-' and '_' only")
+    for key, value in figures.items():
+        if not re.fullmatch(r"\w+", key) or not isinstance(value, (int, float, str)) or isinstance(value, bool) \
+                or (isinstance(value, str) and len(value) > 40):
+            raise ValueError(f"results {name}: figure {key}={value!r}: keys are words, values numbers or short strings")
 
 
 def load(name: str) -> dict:
