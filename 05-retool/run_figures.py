@@ -10,6 +10,7 @@ docs/05-retool.md (the demo) and docs/06-train.md (its metrics).
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 from pathlib import Path
@@ -51,6 +52,15 @@ def figures(run_dir: Path, stretches: list[tuple[int, int]] = ()) -> dict:
         lowest = min(later, key=lambda r: r["reward_mean"])
         out.update(reward_lowest_after_step_5=round(lowest["reward_mean"], 2), reward_lowest_at_step=lowest["step"])
     out["first_step_reward_0_8"] = next((r["step"] for r in rows if r["reward_mean"] >= 0.8), "never")
+    # Steps where a token rose past the upper clip bound yet no token was clipped there: each such token had a
+    # negative advantage, which the clip leaves at its full gradient (docs/06-train.md, the clip table).
+    config = run_dir / "config.json"
+    high = 1 + (json.loads(config.read_text()).get("eps_high", 0.28) if config.exists() else 0.28)
+    rises = [r for r in rows if r["ratio_max"] > high and r["clip_high_frac"] == 0]
+    out["unclipped_rise_steps"] = len(rises)
+    if rises:
+        out["first_unclipped_rise_step"] = rises[0]["step"]
+        out["first_unclipped_rise_ratio_max"] = round(rises[0]["ratio_max"], 2)
     if len(rows) >= 3 and rows[2].get("entropy") is not None:
         out["entropy_step_3"] = round(rows[2]["entropy"], 3)
     for key, decimals in FIRST_STEP.items():

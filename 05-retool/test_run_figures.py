@@ -34,6 +34,19 @@ def test_a_runs_record_gives_its_held_out_figures_reward_climb_and_first_step(tm
     assert out["reward_lowest_after_step_5"] == 0.3 and out["reward_lowest_at_step"] == 8
     assert out["step_1_ratio_max"] == 1.0 and out["ratio_max_highest"] == 1.09 and out["entropy_step_3"] == 0.28
     assert out["step_1_tokens"] == 1430 and out["median_step_s"] == 3.44
+    assert out["unclipped_rise_steps"] == 0  # ratio_max at most 1.09 (no config.json: eps_high 0.28)
+
+
+def test_a_ratio_past_the_upper_bound_with_no_token_clipped_there_is_counted(tmp_path):
+    write_run(tmp_path / "run", [0.1] * 3)
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    rows[1]["ratio_max"], rows[2]["ratio_max"], rows[2]["clip_high_frac"] = 1.5, 2.0, 0.01  # step 3's was clipped
+    (tmp_path / "run" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "run" / "config.json").write_text(json.dumps({"eps_high": 0.6}))
+    assert figures(tmp_path / "run")["unclipped_rise_steps"] == 0  # 1.5 is inside 1 + 0.6
+    (tmp_path / "run" / "config.json").write_text(json.dumps({"eps_high": 0.28}))
+    out = figures(tmp_path / "run")
+    assert (out["unclipped_rise_steps"], out["first_unclipped_rise_step"], out["first_unclipped_rise_ratio_max"]) == (1, 2, 1.5)
 
 
 def test_stretches_of_steps_give_the_means_that_show_degenerate_groups_diluting_the_step(tmp_path):
