@@ -52,15 +52,7 @@ def figures(run_dir: Path, stretches: list[tuple[int, int]] = ()) -> dict:
         lowest = min(later, key=lambda r: r["reward_mean"])
         out.update(reward_lowest_after_step_5=round(lowest["reward_mean"], 2), reward_lowest_at_step=lowest["step"])
     out["first_step_reward_0_8"] = next((r["step"] for r in rows if r["reward_mean"] >= 0.8), "never")
-    # Steps where a token rose past the upper clip bound yet no token was clipped there: each such token had a
-    # negative advantage, which the clip leaves at its full gradient (docs/06-train.md, the clip table).
-    config = run_dir / "config.json"
-    high = 1 + (json.loads(config.read_text()).get("eps_high", 0.28) if config.exists() else 0.28)
-    rises = [r for r in rows if r["ratio_max"] > high and r["clip_high_frac"] == 0]
-    out["unclipped_rise_steps"] = len(rises)
-    if rises:
-        out["first_unclipped_rise_step"] = rises[0]["step"]
-        out["first_unclipped_rise_ratio_max"] = round(rises[0]["ratio_max"], 2)
+    out.update(unclipped_rises(rows, run_dir))
     if len(rows) >= 3 and rows[2].get("entropy") is not None:
         out["entropy_step_3"] = round(rows[2]["entropy"], 3)
     for key, decimals in FIRST_STEP.items():
@@ -69,6 +61,26 @@ def figures(run_dir: Path, stretches: list[tuple[int, int]] = ()) -> dict:
     for key in SECONDS:
         out[f"median_{key}"] = round(statistics.median(r[key] for r in rows), 2)
     out["median_step_s"] = round(statistics.median(sum(r[k] for k in SECONDS) for r in rows), 2)
+    if stretches:
+        out.update(dilution(rows, stretches, metrics))
+    return out
+
+
+def unclipped_rises(rows: list[dict], run_dir: Path) -> dict:
+    """Steps where a token rose past the upper clip bound yet none was clipped there: each such token had a
+    negative advantage, which the clip leaves at its full gradient (docs/06-train.md, the clip table)."""
+    config = run_dir / "config.json"
+    high = 1 + (json.loads(config.read_text()).get("eps_high", 0.28) if config.exists() else 0.28)
+    rises = [r for r in rows if r["ratio_max"] > high and r["clip_high_frac"] == 0]
+    out = {"unclipped_rise_steps": len(rises)}
+    if rises:
+        out.update(first_unclipped_rise_step=rises[0]["step"], first_unclipped_rise_ratio_max=round(rises[0]["ratio_max"], 2))
+    return out
+
+
+def dilution(rows: list[dict], stretches: list[tuple[int, int]], metrics: Path) -> dict:
+    """Means per stretch of steps, and when degenerate groups appear: how they dilute the step (docs/06-beyond-torl.md)."""
+    out = {}
     for first, last in stretches:
         part = [r for r in rows if first <= r["step"] <= last]
         if not part:
@@ -77,13 +89,12 @@ def figures(run_dir: Path, stretches: list[tuple[int, int]] = ()) -> dict:
         out.update({f"steps_{first}_{last}_{key}": round(means[key], d) for key, d in STRETCH.items()})
         if means["informative_frac"]:
             out[f"steps_{first}_{last}_grad_norm_per_informative"] = round(means["grad_norm"] / means["informative_frac"], 3)
-    if stretches:
-        groups = max(r["degenerate_groups"] for r in rows)  # the step's groups, when all of them are degenerate
-        out["first_step_with_a_degenerate_group"] = next((r["step"] for r in rows if r["degenerate_groups"]), "never")
-        out["degenerate_groups_most"], out["degenerate_groups_most_at_step"] = groups, next(
-            r["step"] for r in rows if r["degenerate_groups"] == groups)
-        highest = max(rows, key=lambda r: r["grad_norm"])  # before clipping: above max_grad_norm, it was rescaled
-        out["grad_norm_highest"], out["grad_norm_highest_at_step"] = round(highest["grad_norm"], 3), highest["step"]
+    most = max(r["degenerate_groups"] for r in rows)
+    highest = max(rows, key=lambda r: r["grad_norm"])  # before clipping: above max_grad_norm, it was rescaled
+    out.update(first_step_with_a_degenerate_group=next((r["step"] for r in rows if r["degenerate_groups"]), "never"),
+               degenerate_groups_most=most,
+               degenerate_groups_most_at_step=next(r["step"] for r in rows if r["degenerate_groups"] == most),
+               grad_norm_highest=round(highest["grad_norm"], 3), grad_norm_highest_at_step=highest["step"])
     return out
 
 
