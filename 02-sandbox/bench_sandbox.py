@@ -139,7 +139,9 @@ def main() -> int:
         from results import save
 
         figures.update(load_average_after=round(os.getloadavg()[0], 1),
-                       print_speedup=round(speedups["print(1+1)"], 1), sympy_speedup=round(speedups["sympy factorint"], 1))
+                       print_speedup=round(speedups["print(1+1)"], 1), sympy_speedup=round(speedups["sympy factorint"], 1),
+                       print_service_share_percent=round(100 * http_share["print(1+1)"]),
+                       sympy_service_share_percent=round(100 * http_share["sympy factorint"]))
         command = " ".join(["make bench-sandbox", f"ARGS={shlex.quote(shlex.join(sys.argv[1:]))}"])
         print(f"wrote {save(args.results, command, figures)}")
     return 0 if sympy_ok and print_ok else 1
