@@ -24,7 +24,7 @@ NAME = re.compile(r"[\w-]+")
 # A marker in backticks is an example of one (README.md shows them), not a quote.
 BLOCK = re.compile(r"(?<!`)<!-- results ([\w-]+)((?: \w+)*) -->\n(.*?)<!-- /results -->", re.S)
 QUOTE = re.compile(r"(?<!`)<!-- r ([\w-]+)\.(\w+) -->")
-WORD = re.compile(r"[^\s|<>()\[\]*,;:]*[^\s|<>()\[\]*,;:.]")  # a value in prose, without a closing full stop
+WORD = re.compile(r"[^\s|<>()\[\]*,;:%]*[^\s|<>()\[\]*,;:%.]")  # a value in prose, without a closing full stop or %
 
 
 def save(name: str, command: str, figures: dict) -> Path:

@@ -41,6 +41,11 @@ def test_a_changed_figure_in_prose_fails_and_the_rewrite_restores_it(one_file):
     assert results.render(page) == one_file["docs/a.md"]
 
 
+def test_a_quote_ends_before_a_percent_sign_or_a_closing_full_stop(one_file):
+    page = "<!-- r demo.accuracy -->0.5% and <!-- r demo.wall_s -->1.\n"
+    assert results.render(page) == "<!-- r demo.accuracy -->0.94% and <!-- r demo.wall_s -->264.\n"
+
+
 def test_a_changed_figure_in_a_block_fails(one_file):
     page = one_file["docs/a.md"].replace("| 0.94 |", "| 0.95 |")
     assert any("differs from its results file" in p for p in results.problems({"docs/a.md": page}))
