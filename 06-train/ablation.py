@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.command == "run":
         run(args)
     else:
-        print(report(Path(args.out), Path(args.img) if args.img else None))
+        print(report(Path(args.out), Path(args.img) if args.img else None, args.results))
 
 
 def run(args) -> None:
@@ -97,7 +97,7 @@ def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(l) for l in path.read_text().splitlines() if l.strip()] if path.exists() else []
 
 
-def report(out: Path, img: Path | None) -> str:
+def report(out: Path, img: Path | None, results: str | None = None) -> str:
     runs = {}  # (arm, seed) -> (metric rows, eval rows)
     for run_dir in sorted(out.glob("*-s*")):
         arm, seed = run_dir.name.rsplit("-s", 1)
@@ -121,8 +121,23 @@ def report(out: Path, img: Path | None) -> str:
         for arm, (_, _, against, _) in ARMS.items():
             if against and any((arm, s) in runs for s in seeds):
                 plot(arm, against, ARMS[arm][3][0], runs, seeds, img / f"06-ablation-{arm}.png")
+    if results:  # every figure of the table, per arm and seed, in one results file (results.py)
+        import results as results_files
+
+        results_files.save(results, " ".join(["06-train/ablation.py", *sys.argv[1:]]), figures(runs))
     seeds_note = f"seeds {' / '.join(map(str, seeds))}" if len(seeds) > 1 else f"seed {seeds[0]}"
     return f"({seeds_note}; before RL every run scores {before_accuracy(runs):.2f})\n\n" + "\n".join(lines)
+
+
+def figures(runs) -> dict:
+    """Per arm and seed: held-out accuracy after RL, reward of the last 5 steps, seconds a step, its own metrics."""
+    out = {"before_rl": round(before_accuracy(runs), 3)}
+    for (arm, seed), (rows, evals) in sorted(runs.items()):
+        at = f"{arm.replace('-', '_')}_s{seed}"
+        out.update({f"{at}_held_out": round(after_accuracy(evals), 3), f"{at}_reward_last5": round(last_reward(rows), 3),
+                    f"{at}_s_per_step": round(step_seconds(rows), 2)})
+        out.update({f"{at}_{key}": float(f"{mean_of(rows, key):.3g}") for key in ARMS[arm][3]})
+    return out
 
 
 def after_accuracy(evals: list[dict]) -> float:
@@ -199,6 +214,7 @@ def parse_args(argv):
     s = sub.add_parser("report", help="plots and the markdown table from finished runs")
     s.add_argument("--out", default="runs/ablation", help="folder of the run folders (default runs/ablation)")
     s.add_argument("--img", help="write one PNG per option here (e.g. docs/img)")
+    s.add_argument("--results", metavar="NAME", help="also write the figures to docs/results/NAME.json (results.py)")
     return p.parse_args(argv)
 
 

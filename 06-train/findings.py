@@ -2,7 +2,7 @@
 
     .venv/bin/python 06-train/ablation.py run --preset cpu-chained --base runs/chained-base --out runs/chained \\
         --arms baseline calls-1 calls-2 --seeds 0 1 2
-    .venv/bin/python 06-train/findings.py --out runs/chained --img docs/img --results docs/results/experiments.json
+    .venv/bin/python 06-train/findings.py --out runs/chained --img docs/img --results 06-experiments
 
 Reads the run folders `ablation.py run` wrote (ARM-sSEED) and draws three plots,
 each over every seed: held-out accuracy and seconds per step against the tool
@@ -32,7 +32,7 @@ def main(argv: list[str] | None = None) -> dict:
                                 epilog="\n\n".join(__doc__.split("\n\n")[1:]))
     p.add_argument("--out", default="runs/chained", help="the folder of the run folders (default runs/chained)")
     p.add_argument("--img", help="write the three plots here (e.g. docs/img)")
-    p.add_argument("--results", help="write the figures to this results file (e.g. docs/results/experiments.json)")
+    p.add_argument("--results", metavar="NAME", help="also write the figures to docs/results/NAME.json (results.py)")
     args = p.parse_args(argv)
     runs = load_runs(Path(args.out))
     figures = summarise(runs)
@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> dict:
         plot_over_training(runs, SELF_CORRECTION, Path(args.img) / "06-experiments-self-correction.png")
         plot_over_training(runs, CODE_USE, Path(args.img) / "06-experiments-code-use.png")
     if args.results:
-        save_results(Path(args.results), " ".join(["06-train/findings.py", *(argv if argv is not None else sys.argv[1:])]),
+        save_results(args.results, " ".join(["06-train/findings.py", *(argv if argv is not None else sys.argv[1:])]),
                      figures)
     print(json.dumps(figures, indent=1))
     return figures
@@ -71,15 +71,20 @@ def summarise(runs: dict) -> dict:
                             ("code_pass_ratio_last10", lambda m, e: mean_of(m[-10:], "code_pass_ratio"))):
             values = [value(*runs[arm, s]) for s in seeds]
             for s, v in zip(seeds, values):
-                figures[f"{arm}.s{s}.{name}"] = round(v, 3)
+                figures[f"{key(arm)}_s{s}_{name}"] = round(v, 3)
             if values:
-                figures[f"{arm}.mean.{name}"] = round(sum(values) / len(values), 3)
+                figures[f"{key(arm)}_mean_{name}"] = round(sum(values) / len(values), 3)
         for s in seeds:  # each kind of problem on its own, after RL
             sets = next(r for r in runs[arm, s][1] if r["tag"] == "after RL")["sets"]
             for source, score in sets.items():
                 if source != "all":
-                    figures[f"{arm}.s{s}.{source.removeprefix('chained-heldout-')}"] = round(score["avg@1"], 3)
+                    figures[f"{key(arm)}_s{s}_{key(source.removeprefix('chained-heldout-'))}"] = round(score["avg@1"], 3)
     return figures
+
+
+def key(name: str) -> str:
+    """A name as a results file's key takes it: a word ("calls-1" -> "calls_1", "2step-padded" -> "2step_padded")."""
+    return name.replace("-", "_")
 
 
 def plot_budget(runs: dict, path: Path) -> None:
@@ -121,12 +126,11 @@ def plot_over_training(runs: dict, keys: tuple[str, ...], path: Path) -> None:
     _save(fig, path)
 
 
-def save_results(path: Path, command: str, figures: dict) -> None:
-    """The results file docs/06-experiments.md quotes: the command that wrote it and its figures, written whole."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps({"command": command, "figures": dict(sorted(figures.items()))}, indent=1) + "\n")
-    os.replace(tmp, path)
+def save_results(name: str, command: str, figures: dict) -> None:
+    """docs/results/NAME.json, the file docs/06-experiments.md quotes (results.py)."""
+    import results
+
+    results.save(name, command, figures)
 
 
 def _pyplot():
