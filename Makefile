@@ -39,7 +39,7 @@ NPROC ?= $(or $(filter-out 0,$(shell if [ -n "$${CUDA_VISIBLE_DEVICES+set}" ]; t
 endif
 NPROC ?= 1
 
-.PHONY: setup smollm2 test run-01 run-05 eval-05 bench-sandbox bench-rollout bench-train clean
+.PHONY: setup smollm2 test docs-results run-01 run-05 eval-05 bench-sandbox bench-rollout bench-train clean
 setup: $(STAMP)
 
 $(STAMP): requirements/common.txt requirements/$(DEVICE).txt
@@ -75,8 +75,13 @@ $(SMOLLM2_STAMP): $(STAMP) requirements/smollm2.txt
 test: $(STAMP)
 	$(PY) -m pytest $(ARGS)
 
+# Every page's measured figures rewritten from docs/results/*.json (results.py); `make test` checks them.
+docs-results:
+	$(PYTHON) results.py
+
 run-01: $(STAMP)
 	$(PY) 01-data/prepare_data.py $(ARGS)
+	$(PY) 01-data/chained_problems.py --out-dir data
 
 run-05: $(STAMP) $(if $(filter smollm2,$(PRESET)),$(SMOLLM2_STAMP))
 	$(if $(filter $(PRESET),$(GPU_PRESETS)),@echo "run-05: $(PRESET) on $(NPROC) GPU(s): one process per GPU (NPROC=N to choose)")

@@ -52,7 +52,7 @@ _preloaded = []  # the one PreloadedPython of the session, once started
 
 # Tests that start no engine and no sandbox and use one core: they run first, while the preloaded interpreter
 # imports on the other core, so that chapter 02's sandbox calls do not run beside those imports.
-ONE_CORE_FIRST = ("test_spine.py", "01-data/", "04-reward/")
+ONE_CORE_FIRST = ("test_spine.py", "test_results.py", "01-data/", "04-reward/")
 
 
 def pytest_collection_modifyitems(session, config, items):

@@ -5,7 +5,7 @@ the tool's output matter (the design and its reasons: docs/06-experiments.md).
 A counter shows four digits, so a reading below 1000 keeps its leading zeros;
 one or two operations follow, each one of *, + or - with a number:
 
-    A counter shows 0482. Multiply it by 37, then add 905 to it. What number do you get?      (answer 18739)
+    A counter shows 0482. Apply * 37, then apply + 905. What number do you get?      (answer 18739)
 
 The program the cold start teaches is one operation on two numbers copied from
 the text. Here that first call, `print(0482 * 37)`, fails, and the observation
@@ -19,9 +19,9 @@ prints 17834, and only with that printed number can the second step be written,
     two steps, padded reading         3
 
 No single program of that shape over a two-step problem's numbers gives its
-answer (the generator redraws the few where one would). Held-out problems have
-opening and question sentences of their own and number tuples never used in
-training; the step phrases are shared, because a model trained from scratch
+answer (the generator redraws the few where one would). Held-out problems pair
+each opening with a question sentence no training problem pairs it with, and use
+number tuples never used in training; the step phrases are shared, because a model trained from scratch
 has no other words for the operations. A row's source names its kind
 ("chained-2step-padded", "chained-heldout-1step"), so an evaluation reports
 each kind on its own.
@@ -36,10 +36,13 @@ import re
 from pathlib import Path
 from typing import Callable
 
-STEP_PHRASES = {"*": "multiply it by {n}", "+": "add {n} to it", "-": "subtract {n} from it"}
+# A step names its operation by its symbol, so the call's `op n` is the problem's own tokens: a tiny model copies a
+# run of tokens it has seen (an induction head) long before it learns that "multiply it by" means `*` (06-experiments).
+STEP_PHRASES = {"*": "apply * {n}", "+": "apply + {n}", "-": "apply - {n}"}
 TWO_STEP_SHARE = 0.5  # of the problems, the rest have one step
 PADDED_SHARE = 1 / 3  # readings below 1000, shown with leading zeros
 LARGEST_ANSWER = 10**8 - 1  # answers and intermediate values stay positive and below this
+SIZES = (20_000, 200)  # training, held-out: the cold start's copy generalises only from many problems (06-experiments)
 
 # (opening, question): the sentences around the steps. {reading} is the counter's four digits.
 TRAIN_FRAMES = [
@@ -48,20 +51,20 @@ TRAIN_FRAMES = [
     ("A display shows {reading}.", "What number is shown at the end?"),
     ("The odometer says {reading}.", "Which number do you end with?"),
 ]
-TEST_FRAMES = [
-    ("A gauge displays {reading}.", "What is the final number?"),
-    ("The scoreboard shows {reading}.", "What number do you reach?"),
-]
+# Held out: each opening with a question sentence no training problem pairs it with. Sentences never seen at all
+# would test what a 2-layer model trained from scratch cannot do: it copies by position, and a new sentence of
+# another length moves every number (docs/06-experiments.md).
+TEST_FRAMES = [(TRAIN_FRAMES[i][0], TRAIN_FRAMES[(i + 2) % len(TRAIN_FRAMES)][1]) for i in range(len(TRAIN_FRAMES))]
 
 
 def make_chained_problems(n_train: int, n_test: int, seed: int = 0) -> tuple[list[dict], list[dict]]:
     """`n_train` problems in the training frames and `n_test` in the held-out ones; deterministic under `seed`.
 
-    No held-out problem shares its numbers (reading and operands) with a training one.
+    The held-out problems are drawn first, from a generator of their own, so they do
+    not depend on `n_train`; no training problem shares their numbers (reading and operands).
     """
-    rng = random.Random(seed)
-    train = _make(TRAIN_FRAMES, n_train, rng, "chained", used=set())
-    return train, _make(TEST_FRAMES, n_test, rng, "chained-heldout", used={_numbers(r) for r in train})
+    test = _make(TEST_FRAMES, n_test, random.Random(f"{seed}-heldout"), "chained-heldout", used=set())
+    return _make(TRAIN_FRAMES, n_train, random.Random(seed), "chained", used={_numbers(r) for r in test}), test
 
 
 # --- the moves: what a tool call of the taught shape runs at each point ----------------------
@@ -171,8 +174,8 @@ if __name__ == "__main__":
 
     parser = argparse.ArgumentParser(description="Write counter problems of one or two steps, training and held-out.")
     parser.add_argument("--out-dir", default="data", help="folder of chained_train.jsonl and chained_test.jsonl (default data)")
-    parser.add_argument("--sizes", type=int, nargs=2, default=[2000, 200], metavar=("TRAIN", "TEST"),
-                        help="problems in the training frames and in the held-out ones (default 2000 200)")
+    parser.add_argument("--sizes", type=int, nargs=2, default=list(SIZES), metavar=("TRAIN", "TEST"),
+                        help=f"problems in the training frames and in the held-out ones (default {SIZES[0]} {SIZES[1]})")
     parser.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     args = parser.parse_args()
     for split, rows, frames in zip(("train", "test"), make_chained_problems(*args.sizes, seed=args.seed),

@@ -43,6 +43,11 @@ def test_held_out_problems_share_neither_frame_nor_numbers_with_training():
     assert all(r["source"].startswith("chained-heldout-") for r in test)
 
 
+def test_the_held_out_problems_do_not_depend_on_how_many_training_problems_are_drawn():
+    assert make_chained_problems(50, 30, seed=1)[1] == make_chained_problems(500, 30, seed=1)[1]
+    assert make_chained_problems(50, 30, seed=1)[1] != make_chained_problems(50, 30, seed=2)[1]
+
+
 def test_every_kind_is_common_enough_to_show_in_an_evaluation_of_100():
     train, test = make_chained_problems(2000, 200, seed=0)
     for rows in (train, test[:100]):
@@ -70,7 +75,7 @@ def test_no_single_program_of_the_taught_shape_reaches_a_two_step_answer():
 
 
 def test_the_moves_first_call_as_written_fix_drops_zeros_next_step_uses_the_printed_value():
-    q = "A counter shows 0482. Multiply it by 37, then add 905 to it. What number do you get?"
+    q = "A counter shows 0482. Apply * 37, then apply + 905. What number do you get?"
     assert parse(q) == ("0482", [("*", 37), ("+", 905)])
     assert step_call(q, 0, "0482") == "print(0482 * 37)"
     assert without_leading_zeros("print(0482 * 37)") == "print(482 * 37)"

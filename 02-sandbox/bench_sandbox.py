@@ -4,6 +4,7 @@
     .venv/bin/python 02-sandbox/bench_sandbox.py --docker          # add the Docker backend's rows
     .venv/bin/python 02-sandbox/bench_sandbox.py --as-user root --as-user nobody   # the fork server run by each with /usr/bin/python3
     .venv/bin/python 02-sandbox/bench_sandbox.py --calls 400 --rounds 5
+    make bench-sandbox ARGS="--results 02-bench-sandbox"       # also write docs/results/02-bench-sandbox.json
 
 The baseline is the design most labs start with: one `subprocess.run([python, "-c", code])`
 per call, with the same limits (address space, CPU time, file size), a clean environment,
@@ -31,7 +32,9 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import os
+import re
 import resource
+import shlex
 import shutil
 import subprocess
 import sys
@@ -61,9 +64,12 @@ def main() -> int:
                         help="as root: also measure the fork server run by USER (not root: isolation userns) with "
                         "--user-python; repeat for several users; workloads that Python cannot import are skipped")
     parser.add_argument("--user-python", default="/usr/bin/python3", help="a Python every user may run (default: %(default)s)")
+    parser.add_argument("--results", metavar="NAME", help="also write the figures to docs/results/NAME.json, for the docs")
     args = parser.parse_args()
     if args.calls < 1 or args.rounds < 1 or args.concurrency < 1:
         parser.error("--calls, --rounds and --concurrency must be positive")
+    if args.results is not None and not re.fullmatch(r"[\w-]+", args.results):
+        parser.error(f"--results {args.results!r}: a name (docs/results/NAME.json), letters, digits, '-' and '_'")
 
     meter = CpuMeter()  # before any child starts: children inherit the cgroup
     config = SandboxConfig(concurrency=args.concurrency)
@@ -85,6 +91,7 @@ def main() -> int:
           f"isolation of the fork server: {designs['fork server'].isolation}")
     print(f"{'workload':<17} {'design':<16} {'calls':>6} {'wrong':>6} {'calls/s':>9} {'p50 ms':>8} {'p99 ms':>8} {'cpu ms':>7}")
     speedups, wrong_results, http_share = {}, {}, {}
+    figures = {"concurrency": args.concurrency, "rounds": args.rounds, "load_average_before": round(os.getloadavg()[0], 1)}
     for name, code in WORKLOADS.items():
         rates = {}
         active = {design: runner for design, runner in designs.items() if getattr(runner, "can_run", lambda _: True)(code)}
@@ -109,6 +116,12 @@ def main() -> int:
             cpu_ms = "n/a" if not meter.works or design == "docker" else f"{1000 * cpu_total / len(latencies):.1f}"
             print(f"{name:<17} {design:<16} {len(latencies):>6} {errors:>6} {rates[design]:>9.1f} "
                   f"{1000 * percentile(latencies, 50):>8.1f} {1000 * percentile(latencies, 99):>8.1f} {cpu_ms:>7}")
+            row = name.split("(")[0].split()[0] + "_" + re.sub(r"\W+", "_", design).strip("_")  # print_fork_server
+            figures.update({f"{row}_calls_per_s": round(rates[design], 1), f"{row}_wrong": errors,
+                            f"{row}_p50_ms": round(1000 * percentile(latencies, 50), 1),
+                            f"{row}_p99_ms": round(1000 * percentile(latencies, 99), 1)})
+            if cpu_ms != "n/a":
+                figures[f"{row}_cpu_ms"] = float(cpu_ms)
         speedups[name] = rates["fork server"] / rates["fresh python -c"]
         http_share[name] = rates["service (http)"] / rates["fork server"]
     for runner in designs.values():
@@ -122,6 +135,15 @@ def main() -> int:
           f"(target >= 20x: {'met' if sympy_ok else 'MISSED'})")
     print("the HTTP service's calls/s as a share of the fork server's: "
           + ", ".join(f"{name} {100 * share:.0f}%" for name, share in http_share.items()))
+    if args.results:
+        from results import save
+
+        figures.update(load_average_after=round(os.getloadavg()[0], 1),
+                       print_speedup=round(speedups["print(1+1)"], 1), sympy_speedup=round(speedups["sympy factorint"], 1),
+                       print_service_share_percent=round(100 * http_share["print(1+1)"]),
+                       sympy_service_share_percent=round(100 * http_share["sympy factorint"]))
+        command = " ".join(["make bench-sandbox", f"ARGS={shlex.quote(shlex.join(sys.argv[1:]))}"])
+        print(f"wrote {save(args.results, command, figures)}")
     return 0 if sympy_ok and print_ok else 1
 
 

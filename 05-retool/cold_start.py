@@ -89,7 +89,7 @@ def build_base_policy(args) -> Path:
         corpus = ["".join(text for _, text in t["segments"]) for t in traces[:2000]]
         build_tiny_model(
             out, corpus=corpus, vocab_size=args.vocab_size, hidden_size=args.hidden_size,
-            num_layers=args.num_layers, num_heads=args.hidden_size // 64, num_kv_heads=1,
+            num_layers=args.num_layers, num_heads=args.hidden_size // 64, num_kv_heads=args.kv_heads,
             intermediate_size=4 * args.hidden_size, max_position_embeddings=args.max_len * 4, seed=args.seed,
         )
         source = out
@@ -105,13 +105,25 @@ def build_base_policy(args) -> Path:
     # model learns the tool's grammar (copy the factors into code, the output into
     # the box), then on the mix, which sets how often it reaches for the tool.
     tool_examples = [e for e, t in zip(examples, traces) if t["tool"]]
-    losses = train(model, examples, tool_examples, tokenizer.pad_token_id, args)
-    for p in model.parameters():
-        p.requires_grad_(True)  # a checkpoint of the whole model; the RL trainer freezes its own way
-    model.save_pretrained(out)
-    tokenizer.save_pretrained(out)
-    (out / "cold_start.json").write_text(json.dumps({**vars(args), "final_loss": losses[-1]}, indent=2))
-    print(f"cold start: final loss {losses[-1]:.3f}; base policy saved to {out}")
+    moves = {}
+    for round_ in range(1, args.rounds + 1):  # the chained task: the schedule again, until the base has the moves
+        args.round = round_  # part of a partial checkpoint's settings: a restart never mixes two rounds
+        losses = train(model, examples, tool_examples, tokenizer.pad_token_id, args)
+        for p in model.parameters():
+            p.requires_grad_(True)  # a checkpoint of the whole model; the RL trainer freezes its own way
+        model.save_pretrained(out)
+        tokenizer.save_pretrained(out)
+        print(f"cold start: final loss {losses[-1]:.3f}; base policy saved to {out}")
+        if not is_chained_task(problems):
+            break
+        from moves_check import check_base  # RL can only amplify moves the base makes: checked before any RL
+
+        moves = {"moves": check_base(out, args.template, args.seed), "rounds": round_}
+        if moves["moves"]["passed"]:
+            break
+        if args.train_layers:
+            freeze_all_but_top(model, args.train_layers)
+    (out / "cold_start.json").write_text(json.dumps({**vars(args), "final_loss": losses[-1], **moves}, indent=2))
     return out
 
 
@@ -411,12 +423,19 @@ def parse_args(argv):
     p.add_argument("--warmup-steps", type=at_least(1), default=50)
     p.add_argument("--hidden-size", type=multiple_of_64, default=256, help="a multiple of 64 (vLLM's CPU attention wants head_dim 64)")
     p.add_argument("--num-layers", type=at_least(1), default=2)
+    p.add_argument("--rounds", type=at_least(1), default=1,
+                   help="chained task: at most this many runs of the schedule, each from the last one's weights, "
+                        "until the moves check passes (05-retool/moves_check.py)")
+    p.add_argument("--kv-heads", type=at_least(1), default=1,
+                   help="key-value heads, dividing hidden-size / 64 (1: all heads share one, as the demo's base)")
     p.add_argument("--vocab-size", type=at_least(64), default=384)
     p.add_argument("--max-len", type=at_least(16), default=256)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--checkpoint-every", type=at_least(1), default=50,
                    help="steps between partial checkpoints, from which a stopped cold start goes on")
     args = one_line_errors(p).parse_args(argv)
+    if (args.hidden_size // 64) % args.kv_heads:
+        p.error(f"--kv-heads {args.kv_heads} does not divide the {args.hidden_size // 64} heads of --hidden-size {args.hidden_size}")
     if args.tool_only_steps > args.steps:
         p.error(f"--tool-only-steps {args.tool_only_steps} is more than --steps {args.steps}")
     return args

@@ -19,25 +19,20 @@ from pathlib import Path
 def load_data(cfg, dp=None) -> tuple[list[dict], list[dict]]:
     """Training and evaluation problems in 01-data's schema; says what 01-data's filter dropped.
 
-    Under torchrun rank 0 writes the toy task if it is missing; the others then read it.
+    A generated task (toy, word, chained) is written first if its files are missing; under torchrun
+    rank 0 writes it and the others then read it.
     """
     if dp is not None:
         with dp.main_first():
             return load_data(cfg)
-    from prepare_data import load_problems, make_toy_task, write_jsonl
+    from prepare_data import load_problems, write_jsonl
 
-    toy = {str(Path("data/toy_train.jsonl")), str(Path("data/toy_test.jsonl"))}
-    if {cfg.train_file, cfg.eval_file} <= toy and not all(Path(f).exists() for f in toy):
-        train_rows, test_rows = make_toy_task(2000, 200, seed=0)  # what `make run-01` writes
-        write_jsonl(train_rows, Path("data/toy_train.jsonl"))
-        write_jsonl(test_rows, Path("data/toy_test.jsonl"))
-    word = {str(Path("data/word_train.jsonl")), str(Path("data/word_test.jsonl"))}
-    if {cfg.train_file, cfg.eval_file} <= word and not all(Path(f).exists() for f in word):
-        from word_problems import make_word_problems
-
-        train_rows, test_rows = make_word_problems(2000, 200, seed=0)  # what word_problems.py writes
-        write_jsonl(train_rows, Path("data/word_train.jsonl"))
-        write_jsonl(test_rows, Path("data/word_test.jsonl"))
+    for name, make in generated_tasks().items():  # what `make run-01` or the task's own script writes
+        files = {str(Path(f"data/{name}_train.jsonl")), str(Path(f"data/{name}_test.jsonl"))}
+        if {cfg.train_file, cfg.eval_file} <= files and not all(Path(f).exists() for f in files):
+            train_rows, test_rows = make()
+            write_jsonl(train_rows, Path(f"data/{name}_train.jsonl"))
+            write_jsonl(test_rows, Path(f"data/{name}_test.jsonl"))
     loaded = []
     for path in (cfg.train_file, cfg.eval_file):
         rows, dropped = load_problems(path)
@@ -45,6 +40,16 @@ def load_data(cfg, dp=None) -> tuple[list[dict], list[dict]]:
             print(f"{path}: kept {len(rows)} problems; dropped " + ", ".join(f"{n} ({why})" for why, n in dropped.items()))
         loaded.append(rows)
     return loaded[0], loaded[1]
+
+
+def generated_tasks() -> dict:
+    """The tasks made on the spot when their files are missing: name -> () -> (training rows, held-out rows)."""
+    from chained_problems import SIZES, make_chained_problems
+    from prepare_data import make_toy_task
+    from word_problems import make_word_problems
+
+    return {"toy": lambda: make_toy_task(2000, 200, seed=0), "word": lambda: make_word_problems(2000, 200, seed=0),
+            "chained": lambda: make_chained_problems(*SIZES, seed=0)}
 
 
 def fit_prompts(train: list[dict], evaluation: list[dict], model_path: str, cfg) -> list[dict]:
@@ -145,6 +150,9 @@ def cold_started_model(cfg, run_dir: Path) -> str:
             "--tool-fraction", str(cfg.cold_start_tool_fraction), "--template", cfg.template,
             "--seed", str(cfg.seed), "--tool-only-steps", str(cfg.cold_start_tool_only_steps),
             "--lr", str(cfg.cold_start_lr), "--batch-size", str(cfg.cold_start_batch_size)]
+    for flag, value in (("--kv-heads", cfg.cold_start_kv_heads), ("--rounds", cfg.cold_start_rounds)):
+        if value != 1:  # only where set: the demo's argv, and so its cached base, stay as they were
+            argv += [flag, str(value)]
     source = None
     if cfg.cold_start == "finetune":  # a pretrained model: find it (hub, else the package's GGUF), fine-tune it
         from rollout import render_prompt
@@ -181,7 +189,7 @@ def cold_start_key(argv: list[str], train_file: str, source: str | None) -> str:
     """A digest of everything that determines a cold-started base: a change to any of it is a new base.
 
     The settings (argv without the output folder), the training problems, the
-    code that writes the traces and builds or loads the model, the template
+    code that writes the traces (the chained task's calls too) and builds or loads the model, the template
     table, and the pretrained model's files (names and sizes) when one is tuned.
     """
     import hashlib
@@ -193,7 +201,7 @@ def cold_start_key(argv: list[str], train_file: str, source: str | None) -> str:
     digest = hashlib.sha256()
     settings = [a for i, a in enumerate(argv) if a != "--out" and (i == 0 or argv[i - 1] != "--out")]
     digest.update(repr((settings, torch.__version__, transformers.__version__)).encode())
-    for path in (Path(train_file), here / "cold_start.py", root / "tiny_model.py",
+    for path in (Path(train_file), here / "cold_start.py", root / "tiny_model.py", root / "01-data" / "chained_problems.py",
                  root / "03-rollout" / "prompt_templates.py", root / "03-rollout" / "rollout.py"):
         digest.update(path.read_bytes())
     if source:

@@ -212,15 +212,31 @@ def outcome_metrics(trajectories, results) -> dict:
         "code_ratio_correct": mean([used for used, right in zip(called_tool, correct) if right]),
         "code_ratio_incorrect": mean([used for used, right in zip(called_tool, correct) if not right]),
         "tool_calls": mean([t.num_tool_calls for t in trajectories]),
+        **self_correction(trajectories, correct),
         "response_length": mean([len(t.token_ids) for t in trajectories]),
         "truncation_rate": mean([t.truncated for t in trajectories]),
         "trajectories": float(len(trajectories)),
     }
 
 
+def self_correction(trajectories, correct) -> dict:
+    """Of the calls that failed (an error observation): the share the next call of the trajectory ran without
+    error, and the share in trajectories whose final answer is right (ToRL's self-correction, docs/06-experiments.md)."""
+    then_ok, then_correct = [], []
+    for t, right in zip(trajectories, correct):
+        for call, following in zip(t.tool_calls, [*t.tool_calls[1:], None]):
+            if not call.ok:
+                then_ok.append(following is not None and following.ok)
+                then_correct.append(right)
+    return {"error_then_call_ok": sum(then_ok) / len(then_ok) if then_ok else float("nan"),
+            "error_then_correct": sum(then_correct) / len(then_correct) if then_correct else float("nan"),
+            "errors": float(len(then_ok))}
+
+
 def step_line(row: dict) -> str:
     """The console's line for a step, from its metrics.jsonl row."""
     return (f"step {row['step']:4d} | reward {row['reward_mean']:+.3f} acc {row['accuracy']:.3f} "
             f"code {row['code_ratio']:.2f} pass {row['code_pass_ratio']:.2f} len {row['response_length']:.0f} "
-            f"| clip {row['clip_low_frac'] + row['clip_high_frac']:.3f} gnorm {row['grad_norm']:.3f} "
+            f"| clip {row['clip_low_frac'] + row['clip_high_frac']:.3f} ent {row.get('entropy', float('nan')):.3f} "
+            f"gnorm {row['grad_norm']:.3f} "
             f"mismatch {row['mismatch_abs']:.4f} | {row['rollout_s']:.1f}s rollout {row['update_s']:.1f}s update")

@@ -1,4 +1,5 @@
 """The chained task against the real sandbox and chapter 04's reward, and the cold start's traces of it."""
+import json
 import random
 
 from chained_problems import make_chained_problems, parse, scripted_calls, without_leading_zeros
@@ -76,12 +77,13 @@ def test_cold_start_traces_show_each_move_at_the_low_rate_with_the_sandboxs_real
 def test_the_experiments_page_states_the_task_the_cold_start_and_the_preset():
     from collections import Counter
 
-    from chained_problems import PADDED_SHARE, TEST_FRAMES, TRAIN_FRAMES, TWO_STEP_SHARE
+    from chained_problems import PADDED_SHARE, SIZES, TEST_FRAMES, TRAIN_FRAMES, TWO_STEP_SHARE
     from doc_pages import says
+    from moves_check import MOVES_NEEDED
     from retool import Config, make_config
 
     cfg, demo, words = make_config("cpu-chained", {}), Config(), {2: "two", 4: "four", 0.5: "half", 1 / 3: "a third"}
-    held_out = Counter(kind(r) for r in make_chained_problems(2000, 200, seed=0)[1][:cfg.eval_problems])
+    held_out = Counter(kind(r) for r in make_chained_problems(0, SIZES[1], seed=0)[1][:cfg.eval_problems])
     says("06-experiments.md",
          f"two steps ({words[TWO_STEP_SHARE]} the problems) and a reading below 1000 ({words[PADDED_SHARE]})",
          f"({words[len(TEST_FRAMES)]} frames against {words[len(TRAIN_FRAMES)]} in training)",
@@ -91,7 +93,8 @@ def test_the_experiments_page_states_the_task_the_cold_start_and_the_preset():
              ("2step", "two steps", "2: the second reads the first's printed result"),
              ("2step-padded", "two steps, padded reading", "3"))),
          f"{cfg.cold_start_tool_fraction:.0%} of its traces call the tool",
-         f"`FURTHER_CALL_RATE` = {FURTHER_CALL_RATE}",
+         f"`FURTHER_CALL_RATE` = {FURTHER_CALL_RATE}", f"`MOVES_NEEDED` = {MOVES_NEEDED}",
+         f"Of the {SIZES[0]:,} training problems", f"on a tiny model whose {words[cfg.cold_start_kv_heads]} heads each have",
          f"The cold start trains {cfg.cold_start_steps} steps, the first {cfg.cold_start_tool_only_steps} on tool traces "
          f"alone (the demo's {demo.cold_start_steps} and {demo.cold_start_tool_only_steps}",
          f"({cfg.problems_per_step} problems × {cfg.group_size} samples, lr {cfg.lr:.0e}".replace("e-05", "e-5"),
@@ -110,6 +113,66 @@ def test_a_cold_start_on_the_chained_task_trains_on_its_chained_traces(tmp_path,
     monkeypatch.setattr(cold_start, "chained_traces", lambda *a, **k: built.append(real(*a, **k)) or built[-1])
     out = cold_start.main(["--train-file", str(tmp_path / "chained.jsonl"), "--steps", "2", "--tool-only-steps", "1",
                            "--batch-size", "4", "--hidden-size", "64", "--num-layers", "1", "--vocab-size", "128",
-                           "--max-len", "128", "--warmup-steps", "1", "--tool-fraction", "0.5", "--out", str(tmp_path / "base")])
+                           "--max-len", "128", "--warmup-steps", "1", "--tool-fraction", "0.5", "--out", str(tmp_path / "base"),
+                           "--rounds", "2"])
     assert (out / "config.json").exists() and len(built) == 1 and len(built[0]) == 40
     assert any(t["tool"] for t in built[0]) and any(not t["tool"] for t in built[0])
+    moves = json.loads((out / "cold_start.json").read_text())["moves"]  # checked before any RL, and kept with the base
+    assert set(moves) == {"call", "box", "fix", "chain", "passed"} and moves["passed"] is False  # two steps learn nothing
+    assert json.loads((out / "cold_start.json").read_text())["rounds"] == 2  # so the schedule ran again, then gave up
+
+
+def test_the_moves_check_scores_exactly_the_tokens_of_each_move(tiny_model_path):
+    from transformers import AutoTokenizer
+
+    from moves_check import move_spans
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_path)
+    rows = make_chained_problems(0, 24, seed=5)[1]
+    for row, (ids, spans) in zip(rows, move_spans(rows, tokenizer, "torl")):
+        reading, steps = parse(row["question"])
+        expected = ["call"] + ["fix"] * reading.startswith("0") + ["chain"] * (len(steps) - 1) + ["box"]
+        assert [move for move, _, _ in spans] == expected, row
+        texts = [tokenizer.decode(ids[start:end]) for _, start, end in spans]
+        assert texts[0] == f"print({reading} {steps[0][0]} {steps[0][1]})" and texts[-1] == row["answer"]
+        if reading.startswith("0"):
+            assert texts[1] == without_leading_zeros(texts[0])
+
+
+def test_self_correction_counts_each_error_observation_once_by_what_followed_it():
+    from run_record import outcome_metrics, self_correction
+    from trajectory import ToolCall, Trajectory
+
+    def call(ok):
+        return ToolCall(code="print(1)", ok=ok, timed_out=False, returncode=0 if ok else 1, latency=0.0,
+                        observation="", start=0, end=0)
+
+    def trajectory(*oks):
+        return Trajectory(problem_id="p", group_index=0, reference="1", prompt_ids=[1], token_ids=[2], logprobs=[0.0],
+                          loss_mask=[1], text="", tool_calls=[call(ok) for ok in oks], reward=-1.0)
+
+    # errors: (fixed, right), (fixed, wrong), (followed by another error, wrong) and that error (last call, wrong)
+    trajectories = [trajectory(False, True), trajectory(False, True, True), trajectory(False, False), trajectory(True)]
+    correct = [True, False, False, True]
+    m = self_correction(trajectories, correct)
+    assert (m["errors"], m["error_then_call_ok"], m["error_then_correct"]) == (4.0, 0.5, 0.25)
+    assert self_correction([trajectory(True)], [True])["errors"] == 0.0  # no error observation: nothing to say
+
+    class Result:
+        def __init__(self, right):
+            self.correct, self.valid_format = right, True
+    assert outcome_metrics(trajectories, [Result(r) for r in correct])["error_then_call_ok"] == 0.5
+
+
+def test_a_run_on_the_chained_preset_writes_the_chained_task_when_its_files_are_missing(tmp_path, monkeypatch):
+    from chained_problems import SIZES
+    from problems_and_policy import load_data
+    from retool import make_config
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "toy_test.jsonl").write_text("")  # another task's file is left alone
+    train, held_out = load_data(make_config("cpu-chained", {}))
+    assert (len(train), len(held_out)) == SIZES and is_chained_task(train) and is_chained_task(held_out)
+    assert held_out == make_chained_problems(0, SIZES[1], seed=0)[1]
+    assert (tmp_path / "data" / "toy_test.jsonl").read_text() == "" and not (tmp_path / "data" / "toy_train.jsonl").exists()

@@ -4,6 +4,9 @@
     .venv/bin/python 06-train/ablation.py run --base runs/abl/base --out runs/abl --seeds 0 1
     .venv/bin/python 06-train/ablation.py report --out runs/abl --img docs/img
 
+On the chained task (docs/06-experiments.md) the same with `--preset cpu-chained`
+and the base that task's cold start made.
+
 `run` trains one RL run per (arm, seed) with 05-retool/retool.py from the same
 base and the same settings, changing only the arm's flags; rollouts are seeded,
 so two arms draw the same random numbers until their policies differ; a run whose final
@@ -37,6 +40,9 @@ ARMS: dict[str, tuple[list[str], str, str, list[str]]] = {
                  ["tool_calls", "void_filtered"]),
     "token-sum": (["--aggregation", "token-sum"], "Dr. GRPO: sum / (96 x sequences)", "baseline",
                   ["grad_norm", "response_length"]),
+    # the tool budget C (docs/06-experiments.md): against the baseline's 4 on the chained task
+    "calls-1": (["--tool-budget", "1"], "one tool call (C = 1, ToRL's)", "baseline", ["tool_calls", "code_pass_ratio"]),
+    "calls-2": (["--tool-budget", "2"], "two tool calls (C = 2)", "baseline", ["tool_calls", "code_pass_ratio"]),
     "bf16": (["--dtype", "bfloat16"], "bf16 sampler, no correction", "", ["mismatch_abs"]),
     "bf16-tis": (["--dtype", "bfloat16", "--tis-cap", "2.0"], "bf16 sampler + truncated IS, cap 2", "bf16",
                  ["tis_weight_mean", "tis_capped_frac", "mismatch_abs"]),
@@ -62,7 +68,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.command == "run":
         run(args)
     else:
-        print(report(Path(args.out), Path(args.img) if args.img else None))
+        print(report(Path(args.out), Path(args.img) if args.img else None, args.results))
 
 
 def run(args) -> None:
@@ -75,7 +81,8 @@ def run(args) -> None:
                 print(f"{run_dir}: done already")
                 continue
             shutil.rmtree(run_dir, ignore_errors=True)  # a run cut short starts over: same base, same seed
-            cmd = [sys.executable, str(RETOOL), "--model", args.base, "--cold-start", "none", "--run-dir", str(run_dir), "--seed", str(seed),
+            preset = ["--preset", args.preset] if args.preset else []
+            cmd = [sys.executable, str(RETOOL), *preset, "--model", args.base, "--cold-start", "none", "--run-dir", str(run_dir), "--seed", str(seed),
                    "--steps", str(args.steps), "--eval-every", "0", "--keep-checkpoints", "1",
                    "--save-every", str(args.steps), "--seed-rollouts", "true", *ARMS[arm][0]]
             print(" ".join(cmd), flush=True)
@@ -90,7 +97,7 @@ def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(l) for l in path.read_text().splitlines() if l.strip()] if path.exists() else []
 
 
-def report(out: Path, img: Path | None) -> str:
+def report(out: Path, img: Path | None, results: str | None = None) -> str:
     runs = {}  # (arm, seed) -> (metric rows, eval rows)
     for run_dir in sorted(out.glob("*-s*")):
         arm, seed = run_dir.name.rsplit("-s", 1)
@@ -114,8 +121,23 @@ def report(out: Path, img: Path | None) -> str:
         for arm, (_, _, against, _) in ARMS.items():
             if against and any((arm, s) in runs for s in seeds):
                 plot(arm, against, ARMS[arm][3][0], runs, seeds, img / f"06-ablation-{arm}.png")
+    if results:  # every figure of the table, per arm and seed, in one results file (results.py)
+        import results as results_files
+
+        results_files.save(results, " ".join(["06-train/ablation.py", *sys.argv[1:]]), figures(runs))
     seeds_note = f"seeds {' / '.join(map(str, seeds))}" if len(seeds) > 1 else f"seed {seeds[0]}"
     return f"({seeds_note}; before RL every run scores {before_accuracy(runs):.2f})\n\n" + "\n".join(lines)
+
+
+def figures(runs) -> dict:
+    """Per arm and seed: held-out accuracy after RL, reward of the last 5 steps, seconds a step, its own metrics."""
+    out = {"before_rl": round(before_accuracy(runs), 3)}
+    for (arm, seed), (rows, evals) in sorted(runs.items()):
+        at = f"{arm.replace('-', '_')}_s{seed}"
+        out.update({f"{at}_held_out": round(after_accuracy(evals), 3), f"{at}_reward_last5": round(last_reward(rows), 3),
+                    f"{at}_s_per_step": round(step_seconds(rows), 2)})
+        out.update({f"{at}_{key}": float(f"{mean_of(rows, key):.3g}") for key in ARMS[arm][3]})
+    return out
 
 
 def after_accuracy(evals: list[dict]) -> float:
@@ -186,10 +208,13 @@ def parse_args(argv):
     r.add_argument("--out", default="runs/ablation", help="folder of the run folders (default runs/ablation)")
     r.add_argument("--seeds", type=int, nargs="+", default=[0], help="RL seeds (default 0)")
     r.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS), help="which arms (default all)")
+    r.add_argument("--preset", help="05-retool's preset the runs start from (default: the CPU demo's settings; "
+                                    "cpu-chained for docs/06-experiments.md)")
     r.add_argument("--steps", type=int, default=30, help="RL steps per run (default 30: the runs docs/06-beyond-torl measured)")
     s = sub.add_parser("report", help="plots and the markdown table from finished runs")
     s.add_argument("--out", default="runs/ablation", help="folder of the run folders (default runs/ablation)")
     s.add_argument("--img", help="write one PNG per option here (e.g. docs/img)")
+    s.add_argument("--results", metavar="NAME", help="also write the figures to docs/results/NAME.json (results.py)")
     return p.parse_args(argv)
 
 

@@ -3,6 +3,7 @@
     make bench-train                                   # CPU: tiny random model; CUDA: --shape qwen2.5-math-1.5b
     make bench-train ARGS="--model /models/Qwen2.5-Math-1.5B --sequences 64 --response-len 3072"
     make bench-train ARGS="--shape qwen2.5-math-7b --sequences 8"      # one 7B replica: does it fit?
+    make bench-train ARGS="--results 06-bench-train"    # also write the figures to docs/results/06-bench-train.json
 
 Prints, in one run: training tokens per second and peak memory of `grpo_step`,
 the time saved by skipping rows whose advantage is zero (degenerate groups;
@@ -27,7 +28,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import re
+import shlex
 import statistics
+import sys
 import tempfile
 import time
 
@@ -54,6 +58,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.shape is None and args.model is None and torch.cuda.is_available():
         args.shape = "qwen2.5-math-1.5b"
     shaped = args.shape is not None
+    if shaped and args.results:
+        raise SystemExit("error: --results records the tiny model's run (the figures docs/06-scaling.md quotes), not --shape")
     # the torl-1.5b preset's lengths and micro-batch for a real shape; small ones for the tiny model
     for name, real, tiny in (("prompt_len", 400, 128), ("response_len", 3072, 384), ("micro_batch_size", 4, 4),
                              ("num_minibatches", 1, 2), ("gradient_checkpointing", True, False)):
@@ -135,8 +141,12 @@ def run(args, model_path: str) -> None:
     else:
         print(f"peak memory         : {peak / 2**20:,.0f} MiB peak resident, {max(peak - before, 0) / 2**20:,.0f} MiB above"
               f" the resident before the steps (weights+grads+AdamW: {16 * n_params / 2**20:,.0f} MiB)")
+    figures = {"grpo_step_s": round(step_s, 3), "tokens_per_s": round(all_tokens / step_s),
+               "model_tokens_per_s": round(model_tokens / step_s), "skip_with_s": round(step_s, 3),
+               "skip_without_s": round(no_skip_s, 3), "skip_saves_percent": round(100 * (1 - step_s / no_skip_s)),
+               "peak_mib": round(peak / 2**20), "peak_above_before_mib": round(max(peak - before, 0) / 2**20)}
     if llm is None:
-        return
+        return save_results(args, figures)
 
     print(f"mismatch, same wts  : mean |dlogp| {first['mismatch_abs']:.3e}, max {first['mismatch_max']:.3e},"
           f" KL {first['mismatch_kl']:.2e} (vLLM's recorded log-probs vs the trainer's, before any update)")
@@ -154,6 +164,18 @@ def run(args, model_path: str) -> None:
     fresh = sampled_trajectories(llm, args.group_size, args.group_size, args.prompt_len, args.response_len, seed=1)
     gap = sampler_trainer_gap(model, fresh, cfg)
     print(f"mismatch after sync : mean |dlogp| {gap[0]:.3e}, max {gap[1]:.3e} (new samples after {args.steps + 1} updates and the sync)")
+    figures.update({"mismatch_mean": float(f"{first['mismatch_abs']:.3e}"), "mismatch_max": float(f"{first['mismatch_max']:.3e}"),
+                    "engine_start_s": round(engine_s, 1), "sync_ms": round(statistics.median(sync_times) * 1e3, 1),
+                    "mismatch_after_sync_mean": float(f"{gap[0]:.3e}"), "mismatch_after_sync_max": float(f"{gap[1]:.3e}")})
+    save_results(args, figures)
+
+
+def save_results(args, figures: dict) -> None:
+    """With --results NAME: the figures of this run into docs/results/NAME.json, with the command that measured them."""
+    if args.results:
+        from results import save
+
+        print(f"wrote {save(args.results, 'make bench-train ARGS=' + shlex.quote(shlex.join(sys.argv[1:])), figures)}")
 
 
 def run_shape(args) -> None:
@@ -208,8 +230,6 @@ def run_shape(args) -> None:
     if on_cuda:
         print(f"  reserved by torch : {torch.cuda.max_memory_reserved() / gib:6.2f}   of"
               f" {torch.cuda.get_device_properties(0).total_memory / gib:.1f} on the device")
-    import sys
-
     print(f"vLLM imported       : {'yes' if 'vllm' in sys.modules else 'no'}")
 
 
@@ -361,7 +381,15 @@ def parse_args(argv):
     p.add_argument("--no-sync", action="store_true", help="do not build vLLM; skip the sync timing")
     p.add_argument("--syncs", type=int, default=3, help="timed weight syncs (default 3)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.3, help="vLLM's share of the GPU (default 0.3)")
+    p.add_argument("--results", metavar="NAME", type=results_name,
+                   help="also write the figures to docs/results/NAME.json, for the docs (the tiny model's run)")
     return p.parse_args(argv)
+
+
+def results_name(text: str) -> str:
+    if not re.fullmatch(r"[\w-]+", text):
+        raise argparse.ArgumentTypeError(f"{text!r}: a name (docs/results/NAME.json), letters, digits, '-' and '_'")
+    return text
 
 
 if __name__ == "__main__":  # vLLM may spawn processes: keep the guard

@@ -281,18 +281,19 @@ def combine_metrics(per_rank: list[dict]) -> dict:
     - timings (`*_s`) take the slowest rank: the step waits for it;
     - maxima take the max: mismatch_max, ratio_max;
     - per-token means weigh each rank by its model tokens: entropy, mismatch_*, clip_*, ratio_mean,
-      approx_kl, informative_frac;
+      approx_kl, informative_frac, tis_masked_frac;
     - outcome means weigh each rank by its trajectories; code_pass_ratio by its tool calls,
-      code_ratio_correct / _incorrect by its correct / incorrect trajectories;
+      code_ratio_correct / _incorrect by its correct / incorrect trajectories, error_then_* by its failed calls,
+      tis_masked_seq_frac by its sequences;
     - the rest (loss, grad_norm, optimizer_steps, ...): as is when equal on every rank, else the plain mean;
     - lists (problem ids) are concatenated; anything else is rank 0's.
     """
     if len(per_rank) == 1:
         return dict(per_rank[0])
-    sums = {"trajectories", "tokens", "sequences", "degenerate_groups"}
+    sums = {"trajectories", "tokens", "sequences", "degenerate_groups", "errors"}
     maxima = {"mismatch_max", "ratio_max"}
     per_token = {"entropy", "mismatch_abs", "mismatch_kl", "clip_low_frac", "clip_high_frac", "ratio_mean", "approx_kl",
-                 "informative_frac"}
+                 "informative_frac", "tis_masked_frac"}
 
     def weight(m: dict, key: str) -> float:
         n = m.get("trajectories", 1.0)
@@ -304,10 +305,15 @@ def combine_metrics(per_rank: list[dict]) -> dict:
             return m.get("accuracy", 0.0) * n
         if key == "code_ratio_incorrect":
             return (1.0 - m.get("accuracy", 0.0)) * n
+        if key in ("error_then_call_ok", "error_then_correct"):
+            return m.get("errors", 0.0)
+        if key == "tis_masked_seq_frac":
+            return m.get("sequences", 1.0)
         return n
 
     outcome = {"reward_mean", "accuracy", "format_rate", "code_ratio", "code_pass_ratio", "code_ratio_correct",
-               "code_ratio_incorrect", "tool_calls", "response_length", "truncation_rate"}
+               "code_ratio_incorrect", "tool_calls", "response_length", "truncation_rate", "error_then_call_ok",
+               "error_then_correct", "tis_masked_seq_frac"}
     out = {}
     for key, first in per_rank[0].items():
         values = [m.get(key) for m in per_rank]

@@ -280,6 +280,14 @@ def test_combined_metrics_weigh_ranks_by_what_each_metric_counts():
     assert m["mismatch_max"] == 0.3 and m["rollout_s"] == 5.0 and m["grad_norm"] == 2.0
     assert m["problem_ids"] == ["a", "b"] and m["step"] == 1
     assert math.isnan(combine_metrics([b, {**b, "tool_calls": 0.0}])["code_pass_ratio"])
+    # self-correction by each rank's failed calls, masked shares by its tokens and sequences
+    c = {"trajectories": 4.0, "tokens": 100.0, "sequences": 4.0, "errors": 1.0, "error_then_call_ok": 1.0,
+         "tis_masked_frac": 0.0, "tis_masked_seq_frac": 0.0}
+    d = {"trajectories": 4.0, "tokens": 300.0, "sequences": 12.0, "errors": 3.0, "error_then_call_ok": 0.0,
+         "tis_masked_frac": 0.4, "tis_masked_seq_frac": 0.5}
+    m = combine_metrics([c, d])
+    assert m["errors"] == 4 and m["error_then_call_ok"] == 0.25
+    assert m["tis_masked_frac"] == pytest.approx(0.3) and m["tis_masked_seq_frac"] == pytest.approx(0.375)
 
 
 def test_one_failing_rank_ends_the_run_instead_of_a_hang(tmp_path, preloaded_python):

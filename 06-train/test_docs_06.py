@@ -47,7 +47,7 @@ def test_the_objective_and_its_clip_table_are_grpo_configs_defaults():
          f"`max_grad_norm` ({cfg.max_grad_norm})",
          f"`GRPOConfig`'s lr is ToRL's {short(cfg.lr)}",
          f"AdamW's step is about lr = {short(cfg.lr)} per weight",
-         f"moves no token out of [{low:g}, {high:g}]")
+         f"moves few tokens out of [{low:g}, {high:g}]")  # measured: the default run clips a few
     assert TORL["lr"] == cfg.lr
 
 

@@ -1,0 +1,118 @@
+"""Does a cold-started base have the moves the chained task assumes? Checked before any RL.
+
+RL re-weights what the base already samples; it does not invent a move the base
+never makes (docs/06-experiments.md). So before RL on the chained task, the
+base must be able to make each move of a tool call, when it decides to:
+
+    call    copy the reading and the first step into print(x op y)
+    box     copy a printed result into \\boxed{}
+    fix     after the SyntaxError, the same call without the leading zeros
+    chain   after a result with a step left, the next step on the printed number
+
+Each is measured teacher-forced, on traces of the multi-call policy run in the
+real sandbox: a move counts as made when every token of it is the base's most
+likely token. Whether to make a further call is left out: that is the decision
+RL must learn, and the cold start makes it on purpose only one time in four.
+
+    .venv/bin/python 05-retool/moves_check.py runs/chained-base --problems data/chained_test.jsonl
+"""
+from __future__ import annotations
+
+import argparse
+import json
+
+from cold_start import TOOL_CLOSING, TOOL_OPENING
+from lab_cli import one_line_errors, run_script
+from prompt_templates import render_prompt
+from rollout import encode_plain, observation_text
+from sandbox import Sandbox, SandboxConfig
+
+MOVES = ("call", "box", "fix", "chain")
+MOVES_NEEDED = 0.8  # each move made on at least this share of its occurrences before RL is worth running
+
+
+def main(argv: list[str] | None = None) -> dict[str, float]:
+    p = one_line_errors(argparse.ArgumentParser(description="Check, teacher-forced, that a cold-started base makes "
+                                                            "each move of the chained task (call, box, fix, chain)."))
+    p.add_argument("model", help="the base model's folder")
+    p.add_argument("--problems", default="data/chained_test.jsonl", help="chained problems to check on")
+    p.add_argument("--n", type=int, default=64, help="problems to check on (default 64)")
+    p.add_argument("--template", default="torl", help="prompt template (chapter 03's table)")
+    args = p.parse_args(argv)
+    from prepare_data import read_jsonl
+
+    shares = check_moves(args.model, read_jsonl(args.problems)[: args.n], args.template)
+    print(json.dumps(shares))
+    return shares
+
+
+def check_moves(model_dir: str, problems: list[dict], template: str = "torl") -> dict[str, float]:
+    """{move: share of its occurrences the base makes, token for token}, and "passed" (each >= MOVES_NEEDED)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    made = {move: [] for move in MOVES}
+    for ids, spans in move_spans(problems, tokenizer, template):
+        with torch.no_grad():
+            predicted = model(torch.tensor([ids])).logits[0].argmax(-1).tolist()
+        for move, start, end in spans:  # token t is predicted at position t - 1
+            made[move].append(all(predicted[t - 1] == ids[t] for t in range(start, end)))
+    shares = {move: round(sum(m) / len(m), 3) if m else 0.0 for move, m in made.items()}
+    return {**shares, "passed": all(shares[m] >= MOVES_NEEDED for m in MOVES)}
+
+
+def check_base(model_dir, template: str, seed: int, n: int = 64) -> dict:
+    """check_moves on `n` fresh problems in the held-out frames (not the evaluation's: another seed); says the result."""
+    from chained_problems import make_chained_problems
+
+    shares = check_moves(str(model_dir), make_chained_problems(0, n, seed=seed + 1000)[1], template)
+    said = ", ".join(f"{move} {shares[move]:.2f}" for move in MOVES)
+    print(f"cold start: moves of the chained task, teacher-forced on {n} held-out problems: {said} "
+          + ("(each at least %.1f)" % MOVES_NEEDED if shares["passed"] else
+             f"(not every move reaches {MOVES_NEEDED}: RL will have little to amplify; docs/06-experiments.md)"))
+    return shares
+
+
+def move_spans(problems: list[dict], tokenizer, template: str):
+    """Per problem: the token ids of its multi-call trace and [(move, first token, end)] of each move in it."""
+    from chained_problems import scripted_calls
+
+    with Sandbox(SandboxConfig(preload=())) as sandbox:
+        for problem in problems:
+            pieces = [("prompt", render_prompt(problem["question"], template), None)]
+            state = {"last": None}  # what the call before printed: None for the first call, "error", or "result"
+
+            def run(code: str) -> str | None:
+                move = {None: "call", "error": "fix", "result": "chain"}[state["last"]]
+                pieces.append(("model", TOOL_OPENING.format(code=code), (move, code)))
+                result = sandbox.run(code)
+                pieces.append(("observation", observation_text(result), None))
+                state["last"] = "result" if result.ok else "error"
+                return result.stdout.strip() if result.ok else None
+
+            _, answer = scripted_calls(problem["question"], run, lambda move: True)
+            pieces.append(("model", TOOL_CLOSING.format(answer=answer), ("box", answer)))
+            yield tokens_with_spans(pieces, tokenizer)
+
+
+def tokens_with_spans(pieces, tokenizer) -> tuple[list[int], list[tuple[str, int, int]]]:
+    """Each piece tokenized on its own, as a rollout appends it; a move's span is the tokens of its text."""
+    ids, spans = [], []
+    for kind, text, move in pieces:
+        if kind == "observation":
+            ids += encode_plain(tokenizer, text)
+            continue
+        encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        if move:
+            name, part = move
+            begin = text.index(part)
+            inside = [i for i, (a, b) in enumerate(encoded["offset_mapping"]) if a < begin + len(part) and b > begin]
+            spans.append((name, len(ids) + inside[0], len(ids) + inside[-1] + 1))
+        ids += encoded["input_ids"]
+    return ids, spans
+
+
+if __name__ == "__main__":
+    run_script(main)

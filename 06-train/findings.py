@@ -1,0 +1,153 @@
+"""ToRL's findings in miniature, from the chained task's runs: the tool budget, self-correction, code use.
+
+    .venv/bin/python 06-train/ablation.py run --preset cpu-chained --base runs/chained-base --out runs/chained \\
+        --arms baseline calls-1 calls-2 --seeds 0 1 2
+    .venv/bin/python 06-train/findings.py --out runs/chained --img docs/img --results 06-experiments
+
+Reads the run folders `ablation.py run` wrote (ARM-sSEED) and draws three plots,
+each over every seed: held-out accuracy and seconds per step against the tool
+budget C (arms calls-1, calls-2, baseline = 4); the share of error observations
+followed by a call that runs and by a right answer, per step of the baseline;
+and its code ratio, pass rate of calls and response length per step. The
+figures (per seed, and their mean) go to one results file; docs/06-experiments.md
+quotes them from there.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+from ablation import after_accuracy, before_accuracy, finished, mean_of, read_jsonl, step_seconds
+
+BUDGETS = {"calls-1": 1, "calls-2": 2, "baseline": 4}  # arm -> C
+SELF_CORRECTION = ("error_then_call_ok", "error_then_correct")
+CODE_USE = ("code_ratio", "code_pass_ratio", "response_length")
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog="\n\n".join(__doc__.split("\n\n")[1:]))
+    p.add_argument("--out", default="runs/chained", help="the folder of the run folders (default runs/chained)")
+    p.add_argument("--img", help="write the three plots here (e.g. docs/img)")
+    p.add_argument("--results", metavar="NAME", help="also write the figures to docs/results/NAME.json (results.py)")
+    args = p.parse_args(argv)
+    runs = load_runs(Path(args.out))
+    figures = summarise(runs)
+    if args.img:
+        plot_budget(runs, Path(args.img) / "06-experiments-budget.png")
+        plot_over_training(runs, SELF_CORRECTION, Path(args.img) / "06-experiments-self-correction.png")
+        plot_over_training(runs, CODE_USE, Path(args.img) / "06-experiments-code-use.png")
+    if args.results:
+        save_results(args.results, " ".join(["06-train/findings.py", *(argv if argv is not None else sys.argv[1:])]),
+                     figures)
+    print(json.dumps(figures, indent=1))
+    return figures
+
+
+def load_runs(out: Path) -> dict:
+    """(arm, seed) -> (metric rows, eval rows) of every finished run of the arms above."""
+    runs = {}
+    for run_dir in sorted(out.glob("*-s*")):
+        arm, seed = run_dir.name.rsplit("-s", 1)
+        if arm in BUDGETS and finished(run_dir):
+            runs[arm, int(seed)] = (read_jsonl(run_dir / "metrics.jsonl"), read_jsonl(run_dir / "eval.jsonl"))
+    if not any(arm == "baseline" for arm, _ in runs):
+        raise SystemExit(f"error: {out}: no finished baseline run in it (06-train/ablation.py run --preset cpu-chained ...)")
+    return runs
+
+
+def summarise(runs: dict) -> dict:
+    """Flat figures: per arm and seed, and the mean over seeds; before RL once (every run starts from one base)."""
+    figures = {"before_rl": round(before_accuracy(runs), 3)}
+    for arm in BUDGETS:
+        seeds = sorted(s for a, s in runs if a == arm)
+        for name, value in (("held_out", lambda m, e: after_accuracy(e)), ("s_per_step", lambda m, e: step_seconds(m)),
+                            ("error_then_call_ok_last10", lambda m, e: mean_of(m[-10:], "error_then_call_ok")),
+                            ("error_then_correct_last10", lambda m, e: mean_of(m[-10:], "error_then_correct")),
+                            ("code_ratio_last10", lambda m, e: mean_of(m[-10:], "code_ratio")),
+                            ("code_pass_ratio_last10", lambda m, e: mean_of(m[-10:], "code_pass_ratio"))):
+            values = [value(*runs[arm, s]) for s in seeds]
+            for s, v in zip(seeds, values):
+                figures[f"{key(arm)}_s{s}_{name}"] = round(v, 3)
+            if values:
+                figures[f"{key(arm)}_mean_{name}"] = round(sum(values) / len(values), 3)
+        for s in seeds:  # each kind of problem on its own, after RL
+            sets = next(r for r in runs[arm, s][1] if r["tag"] == "after RL")["sets"]
+            for source, score in sets.items():
+                if source != "all":
+                    figures[f"{key(arm)}_s{s}_{key(source.removeprefix('chained-heldout-'))}"] = round(score["avg@1"], 3)
+    return figures
+
+
+def key(name: str) -> str:
+    """A name as a results file's key takes it: a word ("calls-1" -> "calls_1", "2step-padded" -> "2step_padded")."""
+    return name.replace("-", "_")
+
+
+def plot_budget(runs: dict, path: Path) -> None:
+    plt = _pyplot()
+    fig, (acc, cost) = plt.subplots(1, 2, figsize=(7, 2.6))
+    for arm, budget in BUDGETS.items():
+        seeds = sorted(s for a, s in runs if a == arm)
+        accuracies = [after_accuracy(runs[arm, s][1]) for s in seeds]
+        seconds = [step_seconds(runs[arm, s][0]) for s in seeds]
+        acc.scatter([budget] * len(seeds), accuracies, color="tab:blue", s=14)
+        cost.scatter([budget] * len(seeds), seconds, color="tab:orange", s=14)
+        if seeds:
+            acc.plot([budget - 0.2, budget + 0.2], [sum(accuracies) / len(seeds)] * 2, color="k")
+            cost.plot([budget - 0.2, budget + 0.2], [sum(seconds) / len(seeds)] * 2, color="k")
+    acc.axhline(before_accuracy(runs), color="0.6", linestyle=":", label="before RL")
+    for ax, title in ((acc, "held-out accuracy after RL"), (cost, "seconds per RL step")):
+        ax.set_xticks(list(BUDGETS.values()))
+        ax.set_xlabel("tool budget C")
+        ax.set_title(title, fontsize=9)
+        ax.grid(alpha=0.3)
+    acc.set_ylim(0, 1)
+    acc.legend(fontsize=7)
+    _save(fig, path)
+
+
+def plot_over_training(runs: dict, keys: tuple[str, ...], path: Path) -> None:
+    """One panel per metric: the baseline's value per step, one line per seed."""
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, len(keys), figsize=(3.2 * len(keys), 2.6))
+    for ax, key in zip(axes, keys):
+        for (arm, seed), (rows, _) in sorted(runs.items()):
+            if arm == "baseline":
+                ax.plot([r["step"] for r in rows], [float("nan") if r.get(key) is None else r[key] for r in rows],
+                        ("-", "--", ":")[seed % 3], color="tab:blue", label=f"seed {seed}")
+        ax.set_xlabel("RL step")
+        ax.set_title(key, fontsize=9)
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=7)
+    _save(fig, path)
+
+
+def save_results(name: str, command: str, figures: dict) -> None:
+    """docs/results/NAME.json, the file docs/06-experiments.md quotes (results.py)."""
+    import results
+
+    results.save(name, command, figures)
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _save(fig, path: Path) -> None:
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=80)
+    _pyplot().close(fig)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,151 @@
+"""Measured figures, each in one results file written by the one command that measured it; pages quote them.
+
+A results file is docs/results/NAME.json: {"command": the command that writes it, "figures": {key: value}}.
+A page quotes it in a block, rewritten from the file, that names the command:
+
+    <!-- results NAME -->           (or <!-- results NAME key key ... --> for some of its figures)
+    <!-- /results -->
+
+or inline, as a marker before a one-word value: <!-- r NAME.key -->0.94 (the value ends at a space, a
+closing full stop or punctuation). `python results.py` rewrites every block and quote from the files;
+test_results.py fails when a page and its file differ, or one file is quoted on two pages or on none.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent
+RESULTS = ROOT / "docs" / "results"
+NAME = re.compile(r"[\w-]+")
+# A marker in backticks is an example of one (README.md shows them), not a quote.
+BLOCK = re.compile(r"(?<!`)<!-- results ([\w-]+)((?: \w+)*) -->\n(.*?)<!-- /results -->", re.S)
+QUOTE = re.compile(r"(?<!`)<!-- r ([\w-]+)\.(\w+) -->")
+WORD = re.compile(r"[^\s|<>()\[\]*,;:%]*[^\s|<>()\[\]*,;:%.]")  # a value in prose, without a closing full stop or %
+
+
+def save(name: str, command: str, figures: dict) -> Path:
+    """Write docs/results/NAME.json (sorted keys, atomically: a reader sees the old file or the new one)."""
+    check(name, figures)
+    path = RESULTS / f"{name}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps({"command": command, "figures": figures}, indent=1, sort_keys=True) + "\n")
+    os.replace(tmp, path)
+    return path
+
+
+def check(name: str, figures: dict) -> None:
+    """Refuse what a results file may not hold: a name that is not a plain word, a figure that is not small."""
+    if not NAME.fullmatch(name):
+        raise ValueError(f"results name {name!r}: letters, digits, '-' and '_' only")
+    for key, value in figures.items():
+        if not re.fullmatch(r"\w+", key) or not isinstance(value, (int, float, str)) or isinstance(value, bool) \
+                or (isinstance(value, str) and len(value) > 40):
+            raise ValueError(f"results {name}: figure {key}={value!r}: keys are words, values numbers or short strings")
+
+
+def load(name: str) -> dict:
+    """{"command": ..., "figures": {...}} of docs/results/NAME.json."""
+    path = RESULTS / f"{name}.json"
+    if not path.exists():
+        raise KeyError(f"no results file {path.relative_to(ROOT)}")
+    try:
+        return json.loads(path.read_text())
+    except ValueError as e:
+        raise ValueError(f"{path.relative_to(ROOT)}: not a results file ({e})") from None
+
+
+def names() -> list[str]:
+    return sorted(p.stem for p in RESULTS.glob("*.json"))
+
+
+def block(name: str, keys: list[str]) -> str:
+    """A block's content: the command that measured it, then its figures (all, or `keys`) as a table."""
+    result = load(name)
+    figures = result["figures"]
+    missing = [key for key in keys if key not in figures]
+    if missing:
+        raise KeyError(f"results {name} has no figure {', '.join(missing)}")
+    rows = [f"| `{key}` | {figures[key]} |" for key in keys or sorted(figures)]
+    return (f"Measured by `{result['command']}` ([results/{name}.json](results/{name}.json)):\n\n"
+            "| figure | value |\n| --- | --- |\n" + "\n".join(rows) + "\n")
+
+
+def render(text: str) -> str:
+    """The page with every block and inline quote rewritten from its file."""
+    text = BLOCK.sub(lambda m: f"<!-- results {m[1]}{m[2]} -->\n{block(m[1], m[2].split())}<!-- /results -->", text)
+    out, last = [], 0
+    for m in QUOTE.finditer(text):
+        figures = load(m[1])["figures"]
+        if m[2] not in figures:
+            raise KeyError(f"results {m[1]} has no figure {m[2]}")
+        value = str(figures[m[2]])  # as the file holds it: the writer rounds
+        if not WORD.fullmatch(value):
+            raise ValueError(f"results {m[1]}.{m[2]} is {value!r}, not one word: quote it in a block")
+        out += [text[last:m.end()], value]
+        last = m.end() + len(WORD.match(text, m.end())[0] if WORD.match(text, m.end()) else "")
+    return "".join(out) + text[last:]
+
+
+def pages() -> list[Path]:
+    return [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+
+
+def quotes(text: str) -> set[str]:
+    """The results files a page quotes, in blocks or inline."""
+    return {m[1] for m in BLOCK.finditer(text)} | {m[1] for m in QUOTE.finditer(text)}
+
+
+def problems(texts: dict[str, str]) -> list[str]:
+    """What is wrong between pages ({name: text}) and the results files: one line each, [] when all agree."""
+    found, quoted_on = [], {}
+    for page, text in texts.items():
+        for name in quotes(text):
+            quoted_on.setdefault(name, []).append(page)
+        try:
+            new = render(text)
+        except (KeyError, ValueError) as e:
+            found.append(f"{page}: {e.args[0]}")
+            continue
+        for m in BLOCK.finditer(text):
+            if f"`{load(m[1])['command']}`" not in m[3]:
+                found.append(f"{page}: the block of results {m[1]} does not show its command")
+        old, now = text.splitlines(), new.splitlines()
+        for line, (a, b) in enumerate(zip(old, now), 1):
+            if a != b:
+                found.append(f"{page}:{line}: differs from its results file: {a.strip()!r} should read {b.strip()!r}")
+        if len(old) != len(now):
+            found.append(f"{page}: a results block differs in length from its file")
+    for name, where in sorted(quoted_on.items()):
+        if len(where) > 1:
+            found.append(f"results {name} (one run) is quoted on {len(where)} pages: {', '.join(where)}")
+    found += [f"results {name} is quoted by no page" for name in names() if name not in quoted_on]
+    return found
+
+
+def main(argv: list[str]) -> int:
+    """Rewrite every page's blocks and quotes from the results files."""
+    if argv:
+        print("usage: python results.py   (rewrites every page's figures from docs/results/*.json)", file=sys.stderr)
+        return 2
+    texts, rewritten = {page: page.read_text(encoding="utf-8") for page in pages()}, {}
+    for page, text in texts.items():  # every page rendered before one is written: a bad quote changes none
+        try:
+            rewritten[page] = render(text)
+        except (KeyError, ValueError) as e:
+            print(f"error: {page.relative_to(ROOT)}: {e.args[0]}", file=sys.stderr)
+            return 1
+    for page, text in rewritten.items():
+        if text != texts[page]:
+            page.with_suffix(".md.tmp").write_text(text, encoding="utf-8")
+            os.replace(page.with_suffix(".md.tmp"), page)
+            print(f"rewrote {page.relative_to(ROOT)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
