@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 
 from cold_start import TOOL_CLOSING, TOOL_OPENING
 from lab_cli import one_line_errors, run_script
@@ -34,16 +35,26 @@ MOVES_NEEDED = 0.8  # each move made on at least this share of its occurrences b
 def main(argv: list[str] | None = None) -> dict[str, float]:
     p = one_line_errors(argparse.ArgumentParser(description="Check, teacher-forced, that a cold-started base makes "
                                                             "each move of the chained task (call, box, fix, chain)."))
-    p.add_argument("model", help="the base model's folder")
+    p.add_argument("models", nargs="+", metavar="model", help="the base model's folder (several: each checked)")
     p.add_argument("--problems", default="data/chained_test.jsonl", help="chained problems to check on")
     p.add_argument("--n", type=int, default=64, help="problems to check on (default 64)")
     p.add_argument("--template", default="torl", help="prompt template (chapter 03's table)")
+    p.add_argument("--results", metavar="NAME", help="also write the shares to docs/results/NAME.json, "
+                                                     "as base1_call, base1_box, ... in the order given (results.py)")
     args = p.parse_args(argv)
     from prepare_data import read_jsonl
 
-    shares = check_moves(args.model, read_jsonl(args.problems)[: args.n], args.template)
-    print(json.dumps(shares))
-    return shares
+    problems, figures = read_jsonl(args.problems)[: args.n], {}
+    for i, model in enumerate(args.models, 1):
+        shares = check_moves(model, problems, args.template)
+        print(f"{model}: {json.dumps(shares)}")
+        figures.update({f"base{i}_{move}": shares[move] for move in MOVES})
+    if args.results:
+        import results
+
+        results.save(args.results, " ".join(["05-retool/moves_check.py", *(argv if argv is not None else sys.argv[1:])]),
+                      figures)
+    return figures
 
 
 def check_moves(model_dir: str, problems: list[dict], template: str = "torl") -> dict[str, float]:
