@@ -129,8 +129,12 @@ def problems(texts: dict[str, str]) -> list[str]:
 
 def main(argv: list[str]) -> int:
     """Rewrite every page's blocks and quotes from the results files."""
+    usage = "usage: python results.py   (make docs-results: rewrites every page's figures from docs/results/*.json)"
+    if argv in (["-h"], ["--help"]):
+        print(f"{usage}\n\n{__doc__}")
+        return 0
     if argv:
-        print("usage: python results.py   (rewrites every page's figures from docs/results/*.json)", file=sys.stderr)
+        print(f"error: results.py takes no arguments, got {' '.join(argv)}\n{usage}", file=sys.stderr)
         return 2
     texts, rewritten = {page: page.read_text(encoding="utf-8") for page in pages()}, {}
     for page, text in texts.items():  # every page rendered before one is written: a bad quote changes none
