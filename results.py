@@ -116,8 +116,9 @@ def problems(texts: dict[str, str]) -> list[str]:
                 found.append(f"{page}: the block of results {m[1]} does not show its command")
         old, now = text.splitlines(), new.splitlines()
         for line, (a, b) in enumerate(zip(old, now), 1):
-            if a != b:
-                found.append(f"{page}:{line}: differs from its results file: {a.strip()!r} should read {b.strip()!r}")
+            if a != b:  # shown from a little before the first difference
+                at = max(len(os.path.commonprefix([a, b])) - 30, 0)
+                found.append(f"{page}:{line}: differs from its results file: {a[at:at + 70]!r} should read {b[at:at + 70]!r}")
         if len(old) != len(now):
             found.append(f"{page}: a results block differs in length from its file")
     for name, where in sorted(quoted_on.items()):
