@@ -116,8 +116,9 @@ def problems(texts: dict[str, str]) -> list[str]:
                 found.append(f"{page}: the block of results {m[1]} does not show its command")
         old, now = text.splitlines(), new.splitlines()
         for line, (a, b) in enumerate(zip(old, now), 1):
-            if a != b:
-                found.append(f"{page}:{line}: differs from its results file: {a.strip()!r} should read {b.strip()!r}")
+            if a != b:  # shown from a little before the first difference
+                at = max(len(os.path.commonprefix([a, b])) - 30, 0)
+                found.append(f"{page}:{line}: differs from its results file: {a[at:at + 70]!r} should read {b[at:at + 70]!r}")
         if len(old) != len(now):
             found.append(f"{page}: a results block differs in length from its file")
     for name, where in sorted(quoted_on.items()):
@@ -129,8 +130,12 @@ def problems(texts: dict[str, str]) -> list[str]:
 
 def main(argv: list[str]) -> int:
     """Rewrite every page's blocks and quotes from the results files."""
+    usage = "usage: python results.py   (make docs-results: rewrites every page's figures from docs/results/*.json)"
+    if argv in (["-h"], ["--help"]):
+        print(f"{usage}\n\n{__doc__}")
+        return 0
     if argv:
-        print("usage: python results.py   (rewrites every page's figures from docs/results/*.json)", file=sys.stderr)
+        print(f"error: results.py takes no arguments, got {' '.join(argv)}\n{usage}", file=sys.stderr)
         return 2
     texts, rewritten = {page: page.read_text(encoding="utf-8") for page in pages()}, {}
     for page, text in texts.items():  # every page rendered before one is written: a bad quote changes none
