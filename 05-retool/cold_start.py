@@ -5,7 +5,7 @@ trains the CPU demo's tiny model from scratch (or fine-tunes a pretrained one
 with `--model`, as the smollm2 preset does) on synthetic traces of 01-data's
 problems, of two kinds:
 
-    tool trace (a fraction `--tool-fraction`, default 0.4):
+    tool trace (a fraction `--tool-fraction`, default 0.3):
         ```python
         print(964 * 494)
         ```

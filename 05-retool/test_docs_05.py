@@ -94,3 +94,7 @@ def test_the_dry_run_on_the_page_is_the_code_s_check():
 def test_the_tool_s_share_is_measured_on_the_demo_s_final_checkpoint():
     steps = Config().steps
     says("05-torl.md", f"`runs/cpu-demo/checkpoints/step-{steps:06d}`", f"| after {steps} RL steps |")
+
+
+def test_the_unknown_preset_refusal_lists_every_preset():
+    says("05-retool.md", f"error: unknown preset 'gpt-5' (choose from {', '.join(PRESETS)})")
