@@ -40,7 +40,8 @@ from vllm_engine import check_logprobs_mode, check_on_policy, make_llm, weight_v
 STOP = "```output"
 
 
-def rollout(llm, problems: list[dict], sandbox, cfg: RolloutConfig | None = None, spent: dict | None = None) -> list[Trajectory]:
+def rollout(llm, problems: list[dict], sandbox, cfg: RolloutConfig | None = None, spent: dict | None = None,
+            indices: list[int] | None = None) -> list[Trajectory]:
     """Sample `group_size` tool-integrated responses per problem; return them grouped by problem.
 
     `problems` are dicts {id, question, answer, source}. `sandbox` needs `run(code)`,
@@ -48,7 +49,8 @@ def rollout(llm, problems: list[dict], sandbox, cfg: RolloutConfig | None = None
     `run_many(codes)` for rounds (chapter 02's Sandbox has both). If `spent` is a
     dict it receives wall seconds spent in the engine (`generate_s`), waiting for
     the sandbox with nothing to decode (`sandbox_s`) and in all (`wall_s`), the
-    number of engine steps or rounds, and token counts.
+    number of engine steps or rounds, and token counts. `indices`: each problem's place in the whole
+    set it was dealt from (a rank's share of an evaluation), which the seeds follow [default: its position].
     """
     cfg = cfg or RolloutConfig()
     if not problems:
@@ -59,7 +61,8 @@ def rollout(llm, problems: list[dict], sandbox, cfg: RolloutConfig | None = None
     context = llm.model_config.max_model_len
     version, model = weight_version(llm), str(llm.model_config.model)
     in_flight: list[_InFlight] = []  # group_size per problem, in the order they are returned
-    for problem_index, problem in enumerate(problems):
+    for position, problem in enumerate(problems):
+        problem_index = position if indices is None else indices[position]
         prompt_ids, limit = _tokenize_prompt(problem, problem_index, tokenizer, cfg, context)
         for group_index in range(cfg.group_size):
             traj = Trajectory(
@@ -197,7 +200,7 @@ class _InFlight:
     """One trajectory while it is being sampled: the record plus where its sampling stands."""
 
     traj: Trajectory
-    problem_index: int  # the problem's position in the batch (for seeds)
+    problem_index: int  # the problem's place in the batch, or in the whole set it was dealt from (for seeds)
     limit: int  # the most tokens the response may hold: budget or context, whichever is smaller
     limit_is_context: bool  # the limit comes from max_model_len, not the response budget
     calls_left: int  # tool calls it may still make; at 0, STOP is no longer a stop string

@@ -27,9 +27,9 @@ def run_in_rounds(llm, in_flight: list, run_many: Callable, *, group_size: int, 
     # Round 0: one request per problem, n=group_size; its samples share the prompt's prefill.
     firsts = in_flight[::group_size]
     params = [params_for(state, group_size) for state in firsts]
-    for first, out in zip(firsts, _generate(llm, [state.traj.prompt_ids for state in firsts], params, spent)):
+    for position, out in enumerate(_generate(llm, [state.traj.prompt_ids for state in firsts], params, spent)):
         for sample in out.outputs:
-            in_flight[first.problem_index * group_size + sample.index].append_turn(sample)
+            in_flight[position * group_size + sample.index].append_turn(sample)
 
     # Later rounds: run this round's code, append the observations, continue every unfinished trajectory.
     while True:

@@ -39,15 +39,25 @@ PAPER = {
 PAPER_SET_SIZE = {"aime24": 30, "aime25": 30, "math500": 500}
 
 
-def evaluate(llm, problems: list[dict], sandbox, k: int = 1, mode: str = "tir", template: str | None = None,
-             max_response_tokens: int = 3072, tool_budget: int = 1, temperature: float = 0.0,
-             seed: int | None = 0, samples_path: Path | None = None, rollout_overrides: dict | None = None,
-             scorer: str = "lab") -> dict:
-    """Sample k responses per problem, score them, and summarise per source and overall.
+def evaluate(llm, problems: list[dict], sandbox, samples_path: Path | None = None, **settings) -> dict:
+    """Sample k responses per problem, score them, and summarise per source and overall (`settings`: sample_scored's).
+
+    A run under torchrun deals the problems over its ranks instead (run_record.evaluate_spread).
+    """
+    return summarise_evaluation(*sample_scored(llm, problems, sandbox, **settings), samples_path)
+
+
+def sample_scored(llm, problems: list[dict], sandbox, k: int = 1, mode: str = "tir", template: str | None = None,
+                  max_response_tokens: int = 3072, tool_budget: int = 1, temperature: float = 0.0,
+                  seed: int | None = 0, rollout_overrides: dict | None = None, scorer: str = "lab",
+                  indices: list[int] | None = None) -> tuple[dict, list[dict]]:
+    """The evaluation's settings and its samples, k per problem in the problems' order, scored.
 
     `template` defaults to the mode's (DEFAULT_TEMPLATE); `temperature` 0 is
     greedy decoding (then k must be 1). `rollout_overrides` sets further
-    RolloutConfig fields (tests force tool calls with it).
+    RolloutConfig fields (tests force tool calls with it). `indices`: each
+    problem's place in the whole evaluation set when these are a share of it
+    (a rank's): the seeds follow it, so a share samples as the whole would.
     """
     from reward import score_batch
     from rollout import RolloutConfig, rollout
@@ -60,7 +70,7 @@ def evaluate(llm, problems: list[dict], sandbox, k: int = 1, mode: str = "tir", 
     cfg = RolloutConfig(group_size=k, temperature=temperature, max_response_tokens=max_response_tokens,
                         tool_budget=tool_budget if mode == "tir" else 0, template=template, seed=seed,
                         **(rollout_overrides or {}))
-    trajectories = rollout(llm, problems, sandbox, cfg)
+    trajectories = rollout(llm, problems, sandbox, cfg, indices=indices)
     results = score_batch([t.text for t in trajectories], [t.reference for t in trajectories], scorer=scorer)
     source_of = {str(p["id"]): p.get("source", "data") for p in problems}
     samples = [
@@ -72,6 +82,11 @@ def evaluate(llm, problems: list[dict], sandbox, k: int = 1, mode: str = "tir", 
         }
         for t, r in zip(trajectories, results)
     ]
+    return {"mode": mode, "k": k, "temperature": temperature, "template": template, "scorer": scorer}, samples
+
+
+def summarise_evaluation(settings: dict, samples: list[dict], samples_path: Path | None = None) -> dict:
+    """The result of an evaluation from its settings and samples (sample_scored's); the samples to `samples_path`."""
     if samples_path is not None:
         from prepare_data import write_jsonl
 
@@ -79,10 +94,10 @@ def evaluate(llm, problems: list[dict], sandbox, k: int = 1, mode: str = "tir", 
     by_source = defaultdict(list)
     for sample in samples:
         by_source[sample["source"]].append(sample)
-    summary = {source: summarise(rows, k) for source, rows in sorted(by_source.items())}
+    summary = {source: summarise(rows, settings["k"]) for source, rows in sorted(by_source.items())}
     if len(by_source) > 1:
-        summary["all"] = summarise(samples, k)
-    return {"mode": mode, "k": k, "temperature": temperature, "template": template, "scorer": scorer, "sets": summary}
+        summary["all"] = summarise(samples, settings["k"])
+    return {**settings, "sets": summary}
 
 
 def summarise(samples: list[dict], k: int) -> dict:

@@ -530,6 +530,20 @@ def test_greedy_evaluation_is_the_default_and_repeats_itself(tiny_llm, sandbox, 
     assert texts[0] == texts[1]  # greedy: the seed changes nothing
 
 
+@pytest.mark.vllm
+def test_a_share_of_the_problems_samples_what_the_whole_evaluation_samples_for_them(tiny_llm, sandbox):
+    """A rank's share (every other problem) is seeded by each problem's index in the whole set, not its place in the share."""
+    from eval import sample_scored
+
+    problems = make_toy_task(3, 0, seed=8)[0]
+    settings = dict(k=2, max_response_tokens=12, temperature=1.0, seed=3)
+    _, whole = sample_scored(tiny_llm, problems, sandbox, **settings)
+    _, share = sample_scored(tiny_llm, problems[1:], sandbox, indices=[1, 2], **settings)
+    _, by_place = sample_scored(tiny_llm, problems[1:], sandbox, **settings)
+    assert [s["text"] for s in share] == [s["text"] for s in whole[2:]]
+    assert [s["text"] for s in by_place] != [s["text"] for s in whole[2:]]  # seeded by place: other samples
+
+
 # --------------------------------------------------------------------------- run folders: nothing lost
 
 
