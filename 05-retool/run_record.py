@@ -21,6 +21,7 @@ from pathlib import Path
 from checkpoints import (append_jsonl, capture_rng, has_eval_row, latest_checkpoint, load_optimizer, save_checkpoint,
                          stop_with_checkpoint, truncate_jsonl)
 from configuration import settings_changed
+from eval import sample_scored, summarise_evaluation, summary_line
 from plots import plot_run
 from run_folders import recipe_changes
 from stopping import STOPPER, StopRequested, signal_self_for_tests
@@ -111,20 +112,18 @@ class RunRecord:
             return
         tag = "before RL" if step == 0 else "after RL" if final else f"step {step}"
         for mode in ("tir", "text") if cfg.eval_text and (step == 0 or final) else ("tir",):
-            if dp.is_main:  # the other ranks wait: evaluation is not split across ranks
-                self._evaluate(tag, step, mode, llm, sandbox, problems)
-            dp.barrier()
+            self._evaluate(tag, step, mode, llm, sandbox, problems)
 
     def _evaluate(self, tag: str, step: int, mode: str, llm, sandbox, problems: list[dict]) -> None:
-        from eval import evaluate, summary_line
-
         cfg = self.cfg
         tag += " (text only)" if mode == "text" else ""
-        result = evaluate(llm, problems[: cfg.eval_problems] if cfg.eval_problems else problems, sandbox,
-                          k=cfg.eval_k, mode=mode, template=cfg.template,
-                          max_response_tokens=cfg.eval_max_response_tokens, tool_budget=cfg.tool_budget,
-                          temperature=cfg.eval_temperature, seed=cfg.seed, scorer=cfg.scorer,
-                          samples_path=self.run_dir / "eval_samples" / f"step-{step:06d}-{mode}.jsonl")
+        result = evaluate_spread(self.dp, llm, problems[: cfg.eval_problems] if cfg.eval_problems else problems,
+                                 sandbox, self.run_dir / "eval_samples" / f"step-{step:06d}-{mode}.jsonl",
+                                 k=cfg.eval_k, mode=mode, template=cfg.template,
+                                 max_response_tokens=cfg.eval_max_response_tokens, tool_budget=cfg.tool_budget,
+                                 temperature=cfg.eval_temperature, seed=cfg.seed, scorer=cfg.scorer)
+        if not self.dp.is_main:
+            return
         from tqdm import tqdm
 
         tqdm.write(f"eval {tag}: {summary_line(result)}")  # on a line of its own, not after the RL bar
@@ -162,6 +161,23 @@ class RunRecord:
             (self.run_dir / "last_step.html").write_text(html)
         plot_run(self.run_dir)
         print(f"run folder: {self.run_dir}  (metrics.jsonl, eval.jsonl, plots.png, last_step.html, checkpoints/)")
+
+
+def evaluate_spread(dp, llm, problems: list[dict], sandbox, samples_path: Path, **settings) -> dict | None:
+    """eval.py's evaluation with the problems dealt over the ranks (06's DataParallel `dp`); rank 0's result.
+
+    Each rank samples its share with its own engine and sandbox, seeded by each
+    problem's index in the whole set; rank 0 puts the samples back in the
+    problems' order and summarises them, so the result and the samples file
+    equal one process's. The other ranks get None.
+    """
+    indices, share = dp.share(problems)
+    settings, samples = sample_scored(llm, share, sandbox, indices=indices, **settings)
+    k = settings["k"]  # the samples come k per problem, in the share's order
+    per_problem = dp.gather_in_order([samples[i * k: (i + 1) * k] for i in range(len(share))], indices)
+    if not dp.is_main:
+        return None
+    return summarise_evaluation(settings, [sample for rows in per_problem for sample in rows], samples_path)
 
 
 def hold_lock(run_dir: Path):

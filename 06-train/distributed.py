@@ -24,8 +24,8 @@ Each rank owns one device, its own vLLM engine and its own trainer replica
    group torchrun made instead of making its own, and each engine (tensor
    parallel 1) samples independently.
 5. Rank 0 alone writes files; metrics are combined from every rank's
-   (`reduce_metrics`, by `combine_metrics`' rules); the evaluation runs on
-   rank 0 while the others wait.
+   (`reduce_metrics`, by `combine_metrics`' rules); every rank evaluates its
+   `share` of the held-out problems and rank 0 summarises them all.
 6. A rank that fails exits non-zero; torchrun then stops the others and prints
    the failed rank's traceback (`record` writes it for torchrun), so a failure
    ends the run instead of leaving the other ranks blocked in a collective.
@@ -40,8 +40,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-# How long a rank waits in a collective for the others. The evaluation runs on
-# rank 0 alone while the others wait in a barrier, so this bounds an eval too.
+# How long a rank waits in a collective for the others: the slowest rank's share
+# of an evaluation, or rank 0's checkpoint save, must end within it.
 COLLECTIVE_TIMEOUT = timedelta(minutes=60)
 STRATEGIES = ("ddp", "fsdp")  # how the trainer is spread over ranks: replicated, or sharded (FSDP2)
 
@@ -207,6 +207,23 @@ class DataParallel:
         gathered = [None] * self.world_size
         dist.all_gather_object(gathered, items)
         return [x for part in gathered for x in part]
+
+    def share(self, items: list) -> tuple[list[int], list]:
+        """This rank's share of work that needs no exchange (the evaluation): every world-th item from its
+        rank, with the items' indices. Dealt in turn, not cut in blocks: a set sorted by difficulty spreads evenly."""
+        indices = list(range(self.rank, len(items), self.world_size))
+        return indices, [items[i] for i in indices]
+
+    def gather_in_order(self, results: list, indices: list[int]) -> list:
+        """Every rank's results, one per index of its `share`, back in the items' order (on every rank)."""
+        if len(results) != len(indices):
+            raise ValueError(f"gather_in_order: {len(results)} results for {len(indices)} indices")
+        pairs = list(zip(indices, results))
+        if self.distributed:
+            gathered = [None] * self.world_size
+            dist.all_gather_object(gathered, pairs)
+            pairs = [pair for part in gathered for pair in part]
+        return [result for _, result in sorted(pairs, key=lambda pair: pair[0])]
 
     def broadcast(self, value):
         """Rank 0's value of a picklable object, on every rank."""

@@ -123,6 +123,13 @@ def _engine_weights_on_ranks(rank, world, model_path):
     return {"gathered_dtypes": set(gathered_dtypes), "exact": exact, "names": sorted(weights) == sorted(full)}
 
 
+def _evaluation_on_ranks(rank, world):
+    """Each rank's share of 5 problems, 2 results each, gathered back in the problems' order (what evaluate_spread does)."""
+    dp = DataParallel(rank, world)
+    indices, share = dp.share([f"problem {i}" for i in range(5)])
+    return dp.gather_in_order([[f"{problem} sample {j} by rank {rank}" for j in range(2)] for problem in share], indices)
+
+
 def _rank(rank, world, store, model_path, run_dir, out):
     """Every two-rank scenario in one process group: starting ranks costs more than the scenarios."""
     torch.set_num_threads(1)
@@ -134,6 +141,7 @@ def _rank(rank, world, store, model_path, run_dir, out):
         results["checkpoint"] = _checkpoint_on_ranks(rank, world, model_path, run_dir)
         results["ddp-exchanges"] = _exchanges_on_ranks(rank, world, model_path)
         results["engine-weights"] = _engine_weights_on_ranks(rank, world, model_path)
+        results["evaluation"] = _evaluation_on_ranks(rank, world)
         if rank == 0:
             torch.save(results, out)
         # Tear down together: a rank that leaves while the other still holds the
@@ -247,6 +255,19 @@ def test_shard_deals_each_rank_a_slice_of_every_minibatch():
         DataParallel(0, 2).shard(list(range(6)), 2)
 
 
+def test_evaluation_shares_are_dealt_in_turn_and_gathered_back_in_the_problems_order(two_ranks):
+    items = list("abcde")
+    assert DataParallel(0, 2).share(items) == ([0, 2, 4], ["a", "c", "e"])
+    assert DataParallel(1, 2).share(items) == ([1, 3], ["b", "d"])
+    assert DataParallel(0, 1).share(items) == ([0, 1, 2, 3, 4], items)
+    assert DataParallel(0, 1).gather_in_order(["z", "y"], [1, 0]) == ["y", "z"]
+    with pytest.raises(ValueError, match="2 results for 1 indices"):
+        DataParallel(0, 1).gather_in_order(["z", "y"], [0])
+    owner = [0, 1, 0, 1, 0]  # two real ranks: rank 1's problems come back between rank 0's
+    assert two_ranks[0]["evaluation"] == [[f"problem {i} sample {j} by rank {owner[i]}" for j in range(2)]
+                                          for i in range(5)]
+
+
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_two_ranks_on_half_batches_take_the_same_step_as_one_process_on_the_whole(two_ranks, one_process,
                                                                                   tiny_model_path, strategy):
@@ -333,6 +354,8 @@ def ranks_environment(world: int = 2) -> list[dict]:
 def test_two_ranks_write_one_run_with_the_global_batch(tmp_path, tiny_model_path, preloaded_python):
     """Two CPU ranks, each with its own vLLM engine: one metrics.jsonl of the global batch, then a resume.
 
+    The evaluations, dealt over the ranks, equal one process's sample for sample (sampled, k=2, over 3
+    problems: rank 1's problem comes back between rank 0's two, seeded by its index in the whole set).
     The ranks get torchrun's environment and are forks of one preloaded
     interpreter (a launch without 20 s of imports); torchrun itself starts the
     ranks of test_one_failing_rank_ends_the_run_instead_of_a_hang.
@@ -344,7 +367,8 @@ def test_two_ranks_write_one_run_with_the_global_batch(tmp_path, tiny_model_path
     retool = repo / "05-retool" / "retool.py"
     run = tmp_path / "run"
     small = ["--model", str(tiny_model_path), "--cold-start", "none", "--problems-per-step", "4", "--group-size", "2",
-             "--max-response-tokens", "16", "--eval-problems", "2", "--eval-max-response-tokens", "16",
+             "--max-response-tokens", "16", "--eval-problems", "3", "--eval-max-response-tokens", "16",
+             "--eval-k", "2", "--eval-temperature", "1.0",
              "--micro-batch-size", "2", "--enforce-eager", "true", "--cpu-kv-cache-gib", str(KV_CACHE_GIB),
              "--sandbox-preload", ""]  # the random model's code imports nothing: a sandbox start without numpy, sympy
 
@@ -369,7 +393,17 @@ def test_two_ranks_write_one_run_with_the_global_batch(tmp_path, tiny_model_path
     assert rows[1]["weight_version"] == 2  # the resumed engines hold the step-1 checkpoint, then one sync
     assert (run / "checkpoints" / "step-000002" / "state.json").exists()
     evals = [json.loads(line)["tag"] for line in (run / "eval.jsonl").read_text().splitlines()]
-    assert evals == ["before RL", "after RL", "after RL"]  # rank 0 alone evaluates (end of each launch)
+    assert evals == ["before RL", "after RL", "after RL"]  # one writer (end of each launch)
+
+    single = tmp_path / "one-process"  # the same run in one process: the same weights after step 1 (none moved)
+    done = preloaded_python.run([retool, "--run-dir", single, "--steps", "1", *small], cwd=tmp_path, timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    evals = {folder: (folder / "eval.jsonl").read_text().splitlines()[:2] for folder in (run, single)}
+    assert evals[run] == evals[single]
+    for name in ("step-000000-tir.jsonl", "step-000001-tir.jsonl"):
+        samples = {folder: (folder / "eval_samples" / name).read_text() for folder in (run, single)}
+        assert samples[run] == samples[single], name
+        assert len(samples[run].splitlines()) == 3 * 2, name
 
 
 @pytest.mark.vllm
