@@ -79,7 +79,7 @@ def test_the_experiments_page_states_the_task_the_cold_start_and_the_preset():
 
     from chained_problems import PADDED_SHARE, SIZES, TEST_FRAMES, TRAIN_FRAMES, TWO_STEP_SHARE
     from doc_pages import says
-    from moves_check import MOVES_NEEDED
+    from moves_check import CHECK_PROBLEMS, MOVES_NEEDED
     from retool import Config, make_config
 
     cfg, demo, words = make_config("cpu-chained", {}), Config(), {2: "two", 4: "four", 0.5: "half", 1 / 3: "a third"}
@@ -94,6 +94,7 @@ def test_the_experiments_page_states_the_task_the_cold_start_and_the_preset():
              ("2step-padded", "two steps, padded reading", "3"))),
          f"{cfg.cold_start_tool_fraction:.0%} of its traces call the tool",
          f"`FURTHER_CALL_RATE` = {FURTHER_CALL_RATE}", f"`MOVES_NEEDED` = {MOVES_NEEDED}",
+         f"multi-call policy on {CHECK_PROBLEMS} fresh problems in the held-out frames",
          f"Of the {SIZES[0]:,} training problems", f"on a tiny model whose {words[cfg.cold_start_kv_heads]} heads each have",
          f"The cold start trains {cfg.cold_start_steps} steps, the first {cfg.cold_start_tool_only_steps} on tool traces "
          f"alone (the demo's {demo.cold_start_steps} and {demo.cold_start_tool_only_steps}",
@@ -105,8 +106,10 @@ def test_the_experiments_page_states_the_task_the_cold_start_and_the_preset():
 
 def test_a_cold_start_on_the_chained_task_trains_on_its_chained_traces(tmp_path, monkeypatch):
     import cold_start
+    import moves_check
     from prepare_data import write_jsonl
 
+    monkeypatch.setattr(moves_check, "CHECK_PROBLEMS", 8)  # the check's contract, on fewer problems
     write_jsonl(make_chained_problems(40, 0, seed=3)[0], tmp_path / "chained.jsonl")
     built = []
     real = cold_start.chained_traces
