@@ -125,7 +125,7 @@ def train(cfg: Config, run_dir: Path, resume: bool = False, dp=None) -> None:
     if cfg.trainer_threads:  # before torch starts: it reads this once; vLLM's engine then leaves it
         os.environ["OMP_NUM_THREADS"] = str(trainer_threads(cfg))
     from distributed import DataParallel
-    from grpo import load_policy, make_optimizer
+    from grpo import make_optimizer
 
     dp = dp or DataParallel()  # a world of one unless torchrun started several ranks
     sandbox = start_sandbox(cfg)  # first: where code cannot be contained, the run stops before any model loads
@@ -138,7 +138,7 @@ def train(cfg: Config, run_dir: Path, resume: bool = False, dp=None) -> None:
     # The policy to train: the latest checkpoint, or the first policy (cold-started or as given).
     model_path = run_record.state["path"] if run_record.state else first_policy(cfg, run_dir, dp)
     train_problems = fit_prompts(train_problems, eval_problems, model_path, cfg)  # --max-prompt-tokens, or refused
-    policy = load_policy(model_path, device=dp.device)
+    policy = dp.load_policy(model_path)  # FSDP2 under torchrun: weights read on rank 0 only
     if cfg.train_layers:
         from cold_start import freeze_all_but_top
 

@@ -86,6 +86,8 @@ class DataParallel:
     def __init__(self, rank: int = 0, world_size: int = 1, local_rank: int = 0, strategy: str = "ddp"):
         self.rank, self.world_size, self.local_rank = rank, world_size, local_rank
         self.strategy = strategy  # "ddp" or "fsdp"
+        self.loaded_weights = None  # load_policy: whether this rank read the weights (False: built on meta)
+        self._weights_for_wrap = None  # load_policy under FSDP2: rank 0's full state dict ({} elsewhere) for wrap
         if torch.cuda.is_available():
             self.device = torch.device("cuda", local_rank)
         else:
@@ -136,6 +138,45 @@ class DataParallel:
 
     # ----------------------------------------------------------------- the model
 
+    def load_policy(self, model_path):
+        """The trainer's float32 policy, for `wrap` next; under FSDP2 only rank 0 reads the weights.
+
+        FSDP2 over several ranks: rank 0 loads the float32 weights on the CPU and
+        the others build the model from its config on the meta device (no memory);
+        `wrap` then shards it and broadcasts rank 0's weights into every rank's shard.
+        Every rank loading would hold 30.5 GB of host memory per rank at 7B, 244 GB
+        on an 8-GPU node at once. DDP and one process load on every rank, as before:
+        DDP's wrap broadcasts rank 0's replica anyway. `loaded_weights` says which.
+        """
+        from grpo import load_policy
+
+        self.loaded_weights = self.strategy != "fsdp" or not self.distributed or self.is_main
+        if self.strategy != "fsdp" or not self.distributed:
+            return load_policy(model_path, device=self.device)
+        if self.is_main:
+            model = load_policy(model_path, device="cpu")
+            self._weights_for_wrap = model.state_dict()  # the full tensors, kept past fully_shard's re-sharding
+            return model
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_path), dtype=torch.float32)
+        self._weights_for_wrap = {}
+        return model
+
+    def _fill_from_rank0(self, model) -> None:
+        """After fully_shard of a `load_policy` model: every rank's shards and buffers get rank 0's values."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        full, self._weights_for_wrap = self._weights_for_wrap, None
+        if not self.is_main:
+            model.to_empty(device=self.device)  # memory for this rank's shards, uninitialised until the broadcast
+        set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+        # Non-persistent buffers (Qwen2's rotary inv_freq and original_inv_freq) are in no state dict, and
+        # to_empty left them uninitialised on the meta ranks: rank 0's, computed from the config, are sent too.
+        for buffer in model.buffers():
+            dist.broadcast(buffer, src=0)
+
     def wrap(self, model):
         """DDP (a full replica per rank) or FSDP2 (each rank holds 1/N of weights, gradients, AdamW state)."""
         if not self.distributed:
@@ -150,6 +191,8 @@ class DataParallel:
             for layer in model.model.layers:  # one all-gather per decoder layer, freed after use
                 fully_shard(layer, mp_policy=policy)
             fully_shard(model, mp_policy=policy)
+            if self._weights_for_wrap is not None:  # built by load_policy: weights on rank 0 only
+                self._fill_from_rank0(model)
             return model
         from torch.nn.parallel import DistributedDataParallel
 

@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 
-from distributed import DataParallel, combine_metrics
+from distributed import DataParallel, combine_metrics, full_tensor
 from grpo import GRPOConfig, group_advantages, grpo_step, load_policy, make_optimizer
 from rollout import Trajectory
 from tiny_model import KV_CACHE_GIB
@@ -123,6 +123,20 @@ def _engine_weights_on_ranks(rank, world, model_path):
     return {"gathered_dtypes": set(gathered_dtypes), "exact": exact, "names": sorted(weights) == sorted(full)}
 
 
+FIXED_INPUT = torch.arange(3, 19).reshape(2, 8)
+
+
+def _loading_on_ranks(rank, world, model_path):
+    """FSDP2 via load_policy (weights read on rank 0 only): each rank's gathered weights, buffers and logits."""
+    dp = DataParallel(rank, world, strategy="fsdp")
+    model = dp.wrap(dp.load_policy(model_path))
+    weights = {name: full_tensor(p).detach().clone() for name, p in model.named_parameters()}
+    with torch.no_grad():
+        logits = model(FIXED_INPUT).logits
+    buffers = {name: b.clone() for name, b in model.named_buffers()}
+    return dp.gather([{"loaded_weights": dp.loaded_weights, "weights": weights, "buffers": buffers, "logits": logits}])
+
+
 def _evaluation_on_ranks(rank, world):
     """Each rank's share of 5 problems, 2 results each, gathered back in the problems' order (what evaluate_spread does)."""
     dp = DataParallel(rank, world)
@@ -142,6 +156,7 @@ def _rank(rank, world, store, model_path, run_dir, out):
         results["ddp-exchanges"] = _exchanges_on_ranks(rank, world, model_path)
         results["engine-weights"] = _engine_weights_on_ranks(rank, world, model_path)
         results["evaluation"] = _evaluation_on_ranks(rank, world)
+        results["loading"] = _loading_on_ranks(rank, world, model_path)
         if rank == 0:
             torch.save(results, out)
         # Tear down together: a rank that leaves while the other still holds the
@@ -182,6 +197,24 @@ def test_fsdp_checkpoints_keep_each_ranks_optimizer_shard_and_load_them_back(two
     for name in saved:
         for key in ("exp_avg", "exp_avg_sq", "step"):
             assert torch.equal(torch.as_tensor(saved[name][key]), torch.as_tensor(loaded[name][key])), (name, key)
+
+
+def test_fsdp_reads_the_weights_on_rank_0_only_and_every_rank_ends_with_one_process_model(two_ranks, tiny_model_path):
+    per_rank = two_ranks[0]["loading"]
+    assert [r["loaded_weights"] for r in per_rank] == [True, False]  # rank 1 built the model on meta, read no weights
+    reference = load_policy(tiny_model_path, device="cpu")
+    expected = dict(reference.named_parameters())
+    with torch.no_grad():
+        logits = reference(FIXED_INPUT).logits
+    for rank, result in enumerate(per_rank):
+        assert result["weights"].keys() == expected.keys()
+        for name, tensor in expected.items():
+            assert torch.equal(result["weights"][name], tensor.detach()), (rank, name)
+        buffers = dict(reference.named_buffers())  # the rotary inv_freq: in no state dict, so not in the broadcast
+        assert buffers and result["buffers"].keys() == buffers.keys()
+        for name, tensor in buffers.items():
+            assert torch.equal(result["buffers"][name], tensor), (rank, name)
+        assert torch.allclose(result["logits"], logits, atol=1e-5, rtol=0), (rank, float((result["logits"] - logits).abs().max()))
 
 
 def test_ddp_exchanges_gradients_once_per_minibatch_not_per_micro_batch(two_ranks):

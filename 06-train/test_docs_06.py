@@ -196,7 +196,9 @@ def test_the_7b_plan_is_the_torl_7b_preset():
          f"the trainer's lines are 1/{plan.gpus} of 16 bytes a parameter",
          f"{s['num_hidden_layers']} × 2 × {s['num_key_value_heads']} × {head} × 2 = {kv:,} bytes a token",
          f"Micro-batches of {TORL_7B['micro_batch_size']} keep the logits' peak down",
-         f"{plan.gpus} × {2 * n / 1e9:.1f} GB for 7B")
+         f"{plan.gpus} × {2 * n / 1e9:.1f} GB for 7B",
+         f"only rank 0 reads the float32 weights, {4 * n / 1e9:.1f} GB of host memory at 7B",
+         f"Every rank loading would hold {plan.gpus * 4 * n / 1e9:.0f} GB on an {plan.gpus}-GPU node")
     says("06-multinode.md", f"(the lab's preset: {TORL['gpu_memory_utilization']}, no offload)")
     assert plan.parameters == n and not s["tie_word_embeddings"] and 16 * n / GB > plan.gpu_gb
     assert cfg.strategy == "fsdp" and plan.kv_tokens < plan.tokens_in_flight  # some wait
