@@ -93,16 +93,27 @@ def finished(run_dir: Path) -> bool:
     return any(r["tag"] == "after RL" for r in read_jsonl(run_dir / "eval.jsonl"))
 
 
+def load_runs(out: Path, arms) -> dict:
+    """(arm, seed) -> (metric rows, eval rows) of every finished run in `out` (ARM-sSEED) of one of `arms`."""
+    runs = {}
+    for run_dir in sorted(out.glob("*-s*")):
+        arm, seed = run_dir.name.rsplit("-s", 1)
+        if arm in arms and finished(run_dir):
+            runs[arm, int(seed)] = (read_jsonl(run_dir / "metrics.jsonl"), read_jsonl(run_dir / "eval.jsonl"))
+    return runs
+
+
+def results_key(name: str) -> str:
+    """A name as a results file's key takes it: a word ("calls-1" -> "calls_1", "2step-padded" -> "2step_padded")."""
+    return name.replace("-", "_")
+
+
 def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(l) for l in path.read_text().splitlines() if l.strip()] if path.exists() else []
 
 
 def report(out: Path, img: Path | None, results: str | None = None) -> str:
-    runs = {}  # (arm, seed) -> (metric rows, eval rows)
-    for run_dir in sorted(out.glob("*-s*")):
-        arm, seed = run_dir.name.rsplit("-s", 1)
-        if arm in ARMS and finished(run_dir):
-            runs[arm, int(seed)] = (read_jsonl(run_dir / "metrics.jsonl"), read_jsonl(run_dir / "eval.jsonl"))
+    runs = load_runs(out, ARMS)
     if not runs:
         raise SystemExit(f"error: {out}: no finished ablation runs in it")
     seeds = sorted({s for _, s in runs})
@@ -133,7 +144,7 @@ def figures(runs) -> dict:
     """Per arm and seed: held-out accuracy after RL, reward of the last 5 steps, seconds a step, its own metrics."""
     out = {"before_rl": round(before_accuracy(runs), 3)}
     for (arm, seed), (rows, evals) in sorted(runs.items()):
-        at = f"{arm.replace('-', '_')}_s{seed}"
+        at = f"{results_key(arm)}_s{seed}"
         out.update({f"{at}_held_out": round(after_accuracy(evals), 3), f"{at}_reward_last5": round(last_reward(rows), 3),
                     f"{at}_s_per_step": round(step_seconds(rows), 2)})
         out.update({f"{at}_{key}": float(f"{mean_of(rows, key):.3g}") for key in ARMS[arm][3]})

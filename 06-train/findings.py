@@ -16,11 +16,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 
-from ablation import after_accuracy, before_accuracy, finished, mean_of, read_jsonl, step_seconds
+import results
+from ablation import after_accuracy, before_accuracy, load_runs as load_arm_runs, mean_of, results_key, step_seconds
 
 BUDGETS = {"calls-1": 1, "calls-2": 2, "baseline": 4}  # arm -> C
 SELF_CORRECTION = ("error_then_call_ok", "error_then_correct")
@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> dict:
         plot_over_training(runs, SELF_CORRECTION, Path(args.img) / "06-experiments-self-correction.png")
         plot_over_training(runs, CODE_USE, Path(args.img) / "06-experiments-code-use.png")
     if args.results:
-        save_results(args.results, " ".join(["06-train/findings.py", *(argv if argv is not None else sys.argv[1:])]),
+        results.save(args.results, " ".join(["06-train/findings.py", *(argv if argv is not None else sys.argv[1:])]),
                      figures)
     print(json.dumps(figures, indent=1))
     return figures
@@ -49,11 +49,7 @@ def main(argv: list[str] | None = None) -> dict:
 
 def load_runs(out: Path) -> dict:
     """(arm, seed) -> (metric rows, eval rows) of every finished run of the arms above."""
-    runs = {}
-    for run_dir in sorted(out.glob("*-s*")):
-        arm, seed = run_dir.name.rsplit("-s", 1)
-        if arm in BUDGETS and finished(run_dir):
-            runs[arm, int(seed)] = (read_jsonl(run_dir / "metrics.jsonl"), read_jsonl(run_dir / "eval.jsonl"))
+    runs = load_arm_runs(out, BUDGETS)
     if not any(arm == "baseline" for arm, _ in runs):
         raise SystemExit(f"error: {out}: no finished baseline run in it (06-train/ablation.py run --preset cpu-chained ...)")
     return runs
@@ -71,20 +67,15 @@ def summarise(runs: dict) -> dict:
                             ("code_pass_ratio_last10", lambda m, e: mean_of(m[-10:], "code_pass_ratio"))):
             values = [value(*runs[arm, s]) for s in seeds]
             for s, v in zip(seeds, values):
-                figures[f"{key(arm)}_s{s}_{name}"] = round(v, 3)
+                figures[f"{results_key(arm)}_s{s}_{name}"] = round(v, 3)
             if values:
-                figures[f"{key(arm)}_mean_{name}"] = round(sum(values) / len(values), 3)
+                figures[f"{results_key(arm)}_mean_{name}"] = round(sum(values) / len(values), 3)
         for s in seeds:  # each kind of problem on its own, after RL
             sets = next(r for r in runs[arm, s][1] if r["tag"] == "after RL")["sets"]
             for source, score in sets.items():
                 if source != "all":
-                    figures[f"{key(arm)}_s{s}_{key(source.removeprefix('chained-heldout-'))}"] = round(score["avg@1"], 3)
+                    figures[f"{results_key(arm)}_s{s}_{results_key(source.removeprefix('chained-heldout-'))}"] = round(score["avg@1"], 3)
     return figures
-
-
-def key(name: str) -> str:
-    """A name as a results file's key takes it: a word ("calls-1" -> "calls_1", "2step-padded" -> "2step_padded")."""
-    return name.replace("-", "_")
 
 
 def plot_budget(runs: dict, path: Path) -> None:
@@ -124,13 +115,6 @@ def plot_over_training(runs: dict, keys: tuple[str, ...], path: Path) -> None:
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=7)
     _save(fig, path)
-
-
-def save_results(name: str, command: str, figures: dict) -> None:
-    """docs/results/NAME.json, the file docs/06-experiments.md quotes (results.py)."""
-    import results
-
-    results.save(name, command, figures)
 
 
 def _pyplot():
