@@ -150,8 +150,9 @@ class DataParallel:
         """
         from grpo import load_policy
 
-        self.loaded_weights = self.strategy != "fsdp" or not self.distributed or self.is_main
-        if self.strategy != "fsdp" or not self.distributed:
+        sharded = self.strategy == "fsdp" and self.distributed
+        self.loaded_weights = not sharded or self.is_main
+        if not sharded:
             return load_policy(model_path, device=self.device)
         if self.is_main:
             model = load_policy(model_path, device="cpu")
