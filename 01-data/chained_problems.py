@@ -2,27 +2,29 @@
 
 The task of the cpu-chained preset, built so that the tool budget and reading
 the tool's output matter (the design and its reasons: docs/06-experiments.md).
-A counter shows four digits, so a reading below 1000 keeps its leading zeros;
-one or two operations follow, each one of *, + or - with a number:
+A counter shows four digits, so a reading below 1000 keeps its leading zero;
+one or two additions of a three-digit number follow:
 
-    A counter shows 0482. Apply * 37, then apply + 905. What number do you get?      (answer 18739)
+    What number do you get? A counter shows 0482. Add 637, then add 905.      (answer 2024)
 
-The program the cold start teaches is one operation on two numbers copied from
-the text. Here that first call, `print(0482 * 37)`, fails, and the observation
-says why (SyntaxError: leading zeros ...); the same call without the zeros
-prints 17834, and only with that printed number can the second step be written,
-`print(17834 + 905)`. So the four kinds need one to three calls of that shape:
+The program the cold start teaches is one addition of two numbers copied from
+the text. Here that first call, `print(0482 + 637)`, fails, and the observation
+says why (SyntaxError: leading zeros ...); the same call without the zero
+prints 1119, and only with that printed number can the second step be written,
+`print(1119 + 905)`. So the four kinds need one to three calls of that shape:
 
     one step (easy)                   1 call
     one step, padded reading          2: the error, then the fix (1 if the zeros are dropped at once)
     two steps                         2: the second uses the first's output
     two steps, padded reading         3
 
-No single program of that shape over a two-step problem's numbers gives its
-answer (the generator redraws the few where one would). Held-out problems pair
-each opening with a question sentence no training problem pairs it with, and use
-number tuples never used in training; the step phrases are shared, because a model trained from scratch
-has no other words for the operations. A row's source names its kind
+No single program of that shape (nor a product or difference of two of the
+numbers) gives a two-step problem's answer. Held-out problems pair each opening
+with a question sentence no training problem pairs it with, and use number
+tuples never used in training. The question comes first and every number of the
+problem, and the first step's result, has a fixed width, so each number sits at
+the same distance from where the model copies it, whatever the sentences: a model trained from scratch copies
+by that distance, not by content (docs/06-experiments.md). A row's source names its kind
 ("chained-2step-padded", "chained-heldout-1step"), so an evaluation reports
 each kind on its own.
 
@@ -36,15 +38,16 @@ import re
 from pathlib import Path
 from typing import Callable
 
-# A step names its operation by its symbol, so the call's `op n` is the problem's own tokens: a tiny model copies a
-# run of tokens it has seen (an induction head) long before it learns that "multiply it by" means `*` (06-experiments).
-STEP_PHRASES = {"*": "apply * {n}", "+": "apply + {n}", "-": "apply - {n}"}
+# One operation: a 2-layer model trained from scratch never learned to carry an operation's symbol into its call
+# (06-experiments), and the calls' chaining, not the arithmetic, is what this task is for.
+STEP_PHRASES = {"+": "add {n}"}
+STEP_NUMBERS = (100, 999)  # three digits each: every number keeps its distance from the prompt's end
+FIRST_RESULTS = (1000, 9999)  # four digits: the call after it finds the second step at one distance (06-experiments)
 TWO_STEP_SHARE = 0.5  # of the problems, the rest have one step
-PADDED_SHARE = 1 / 3  # readings below 1000, shown with leading zeros
-LARGEST_ANSWER = 10**8 - 1  # answers and intermediate values stay positive and below this
+PADDED_SHARE = 1 / 3  # readings 100 to 999, shown with one leading zero
 SIZES = (20_000, 200)  # training, held-out: the cold start's copy generalises only from many problems (06-experiments)
 
-# (opening, question): the sentences around the steps. {reading} is the counter's four digits.
+# (opening, question): the problem is the question, the opening, then the steps. {reading} is the counter's four digits.
 TRAIN_FRAMES = [
     ("A counter shows {reading}.", "What number do you get?"),
     ("The meter reads {reading}.", "What is the result?"),
@@ -73,7 +76,7 @@ def parse(question: str) -> tuple[str, list[tuple[str, int]]]:
     """(the reading as written, [(operation, number) per step]) of a question this module writes; ValueError otherwise."""
     for opening, ask in TRAIN_FRAMES + TEST_FRAMES:
         head = re.escape(opening).replace(r"\{reading\}", r"(?P<reading>\d{4})")
-        match = re.fullmatch(f"{head} (?P<steps>.+)\\. {re.escape(ask)}", question)
+        match = re.fullmatch(f"{re.escape(ask)} {head} (?P<steps>.+)\\.", question)
         if match:
             steps = [_step(text) for text in match["steps"].split(", then ")]
             if None not in steps and 1 <= len(steps) <= 2:
@@ -133,16 +136,18 @@ def _make(frames, n: int, rng: random.Random, source: str, used: set) -> list[di
     rows = []
     while len(rows) < n:
         padded = rng.random() < PADDED_SHARE
-        reading = rng.randint(10, 999) if padded else rng.randint(1000, 9999)
-        steps = [(rng.choice("*+-"), rng.randint(12, 999)) for _ in range(2 if rng.random() < TWO_STEP_SHARE else 1)]
+        reading = rng.randint(100, 999) if padded else rng.randint(FIRST_RESULTS[0], FIRST_RESULTS[1] - STEP_NUMBERS[0])
+        first = rng.randint(max(STEP_NUMBERS[0], FIRST_RESULTS[0] - reading), min(STEP_NUMBERS[1], FIRST_RESULTS[1] - reading))
+        steps = [(rng.choice(list(STEP_PHRASES)), n)
+                 for n in [first, rng.randint(*STEP_NUMBERS)][:2 if rng.random() < TWO_STEP_SHARE else 1]]
         values = [reading]
         for op, number in steps:
             values.append(_apply(values[-1], op, number))
-        if not all(0 < v <= LARGEST_ANSWER for v in values) or (reading, *steps) in used:
+        if not FIRST_RESULTS[0] <= values[1] <= FIRST_RESULTS[1] or (reading, *steps) in used:
             continue
         opening, ask = frames[rng.randrange(len(frames))]
         said = ", then ".join(STEP_PHRASES[op].format(n=number) for op, number in steps)
-        question = f"{opening.format(reading=f'{reading:04d}')} {said[0].upper()}{said[1:]}. {ask}"
+        question = f"{ask} {opening.format(reading=f'{reading:04d}')} {said[0].upper()}{said[1:]}."
         if len(steps) == 2 and values[-1] in single_programs(question):
             continue  # one program of the taught shape would do: not a two-call problem
         used.add((reading, *steps))

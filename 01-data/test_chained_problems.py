@@ -29,7 +29,8 @@ def test_held_out_problems_share_neither_frame_nor_numbers_with_training():
     train, test = make_chained_problems(2000, 200, seed=0)
 
     def frame(q):
-        return q.split(". ")[0].rsplit(" ", 1)[0], q.rsplit(". ", 1)[1]  # opening without the reading, the question
+        ask, rest = q.split("? ", 1)
+        return ask, rest.split(". ")[0].rsplit(" ", 1)[0]  # the question, the opening without the reading
 
     def numbers(q):
         reading, steps = parse(q)
@@ -63,6 +64,8 @@ def test_answers_are_the_steps_applied_in_order_and_the_text_says_its_kind():
         for op, n in steps:
             value = {"*": value * n, "+": value + n, "-": value - n}[op]
         assert str(value) == row["answer"] and 0 < value < 10**8
+        assert all(op == "+" and 100 <= n <= 999 for op, n in steps)  # fixed widths: see the module's docstring
+        assert 1000 <= int(reading) + steps[0][1] <= 9999
         assert len(reading) == 4 and row["source"].endswith(f"{len(steps)}step" + ("-padded" if reading[0] == "0" else ""))
 
 
@@ -75,24 +78,25 @@ def test_no_single_program_of_the_taught_shape_reaches_a_two_step_answer():
 
 
 def test_the_moves_first_call_as_written_fix_drops_zeros_next_step_uses_the_printed_value():
-    q = "A counter shows 0482. Apply * 37, then apply + 905. What number do you get?"
-    assert parse(q) == ("0482", [("*", 37), ("+", 905)])
-    assert step_call(q, 0, "0482") == "print(0482 * 37)"
-    assert without_leading_zeros("print(0482 * 37)") == "print(482 * 37)"
-    assert without_leading_zeros("print(1005 - 100)") == "print(1005 - 100)"
-    assert step_call(q, 1, "17834") == "print(17834 + 905)"
+    q = "What number do you get? A counter shows 0482. Add 637, then add 905."
+    assert parse(q) == ("0482", [("+", 637), ("+", 905)])
+    assert step_call(q, 0, "0482") == "print(0482 + 637)"
+    assert without_leading_zeros("print(0482 + 637)") == "print(482 + 637)"
+    assert without_leading_zeros("print(1005 + 100)") == "print(1005 + 100)"
+    assert step_call(q, 1, "1119") == "print(1119 + 905)"
 
-    printed = {"print(482 * 37)": "17834", "print(17834 + 905)": "18739"}  # what Python prints; None: it raised
+    printed = {"print(482 + 637)": "1119", "print(1119 + 905)": "2024"}  # what Python prints; None: it raised
     assert scripted_calls(q, printed.get, lambda move: True) == (
-        ["print(0482 * 37)", "print(482 * 37)", "print(17834 + 905)"], "18739")
-    assert scripted_calls(q, printed.get, lambda move: False) == (["print(0482 * 37)"], None)
-    assert scripted_calls(q, printed.get, lambda move: move == "fix") == (["print(0482 * 37)", "print(482 * 37)"], "17834")
-    assert scripted_calls(q, printed.get, lambda move: True, budget=2) == (["print(0482 * 37)", "print(482 * 37)"], None)
+        ["print(0482 + 637)", "print(482 + 637)", "print(1119 + 905)"], "2024")
+    assert scripted_calls(q, printed.get, lambda move: False) == (["print(0482 + 637)"], None)
+    assert scripted_calls(q, printed.get, lambda move: move == "fix") == (["print(0482 + 637)", "print(482 + 637)"], "1119")
+    assert scripted_calls(q, printed.get, lambda move: True, budget=2) == (["print(0482 + 637)", "print(482 + 637)"], None)
 
 
 def test_text_the_task_did_not_write_is_refused():
-    for text in ("What is 12 * 34?", "A counter shows 482. Add 5 to it. What number do you get?",
-                 "A counter shows 0482. Divide it by 2. What number do you get?"):
+    for text in ("What is 12 * 34?", "What number do you get? A counter shows 482. Add 5 to it.",
+                 "What number do you get? A counter shows 0482. Divide it by 2.",
+                 "A counter shows 0482. Add 137. What number do you get?"):
         with pytest.raises(ValueError, match="not a question this task writes"):
             parse(text)
     assert re.fullmatch(r"print\(\d+ [*+-] \d+\)", step_call(make_chained_problems(1, 0)[0][0]["question"], 0, "1234"))

@@ -103,8 +103,10 @@ def build_base_policy(args) -> Path:
 
     # 3. Supervised learning on model tokens only: first on tool traces alone, so the
     # model learns the tool's grammar (copy the factors into code, the output into
-    # the box), then on the mix, which sets how often it reaches for the tool.
-    tool_examples = [e for e, t in zip(examples, traces) if t["tool"]]
+    # the box), then on the mix, which sets how often it reaches for the tool. On the
+    # chained task the first part trains on drills: every move, no decision.
+    tool_examples = [tokenize_trace({"segments": t["drill"]}, tokenizer) if "drill" in t else e
+                     for e, t in zip(examples, traces) if t["tool"]]
     moves = {}
     for round_ in range(1, args.rounds + 1):  # the chained task: the schedule again, until the base has the moves
         args.round = round_  # part of a partial checkpoint's settings: a restart never mixes two rounds
@@ -219,29 +221,37 @@ def chained_traces(problems: list[dict], tool_fraction: float, rng: random.Rando
 
     A tool trace copies the reading as written into its first call; at each point
     where a further call is possible it makes it with FURTHER_CALL_RATE, whether
-    or not it pays, else it boxes the last result (a guess after an error). The
-    base learns every move; when each one pays is left to RL (docs/06-experiments.md).
+    or not it pays, else it boxes the last result (a guess after an error). Its
+    "drill" makes every call, with each decision to call untrained: the moves are
+    shown in full, how often each pays is left to RL (docs/06-experiments.md).
     """
     from chained_problems import scripted_calls
 
     traces = []
     with Sandbox(SandboxConfig(preload=())) as sandbox:
         for p in problems:
-            segments = [("prompt", render_prompt(p["question"], template))]
+            prompt = ("prompt", render_prompt(p["question"], template))
             if rng.random() >= tool_fraction:
-                segments.append(("model", DIRECT_OPENING.format(guess=guess(int(p["answer"]), rng))))
-                traces.append({"tool": False, "segments": segments})
+                traces.append({"tool": False, "segments": [prompt, ("model", DIRECT_OPENING.format(guess=guess(int(p["answer"]), rng)))]})
                 continue
+            results: dict = {}  # code -> what the sandbox printed: the drill reruns the trace's calls
 
-            def run(code: str) -> str | None:
-                result = sandbox.run(code)
-                segments.extend([("model", TOOL_OPENING.format(code=code)), ("observation", observation_text(result))])
-                return result.stdout.strip() if result.ok else None
+            def play(decide) -> tuple[list, int]:
+                segments = [prompt]
 
-            calls, answer = scripted_calls(p["question"], run, lambda move: rng.random() < FURTHER_CALL_RATE)
-            boxed = answer if answer is not None else guess(int(p["answer"]), rng)
-            segments.append(("model", TOOL_CLOSING.format(answer=boxed)))
-            traces.append({"tool": True, "segments": segments, "calls": len(calls), "answer": p["answer"]})
+                def run(code: str) -> str | None:
+                    if code not in results:
+                        results[code] = sandbox.run(code)
+                    segments.extend([("model", TOOL_OPENING.format(code=code)), ("observation", observation_text(results[code]))])
+                    return results[code].stdout.strip() if results[code].ok else None
+
+                calls, answer = scripted_calls(p["question"], run, decide)
+                boxed = answer if answer is not None else guess(int(p["answer"]), rng)
+                return segments + [("model", TOOL_CLOSING.format(answer=boxed))], len(calls)
+
+            segments, calls = play(lambda move: rng.random() < FURTHER_CALL_RATE)
+            drill = [("move" if kind == "model" else kind, text) for kind, text in play(lambda move: True)[0]]
+            traces.append({"tool": True, "segments": segments, "calls": calls, "answer": p["answer"], "drill": drill})
     return traces
 
 
@@ -275,12 +285,16 @@ def guess(product: int, rng: random.Random) -> int:
 
 
 def tokenize_trace(trace: dict, tokenizer) -> tuple[list[int], list[int]]:
-    """Token ids and a loss mask: each segment tokenized on its own, as a rollout appends them."""
+    """Token ids and a loss mask: each segment tokenized on its own, as a rollout appends them.
+
+    A "move" segment is the model's, less its first token: which text begins
+    there (a call or an answer) is the decision, and a drill does not teach it.
+    """
     ids, mask = [], []
     for kind, text in trace["segments"]:
         segment_ids = encode_plain(tokenizer, text) if kind == "observation" else tokenizer(text, add_special_tokens=False)["input_ids"]
         ids += segment_ids
-        mask += [int(kind == "model")] * len(segment_ids)
+        mask += [int(kind == "model")] * len(segment_ids) if kind != "move" else [0] + [1] * (len(segment_ids) - 1)
     ids.append(tokenizer.eos_token_id)  # the model must learn to stop
     mask.append(1)
     return ids, mask

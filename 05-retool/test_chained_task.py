@@ -47,7 +47,7 @@ def test_a_padded_first_call_fails_and_the_observation_says_why(sandbox):
     assert not first.ok
     assert observation_text(first).startswith("\nSyntaxError: leading zeros in decimal integer literals are not permitted")
     fixed = sandbox.run(without_leading_zeros(f"print({reading} {op} {n})"))
-    assert fixed.ok and int(fixed.stdout) == {"*": int(reading) * n, "+": int(reading) + n, "-": int(reading) - n}[op]
+    assert op == "+" and fixed.ok and int(fixed.stdout) == int(reading) + n
 
 
 def test_cold_start_traces_show_each_move_at_the_low_rate_with_the_sandboxs_real_output():
@@ -70,8 +70,28 @@ def test_cold_start_traces_show_each_move_at_the_low_rate_with_the_sandboxs_real
         chains += len(codes) > 1 and codes[-1].endswith(f" {steps[-1][1]})") and len(steps) == 2
         boxed = trace["segments"][-1][1]
         assert boxed == f"The answer is \\boxed{{{row['answer']}}}." or trace["calls"] < len(steps) + (reading[0] == "0")
+        needed = len(steps) + (reading[0] == "0")  # the drill: every move, so every call, and the right answer
+        assert [k for k, _ in trace["drill"]] == ["prompt"] + ["move", "observation"] * needed + ["move"]
+        assert trace["drill"][-1][1] == f"The answer is \\boxed{{{row['answer']}}}."
+        assert trace["drill"][:2 * trace["calls"] + 1] == [("move" if k == "model" else k, t) for k, t in trace["segments"][:-1]]
     for made, possible in ((fixes, fix_points), (chains, chain_points)):
         assert possible > 40 and abs(made / possible - FURTHER_CALL_RATE) < 0.1, (made, possible)
+
+
+def test_a_drill_trains_every_token_of_a_move_but_the_first_the_decision(tiny_model_path):
+    from transformers import AutoTokenizer
+
+    from cold_start import tokenize_trace
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_path)
+    segments = [("prompt", "Q: 1 + 2?\n"), ("model", "```python\nprint(1 + 2)\n```\n```output"), ("observation", "\n3\n```\n"),
+                ("model", "The answer is \\boxed{3}.")]
+    ids, mask = tokenize_trace({"segments": segments}, tokenizer)
+    drill_ids, drill_mask = tokenize_trace({"segments": [("move" if k == "model" else k, t) for k, t in segments]}, tokenizer)
+    assert drill_ids == ids
+    starts = [i for i in range(1, len(mask)) if mask[i] and not mask[i - 1]]  # where each model segment begins
+    assert len(starts) == 2 and all(drill_mask[i] == 0 for i in starts)
+    assert [m for i, m in enumerate(mask) if i not in starts] == [m for i, m in enumerate(drill_mask) if i not in starts]
 
 
 def test_the_experiments_page_states_the_task_the_cold_start_and_the_preset():
@@ -89,14 +109,14 @@ def test_the_experiments_page_states_the_task_the_cold_start_and_the_preset():
          f"({words[len(TEST_FRAMES)]} frames against {words[len(TRAIN_FRAMES)]} in training)",
          *(f"| {name} | {detail} | {held_out[k]} |" for k, name, detail in (
              ("1step", "one step", "1"), ("1step-padded", "one step, padded reading", "2: the error, then the same call"
-                                          " without the zeros"),
+                                          " without the zero"),
              ("2step", "two steps", "2: the second reads the first's printed result"),
              ("2step-padded", "two steps, padded reading", "3"))),
          f"{cfg.cold_start_tool_fraction:.0%} of its traces call the tool",
          f"`FURTHER_CALL_RATE` = {FURTHER_CALL_RATE}", f"`MOVES_NEEDED` = {MOVES_NEEDED}",
          f"multi-call policy on {CHECK_PROBLEMS} fresh problems in the held-out frames",
-         f"Of the {SIZES[0]:,} training problems", f"on a tiny model whose {words[cfg.cold_start_kv_heads]} heads each have",
-         f"The cold start trains {cfg.cold_start_steps} steps, the first {cfg.cold_start_tool_only_steps} on tool traces "
+         f"Of the {SIZES[0]:,} training problems", f"the model is a tiny one whose {words[cfg.cold_start_kv_heads]} heads each have",
+         f"The cold start trains {cfg.cold_start_steps} steps, the first {cfg.cold_start_tool_only_steps} on the drills "
          f"alone (the demo's {demo.cold_start_steps} and {demo.cold_start_tool_only_steps}",
          f"({cfg.problems_per_step} problems × {cfg.group_size} samples, lr {cfg.lr:.0e}".replace("e-05", "e-5"),
          f"a tool budget of {cfg.tool_budget} (the hardest kind needs 3), {cfg.max_response_tokens} response tokens",
