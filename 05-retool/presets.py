@@ -92,8 +92,8 @@ PRESETS["cpu-chained"] = dict(
     eval_max_response_tokens=256,
     steps=30,
     # Sized by the moves check (moves_check.py), not by RL: the demo's 300 / 200 steps and one shared key-value
-    # head left a base that copied no number from these problems. No size tried yet gives a base that passes
-    # the check (docs/06-experiments.md): the cold start says so in one line before RL.
+    # head left a base that copied no number from these problems. No base made yet has every move the check
+    # asks for (docs/06-experiments.md): the cold start says so in one line before RL.
     cold_start_steps=600,
     cold_start_tool_only_steps=450,
     cold_start_kv_heads=4,
