@@ -92,12 +92,12 @@ PRESETS["cpu-chained"] = dict(
     eval_max_response_tokens=256,
     steps=30,
     # Sized by the moves check (moves_check.py), not by RL: the demo's 300 / 200 steps and one shared key-value
-    # head left a base that copied no number from these problems. No base made yet has every move the check
-    # asks for (docs/06-experiments.md): the cold start says so in one line before RL.
+    # head left a base that copied no number from these problems; the experiments' base had three schedules.
+    # No base made yet has every move the check asks for (docs/06-experiments.md): the cold start says so.
     cold_start_steps=600,
     cold_start_tool_only_steps=450,
     cold_start_kv_heads=4,
-    cold_start_rounds=2,
+    cold_start_rounds=3,
 )
 # ToRL-7B: the same script values with Qwen2.5-Math-7B, on the 8 GPUs of one node
 # (torchrun --nproc-per-node 8; make run-05 NPROC=8 PRESET=torl-7b). Its trainer

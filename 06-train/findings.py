@@ -60,11 +60,11 @@ def summarise(runs: dict) -> dict:
     figures = {"before_rl": round(before_accuracy(runs), 3)}
     for arm in BUDGETS:
         seeds = sorted(s for a, s in runs if a == arm)
+        over_training = [(f"{key}_{part}", lambda m, e, key=key, rows=rows: mean_of(rows(m), key))
+                         for key in SELF_CORRECTION + CODE_USE
+                         for part, rows in (("first5", lambda m: m[:5]), ("last10", lambda m: m[-10:]))]
         for name, value in (("held_out", lambda m, e: after_accuracy(e)), ("s_per_step", lambda m, e: step_seconds(m)),
-                            ("error_then_call_ok_last10", lambda m, e: mean_of(m[-10:], "error_then_call_ok")),
-                            ("error_then_correct_last10", lambda m, e: mean_of(m[-10:], "error_then_correct")),
-                            ("code_ratio_last10", lambda m, e: mean_of(m[-10:], "code_ratio")),
-                            ("code_pass_ratio_last10", lambda m, e: mean_of(m[-10:], "code_pass_ratio"))):
+                            *over_training):
             values = [value(*runs[arm, s]) for s in seeds]
             for s, v in zip(seeds, values):
                 figures[f"{results_key(arm)}_s{s}_{name}"] = round(v, 3)

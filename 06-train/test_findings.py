@@ -33,6 +33,8 @@ def test_figures_hold_each_seed_and_their_mean_and_the_plots_and_results_file_ar
     assert figures["baseline_mean_s_per_step"] == 6.0 and figures["calls_1_mean_held_out"] == 0.3
     assert figures["baseline_s0_error_then_call_ok_last10"] == pytest.approx(sum(range(11, 21)) / 20 / 10, abs=1e-3)
     assert figures["baseline_s0_error_then_correct_last10"] == pytest.approx(0.1)  # a null step is left out
+    assert figures["baseline_s0_error_then_call_ok_first5"] == pytest.approx(0.15)  # steps 1 to 5: 3 / 20
+    assert (figures["baseline_s0_response_length_first5"], figures["baseline_mean_response_length_last10"]) == (43.0, 55.5)
     assert figures["baseline_s1_2step_padded"] == 0.0 and not any(k.startswith(("calls_2", "dynamic")) for k in figures)
     assert sorted(p.name for p in (tmp_path / "img").iterdir()) == [
         "06-experiments-budget.png", "06-experiments-code-use.png", "06-experiments-self-correction.png"]
