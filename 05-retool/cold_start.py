@@ -294,7 +294,10 @@ def tokenize_trace(trace: dict, tokenizer) -> tuple[list[int], list[int]]:
     for kind, text in trace["segments"]:
         segment_ids = encode_plain(tokenizer, text) if kind == "observation" else tokenizer(text, add_special_tokens=False)["input_ids"]
         ids += segment_ids
-        mask += [int(kind == "model")] * len(segment_ids) if kind != "move" else [0] + [1] * (len(segment_ids) - 1)
+        if kind == "move":
+            mask += [0] + [1] * (len(segment_ids) - 1)
+        else:
+            mask += [int(kind == "model")] * len(segment_ids)
     ids.append(tokenizer.eos_token_id)  # the model must learn to stop
     mask.append(1)
     return ids, mask

@@ -60,21 +60,25 @@ def summarise(runs: dict) -> dict:
     figures = {"before_rl": round(before_accuracy(runs), 3)}
     for arm in BUDGETS:
         seeds = sorted(s for a, s in runs if a == arm)
-        over_training = [(f"{key}_{part}", lambda m, e, key=key, rows=rows: mean_of(rows(m), key))
-                         for key in SELF_CORRECTION + CODE_USE
-                         for part, rows in (("first5", lambda m: m[:5]), ("last10", lambda m: m[-10:]))]
-        for name, value in (("held_out", lambda m, e: after_accuracy(e)), ("s_per_step", lambda m, e: step_seconds(m)),
-                            *over_training):
-            values = [value(*runs[arm, s]) for s in seeds]
-            for s, v in zip(seeds, values):
-                figures[f"{results_key(arm)}_s{s}_{name}"] = round(v, 3)
-            if values:
-                figures[f"{results_key(arm)}_mean_{name}"] = round(sum(values) / len(values), 3)
+        per_seed = [run_figures(*runs[arm, s]) for s in seeds]
+        for name in per_seed[0] if per_seed else ():
+            for s, run in zip(seeds, per_seed):
+                figures[f"{results_key(arm)}_s{s}_{name}"] = round(run[name], 3)
+            figures[f"{results_key(arm)}_mean_{name}"] = round(sum(run[name] for run in per_seed) / len(per_seed), 3)
         for s in seeds:  # each kind of problem on its own, after RL
             sets = next(r for r in runs[arm, s][1] if r["tag"] == "after RL")["sets"]
             for source, score in sets.items():
                 if source != "all":
                     figures[f"{results_key(arm)}_s{s}_{results_key(source.removeprefix('chained-heldout-'))}"] = round(score["avg@1"], 3)
+    return figures
+
+
+def run_figures(rows: list[dict], evals: list[dict]) -> dict:
+    """One run's figures: held-out accuracy after RL, seconds a step, each curve's mean over its first 5 and last 10 steps."""
+    figures = {"held_out": after_accuracy(evals), "s_per_step": step_seconds(rows)}
+    for key in SELF_CORRECTION + CODE_USE:
+        figures[f"{key}_first5"] = mean_of(rows[:5], key)
+        figures[f"{key}_last10"] = mean_of(rows[-10:], key)
     return figures
 
 
