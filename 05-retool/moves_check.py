@@ -11,8 +11,13 @@ base must be able to make each move of a tool call, when it decides to:
 
 Each is measured teacher-forced, on traces of the multi-call policy run in the
 real sandbox: a move counts as made when every token of it is the base's most
-likely token. Whether to make a further call is left out: that is the decision
-RL must learn, and the cold start makes it on purpose only one time in four.
+likely token. Whether to make a further call is not a move: that is the decision
+RL must learn, and the cold start makes it on purpose only one time in four. It
+is reported beside the moves, as the base's probability of opening a call
+(against boxing) after a result with a step left ("next") and after the last
+result ("last"): its traces' rates are 0.25 and 0, and a base that does not
+tell the two apart has RL's reward for the first pull against its penalty for
+the second.
 
     .venv/bin/python 05-retool/moves_check.py runs/chained-base --problems data/chained_test.jsonl
 """
@@ -29,6 +34,7 @@ from rollout import encode_plain, observation_text
 from sandbox import Sandbox, SandboxConfig
 
 MOVES = ("call", "box", "fix", "chain")
+DECISIONS = ("next", "last")  # after a result: a step left, or none
 MOVES_NEEDED = 0.8  # each move made on at least this share of its occurrences before RL is worth running
 
 
@@ -48,7 +54,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     for i, model in enumerate(args.models, 1):
         shares = check_moves(model, problems, args.template)
         print(f"{model}: {json.dumps(shares)}")
-        figures.update({f"base{i}_{move}": shares[move] for move in MOVES})
+        figures.update({f"base{i}_{move}": shares[move] for move in MOVES + DECISIONS})
     if args.results:
         import results
 
@@ -58,18 +64,25 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
 
 
 def check_moves(model_dir: str, problems: list[dict], template: str = "torl") -> dict[str, float]:
-    """{move: share of its occurrences the base makes, token for token}, and "passed" (each >= MOVES_NEEDED)."""
+    """{move: share of its occurrences the base makes, token for token}, "passed" (each >= MOVES_NEEDED), and
+    {decision: the base's mean probability of a call there, against the box}."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    made = {move: [] for move in MOVES}
-    for ids, spans in move_spans(problems, tokenizer, template):
+    made = {move: [] for move in MOVES + DECISIONS}
+    call, box = (tokenizer(text, add_special_tokens=False)["input_ids"][0]
+                 for text in (TOOL_OPENING.format(code=""), TOOL_CLOSING.format(answer="")))
+    for ids, spans, decisions in move_spans(problems, tokenizer, template):
         with torch.no_grad():
-            predicted = model(torch.tensor([ids])).logits[0].argmax(-1).tolist()
+            logits = model(torch.tensor([ids])).logits[0]
+        predicted = logits.argmax(-1).tolist()
         for move, start, end in spans:  # token t is predicted at position t - 1
             made[move].append(all(predicted[t - 1] == ids[t] for t in range(start, end)))
+        for decision, at in decisions:
+            p_call, p_box = logits[at - 1].softmax(-1)[[call, box]].tolist()
+            made[decision].append(p_call / (p_call + p_box))
     shares = {move: round(sum(m) / len(m), 3) if m else 0.0 for move, m in made.items()}
     return {**shares, "passed": all(shares[m] >= MOVES_NEEDED for m in MOVES)}
 
@@ -86,36 +99,41 @@ def check_base(model_dir, template: str, seed: int, n: int | None = None) -> dic
     said = ", ".join(f"{move} {shares[move]:.2f}" for move in MOVES)
     print(f"cold start: moves of the chained task, teacher-forced on {n} held-out problems: {said} "
           + ("(each at least %.1f)" % MOVES_NEEDED if shares["passed"] else
-             f"(not every move reaches {MOVES_NEEDED}: RL will have little to amplify; docs/06-experiments.md)"))
+             f"(not every move reaches {MOVES_NEEDED}: RL will have little to amplify; docs/06-experiments.md)")
+          + f"; it calls after a result with a step left at {shares['next']:.2f}, after the last at {shares['last']:.2f}")
     return shares
 
 
 def move_spans(problems: list[dict], tokenizer, template: str):
-    """Per problem: the token ids of its multi-call trace and [(move, first token, end)] of each move in it."""
+    """Per problem: the token ids of its multi-call trace, [(move, first token, end)] of each move in it, and
+    [(decision, position)] of each point after a result, where the model opens a call or the box."""
     from chained_problems import scripted_calls
 
     with Sandbox(SandboxConfig(preload=())) as sandbox:
         for problem in problems:
-            pieces = [("prompt", render_prompt(problem["question"], template), None)]
+            pieces = [("prompt", render_prompt(problem["question"], template), None, None)]
             state = {"last": None}  # what the call before printed: None for the first call, "error", or "result"
 
             def run(code: str) -> str | None:
                 move = {None: "call", "error": "fix", "result": "chain"}[state["last"]]
-                pieces.append(("model", TOOL_OPENING.format(code=code), (move, code)))
+                pieces.append(("model", TOOL_OPENING.format(code=code), (move, code), "next" if move == "chain" else None))
                 result = sandbox.run(code)
-                pieces.append(("observation", observation_text(result), None))
+                pieces.append(("observation", observation_text(result), None, None))
                 state["last"] = "result" if result.ok else "error"
                 return result.stdout.strip() if result.ok else None
 
             _, answer = scripted_calls(problem["question"], run, lambda move: True)
-            pieces.append(("model", TOOL_CLOSING.format(answer=answer), ("box", answer)))
+            pieces.append(("model", TOOL_CLOSING.format(answer=answer), ("box", answer), "last"))
             yield tokens_with_spans(pieces, tokenizer)
 
 
-def tokens_with_spans(pieces, tokenizer) -> tuple[list[int], list[tuple[str, int, int]]]:
-    """Each piece tokenized on its own, as a rollout appends it; a move's span is the tokens of its text."""
-    ids, spans = [], []
-    for kind, text, move in pieces:
+def tokens_with_spans(pieces, tokenizer) -> tuple[list[int], list[tuple[str, int, int]], list[tuple[str, int]]]:
+    """Each piece tokenized on its own, as a rollout appends it; a move's span is the tokens of its text, a
+    decision the piece's first token."""
+    ids, spans, decisions = [], [], []
+    for kind, text, move, decision in pieces:
+        if decision:
+            decisions.append((decision, len(ids)))
         if kind == "observation":
             ids += encode_plain(tokenizer, text)
             continue
@@ -126,7 +144,7 @@ def tokens_with_spans(pieces, tokenizer) -> tuple[list[int], list[tuple[str, int
             inside = [i for i, (a, b) in enumerate(encoded["offset_mapping"]) if a < begin + len(part) and b > begin]
             spans.append((name, len(ids) + inside[0], len(ids) + inside[-1] + 1))
         ids += encoded["input_ids"]
-    return ids, spans
+    return ids, spans, decisions
 
 
 if __name__ == "__main__":

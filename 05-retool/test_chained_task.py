@@ -3,7 +3,7 @@ import json
 import random
 
 from chained_problems import make_chained_problems, parse, scripted_calls, without_leading_zeros
-from cold_start import FURTHER_CALL_RATE, chained_traces, is_chained_task
+from cold_start import FURTHER_CALL_RATE, TOOL_CLOSING, TOOL_OPENING, chained_traces, is_chained_task
 from reward import score_answer
 from rollout import observation_text
 
@@ -141,7 +141,7 @@ def test_a_cold_start_on_the_chained_task_trains_on_its_chained_traces(tmp_path,
     assert (out / "config.json").exists() and len(built) == 1 and len(built[0]) == 40
     assert any(t["tool"] for t in built[0]) and any(not t["tool"] for t in built[0])
     moves = json.loads((out / "cold_start.json").read_text())["moves"]  # checked before any RL, and kept with the base
-    assert set(moves) == {"call", "box", "fix", "chain", "passed"} and moves["passed"] is False  # two steps learn nothing
+    assert set(moves) == {"call", "box", "fix", "chain", "next", "last", "passed"} and moves["passed"] is False  # two steps learn nothing
     assert json.loads((out / "cold_start.json").read_text())["rounds"] == 2  # so the schedule ran again, then gave up
 
 
@@ -152,10 +152,16 @@ def test_the_moves_check_scores_exactly_the_tokens_of_each_move(tiny_model_path)
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_path)
     rows = make_chained_problems(0, 24, seed=5)[1]
-    for row, (ids, spans) in zip(rows, move_spans(rows, tokenizer, "torl")):
+    for row, (ids, spans, decisions) in zip(rows, move_spans(rows, tokenizer, "torl")):
         reading, steps = parse(row["question"])
         expected = ["call"] + ["fix"] * reading.startswith("0") + ["chain"] * (len(steps) - 1) + ["box"]
         assert [move for move, _, _ in spans] == expected, row
+        # a decision after each result: "next" opens the chain's call, "last" the box
+        assert [d for d, _ in decisions] == ["next"] * (len(steps) - 1) + ["last"], row
+        decided = [s for s in spans if s[0] in ("chain", "box")]
+        for (decision, at), (_, _, end) in zip(decisions, decided):
+            opening = TOOL_OPENING if decision == "next" else TOOL_CLOSING
+            assert tokenizer.decode(ids[at:end]).startswith(opening.split("{")[0]), row
         texts = [tokenizer.decode(ids[start:end]) for _, start, end in spans]
         assert texts[0] == f"print({reading} {steps[0][0]} {steps[0][1]})" and texts[-1] == row["answer"]
         if reading.startswith("0"):

@@ -29,7 +29,8 @@ RETOOL = Path(__file__).resolve().parent.parent / "05-retool" / "retool.py"
 
 # name -> (flags, what it changes, the arm it is compared with, metrics worth a column)
 ARMS: dict[str, tuple[list[str], str, str, list[str]]] = {
-    "baseline": ([], "ToRL's loss on the CPU demo (float32 sampler)", "", ["degenerate_groups", "rows_skipped"]),
+    "baseline": ([], "ToRL's loss, the preset's settings (float32 sampler)", "",
+                 ["degenerate_groups", "rows_skipped", "grad_norm"]),
     "dynamic": (["--dynamic-sampling", "true"], "dynamic sampling (DAPO), at most 4 extra rounds", "baseline",
                 ["problems_drawn", "dynamic_rounds", "degenerate_groups", "rows_skipped"]),
     "mask-truncated": (["--mask-truncated", "true"], "truncated trajectories get no gradient (DAPO)", "baseline",
@@ -38,7 +39,7 @@ ARMS: dict[str, tuple[list[str], str, str, list[str]]] = {
                     ["void_filtered"]),
     "budget-3": (["--tool-budget", "3", "--filter-void-turns", "true"], "3 tool calls, void-turn filter", "baseline",
                  ["tool_calls", "void_filtered"]),
-    "token-sum": (["--aggregation", "token-sum"], "Dr. GRPO: sum / (96 x sequences)", "baseline",
+    "token-sum": (["--aggregation", "token-sum"], "Dr. GRPO: sum / (response budget x sequences)", "baseline",
                   ["grad_norm", "response_length"]),
     # the tool budget C (docs/06-experiments.md): against the baseline's 4 on the chained task
     "calls-1": (["--tool-budget", "1"], "one tool call (C = 1, ToRL's)", "baseline", ["tool_calls", "code_pass_ratio"]),
