@@ -107,6 +107,8 @@ def build_base_policy(args) -> Path:
     # chained task the first part trains on drills: every move, no decision.
     tool_examples = [tokenize_trace({"segments": t["drill"]}, tokenizer) if "drill" in t else e
                      for e, t in zip(examples, traces) if t["tool"]]
+    if args.drills_in_mix and any("drill" in t for t in traces):  # the moves kept while the decisions are learned
+        examples = examples + tool_examples
     moves = {}
     for round_ in range(1, args.rounds + 1):  # the chained task: the schedule again, until the base has the moves
         args.round = round_  # part of a partial checkpoint's settings: a restart never mixes two rounds
@@ -443,6 +445,9 @@ def parse_args(argv):
     p.add_argument("--rounds", type=at_least(1), default=1,
                    help="chained task: at most this many runs of the schedule, each from the last one's weights, "
                         "until the moves check passes (05-retool/moves_check.py)")
+    p.add_argument("--drills-in-mix", action="store_true",
+                   help="chained task: the mixed phase draws from the drills too (they train no decision), "
+                        "so the moves are not forgotten while the decisions are learned")
     p.add_argument("--kv-heads", type=at_least(1), default=1,
                    help="key-value heads, dividing hidden-size / 64 (1: all heads share one, as the demo's base)")
     p.add_argument("--vocab-size", type=at_least(64), default=384)
