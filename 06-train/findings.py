@@ -35,7 +35,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--results", metavar="NAME", help="also write the figures to docs/results/NAME.json (results.py)")
     args = p.parse_args(argv)
     runs = load_runs(Path(args.out))
-    figures = summarise(runs)
+    figures = summarise(runs, Path(args.out))
     if args.img:
         plot_budget(runs, Path(args.img) / "06-experiments-budget.png")
         plot_over_training(runs, SELF_CORRECTION, Path(args.img) / "06-experiments-self-correction.png")
@@ -55,7 +55,7 @@ def load_runs(out: Path) -> dict:
     return runs
 
 
-def summarise(runs: dict) -> dict:
+def summarise(runs: dict, out: Path) -> dict:
     """Flat figures: per arm and seed, and the mean over seeds; before RL once (every run starts from one base)."""
     figures = {"before_rl": round(before_accuracy(runs), 3)}
     for arm in BUDGETS:
@@ -70,7 +70,21 @@ def summarise(runs: dict) -> dict:
             for source, score in sets.items():
                 if source != "all":
                     figures[f"{results_key(arm)}_s{s}_{results_key(source.removeprefix('chained-heldout-'))}"] = round(score["avg@1"], 3)
+            for when, share in zip(("before", "after"), one_call_stops(out / f"{arm}-s{s}")):
+                figures[f"{results_key(arm)}_s{s}_2step_one_call_{when}"] = share
     return figures
+
+
+def one_call_stops(run_dir: Path, kind: str = "2step") -> list[float]:
+    """Before and after RL: the share of held-out problems of `kind` answered after one call that ran, the next
+    call not tried (from the evaluations' samples; [] without them)."""
+    files = sorted((run_dir / "eval_samples").glob("step-*.jsonl"))
+    shares = []
+    for path in files[:1] + files[-1:] if len(files) > 1 else []:
+        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        rows = [r for r in rows if r["source"].endswith(f"-{kind}")]
+        shares.append(round(sum(r["code_ok"] == [True] for r in rows) / len(rows), 3) if rows else float("nan"))
+    return shares
 
 
 def run_figures(rows: list[dict], evals: list[dict]) -> dict:

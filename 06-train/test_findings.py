@@ -24,6 +24,13 @@ def test_figures_hold_each_seed_and_their_mean_and_the_plots_and_results_file_ar
     monkeypatch.setattr(results, "RESULTS", tmp_path / "docs" / "results")
     write_run(tmp_path / "runs" / "baseline-s0", 0.6, 5.0, {"1step": 0.9, "2step-padded": 0.2})
     write_run(tmp_path / "runs" / "baseline-s1", 0.4, 7.0, {"1step": 0.7, "2step-padded": 0.0})
+    samples = tmp_path / "runs" / "baseline-s1" / "eval_samples"
+    samples.mkdir()
+    answers = {"000000": [[True], [], [False, True]], "000020": [[True], [True], [True, True]]}  # code_ok per answer
+    for step, calls in answers.items():  # two-step problems, and one-step ones that do not count
+        rows = [{"source": "chained-heldout-2step", "code_ok": c} for c in calls] + \
+               [{"source": "chained-heldout-1step", "code_ok": [True]}, {"source": "chained-heldout-2step-padded", "code_ok": [True]}]
+        (samples / f"step-{step}-tir.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     write_run(tmp_path / "runs" / "calls-1-s0", 0.3, 3.0, {"1step": 0.8, "2step-padded": 0.0})
     write_run(tmp_path / "runs" / "dynamic-s0", 0.9, 9.0, {})  # another arm: not a finding of this script
     (tmp_path / "runs" / "calls-2-s0").mkdir()  # a run cut short: no "after RL" evaluation, left out
@@ -36,6 +43,9 @@ def test_figures_hold_each_seed_and_their_mean_and_the_plots_and_results_file_ar
     assert figures["baseline_s0_error_then_call_ok_first5"] == pytest.approx(0.15)  # steps 1 to 5: 3 / 20
     assert (figures["baseline_s0_response_length_first5"], figures["baseline_mean_response_length_last10"]) == (43.0, 55.5)
     assert figures["baseline_s1_2step_padded"] == 0.0 and not any(k.startswith(("calls_2", "dynamic")) for k in figures)
+    # two-step answers after one call that ran: 1 of 3 before RL, 2 of 3 after; a run without samples has none
+    assert (figures["baseline_s1_2step_one_call_before"], figures["baseline_s1_2step_one_call_after"]) == (0.333, 0.667)
+    assert "baseline_s0_2step_one_call_after" not in figures
     assert sorted(p.name for p in (tmp_path / "img").iterdir()) == [
         "06-experiments-budget.png", "06-experiments-code-use.png", "06-experiments-self-correction.png"]
     saved = json.loads((tmp_path / "docs" / "results" / "experiments.json").read_text())
