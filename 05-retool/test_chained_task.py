@@ -205,3 +205,26 @@ def test_a_run_on_the_chained_preset_writes_the_chained_task_when_its_files_are_
     assert (len(train), len(held_out)) == SIZES and is_chained_task(train) and is_chained_task(held_out)
     assert held_out == make_chained_problems(0, SIZES[1], seed=0)[1]
     assert (tmp_path / "data" / "toy_test.jsonl").read_text() == "" and not (tmp_path / "data" / "toy_train.jsonl").exists()
+
+
+def test_drills_in_mix_keep_the_drills_in_the_mixed_phase_pool_and_only_then(tmp_path, monkeypatch):
+    import cold_start
+    import moves_check
+    from prepare_data import write_jsonl
+
+    monkeypatch.setattr(moves_check, "CHECK_PROBLEMS", 2)
+    write_jsonl(make_chained_problems(30, 0, seed=4)[0], tmp_path / "chained.jsonl")
+    pools = {}
+
+    def train(model, examples, tool_examples, pad_id, args):
+        pools[args.drills_in_mix] = (examples, tool_examples)
+        return [0.0]
+
+    monkeypatch.setattr(cold_start, "train", train)
+    for flag in ([], ["--drills-in-mix"]):
+        cold_start.main(["--train-file", str(tmp_path / "chained.jsonl"), "--steps", "2", "--tool-only-steps", "1",
+                         "--hidden-size", "64", "--num-layers", "1", "--vocab-size", "128", "--max-len", "128",
+                         "--tool-fraction", "0.5", "--out", str(tmp_path / f"base{len(flag)}"), *flag])
+    (mixed, drills), (mixed_with, drills_with) = pools[False], pools[True]
+    assert len(mixed) == 30 and drills and drills == drills_with
+    assert mixed_with == mixed + drills  # every trace as before, and each drill once more

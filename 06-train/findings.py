@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 
 import results
-from ablation import after_accuracy, before_accuracy, load_runs as load_arm_runs, mean_of, results_key, step_seconds
+from ablation import accuracy, after_accuracy, before_accuracy, load_runs as load_arm_runs, mean_of, results_key, step_seconds
 
 BUDGETS = {"calls-1": 1, "calls-2": 2, "baseline": 4}  # arm -> C
 SELF_CORRECTION = ("error_then_call_ok", "error_then_correct")
@@ -56,7 +56,7 @@ def load_runs(out: Path) -> dict:
 
 
 def summarise(runs: dict, out: Path) -> dict:
-    """Flat figures: per arm and seed, and the mean over seeds; before RL once (every run starts from one base)."""
+    """Flat figures: per arm and seed, and the mean over seeds; before RL also once, the first run's, for the plot."""
     figures = {"before_rl": round(before_accuracy(runs), 3)}
     for arm in BUDGETS:
         seeds = sorted(s for a, s in runs if a == arm)
@@ -88,8 +88,11 @@ def one_call_stops(run_dir: Path, kind: str = "2step") -> list[float]:
 
 
 def run_figures(rows: list[dict], evals: list[dict]) -> dict:
-    """One run's figures: held-out accuracy after RL, seconds a step, each curve's mean over its first 5 and last 10 steps."""
-    figures = {"held_out": after_accuracy(evals), "s_per_step": step_seconds(rows)}
+    """One run's figures: held-out accuracy before and after RL and the gain, seconds a step, each curve's mean
+    over its first 5 and last 10 steps."""
+    before = accuracy(next(r for r in evals if r["tag"] == "before RL"))  # each seed samples its own answers
+    figures = {"held_out": after_accuracy(evals), "before_rl": before, "gain": after_accuracy(evals) - before,
+               "s_per_step": step_seconds(rows)}
     for key in SELF_CORRECTION + CODE_USE:
         figures[f"{key}_first5"] = mean_of(rows[:5], key)
         figures[f"{key}_last10"] = mean_of(rows[-10:], key)

@@ -38,6 +38,7 @@ def test_figures_hold_each_seed_and_their_mean_and_the_plots_and_results_file_ar
     assert figures["before_rl"] == 0.1
     assert (figures["baseline_s0_held_out"], figures["baseline_s1_held_out"], figures["baseline_mean_held_out"]) == (0.6, 0.4, 0.5)
     assert figures["baseline_mean_s_per_step"] == 6.0 and figures["calls_1_mean_held_out"] == 0.3
+    assert (figures["baseline_s0_before_rl"], figures["baseline_s0_gain"], figures["baseline_mean_gain"]) == (0.1, 0.5, 0.4)
     assert figures["baseline_s0_error_then_call_ok_last10"] == pytest.approx(sum(range(11, 21)) / 20 / 10, abs=1e-3)
     assert figures["baseline_s0_error_then_correct_last10"] == pytest.approx(0.1)  # a null step is left out
     assert figures["baseline_s0_error_then_call_ok_first5"] == pytest.approx(0.15)  # steps 1 to 5: 3 / 20
