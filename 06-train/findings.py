@@ -70,20 +70,27 @@ def summarise(runs: dict, out: Path) -> dict:
             for source, score in sets.items():
                 if source != "all":
                     figures[f"{results_key(arm)}_s{s}_{results_key(source.removeprefix('chained-heldout-'))}"] = round(score["avg@1"], 3)
-            for when, share in zip(("before", "after"), one_call_stops(out / f"{arm}-s{s}")):
-                figures[f"{results_key(arm)}_s{s}_2step_one_call_{when}"] = share
+            for name, share in answer_shares(out / f"{arm}-s{s}").items():
+                figures[f"{results_key(arm)}_s{s}_{name}"] = share
     return figures
 
 
-def one_call_stops(run_dir: Path, kind: str = "2step") -> list[float]:
-    """Before and after RL: the share of held-out problems of `kind` answered after one call that ran, the next
-    call not tried (from the evaluations' samples; [] without them)."""
+# Read from the held-out answers themselves: a two-step problem answered after one call that ran (the next call not
+# tried), and a one-step problem answered after a second call (the next call tried where no step is left).
+ANSWER_KINDS = {"2step_one_call": ("2step", lambda code_ok: code_ok == [True]),
+                "1step_second_call": ("1step", lambda code_ok: len(code_ok) >= 2)}
+
+
+def answer_shares(run_dir: Path) -> dict[str, float]:
+    """Before and after RL, the share of each of ANSWER_KINDS among its kind's held-out answers ({} without the
+    evaluations' samples)."""
     files = sorted((run_dir / "eval_samples").glob("step-*.jsonl"))
-    shares = []
-    for path in files[:1] + files[-1:] if len(files) > 1 else []:
+    shares = {}
+    for when, path in zip(("before", "after"), [files[0], files[-1]] if len(files) > 1 else []):
         rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-        rows = [r for r in rows if r["source"].endswith(f"-{kind}")]
-        shares.append(round(sum(r["code_ok"] == [True] for r in rows) / len(rows), 3) if rows else float("nan"))
+        for name, (kind, counts) in ANSWER_KINDS.items():
+            of_kind = [r["code_ok"] for r in rows if r["source"].endswith(f"-{kind}")]
+            shares[f"{name}_{when}"] = round(sum(map(counts, of_kind)) / len(of_kind), 3) if of_kind else float("nan")
     return shares
 
 

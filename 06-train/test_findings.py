@@ -47,6 +47,7 @@ def test_figures_hold_each_seed_and_their_mean_and_the_plots_and_results_file_ar
     # two-step answers after one call that ran: 1 of 3 before RL, 2 of 3 after; a run without samples has none
     assert (figures["baseline_s1_2step_one_call_before"], figures["baseline_s1_2step_one_call_after"]) == (0.333, 0.667)
     assert "baseline_s0_2step_one_call_after" not in figures
+    assert figures["baseline_s1_1step_second_call_after"] == 0.0  # its one-step answer made one call
     assert sorted(p.name for p in (tmp_path / "img").iterdir()) == [
         "06-experiments-budget.png", "06-experiments-code-use.png", "06-experiments-self-correction.png"]
     saved = json.loads((tmp_path / "docs" / "results" / "experiments.json").read_text())
