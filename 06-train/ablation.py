@@ -160,7 +160,12 @@ def figures(runs) -> dict:
 
 
 def after_accuracy(evals: list[dict]) -> float:
-    return accuracy(next(r for r in evals if r["tag"] == "after RL"))
+    return accuracy_at(evals, "after RL")
+
+
+def accuracy_at(evals: list[dict], tag: str) -> float:
+    """Held-out accuracy of a run's evaluation tagged `tag` ("before RL", "after RL")."""
+    return accuracy(next(r for r in evals if r["tag"] == tag))
 
 
 def before_accuracy(runs) -> float:

@@ -20,7 +20,8 @@ import sys
 from pathlib import Path
 
 import results
-from ablation import accuracy, after_accuracy, before_accuracy, load_runs as load_arm_runs, mean_of, results_key, step_seconds
+from ablation import (accuracy_at, after_accuracy, before_accuracy, load_runs as load_arm_runs, mean_of, read_jsonl,
+                      results_key, step_seconds)
 
 BUDGETS = {"calls-1": 1, "calls-2": 2, "baseline": 4}  # arm -> C
 SELF_CORRECTION = ("error_then_call_ok", "error_then_correct")
@@ -87,7 +88,7 @@ def answer_shares(run_dir: Path) -> dict[str, float]:
     files = sorted((run_dir / "eval_samples").glob("step-*.jsonl"))
     shares = {}
     for when, path in zip(("before", "after"), [files[0], files[-1]] if len(files) > 1 else []):
-        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        rows = read_jsonl(path)
         for name, (kind, counts) in ANSWER_KINDS.items():
             of_kind = [r["code_ok"] for r in rows if r["source"].endswith(f"-{kind}")]
             shares[f"{name}_{when}"] = round(sum(map(counts, of_kind)) / len(of_kind), 3) if of_kind else float("nan")
@@ -97,9 +98,8 @@ def answer_shares(run_dir: Path) -> dict[str, float]:
 def run_figures(rows: list[dict], evals: list[dict]) -> dict:
     """One run's figures: held-out accuracy before and after RL and the gain, seconds a step, each curve's mean
     over its first 5 and last 10 steps."""
-    before = accuracy(next(r for r in evals if r["tag"] == "before RL"))  # each seed samples its own answers
-    figures = {"held_out": after_accuracy(evals), "before_rl": before, "gain": after_accuracy(evals) - before,
-               "s_per_step": step_seconds(rows)}
+    after, before = after_accuracy(evals), accuracy_at(evals, "before RL")  # each seed samples its own answers
+    figures = {"held_out": after, "before_rl": before, "gain": after - before, "s_per_step": step_seconds(rows)}
     for key in SELF_CORRECTION + CODE_USE:
         figures[f"{key}_first5"] = mean_of(rows[:5], key)
         figures[f"{key}_last10"] = mean_of(rows[-10:], key)
