@@ -19,7 +19,7 @@ result ("last"): its traces' rates are 0.25 and 0, and a base that does not
 tell the two apart has RL's reward for the first pull against its penalty for
 the second.
 
-    .venv/bin/python 05-retool/moves_check.py runs/chained-base --problems data/chained_test.jsonl
+    .venv/bin/python 05-retool/moves_check.py runs/chained-base-h --problems data/chained_test.jsonl
 """
 from __future__ import annotations
 

@@ -90,7 +90,7 @@ PRESETS["cpu-chained"] = dict(
     tool_budget=4,  # the hardest kind needs 3 calls (error, fix, next step); one to spare
     max_response_tokens=256,  # a 3-call trace is about 200 tokens, 75 of them the SyntaxError's line
     eval_max_response_tokens=256,
-    steps=30,
+    steps=60,  # first 30, sized for 5-8 s a step; steps took 2.4-4 s, and 60 reached the gain the task was built for
     # Sized by the moves check (moves_check.py), not by RL: the demo's 300 / 200 steps and one shared key-value
     # head left a base that copied no number from these problems. Three schedules give a base that may lack a
     # move, and the cold start says so; the one base that passes the check took a fourth with --drills-in-mix

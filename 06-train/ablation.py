@@ -138,16 +138,17 @@ def report(out: Path, img: Path | None, results: str | None = None) -> str:
 
         results_files.save(results, " ".join(["06-train/ablation.py", *sys.argv[1:]]), figures(runs))
     seeds_note = f"seeds {' / '.join(map(str, seeds))}" if len(seeds) > 1 else f"seed {seeds[0]}"
-    return f"({seeds_note}; before RL every run scores {before_accuracy(runs):.2f})\n\n" + "\n".join(lines)
+    return f"({seeds_note}; before RL {before_accuracy(runs):.2f}, the mean over seeds)\n\n" + "\n".join(lines)
 
 
 def figures(runs) -> dict:
-    """Per arm and seed: held-out accuracy after RL, reward of the last 5 steps, seconds a step, its own metrics."""
+    """Per arm and seed: held-out accuracy before and after RL, reward of the last 5 steps, seconds a step, its own
+    metrics."""
     out = {"before_rl": round(before_accuracy(runs), 3)}
     for (arm, seed), (rows, evals) in sorted(runs.items()):
         at = f"{results_key(arm)}_s{seed}"
-        out.update({f"{at}_held_out": round(after_accuracy(evals), 3), f"{at}_reward_last5": round(last_reward(rows), 3),
-                    f"{at}_s_per_step": round(step_seconds(rows), 2)})
+        out.update({f"{at}_held_out": round(after_accuracy(evals), 3), f"{at}_before_rl": round(accuracy_at(evals, "before RL"), 3),
+                    f"{at}_reward_last5": round(last_reward(rows), 3), f"{at}_s_per_step": round(step_seconds(rows), 2)})
         out.update({f"{at}_{key}": float(f"{mean_of(rows, key):.3g}") for key in ARMS[arm][3]})
         # what the predictions of docs/06-objectives.md and 06-ablation.md name: how soon reward reaches 0.8 (the
         # demo) or 0 (the chained task; 0 if never), entropy and clip early on
@@ -169,7 +170,12 @@ def accuracy_at(evals: list[dict], tag: str) -> float:
 
 
 def before_accuracy(runs) -> float:
-    return accuracy(next(r for _, evals in runs.values() for r in evals if r["tag"] == "before RL"))
+    """Held-out accuracy before RL, the mean over seeds: each seed samples its own answers from the same base (the
+    baseline's evaluation where it ran, else any arm's of that seed)."""
+    by_seed = {}
+    for (arm, seed), (_, evals) in sorted(runs.items(), key=lambda item: item[0][0] != "baseline"):
+        by_seed.setdefault(seed, accuracy_at(evals, "before RL"))
+    return sum(by_seed.values()) / len(by_seed)
 
 
 def accuracy(evaluation: dict) -> float:
@@ -234,7 +240,8 @@ def parse_args(argv):
     r.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS), help="which arms (default all)")
     r.add_argument("--preset", help="05-retool's preset the runs start from (default: the CPU demo's settings; "
                                     "cpu-chained for docs/06-experiments.md)")
-    r.add_argument("--steps", type=int, default=30, help="RL steps per run (default 30: the runs docs/06-beyond-torl measured)")
+    r.add_argument("--steps", type=int, default=30, help="RL steps per run (default 30: the runs docs/06-beyond-torl measured; "
+                   "docs/06-ablation.md's take 60)")
     s = sub.add_parser("report", help="plots and the markdown table from finished runs")
     s.add_argument("--out", default="runs/ablation", help="folder of the run folders (default runs/ablation)")
     s.add_argument("--img", help="write one PNG per option here (e.g. docs/img)")

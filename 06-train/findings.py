@@ -1,8 +1,8 @@
 """ToRL's findings in miniature, from the chained task's runs: the tool budget, self-correction, code use.
 
-    .venv/bin/python 06-train/ablation.py run --preset cpu-chained --base runs/chained-base --out runs/chained \\
-        --arms baseline calls-1 calls-2 --seeds 0 1 2
-    .venv/bin/python 06-train/findings.py --out runs/chained --img docs/img --results 06-experiments
+    .venv/bin/python 06-train/ablation.py run --preset cpu-chained --base runs/chained-base-h --out runs/chained-h60 \\
+        --arms baseline calls-1 calls-2 --seeds 0 1 2 --steps 60
+    .venv/bin/python 06-train/findings.py --out runs/chained-h60 --img docs/img --results 06-experiments-h60
 
 Reads the run folders `ablation.py run` wrote (ARM-sSEED) and draws three plots,
 each over every seed: held-out accuracy and seconds per step against the tool
@@ -57,7 +57,7 @@ def load_runs(out: Path) -> dict:
 
 
 def summarise(runs: dict, out: Path) -> dict:
-    """Flat figures: per arm and seed, and the mean over seeds; before RL also once, the first run's, for the plot."""
+    """Flat figures: per arm and seed, and the mean over seeds; before RL also once, the mean over seeds, for the plot."""
     figures = {"before_rl": round(before_accuracy(runs), 3)}
     for arm in BUDGETS:
         seeds = sorted(s for a, s in runs if a == arm)
@@ -118,7 +118,7 @@ def plot_budget(runs: dict, path: Path) -> None:
         if seeds:
             acc.plot([budget - 0.2, budget + 0.2], [sum(accuracies) / len(seeds)] * 2, color="k")
             cost.plot([budget - 0.2, budget + 0.2], [sum(seconds) / len(seeds)] * 2, color="k")
-    acc.axhline(before_accuracy(runs), color="0.6", linestyle=":", label="before RL")
+    acc.axhline(before_accuracy(runs), color="0.6", linestyle=":", label="before RL, mean of seeds")
     for ax, title in ((acc, "held-out accuracy after RL"), (cost, "seconds per RL step")):
         ax.set_xticks(list(BUDGETS.values()))
         ax.set_xlabel("tool budget C")

@@ -6,14 +6,14 @@ import pytest
 import findings
 
 
-def write_run(folder, accuracy: float, seconds: float, kinds: dict):
+def write_run(folder, accuracy: float, seconds: float, kinds: dict, before: float = 0.1):
     folder.mkdir(parents=True)
     rows = [{"step": s, "reward_mean": 0.0, "rollout_s": seconds, "reward_s": 0.0, "update_s": 0.0, "sync_s": 0.0,
              "error_then_call_ok": s / 20, "error_then_correct": None if s == 20 else 0.1, "code_ratio": 0.5,
              "code_pass_ratio": 0.8, "response_length": 40 + s} for s in range(1, 21)]
     (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     sets = {f"chained-heldout-{k}": {"avg@1": v} for k, v in kinds.items()}
-    evals = [{"tag": "before RL", "step": 0, "sets": {"all": {"avg@1": 0.1}, **sets}},
+    evals = [{"tag": "before RL", "step": 0, "sets": {"all": {"avg@1": before}, **sets}},
              {"tag": "after RL", "step": 20, "sets": {"all": {"avg@1": accuracy}, **sets}}]
     (folder / "eval.jsonl").write_text("".join(json.dumps(r) + "\n" for r in evals))
 
@@ -23,7 +23,7 @@ def test_figures_hold_each_seed_and_their_mean_and_the_plots_and_results_file_ar
 
     monkeypatch.setattr(results, "RESULTS", tmp_path / "docs" / "results")
     write_run(tmp_path / "runs" / "baseline-s0", 0.6, 5.0, {"1step": 0.9, "2step-padded": 0.2})
-    write_run(tmp_path / "runs" / "baseline-s1", 0.4, 7.0, {"1step": 0.7, "2step-padded": 0.0})
+    write_run(tmp_path / "runs" / "baseline-s1", 0.4, 7.0, {"1step": 0.7, "2step-padded": 0.0}, before=0.3)
     samples = tmp_path / "runs" / "baseline-s1" / "eval_samples"
     samples.mkdir()
     answers = {"000000": [[True], [], [False, True]], "000020": [[True], [True], [True, True]]}  # code_ok per answer
@@ -35,10 +35,10 @@ def test_figures_hold_each_seed_and_their_mean_and_the_plots_and_results_file_ar
     write_run(tmp_path / "runs" / "dynamic-s0", 0.9, 9.0, {})  # another arm: not a finding of this script
     (tmp_path / "runs" / "calls-2-s0").mkdir()  # a run cut short: no "after RL" evaluation, left out
     figures = findings.main(["--out", str(tmp_path / "runs"), "--img", str(tmp_path / "img"), "--results", "experiments"])
-    assert figures["before_rl"] == 0.1
+    assert figures["before_rl"] == 0.2  # the mean over seeds: each samples its own answers before RL
     assert (figures["baseline_s0_held_out"], figures["baseline_s1_held_out"], figures["baseline_mean_held_out"]) == (0.6, 0.4, 0.5)
     assert figures["baseline_mean_s_per_step"] == 6.0 and figures["calls_1_mean_held_out"] == 0.3
-    assert (figures["baseline_s0_before_rl"], figures["baseline_s0_gain"], figures["baseline_mean_gain"]) == (0.1, 0.5, 0.4)
+    assert (figures["baseline_s0_before_rl"], figures["baseline_s0_gain"], figures["baseline_mean_gain"]) == (0.1, 0.5, 0.3)
     assert figures["baseline_s0_error_then_call_ok_last10"] == pytest.approx(sum(range(11, 21)) / 20 / 10, abs=1e-3)
     assert figures["baseline_s0_error_then_correct_last10"] == pytest.approx(0.1)  # a null step is left out
     assert figures["baseline_s0_error_then_call_ok_first5"] == pytest.approx(0.15)  # steps 1 to 5: 3 / 20
@@ -66,8 +66,11 @@ def test_the_ablation_report_writes_every_figure_of_its_table_to_one_results_fil
 
     monkeypatch.setattr(results, "RESULTS", tmp_path / "results")
     write_run(tmp_path / "runs" / "baseline-s0", 0.6, 5.0, {})
-    write_run(tmp_path / "runs" / "gspo-s1", 0.5, 4.0, {})
+    write_run(tmp_path / "runs" / "gspo-s0", 0.5, 4.0, {}, before=0.5)  # a bf16 arm's sampler may score otherwise
+    write_run(tmp_path / "runs" / "gspo-s1", 0.5, 4.0, {}, before=0.3)
     table = ablation.report(tmp_path / "runs", None, "objectives")
     saved = json.loads((tmp_path / "results" / "objectives.json").read_text())["figures"]
-    assert saved["baseline_s0_held_out"] == 0.6 and saved["gspo_s1_s_per_step"] == 4.0 and saved["before_rl"] == 0.1
+    assert saved["baseline_s0_held_out"] == 0.6 and saved["gspo_s1_s_per_step"] == 4.0
+    # before RL: the mean over seeds of the baseline's, or where it did not run, another arm's
+    assert (saved["before_rl"], saved["gspo_s0_before_rl"]) == (0.2, 0.5) and "before RL 0.20" in table
     assert "| gspo |" in table and "0.50" in table
