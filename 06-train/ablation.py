@@ -152,12 +152,16 @@ def figures(runs) -> dict:
         out.update({f"{at}_{key}": float(f"{mean_of(rows, key):.3g}") for key in ARMS[arm][3]})
         # what the predictions of docs/06-objectives.md and 06-ablation.md name: how soon reward reaches 0.8 (the
         # demo) or 0 (the chained task; 0 if never), entropy and clip early on
-        out[f"{at}_first_step_reward_08"] = next((r["step"] for r in rows if r["reward_mean"] >= 0.8), 0)
-        out[f"{at}_first_step_reward_0"] = next((r["step"] for r in rows if r["reward_mean"] >= 0), 0)
+        out[f"{at}_first_step_reward_08"], out[f"{at}_first_step_reward_0"] = first_step(rows, 0.8), first_step(rows, 0)
         out[f"{at}_entropy_mean"] = float(f"{mean_of(rows, 'entropy'):.3g}")
         out[f"{at}_entropy_step3"] = float(f"{rows[2].get('entropy', float('nan')):.3g}") if len(rows) > 2 else float("nan")
         out[f"{at}_clip_step1"] = float(f"{rows[0].get('clip_low_frac', 0) + rows[0].get('clip_high_frac', 0):.3g}")
     return out
+
+
+def first_step(rows: list[dict], reward: float) -> int:
+    """The first step whose mean reward reaches `reward` (0 if none does)."""
+    return next((r["step"] for r in rows if r["reward_mean"] >= reward), 0)
 
 
 def after_accuracy(evals: list[dict]) -> float:
