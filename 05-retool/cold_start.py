@@ -227,8 +227,6 @@ def chained_traces(problems: list[dict], tool_fraction: float, rng: random.Rando
     "drill" makes every call, with each decision to call untrained: the moves are
     shown in full, how often each pays is left to RL (docs/06-experiments.md).
     """
-    from chained_problems import scripted_calls
-
     traces = []
     with Sandbox(SandboxConfig(preload=())) as sandbox:
         for p in problems:
@@ -239,22 +237,33 @@ def chained_traces(problems: list[dict], tool_fraction: float, rng: random.Rando
             results: dict = {}  # code -> what the sandbox printed: the drill reruns the trace's calls
 
             def play(decide) -> tuple[list, int]:
-                segments = [prompt]
-
-                def run(code: str) -> str | None:
-                    if code not in results:
-                        results[code] = sandbox.run(code)
-                    segments.extend([("model", TOOL_OPENING.format(code=code)), ("observation", observation_text(results[code]))])
-                    return results[code].stdout.strip() if results[code].ok else None
-
-                calls, answer = scripted_calls(p["question"], run, decide)
+                calls, answer = sandboxed_calls(p["question"], decide, sandbox, results)
                 boxed = answer if answer is not None else guess(int(p["answer"]), rng)
-                return segments + [("model", TOOL_CLOSING.format(answer=boxed))], len(calls)
+                return [prompt, *call_segments(calls, results), ("model", TOOL_CLOSING.format(answer=boxed))], len(calls)
 
             segments, calls = play(lambda move: rng.random() < FURTHER_CALL_RATE)
             drill = [("move" if kind == "model" else kind, text) for kind, text in play(lambda move: True)[0]]
             traces.append({"tool": True, "segments": segments, "calls": calls, "answer": p["answer"], "drill": drill})
     return traces
+
+
+def sandboxed_calls(question: str, decide, sandbox, results: dict) -> tuple[list[str], str | None]:
+    """The scripted policy's calls on one problem (chained_problems.scripted_calls), each program run in the sandbox
+    once: `results` (code -> its result) is filled, and kept across reruns of the same problem."""
+    from chained_problems import scripted_calls
+
+    def run(code: str) -> str | None:
+        if code not in results:
+            results[code] = sandbox.run(code)
+        return results[code].stdout.strip() if results[code].ok else None
+
+    return scripted_calls(question, run, decide)
+
+
+def call_segments(calls: list[str], results: dict) -> list[tuple[str, str]]:
+    """Each call as the model writes it, then what the sandbox printed, as a rollout appends them."""
+    return [segment for code in calls for segment in (("model", TOOL_OPENING.format(code=code)),
+                                                      ("observation", observation_text(results[code])))]
 
 
 def freeze_all_but_top(model, layers: int) -> int:

@@ -27,10 +27,10 @@ import argparse
 import json
 import sys
 
-from cold_start import TOOL_CLOSING, TOOL_OPENING
+from cold_start import TOOL_CLOSING, TOOL_OPENING, call_segments, sandboxed_calls
 from lab_cli import one_line_errors, run_script
 from prompt_templates import render_prompt
-from rollout import encode_plain, observation_text
+from rollout import encode_plain
 from sandbox import Sandbox, SandboxConfig
 
 MOVES = ("call", "box", "fix", "chain")
@@ -107,22 +107,16 @@ def check_base(model_dir, template: str, seed: int, n: int | None = None) -> dic
 def move_spans(problems: list[dict], tokenizer, template: str):
     """Per problem: the token ids of its multi-call trace, [(move, first token, end)] of each move in it, and
     [(decision, position)] of each point after a result, where the model opens a call or the box."""
-    from chained_problems import scripted_calls
-
     with Sandbox(SandboxConfig(preload=())) as sandbox:
         for problem in problems:
-            pieces = [("prompt", render_prompt(problem["question"], template), None, None)]
-            state = {"last": None}  # what the call before printed: None for the first call, "error", or "result"
-
-            def run(code: str) -> str | None:
-                move = {None: "call", "error": "fix", "result": "chain"}[state["last"]]
-                pieces.append(("model", TOOL_OPENING.format(code=code), (move, code), "next" if move == "chain" else None))
-                result = sandbox.run(code)
-                pieces.append(("observation", observation_text(result), None, None))
-                state["last"] = "result" if result.ok else "error"
-                return result.stdout.strip() if result.ok else None
-
-            _, answer = scripted_calls(problem["question"], run, lambda move: True)
+            results: dict = {}
+            calls, answer = sandboxed_calls(problem["question"], lambda move: True, sandbox, results)
+            pieces, ran = [("prompt", render_prompt(problem["question"], template), None, None)], None
+            segments = call_segments(calls, results)
+            for code, model, observation in zip(calls, segments[0::2], segments[1::2]):
+                move = {None: "call", False: "fix", True: "chain"}[ran]  # what the call before did: none, failed, ran
+                pieces += [(*model, (move, code), "next" if move == "chain" else None), (*observation, None, None)]
+                ran = results[code].ok
             pieces.append(("model", TOOL_CLOSING.format(answer=answer), ("box", answer), "last"))
             yield tokens_with_spans(pieces, tokenizer)
 
