@@ -155,8 +155,18 @@ def figures(runs) -> dict:
         out[f"{at}_first_step_reward_08"], out[f"{at}_first_step_reward_0"] = first_step(rows, 0.8), first_step(rows, 0)
         out[f"{at}_entropy_mean"] = float(f"{mean_of(rows, 'entropy'):.3g}")
         out[f"{at}_entropy_step3"] = float(f"{rows[2].get('entropy', float('nan')):.3g}") if len(rows) > 2 else float("nan")
+        out[f"{at}_ratio_max_peak"] = float(f"{max(r.get('ratio_max') or 0 for r in rows):.3g}")  # a collapse's mark
+        out.update({f"{at}_{kind}": score for kind, score in kind_accuracies(evals).items()})
         out[f"{at}_clip_step1"] = float(f"{rows[0].get('clip_low_frac', 0) + rows[0].get('clip_high_frac', 0):.3g}")
     return out
+
+
+def kind_accuracies(evals: list[dict]) -> dict[str, float]:
+    """After RL, each kind of held-out problem on its own, where there are several (the chained task's sources are
+    chained-heldout-KIND); {} where there is one."""
+    sets = next(r for r in evals if r["tag"] == "after RL")["sets"]
+    return {results_key(source.removeprefix("chained-heldout-")): round(score["avg@1"], 3)
+            for source, score in sets.items() if source != "all" and len(sets) > 1}
 
 
 def first_step(rows: list[dict], reward: float) -> int:

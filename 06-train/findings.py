@@ -20,8 +20,8 @@ import sys
 from pathlib import Path
 
 import results
-from ablation import (accuracy_at, after_accuracy, before_accuracy, load_runs as load_arm_runs, mean_of, read_jsonl,
-                      results_key, step_seconds)
+from ablation import (accuracy_at, after_accuracy, before_accuracy, kind_accuracies, load_runs as load_arm_runs, mean_of,
+                      read_jsonl, results_key, step_seconds)
 
 BUDGETS = {"calls-1": 1, "calls-2": 2, "baseline": 4}  # arm -> C
 SELF_CORRECTION = ("error_then_call_ok", "error_then_correct")
@@ -67,10 +67,8 @@ def summarise(runs: dict, out: Path) -> dict:
                 figures[f"{results_key(arm)}_s{s}_{name}"] = round(run[name], 3)
             figures[f"{results_key(arm)}_mean_{name}"] = round(sum(run[name] for run in per_seed) / len(per_seed), 3)
         for s in seeds:  # each kind of problem on its own, after RL
-            sets = next(r for r in runs[arm, s][1] if r["tag"] == "after RL")["sets"]
-            for source, score in sets.items():
-                if source != "all":
-                    figures[f"{results_key(arm)}_s{s}_{results_key(source.removeprefix('chained-heldout-'))}"] = round(score["avg@1"], 3)
+            for kind, score in kind_accuracies(runs[arm, s][1]).items():
+                figures[f"{results_key(arm)}_s{s}_{kind}"] = score
             for name, share in answer_shares(out / f"{arm}-s{s}").items():
                 figures[f"{results_key(arm)}_s{s}_{name}"] = share
     return figures

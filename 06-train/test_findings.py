@@ -10,7 +10,7 @@ def write_run(folder, accuracy: float, seconds: float, kinds: dict, before: floa
     folder.mkdir(parents=True)
     rows = [{"step": s, "reward_mean": 0.0, "rollout_s": seconds, "reward_s": 0.0, "update_s": 0.0, "sync_s": 0.0,
              "error_then_call_ok": s / 20, "error_then_correct": None if s == 20 else 0.1, "code_ratio": 0.5,
-             "code_pass_ratio": 0.8, "response_length": 40 + s} for s in range(1, 21)]
+             "code_pass_ratio": 0.8, "response_length": 40 + s, "ratio_max": 1 + s / 10} for s in range(1, 21)]
     (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     sets = {f"chained-heldout-{k}": {"avg@1": v} for k, v in kinds.items()}
     evals = [{"tag": "before RL", "step": 0, "sets": {"all": {"avg@1": before}, **sets}},
@@ -65,7 +65,7 @@ def test_the_ablation_report_writes_every_figure_of_its_table_to_one_results_fil
     import results
 
     monkeypatch.setattr(results, "RESULTS", tmp_path / "results")
-    write_run(tmp_path / "runs" / "baseline-s0", 0.6, 5.0, {})
+    write_run(tmp_path / "runs" / "baseline-s0", 0.6, 5.0, {"1step": 0.9, "2step-padded": 0.2})
     write_run(tmp_path / "runs" / "gspo-s0", 0.5, 4.0, {}, before=0.5)  # a bf16 arm's sampler may score otherwise
     write_run(tmp_path / "runs" / "gspo-s1", 0.5, 4.0, {}, before=0.3)
     table = ablation.report(tmp_path / "runs", None, "objectives")
@@ -73,4 +73,7 @@ def test_the_ablation_report_writes_every_figure_of_its_table_to_one_results_fil
     assert saved["baseline_s0_held_out"] == 0.6 and saved["gspo_s1_s_per_step"] == 4.0
     # before RL: the mean over seeds of the baseline's, or where it did not run, another arm's
     assert (saved["before_rl"], saved["gspo_s0_before_rl"]) == (0.2, 0.5) and "before RL 0.20" in table
+    # each kind of problem where the held-out set has several; the largest ratio of any step (a collapse's mark)
+    assert (saved["baseline_s0_1step"], saved["baseline_s0_2step_padded"], saved["baseline_s0_ratio_max_peak"]) == (0.9, 0.2, 3.0)
+    assert not any(k.startswith("gspo_s0_1step") for k in saved)
     assert "| gspo |" in table and "0.50" in table
