@@ -69,7 +69,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.command == "run":
         run(args)
     else:
-        print(report(Path(args.out), Path(args.img) if args.img else None, args.results))
+        print(report(Path(args.out), Path(args.img) if args.img else None, args.results,
+                     Path(args.differences) if args.differences else None))
 
 
 def run(args) -> None:
@@ -113,7 +114,7 @@ def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(l) for l in path.read_text().splitlines() if l.strip()] if path.exists() else []
 
 
-def report(out: Path, img: Path | None, results: str | None = None) -> str:
+def report(out: Path, img: Path | None, results: str | None = None, differences: Path | None = None) -> str:
     runs = load_runs(out, ARMS)
     if not runs:
         raise SystemExit(f"error: {out}: no finished ablation runs in it")
@@ -133,6 +134,8 @@ def report(out: Path, img: Path | None, results: str | None = None) -> str:
         for arm, (_, _, against, _) in ARMS.items():
             if against and any((arm, s) in runs for s in seeds):
                 plot(arm, against, ARMS[arm][3][0], runs, seeds, img / f"06-ablation-{arm}.png")
+    if differences:
+        plot_differences(runs, seeds, differences)
     if results:  # every figure of the table, per arm and seed, in one results file (results.py)
         import results as results_files
 
@@ -243,6 +246,35 @@ def plot(arm: str, against: str, own: str, runs, seeds, path: Path) -> None:
     plt.close(fig)
 
 
+def plot_differences(runs, seeds, path: Path) -> None:
+    """Each arm's held-out accuracy after RL minus that of the arm it is compared with, seed by seed (a seed's runs
+    share their base's answers before RL), with the band within which one run's noise, about 0.05, leaves it."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    pairs = [(arm, against or "baseline") for arm, (_, _, against, _) in ARMS.items() if arm != "baseline"]
+    pairs = [(arm, against) for arm, against in pairs if any((arm, s) in runs and (against, s) in runs for s in seeds)]
+    fig, ax = plt.subplots(figsize=(9, 3.2))
+    ax.axhspan(-0.05, 0.05, color="0.9", label="within 0.05: not claimed")
+    ax.axhline(0, color="0.5", linewidth=0.8)
+    for x, (arm, against) in enumerate(pairs):
+        for seed, marker in zip(seeds, "os^"):
+            if (arm, seed) in runs and (against, seed) in runs:
+                diff = after_accuracy(runs[arm, seed][1]) - after_accuracy(runs[against, seed][1])
+                ax.scatter(x, diff, marker=marker, color="tab:blue", s=18, label=f"seed {seed}" if x == 0 else None)
+    ax.set_xticks(range(len(pairs)), [f"{arm} - {against}" for arm, against in pairs], fontsize=7, rotation=35,
+                  ha="right")
+    ax.set_ylabel("held-out after RL,\ndifference", fontsize=8)
+    ax.grid(alpha=0.3, axis="y")
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+
+
 def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog="\n\n".join(__doc__.split("\n\n")[1:]))
@@ -259,6 +291,8 @@ def parse_args(argv):
     s = sub.add_parser("report", help="plots and the markdown table from finished runs")
     s.add_argument("--out", default="runs/ablation", help="folder of the run folders (default runs/ablation)")
     s.add_argument("--img", help="write one PNG per option here (e.g. docs/img)")
+    s.add_argument("--differences", metavar="PNG", help="also plot each arm's held-out accuracy minus its comparator's, "
+                                                        "seed by seed, to this file")
     s.add_argument("--results", metavar="NAME", help="also write the figures to docs/results/NAME.json (results.py)")
     return p.parse_args(argv)
 

@@ -68,7 +68,7 @@ def test_the_ablation_report_writes_every_figure_of_its_table_to_one_results_fil
     write_run(tmp_path / "runs" / "baseline-s0", 0.6, 5.0, {"1step": 0.9, "2step-padded": 0.2})
     write_run(tmp_path / "runs" / "gspo-s0", 0.5, 4.0, {}, before=0.5)  # a bf16 arm's sampler may score otherwise
     write_run(tmp_path / "runs" / "gspo-s1", 0.5, 4.0, {}, before=0.3)
-    table = ablation.report(tmp_path / "runs", None, "objectives")
+    table = ablation.report(tmp_path / "runs", None, "objectives", tmp_path / "img" / "differences.png")
     saved = json.loads((tmp_path / "results" / "objectives.json").read_text())["figures"]
     assert saved["baseline_s0_held_out"] == 0.6 and saved["gspo_s1_s_per_step"] == 4.0
     # before RL: the mean over seeds of the baseline's, or where it did not run, another arm's
@@ -76,4 +76,5 @@ def test_the_ablation_report_writes_every_figure_of_its_table_to_one_results_fil
     # each kind of problem where the held-out set has several; the largest ratio of any step (a collapse's mark)
     assert (saved["baseline_s0_1step"], saved["baseline_s0_2step_padded"], saved["baseline_s0_ratio_max_peak"]) == (0.9, 0.2, 3.0)
     assert not any(k.startswith("gspo_s0_1step") for k in saved)
+    assert (tmp_path / "img" / "differences.png").stat().st_size > 0  # gspo - baseline on seed 0
     assert "| gspo |" in table and "0.50" in table
