@@ -217,11 +217,7 @@ def mean_of(rows: list[dict], key: str) -> float:
 
 def plot(arm: str, against: str, own: str, runs, seeds, path: Path) -> None:
     """Reward per step (the option in blue, what it is compared with in grey) and the option's own metric."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, (ax, side) = plt.subplots(1, 2, figsize=(8, 2.6), gridspec_kw={"width_ratios": [3, 2]})
     for name, colour in ((against, "0.55"), (arm, "tab:blue")):
         for seed, style in zip(seeds, ("-", "--", ":")):
@@ -240,20 +236,13 @@ def plot(arm: str, against: str, own: str, runs, seeds, path: Path) -> None:
     side.set_xlabel("RL step")
     side.set_title(own, fontsize=9)
     side.grid(alpha=0.3)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=80)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def plot_differences(runs, seeds, path: Path) -> None:
     """Each arm's held-out accuracy after RL minus that of the arm it is compared with, seed by seed (a seed's runs
     share their base's answers before RL), with the band within which one run's noise, about 0.05, leaves it."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     pairs = [(arm, against or "baseline") for arm, (_, _, against, _) in ARMS.items() if arm != "baseline"]
     pairs = [(arm, against) for arm, against in pairs if any((arm, s) in runs and (against, s) in runs for s in seeds)]
     fig, ax = plt.subplots(figsize=(9, 3.2))
@@ -269,10 +258,24 @@ def plot_differences(runs, seeds, path: Path) -> None:
     ax.set_ylabel("held-out after RL,\ndifference", fontsize=8)
     ax.grid(alpha=0.3, axis="y")
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))
+    save_figure(fig, path)
+
+
+def pyplot():
+    """matplotlib's pyplot without a display (imported only when a plot is asked for)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def save_figure(fig, path: Path) -> None:
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=80)
-    plt.close(fig)
+    pyplot().close(fig)
 
 
 def parse_args(argv):

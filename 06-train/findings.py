@@ -21,7 +21,7 @@ from pathlib import Path
 
 import results
 from ablation import (accuracy_at, after_accuracy, before_accuracy, kind_accuracies, load_runs as load_arm_runs, mean_of,
-                      read_jsonl, results_key, step_seconds)
+                      pyplot, read_jsonl, results_key, save_figure, step_seconds)
 
 BUDGETS = {"calls-1": 1, "calls-2": 2, "baseline": 4}  # arm -> C
 SELF_CORRECTION = ("error_then_call_ok", "error_then_correct")
@@ -105,7 +105,7 @@ def run_figures(rows: list[dict], evals: list[dict]) -> dict:
 
 
 def plot_budget(runs: dict, path: Path) -> None:
-    plt = _pyplot()
+    plt = pyplot()
     fig, (acc, cost) = plt.subplots(1, 2, figsize=(7, 2.6))
     for arm, budget in BUDGETS.items():
         seeds = sorted(s for a, s in runs if a == arm)
@@ -124,12 +124,12 @@ def plot_budget(runs: dict, path: Path) -> None:
         ax.grid(alpha=0.3)
     acc.set_ylim(0, 1)
     acc.legend(fontsize=7)
-    _save(fig, path)
+    save_figure(fig, path)
 
 
 def plot_over_training(runs: dict, keys: tuple[str, ...], path: Path) -> None:
     """One panel per metric: the baseline's value per step, one line per seed."""
-    plt = _pyplot()
+    plt = pyplot()
     fig, axes = plt.subplots(1, len(keys), figsize=(3.2 * len(keys), 2.6))
     for ax, key in zip(axes, keys):
         for (arm, seed), (rows, _) in sorted(runs.items()):
@@ -140,23 +140,7 @@ def plot_over_training(runs: dict, keys: tuple[str, ...], path: Path) -> None:
         ax.set_title(key, fontsize=9)
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=7)
-    _save(fig, path)
-
-
-def _pyplot():
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
-def _save(fig, path: Path) -> None:
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=80)
-    _pyplot().close(fig)
+    save_figure(fig, path)
 
 
 if __name__ == "__main__":
