@@ -598,6 +598,30 @@ def test_a_second_run_into_a_folder_in_use_is_refused_in_one_line(tmp_path):
     lock.close()
 
 
+def test_a_file_system_without_flock_warns_and_the_run_goes_on(tmp_path, monkeypatch, capsys):
+    """Lustre without its flock option answers ENOLCK: the guard is lost, the start is not."""
+    import errno
+
+    import run_record
+
+    def no_flock(fd, operation):
+        raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
+
+    monkeypatch.setattr(run_record.fcntl, "flock", no_flock)
+    lock = run_record.hold_lock(tmp_path)
+    (warning,) = capsys.readouterr().err.splitlines()
+    assert warning.startswith(f"warning: {tmp_path} is on a file system without flock (No locks available)")
+    assert (tmp_path / ".lock").read_text() == str(os.getpid())
+    lock.close()
+
+    def broken(fd, operation):
+        raise OSError(errno.EIO, os.strerror(errno.EIO))
+
+    monkeypatch.setattr(run_record.fcntl, "flock", broken)
+    with pytest.raises(OSError, match="Input/output error"):  # any other failure is not a missing flock
+        run_record.hold_lock(tmp_path)
+
+
 def test_resuming_a_folder_that_is_not_a_run_says_so(tmp_path):
     with pytest.raises(SystemExit, match="not a run folder") as e:
         retool.main(["--resume", str(tmp_path)])
