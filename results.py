@@ -92,7 +92,8 @@ def render(text: str) -> str:
 
 
 def pages() -> list[Path]:
-    return [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    """Every page that may quote a figure: the README, the chapters and the appendix."""
+    return [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), *sorted((ROOT / "docs" / "appendix").glob("*.md"))]
 
 
 def quotes(text: str) -> set[str]:
@@ -123,7 +124,7 @@ def problems(texts: dict[str, str]) -> list[str]:
             found.append(f"{page}: a results block differs in length from its file")
     for name, where in sorted(quoted_on.items()):
         if len(where) > 1:
-            found.append(f"results {name} (one run) is quoted on {len(where)} pages: {', '.join(where)}")
+            found.append(f"results {name} is quoted on {len(where)} pages, not one: {', '.join(where)}")
     found += [f"results {name} is quoted by no page" for name in names() if name not in quoted_on]
     return found
 

@@ -63,9 +63,15 @@ def test_a_marker_in_backticks_is_an_example_not_a_quote(one_file):
     assert results.problems({**one_file, "README.md": example}) == []
 
 
-def test_one_run_quoted_on_two_pages_fails(one_file):
-    found = results.problems({**one_file, "docs/b.md": "Also <!-- r demo.accuracy -->0.94.\n"})
-    assert found == ["results demo (one run) is quoted on 2 pages: docs/a.md, docs/b.md"]
+def test_one_results_file_quoted_on_two_pages_fails(one_file):
+    """The rule README.md states: one results file, one page (a file may hold several runs, each quoted with it)."""
+    found = results.problems({**one_file, "docs/b.md": "Also <!-- r demo.wall_s -->264.\n"})
+    assert found == ["results demo is quoted on 2 pages, not one: docs/a.md, docs/b.md"]
+
+
+def test_the_readme_states_the_rule_the_check_enforces():
+    readme = " ".join((results.ROOT / "README.md").read_text(encoding="utf-8").split())
+    assert "fails while a page and its file differ, or when one results file is quoted on two pages or on none" in readme
 
 
 def test_a_quote_of_a_missing_file_or_figure_fails(one_file):

@@ -199,7 +199,7 @@ def test_the_7b_plan_is_the_torl_7b_preset():
          f"{plan.gpus} × {2 * n / 1e9:.1f} GB for 7B",
          f"only rank 0 reads the float32 weights, {4 * n / 1e9:.1f} GB of host memory at 7B",
          f"Every rank loading would hold {plan.gpus * 4 * n / 1e9:.0f} GB on an {plan.gpus}-GPU node")
-    says("06-multinode.md", f"(the lab's preset: {TORL['gpu_memory_utilization']}, no offload)")
+    says("06-scaling.md", f"(the lab's preset: {TORL['gpu_memory_utilization']}, no offload)")
     assert plan.parameters == n and not s["tie_word_embeddings"] and 16 * n / GB > plan.gpu_gb
     assert cfg.strategy == "fsdp" and plan.kv_tokens < plan.tokens_in_flight  # some wait
     assert plan.update["gathered bf16 layers"] == pytest.approx(
@@ -213,20 +213,20 @@ def test_the_deal_of_problems_to_ranks_is_shards():
     says("06-scaling.md", f"rank 0 gets problems {ranks[0]} and rank 1 {ranks[1]}")
 
 
-# --------------------------------------------------------------------------- part 3: beyond ToRL
+# --------------------------------------------------------------------------- part 3: the options of the field
 
 
 def test_part_three_states_the_loop_defaults_and_the_ablation_arms():
-    from ablation import ARMS, parse_args
+    from ablation import ARMS
+    from retool import make_config
 
-    demo = Config()
-    ablation_steps = parse_args(["run", "--base", "base"]).steps
+    demo, chained = Config(), make_config("cpu-chained", {})
     says("06-beyond-torl.md",
          f"`--dynamic-sampling-rounds` ({demo.dynamic_sampling_rounds}) extra rounds",
          f"responses use a fraction of the {demo.max_response_tokens}-token budget",
-         f"but {ablation_steps} steps instead of {demo.steps} ({demo.problems_per_step} problems × {demo.group_size} "
-         f"samples, lr {short(demo.lr)}, a {demo.max_response_tokens}-token budget",
-         f"one sampled answer to each of {demo.eval_problems} toy problems",
+         f"`cpu-chained` preset, {chained.steps} steps, RL seeds 0, 1 and 2",
+         f"--seeds 0 1 2 --steps {chained.steps}",
+         f"one sample on each of the first {chained.eval_problems} held-out problems",
          f"ToRL's {TORL['max_response_tokens']}-token budget",
          f"the default `--degenerate-frac {bench_args([]).degenerate_frac}`",
          *(f"| {arm} | {ARMS[arm][1]} |" for arm in ("baseline", "dynamic", "mask-truncated", "void-filter",
@@ -235,10 +235,10 @@ def test_part_three_states_the_loop_defaults_and_the_ablation_arms():
     assert not demo.dynamic_sampling and demo.skip_zero_advantage
 
 
-# --------------------------------------------------------------------------- part 4: the objectives after DAPO
+# --------------------------------------------------------------------------- part 3: the objectives after DAPO
 
 
-def test_part_four_restates_the_refusals_the_worked_examples_and_the_arms():
+def test_the_objectives_restate_the_refusals_the_worked_examples_and_the_arms():
     import math
     from types import SimpleNamespace
 
@@ -249,7 +249,7 @@ def test_part_four_restates_the_refusals_the_worked_examples_and_the_arms():
 
     ordinal = ["first", "second", "third", "fourth", "fifth", "sixth"]
     entropy_panel = next(i for i, (_, keys) in enumerate(PANELS) if keys == ["entropy"])
-    says("06-objectives.md", f"a clip band wider than {GSPO_WIDEST_EPS} on either side",
+    says("06-beyond-torl.md", f"a clip band wider than {GSPO_WIDEST_EPS} on either side",
          f"a band above {GSPO_WIDEST_EPS} unless", f"in the {ordinal[entropy_panel]} panel of `plots.png`",
          *(f"| {arm} | {ARMS[arm][1]} | {ARMS[arm][2]} |" for arm in
            ("gspo", "fast", "fast-cispo", "bf16-token-mask", "bf16-sequence-mask")))
@@ -260,14 +260,14 @@ def test_part_four_restates_the_refusals_the_worked_examples_and_the_arms():
     logprobs = old.clone()
     logprobs[0, 0] += math.log(1.5)
     loss, stats = gspo_loss(logprobs.requires_grad_(), old, torch.tensor([1.0]), torch.ones(1, 10))
-    says("06-objectives.md", f"s = 1.5^(1/10) = {1.5 ** 0.1:.4f}, above 1 + 4e-4", f"the constant -{-float(loss.detach()):.4f}",
+    says("06-beyond-torl.md", f"s = 1.5^(1/10) = {1.5 ** 0.1:.4f}, above 1 + 4e-4", f"the constant -{-float(loss.detach()):.4f}",
          f"(`clip_high_frac` {stats['clip_high_frac']})")
     # CISPO's column of the table: part 1's hand case
     logprobs = torch.log(torch.tensor([[1.5, 0.5, 1.0], [1.1, 0.7, 1.6]])).requires_grad_()
     loss, _ = cispo_loss(logprobs, torch.zeros(2, 3), torch.tensor([1.0, -1.0]), torch.tensor([[1, 1, 0], [1, 1, 1]]))
     loss.backward()
     g = (logprobs.grad * 5).tolist()
-    says("06-objectives.md", f"| A = +1, r = 1.5 | 0 (clipped) | {g[0][0]:g} / 5 |", f"| A = +1, r = 0.5 | -0.5 / 5 | {g[0][1]:g} / 5 |",
+    says("06-beyond-torl.md", f"| A = +1, r = 1.5 | 0 (clipped) | {g[0][0]:g} / 5 |", f"| A = +1, r = 0.5 | -0.5 / 5 | {g[0][1]:g} / 5 |",
          f"| A = -1, r = 0.7 | 0 (clipped) | +{g[1][1]:g} / 5 |", f"| A = -1, r = 1.6 | +1.6 / 5 | +{g[1][2]:g} / 5 |")
     # the masks' worked example
     batch = SimpleNamespace(loss_mask=torch.ones(1, 3), sampler_logprobs=torch.tensor([[-3.0, -0.2, -1.0]]))
@@ -276,14 +276,14 @@ def test_part_four_restates_the_refusals_the_worked_examples_and_the_arms():
     for mode in ("truncate", "token-mask", "sequence-mask"):
         weights, metrics = tis_weights(old, batch, 2.0, mode)
         rows[mode] = (", ".join(f"{w:.3g}" for w in weights[0].tolist()), metrics)
-    says("06-objectives.md", f"| truncate | {rows['truncate'][0]} | `tis_capped_frac` {rows['truncate'][1]['tis_capped_frac']:.3f} |",
+    says("06-beyond-torl.md", f"| truncate | {rows['truncate'][0]} | `tis_capped_frac` {rows['truncate'][1]['tis_capped_frac']:.3f} |",
          f"| token-mask | {rows['token-mask'][0]} | `tis_masked_frac` {rows['token-mask'][1]['tis_masked_frac']:.3f}, "
          f"`tis_masked_seq_frac` {rows['token-mask'][1]['tis_masked_seq_frac']:g} |",
          f"| sequence-mask | {rows['sequence-mask'][0]} (geometric mean {math.exp((1.5 - 0.05 - 0.05) / 3):.3f}",
          f"`tis_masked_frac` {rows['sequence-mask'][1]['tis_masked_frac']:g}, `tis_masked_seq_frac` 0 |")
 
 
-@pytest.mark.parametrize("name", ["06-train.md", "06-scaling.md", "06-beyond-torl.md", "06-objectives.md"])
+@pytest.mark.parametrize("name", ["06-train.md", "06-scaling.md", "06-beyond-torl.md", "06-experiments.md"])
 def test_each_page_ends_with_questions_and_folded_answers(name):
     text = (DOCS / name).read_text(encoding="utf-8")
     questions = text.split("## Questions to check yourself")[1].split("## Answers")[0]
