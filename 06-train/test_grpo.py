@@ -856,13 +856,13 @@ def test_gspo_draws_clip_some_sequences_and_not_others():
 def test_micro_batches_with_the_mini_batch_normalizer_add_up_to_the_whole_loss():
     """Each objective: two halves of the rows, each divided by the whole's count, sum to the whole."""
     from grpo import OBJECTIVES
-    from update_options import loss_normalizer
+    from objectives import loss_denominator
 
     for objective, aggregation in (("gspo", "sequence-mean"), ("cispo", "token-mean"), ("cispo", "sequence-mean")):
         new, old, _, advantage, mask = random_batch(0, objective)
         eps = EPS[objective]
         whole, _ = OBJECTIVES[objective](new, old, advantage, mask, *eps, aggregation)
-        n = loss_normalizer(mask, aggregation, 0)
+        n = loss_denominator(mask, aggregation, 0)
         halves = sum(OBJECTIVES[objective](new[r], old[r], advantage[r], mask[r], *eps, aggregation, normalizer=n)[0]
                      for r in (slice(0, 3), slice(3, 6)))
         assert float(halves) == pytest.approx(float(whole), rel=1e-9)
