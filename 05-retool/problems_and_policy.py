@@ -201,7 +201,7 @@ def cold_start_key(argv: list[str], train_file: str, source: str | None) -> str:
     digest = hashlib.sha256()
     settings = [a for i, a in enumerate(argv) if a != "--out" and (i == 0 or argv[i - 1] != "--out")]
     digest.update(repr((settings, torch.__version__, transformers.__version__)).encode())
-    for path in (Path(train_file), here / "cold_start.py", root / "tiny_model.py", root / "01-data" / "chained_problems.py",
+    for path in (Path(train_file), here / "cold_start.py", here / "tool_traces.py", root / "tiny_model.py", root / "01-data" / "chained_problems.py",
                  root / "03-rollout" / "prompt_templates.py", root / "03-rollout" / "rollout.py"):
         digest.update(path.read_bytes())
     if source:
