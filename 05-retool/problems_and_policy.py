@@ -107,6 +107,17 @@ def trainer_threads(cfg) -> int:
     return (os.cpu_count() or 1) if cfg.trainer_threads < 0 else cfg.trainer_threads
 
 
+def trainer_policy(cfg, model_path: str, dp):
+    """The trainer's float32 copy of the policy, only its top cfg.train_layers trained if set; under torchrun
+    a DDP replica or an FSDP2 shard (06's distributed.py; FSDP2 reads the weights on rank 0 only)."""
+    policy = dp.load_policy(model_path)
+    if cfg.train_layers:
+        from cold_start import freeze_all_but_top
+
+        print(f"training the top {cfg.train_layers} layers: {freeze_all_but_top(policy, cfg.train_layers):,} weights")
+    return dp.wrap(policy)
+
+
 COLD_STARTS = ("scratch", "finetune", "none")
 
 
