@@ -283,13 +283,11 @@ def config_problems(cfg, world: int | None = None, first_only: bool = False) -> 
     if not (first_only and problems):
         from distributed import STRATEGIES
         from grpo import OBJECTIVES
-        from objectives import AGGREGATIONS, objective_problems
+        from objectives import objective_problems
 
         if cfg.strategy not in STRATEGIES:
             problems.append(f"strategy must be {_one_of(STRATEGIES)}, got '{cfg.strategy}'")
-        if cfg.aggregation not in AGGREGATIONS:
-            problems.append(f"aggregation must be {_one_of(AGGREGATIONS)}, got '{cfg.aggregation}'")
-        problems += objective_problems(cfg, tuple(OBJECTIVES))
+        problems += objective_problems(cfg, tuple(OBJECTIVES))  # the aggregation's too
     if cfg.cold_start in ("scratch", "finetune") and not problems and Path(cfg.train_file).exists():
         problems += [p for p in [cold_start_problem(cfg)] if p]
     if cfg.model and not problems:

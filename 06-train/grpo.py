@@ -22,8 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from distributed import full_tensor, gradient_sync, load_policy, unwrap  # load_policy: re-exported, as the two below
-from objectives import (AGGREGATIONS, aggregate, cispo_loss, gspo_loss, loss_denominator, objective_aggregation,
-                        objective_problems)
+from objectives import aggregate, cispo_loss, gspo_loss, loss_denominator, objective_aggregation, objective_problems
 from update_metrics import UpdateTally, ratio_stats, sampler_mismatch
 from update_options import exclude_rows, rows_to_run, rows_with_gradient, step_if_finite, tis_weights, zero_gradients
 from weight_sync import sleep_sampler, sync_weights  # re-exported: the loop takes the chapter's parts from here
@@ -353,10 +352,9 @@ def _old_logprobs_and_entropy(model, batch: Batch, cfg: GRPOConfig):
 def _check_step_inputs(trajectories, cfg: GRPOConfig, exclude) -> None:
     if not trajectories:
         raise ValueError("grpo_step needs at least one trajectory")
-    if objective_problems(cfg, tuple(OBJECTIVES)):  # objectives.py: settings that would train something else
-        raise ValueError(objective_problems(cfg, tuple(OBJECTIVES))[0])
-    if cfg.aggregation not in AGGREGATIONS:
-        raise ValueError(f"unknown aggregation {cfg.aggregation!r} (choose from {', '.join(AGGREGATIONS)})")
+    problems = objective_problems(cfg, tuple(OBJECTIVES))  # objectives.py: settings that would train something else
+    if problems:
+        raise ValueError(problems[0])
     if cfg.aggregation == "token-sum" and cfg.max_response_tokens < 1:
         raise ValueError("aggregation token-sum divides by the response budget: set GRPOConfig.max_response_tokens")
     if exclude is not None and len(exclude) != len(trajectories):
@@ -373,7 +371,7 @@ def _set_gradient_checkpointing(model, on: bool) -> None:
 
 
 __all__ = [
-    "GRPOConfig", "AGGREGATIONS", "OBJECTIVES", "Batch", "group_advantages", "grpo_step", "clipped_policy_loss", "sync_weights",
+    "GRPOConfig", "OBJECTIVES", "Batch", "group_advantages", "grpo_step", "clipped_policy_loss", "sync_weights",
     "sleep_sampler", "make_optimizer", "load_policy", "build_batch", "token_logprobs",
 ]
 

@@ -120,9 +120,11 @@ def aggregate(token_terms: torch.Tensor, mask: torch.Tensor, aggregation: str, n
 
 
 def objective_problems(cfg, objectives: tuple[str, ...]) -> list[str]:
-    """What is wrong with the objective and importance-sampling settings of a GRPOConfig or a retool Config,
-    one line each; `objectives`: the names grpo.OBJECTIVES knows."""
+    """What is wrong with the aggregation, objective and importance-sampling settings of a GRPOConfig or a
+    retool Config, one line each; `objectives`: the names grpo.OBJECTIVES knows."""
     problems = []
+    if cfg.aggregation not in AGGREGATIONS:
+        problems.append(f"aggregation must be {', '.join(AGGREGATIONS[:-1])} or {AGGREGATIONS[-1]}, got '{cfg.aggregation}'")
     if cfg.objective not in objectives:
         problems.append(f"objective must be one of {', '.join(objectives)}, got '{cfg.objective}'")
     if cfg.tis_mode not in TIS_MODES:

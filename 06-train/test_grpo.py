@@ -952,6 +952,7 @@ def test_token_mask_zeroes_one_token_where_sequence_mask_keeps_the_sequence(poli
     (dict(objective="grpo"), "objective must be one of ppo-clip, gspo, cispo, got 'grpo'"),
     (dict(tis_mode="token-mask"), "set tis_cap above 1"),
     (dict(tis_mode="mask", tis_cap=2.0), "tis_mode must be one of truncate, token-mask, sequence-mask"),
+    (dict(aggregation="sum"), "aggregation must be token-mean, sequence-mean or token-sum, got 'sum'"),
 ])
 def test_objective_settings_that_would_train_something_else_are_refused_in_one_line(policy, change, message):
     from configuration import check_config
