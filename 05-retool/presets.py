@@ -1,4 +1,4 @@
-"""The runs `make run-05 PRESET=...` knows: each a set of Config fields (retool.py) over its defaults.
+"""The runs `make run-05 PRESET=...` knows: each a set of Config fields (configuration.py) over its defaults.
 
 cpu-demo is Config's defaults; torl-1.5b is ToRL's scripts/torl_1.5b.sh value
 by value (docs/05-torl.md has the table, row by row); torl-7b the same with the

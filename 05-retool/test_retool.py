@@ -570,7 +570,7 @@ def test_overwrite_replaces_a_used_folder_unless_a_live_run_holds_it(tmp_path):
     import dataclasses
 
     from run_folders import check_new_run_dir
-    from run_record import hold_lock
+    from run_folders import hold_lock
 
     run_dir = tmp_path / "run"
     run_dir.mkdir()
@@ -588,10 +588,10 @@ def test_overwrite_replaces_a_used_folder_unless_a_live_run_holds_it(tmp_path):
 
 def test_a_second_run_into_a_folder_in_use_is_refused_in_one_line(tmp_path):
     """The lock is the kernel's (flock): a second holder is refused even in another process."""
-    from run_record import hold_lock
+    from run_folders import hold_lock
 
     lock = hold_lock(tmp_path)
-    other = subprocess.run([sys.executable, "-c", "import sys; from pathlib import Path; from run_record import hold_lock; "
+    other = subprocess.run([sys.executable, "-c", "import sys; from pathlib import Path; from run_folders import hold_lock; "
                             f"hold_lock(Path({str(tmp_path)!r}))"], capture_output=True, text=True, timeout=60)
     assert other.returncode == 1 and other.stderr.strip().startswith("error: run folder")
     assert "in use by another run" in other.stderr and len(other.stderr.strip().splitlines()) == 1
