@@ -92,7 +92,7 @@ class Config:
     dynamic_sampling_rounds: int = 4  # the most extra rollout rounds a step may take for that
     mask_truncated: bool = False  # DAPO's overlong filtering: budget-truncated trajectories get no gradient
     filter_void_turns: bool = False  # SimpleTIR: a turn with neither complete code nor an answer keeps its trajectory out
-    # --- the objectives after DAPO (06-train/objectives.py, docs/06-objectives.md) ---
+    # --- the objectives after DAPO (06-train/objectives.py, docs/06-beyond-torl.md) ---
     objective: str = "ppo-clip"  # ppo-clip, gspo (one ratio per sequence: its eps ~1000x narrower, the paper's 3e-4 / 4e-4) or cispo
     force_gspo_clip: bool = False  # let gspo run with a PPO-sized clip band (above 0.01), refused otherwise
     tis_mode: str = "truncate"  # with tis_cap: truncate, or weight 0 outside [1/cap, cap] per token-mask or sequence-mask

@@ -102,7 +102,7 @@ def clipped_policy_loss(
     return loss, ratio_stats(ratio, log_ratio, mask, (adv < 0) & (r < 1.0 - eps_low), (adv > 0) & (r > 1.0 + eps_high))
 
 
-# The objective's name -> its loss; all take clipped_policy_loss's arguments (docs/06-objectives.md).
+# The objective's name -> its loss; all take clipped_policy_loss's arguments (docs/06-beyond-torl.md).
 OBJECTIVES = {"ppo-clip": clipped_policy_loss, "gspo": gspo_loss, "cispo": cispo_loss}
 
 

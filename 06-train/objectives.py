@@ -1,4 +1,4 @@
-"""Every loss a run may choose beside grpo.py's PPO-clip with token-mean; the story is docs/06-objectives.md.
+"""Every loss a run may choose beside grpo.py's PPO-clip with token-mean; the story is docs/06-beyond-torl.md.
 
 The one place the objective and the aggregation are chosen
 (`objective_aggregation`, `aggregate`, `loss_denominator`), and the objectives

@@ -981,7 +981,7 @@ def test_a_forced_wide_gspo_band_runs_and_the_loop_refuses_it_before_loading_any
 @pytest.mark.vllm
 def test_each_new_objective_and_mask_runs_real_steps_with_finite_metrics(tiny_llm, sandbox, tiny_model_path, policy):
     """One real step each (vLLM, sandbox, reward, update, sync): gspo + sequence-mask, cispo + token-mask
-    (the 3-step runs with the loop are measured in docs/06-objectives.md). The forced turns make the mismatch
+    (the 3-step runs with the loop are measured in docs/06-beyond-torl.md). The forced turns make the mismatch
     real: on a forced token vLLM records the log-prob of the regex-constrained distribution, higher than the
     trainer's, so the masks have something to do."""
     from retool import Config, train_step
