@@ -16,23 +16,20 @@ Key decisions (docs/03 gives the reasons and compares each with ToRL's code):
    make_llm, check_on_policy).
 5. Unseeded unless RolloutConfig.seed is set: seeded requests take vLLM's slower path.
 
-Here: rollout(), its default schedule (overlapped), the config, one trajectory's
-bookkeeping, ToRL's protocol. Beside it: rounds_schedule.py (the other schedule),
-prompt_templates.py, trajectory.py (the records), trajectory_view.py, rollout_cli.py.
+Here: rollout() with the rounds schedule, the config, one trajectory's bookkeeping,
+ToRL's protocol. Beside it: overlapped_schedule.py (the default schedule, chosen in
+rollout()), prompt_templates.py, trajectory.py (the records), vllm_engine.py,
+trajectory_view.py, and rollout_cli.py (the command line this file runs).
 """
 from __future__ import annotations
 
-import concurrent.futures
-import itertools
-import os
-import sys
 import time
 import zlib
 from dataclasses import dataclass, field
 from typing import Any
 
+from overlapped_schedule import run_overlapped
 from prompt_templates import TEMPLATES, render_prompt  # rollout.TEMPLATES and rollout.render_prompt too
-from rounds_schedule import run_in_rounds
 from trajectory import ToolCall, Trajectory, load_trajectories, save_trajectories  # rollout.Trajectory etc. too
 from vllm_engine import check_logprobs_mode, check_on_policy, make_llm, weight_version  # rollout.make_llm etc. too
 
@@ -44,12 +41,12 @@ def rollout(llm, problems: list[dict], sandbox, cfg: RolloutConfig | None = None
             indices: list[int] | None = None) -> list[Trajectory]:
     """Sample `group_size` tool-integrated responses per problem; return them grouped by problem.
 
-    `problems` are dicts {id, question, answer, source}. `sandbox` needs `run(code)`,
-    called from several threads at once, for the overlapped schedule and
-    `run_many(codes)` for rounds (chapter 02's Sandbox has both). If `spent` is a
-    dict it receives wall seconds spent in the engine (`generate_s`), waiting for
-    the sandbox with nothing to decode (`sandbox_s`) and in all (`wall_s`), the
-    number of engine steps or rounds, and token counts. `indices`: each problem's place in the whole
+    `problems` are dicts {id, question, answer, source}. `sandbox` runs the code:
+    `run_many(codes)` in rounds, `run(code)` from several threads at once in the
+    overlapped schedule (chapter 02's Sandbox has both). If `spent` is a dict it
+    receives wall seconds spent in the engine (`generate_s`), waiting for the
+    sandbox with nothing to decode (`sandbox_s`) and in all (`wall_s`), the number
+    of rounds or engine steps, and token counts. `indices`: each problem's place in the whole
     set it was dealt from (a rank's share of an evaluation), which the seeds follow [default: its position].
     """
     cfg = cfg or RolloutConfig()
@@ -58,29 +55,43 @@ def rollout(llm, problems: list[dict], sandbox, cfg: RolloutConfig | None = None
     check_logprobs_mode(llm)
     started = time.perf_counter()
     tokenizer = llm.get_tokenizer()
-    context = llm.model_config.max_model_len
     version, model = weight_version(llm), str(llm.model_config.model)
     in_flight: list[_InFlight] = []  # group_size per problem, in the order they are returned
     for position, problem in enumerate(problems):
         problem_index = position if indices is None else indices[position]
-        prompt_ids, limit = _tokenize_prompt(problem, problem_index, tokenizer, cfg, context)
+        prompt_ids, limit = _tokenize_prompt(problem, problem_index, tokenizer, cfg, llm.model_config.max_model_len)
         for group_index in range(cfg.group_size):
             traj = Trajectory(
                 problem_id=str(problem["id"]), group_index=group_index, reference=str(problem["answer"]),
                 prompt_ids=list(prompt_ids), token_ids=[], logprobs=[], loss_mask=[], text="",
                 weight_version=version, model=model,
             )
-            in_flight.append(_InFlight(traj=traj, problem_index=problem_index, limit=limit,
-                                       limit_is_context=limit < cfg.max_response_tokens, calls_left=cfg.tool_budget))
-
-    spent = {} if spent is None else spent  # what the rollout spent: seconds, engine steps, tokens, tool calls
+            in_flight.append(_InFlight(traj=traj, problem_index=problem_index, limit=limit, cfg=cfg, tokenizer=tokenizer))
+    spent = {} if spent is None else spent  # what the rollout spent: seconds, rounds or steps, tokens, tool calls
     spent.update(generate_s=0.0, sandbox_s=0.0)
-    if cfg.schedule == "overlap":
-        _run_overlapped(llm.llm_engine, in_flight, sandbox, cfg, tokenizer, spent)
-    else:  # rounds_schedule.py: the same trajectories for a seed, one generate call per turn of the batch
-        run_in_rounds(llm, in_flight, sandbox.run_many, group_size=cfg.group_size, spent=spent,
-                      params_for=lambda state, n: _turn_params(cfg, state, n),
-                      observe=lambda state, result: state.append_observation(result, tokenizer, cfg.observation_style))
+
+    if cfg.schedule == "overlap":  # the default: each trajectory moves on its own (overlapped_schedule.py)
+        run_overlapped(llm.llm_engine, in_flight, sandbox.run, spent)
+    else:  # rounds: the whole batch moves turn by turn
+        spent["rounds"] = 0
+        # Round 0: one request per problem, n=group_size; its samples share the prompt's prefill.
+        firsts = in_flight[:: cfg.group_size]
+        for position, out in enumerate(_generate(llm, firsts, spent, n=cfg.group_size)):
+            for sample in out.outputs:
+                in_flight[position * cfg.group_size + sample.index].append_turn(sample)
+        while True:  # each later round: all the code the last turns asked for in one batch, then every next turn
+            waiting = [state for state in in_flight if state.wants_tool]
+            if waiting:
+                t0 = time.perf_counter()
+                results = sandbox.run_many([state.code for state in waiting])
+                spent["sandbox_s"] += time.perf_counter() - t0  # the engine waits for the round's slowest call
+                for state, result in zip(waiting, results):
+                    state.append_observation(result)
+            unfinished = [state for state in in_flight if not state.done]
+            if not unfinished:
+                break
+            for state, out in zip(unfinished, _generate(llm, unfinished, spent)):
+                state.append_turn(out.outputs[0])
 
     trajectories = [state.traj for state in in_flight]
     for t in trajectories:
@@ -92,72 +103,19 @@ def rollout(llm, problems: list[dict], sandbox, cfg: RolloutConfig | None = None
     return trajectories
 
 
-def _run_overlapped(engine, in_flight: list[_InFlight], sandbox, cfg: RolloutConfig, tokenizer, spent: dict) -> None:
-    """Sample every trajectory to its end, each on its own: no trajectory waits for another.
+def _generate(llm, states: list[_InFlight], spent: dict, n: int = 1) -> list:
+    """One round: one generate call with each trajectory's next turn, sent as token ids (never re-rendered text)."""
+    from vllm.inputs import TokensPrompt
 
-    The engine steps continuously (vLLM's in-process `add_request` / `step`). A
-    turn that stops on STOP hands its code to a sandbox thread at once; when the
-    result is back, the observation is appended and the continuation joins the
-    running batch. The loop blocks only when nothing is left to decode, and
-    `spent["sandbox_s"]` counts that wait.
-    """
-    from vllm.inputs import tokens_input
-    from vllm.sampling_params import RequestOutputKind
-
-    # Every output engine.step() returns is taken for one of ours: another caller's would be lost to it.
-    if engine.has_unfinished_requests():
-        raise RuntimeError(f"rollout: the engine already has {engine.get_num_unfinished_requests()} request(s) "
-                           f"in flight; the overlapped schedule steps it and needs it to itself")
-    sampling: dict[str, _InFlight] = {}  # request id -> the trajectory whose turn the engine is sampling
-    running: dict[concurrent.futures.Future, _InFlight] = {}  # sandbox call -> the trajectory waiting for it
-    spent["steps"] = 0
-
-    # The threads only wait on the sandbox, which admits `concurrency` calls at a time itself.
-    with concurrent.futures.ThreadPoolExecutor(min(len(in_flight), 64), thread_name_prefix="rollout-sandbox") as pool:
-        def advance(state: _InFlight) -> None:
-            """Hand a trajectory to whoever acts next: the sandbox, the engine, or nobody (done)."""
-            if state.wants_tool and not state.code:  # asked for output without a complete block: nothing runs
-                state.append_observation(None, tokenizer, cfg.observation_style)
-            if state.done:
-                return
-            if state.wants_tool:
-                running[pool.submit(sandbox.run, state.code)] = state
-                return
-            request_id = f"rollout-{next(_REQUEST_IDS)}"
-            params = _turn_params(cfg, state)
-            params.output_kind = RequestOutputKind.FINAL_ONLY  # one output per turn, when it ends (as LLM.generate sets)
-            engine.add_request(request_id, tokens_input(state.traj.prompt_ids + state.traj.token_ids), params)
-            sampling[request_id] = state
-
-        try:
-            for state in in_flight:
-                advance(state)
-            while sampling or running:
-                t0 = time.perf_counter()
-                if sampling:
-                    for out in engine.step():
-                        if out.finished:
-                            state = sampling.pop(out.request_id)
-                            state.append_turn(out.outputs[0])
-                            advance(state)
-                    spent["generate_s"] += time.perf_counter() - t0
-                    spent["steps"] += 1
-                    ready = [call for call in running if call.done()]
-                else:  # every unfinished trajectory waits for its code
-                    ready = concurrent.futures.wait(running, return_when=concurrent.futures.FIRST_COMPLETED).done
-                    spent["sandbox_s"] += time.perf_counter() - t0
-                for call in ready:
-                    state = running.pop(call)
-                    state.append_observation(call.result(), tokenizer, cfg.observation_style)
-                    advance(state)
-        finally:
-            if sampling:  # an error left turns in the shared engine: take them out
-                engine.abort_request(list(sampling))
+    t0 = time.perf_counter()
+    outs = llm.generate([TokensPrompt(prompt_token_ids=s.traj.prompt_ids + s.traj.token_ids) for s in states],
+                        [s.next_params(n) for s in states], use_tqdm=False)
+    spent["generate_s"] += time.perf_counter() - t0
+    spent["rounds"] += 1
+    return outs
 
 
-_REQUEST_IDS = itertools.count()  # unique in the process: the engine may be shared
-
-# How the turns and tool calls of a batch interleave (docs/03-schedules.md measures both).
+# How the turns and tool calls of a batch interleave (docs/03-schedules.md compares them).
 SCHEDULES = ("rounds", "overlap")
 
 # "torl" is ToRL's rule (torl_observation); "short" and "full" are sandbox.format_observation's.
@@ -174,7 +132,7 @@ class RolloutConfig:
     observation_style: str = "torl"  # one of OBSERVATION_STYLES: how a result is shown to the model
     template: str = "torl"  # key of TEMPLATES
     seed: int | None = None  # per-request seeds derived from it (reproducible, slower); None = the engine's stream
-    schedule: str = "overlap"  # one of SCHEDULES: "overlap" is above, "rounds" in rounds_schedule.py
+    schedule: str = "overlap"  # one of SCHEDULES: "rounds" is rollout()'s own loop, "overlap" overlapped_schedule.py
     # Regexes, one per turn, that constrain what the model writes (vLLM structured
     # outputs). For tests and demos: a random tiny model never writes code by itself.
     force_turns: tuple[str, ...] = ()
@@ -197,16 +155,24 @@ class RolloutConfig:
 
 @dataclass(eq=False)  # one object per trajectory: identity, not equal fields, tells two apart
 class _InFlight:
-    """One trajectory while it is being sampled: the record plus where its sampling stands."""
+    """One trajectory while it is being sampled: the record plus where its sampling stands.
+
+    Either schedule drives it with three calls: `next_params` (what to ask vLLM for),
+    `append_turn` (what vLLM returned), `append_observation` (what the sandbox returned).
+    """
 
     traj: Trajectory
     problem_index: int  # the problem's place in the batch, or in the whole set it was dealt from (for seeds)
     limit: int  # the most tokens the response may hold: budget or context, whichever is smaller
-    limit_is_context: bool  # the limit comes from max_model_len, not the response budget
-    calls_left: int  # tool calls it may still make; at 0, STOP is no longer a stop string
-    wants_tool: bool = False  # the last turn ended on STOP: an observation must follow before it goes on
-    code: str = ""  # what that turn asks to run; "" when it held no complete block (nothing runs)
+    cfg: RolloutConfig
+    tokenizer: Any = field(repr=False)  # the engine's, which tokenizes each observation once
+    calls_left: int = field(init=False)  # tool calls it may still make; at 0, STOP is no longer a stop string
+    wants_tool: bool = False  # the last turn ended on STOP with a block to run: its observation must follow
+    code: str = ""  # what that turn asks to run
     done: bool = False
+
+    def __post_init__(self) -> None:
+        self.calls_left = self.cfg.tool_budget
 
     @property
     def room(self) -> int:
@@ -216,6 +182,36 @@ class _InFlight:
     def turn(self) -> int:
         return len(self.traj.tool_calls)
 
+    def next_params(self, n: int = 1):
+        """The sampling of this trajectory's next turn; n > 1 (rounds' first turn) samples the whole group in one request."""
+        from vllm import SamplingParams
+        from vllm.sampling_params import StructuredOutputsParams
+
+        cfg = self.cfg
+        extra = dict(cfg.extra_sampling)
+        if self.turn < len(cfg.force_turns):
+            extra["structured_outputs"] = StructuredOutputsParams(regex=cfg.force_turns[self.turn])
+        return SamplingParams(
+            n=n, temperature=cfg.temperature, top_p=cfg.top_p, max_tokens=self.room, seed=self._seed(),
+            stop=[STOP] if self.calls_left > 0 else None,  # no call left: ```output is just text
+            logprobs=0,  # the sampled token's own log-prob (of the distribution sampled from: see make_llm)
+            flat_logprobs=True,  # a few flat lists per sample instead of one dict per token: less garbage
+            **extra,
+        )
+
+    def _seed(self) -> int | None:
+        """A request's own seed, from the run's seed and its place: problem, sample, turn.
+
+        A first turn's seed is its problem's plus the sample's index, which is what vLLM
+        gives sample j of one n-sample request (rounds): both schedules draw the same tokens.
+        """
+        seed = self.cfg.seed
+        if seed is None:
+            return None
+        if self.turn == 0:
+            return zlib.crc32(f"{seed}/{self.problem_index}/0/0".encode()) + self.traj.group_index
+        return zlib.crc32(f"{seed}/{self.problem_index}/{self.traj.group_index}/{self.turn}".encode())
+
     def append_turn(self, sample) -> None:
         """Append one model turn exactly as vLLM returned it, and decide what comes next."""
         t = self.traj
@@ -223,11 +219,12 @@ class _InFlight:
         t.logprobs += _sampled_logprobs(sample)
         t.loss_mask += [1] * len(sample.token_ids)
         if sample.finish_reason == "stop" and sample.stop_reason == STOP:
-            if self.room > 0:
-                # sample.text is cut at the stop string, which is the text the code comes from.
-                self.code, self.wants_tool = extract_code(sample.text) or "", True
-            else:
+            if self.room <= 0:
                 self._end()  # no room left for an observation: the code is not run
+            elif code := extract_code(sample.text):  # sample.text is cut at the stop string: the code comes from it
+                self.code, self.wants_tool = code, True
+            else:
+                self.append_observation(None)  # asked for output without a complete block: nothing runs
         elif sample.finish_reason == "stop":  # EOS or another stop token: the model's own decision
             t.finish_reason, self.done = "eos", True
         elif sample.finish_reason == "length":
@@ -235,14 +232,14 @@ class _InFlight:
         else:  # "abort", "error", "repetition": vLLM ended it, not the model and not a budget
             self._end(str(sample.finish_reason))
 
-    def append_observation(self, result, tokenizer, style: str) -> None:
+    def append_observation(self, result) -> None:
         """Append the observation for the code this turn asked to run (result None: nothing ran)."""
         t = self.traj
-        text = observation_text(result, style) if result is not None else f"\n{NO_CODE_OUTPUT}\n```\n"
-        ids = encode_plain(tokenizer, text)
+        text = observation_text(result, self.cfg.observation_style) if result is not None else f"\n{NO_CODE_OUTPUT}\n```\n"
+        ids = encode_plain(self.tokenizer, text)
         if len(ids) > self.room:
             ids = ids[: self.room]
-            text = tokenizer.decode(ids)
+            text = self.tokenizer.decode(ids)
         start = len(t.token_ids)
         t.token_ids += ids
         t.logprobs += [0.0] * len(ids)
@@ -264,7 +261,8 @@ class _InFlight:
             self._end()
 
     def _end(self, reason: str | None = None) -> None:
-        self.traj.finish_reason = reason or ("length" if self.limit_is_context else "budget")
+        limit_is_context = self.limit < self.cfg.max_response_tokens  # the limit comes from max_model_len
+        self.traj.finish_reason = reason or ("length" if limit_is_context else "budget")
         self.traj.truncated = True
         self.done = True
 
@@ -286,45 +284,13 @@ def _tokenize_prompt(problem: dict, problem_index: int, tokenizer, cfg: RolloutC
     return prompt_ids, limit
 
 
-def _turn_params(cfg: RolloutConfig, state: _InFlight, n: int = 1):
-    """The sampling of one trajectory's next turn; n > 1 (rounds' first turn) samples the whole group in one request."""
-    from vllm import SamplingParams
-    from vllm.sampling_params import StructuredOutputsParams
-
-    extra = dict(cfg.extra_sampling)
-    if state.turn < len(cfg.force_turns):
-        extra["structured_outputs"] = StructuredOutputsParams(regex=cfg.force_turns[state.turn])
-    return SamplingParams(
-        n=n, temperature=cfg.temperature, top_p=cfg.top_p, max_tokens=state.room, seed=_seed(cfg.seed, state),
-        stop=[STOP] if state.calls_left > 0 else None,  # no call left: ```output is just text
-        logprobs=0,  # the sampled token's own log-prob (of the distribution sampled from: see make_llm)
-        flat_logprobs=True,  # a few flat lists per sample instead of one dict per token: less garbage
-        **extra,
-    )
-
-
-def _seed(seed: int | None, state: _InFlight) -> int | None:
-    """A request's own seed, from the run's seed and its place: problem, sample, turn.
-
-    A first turn's seed is its problem's plus the sample's index, which is what vLLM
-    gives sample j of one n-sample request (rounds): both schedules draw the same tokens.
-    """
-    if seed is None:
-        return None
-    if state.turn == 0:
-        return zlib.crc32(f"{seed}/{state.problem_index}/0/0".encode()) + state.traj.group_index
-    return zlib.crc32(f"{seed}/{state.problem_index}/{state.traj.group_index}/{state.turn}".encode())
-
-
 def _sampled_logprobs(sample) -> list[float]:
-    """The log-prob of each sampled token, read from vLLM's answer for logprobs=0."""
+    """The log-prob of each sampled token: for logprobs=0, vLLM's flat lists hold one entry a position, the sampled token's."""
     lp, ids = sample.logprobs, sample.token_ids
-    if lp is None or len(lp) != len(ids):
-        raise RuntimeError("rollout: vLLM returned no log-prob for some sampled tokens (logprobs=0 was requested)")
-    flat_ids = getattr(lp, "token_ids", None)
-    if flat_ids is not None and len(flat_ids) == len(ids) and list(flat_ids) == list(ids):
-        return list(lp.logprobs)  # one entry per position: the sampled token's
-    return [lp[i][tok].logprob for i, tok in enumerate(ids)]
+    if lp is None or list(getattr(lp, "token_ids", ())) != list(ids):
+        raise RuntimeError("rollout: vLLM returned no flat log-prob for some sampled tokens "
+                           "(logprobs=0 and flat_logprobs=True were requested)")
+    return list(lp.logprobs)
 
 
 # --- ToRL's protocol: which code runs and what the model reads back --------------------
@@ -408,7 +374,7 @@ def encode_plain(tokenizer, text: str) -> list[int]:
     return tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True)
 
 
-if __name__ == "__main__":  # the command line (demo, sample, view) lives beside the core
-    from rollout_cli import main
+if __name__ == "__main__":  # demo, sample, view: rollout_cli.py, which imports this file as `rollout`, runs as the script
+    import runpy
 
-    sys.exit(main())
+    runpy.run_module("rollout_cli", run_name="__main__")

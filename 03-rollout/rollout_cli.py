@@ -14,7 +14,7 @@ from pathlib import Path
 
 from lab_cli import at_least, one_line_errors
 from prepare_data import DataError, load_problems
-from rollout import SCHEDULES, TEMPLATES, RolloutConfig, Trajectory, load_trajectories, make_llm, rollout, save_trajectories
+from rollout import SCHEDULES, TEMPLATES, RolloutConfig, load_trajectories, make_llm, rollout, save_trajectories
 from trajectory_view import draw_tokens, render_html
 
 
@@ -102,8 +102,6 @@ def _cmd_view(args) -> str:
 def _cmd_demo(args) -> None:
     import tempfile
 
-    from sandbox import Sandbox, SandboxConfig
-
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # the trajectories, not the engine's log
     model = args.model
     if model is None:
@@ -113,30 +111,28 @@ def _cmd_demo(args) -> None:
     llm = make_llm(model, dtype="float32", max_model_len=2048)
     cfg = RolloutConfig(group_size=args.group_size, max_response_tokens=256, force_turns=DEMO_TURNS, seed=0)
     problems = [{"id": "demo-1", "question": DEMO_QUESTION, "answer": "56088", "source": "demo"}]
-    spent: dict = {}
-    with Sandbox(SandboxConfig()) as sandbox:
-        trajs = rollout(llm, problems, sandbox, cfg, spent)
-    _save_and_report(trajs, args.out, spent, llm.get_tokenizer())
+    _roll_out_and_save(llm, problems, cfg, args.out, draw=True)
 
 
 def _cmd_sample(args) -> None:
-    from sandbox import Sandbox, SandboxConfig
-
     problems = load_problems(args.problems)[0][: args.limit]  # chapter 01's reader: .jsonl or .parquet, a bad row named
-
     llm = make_llm(args.model, dtype=args.dtype, max_model_len=args.max_model_len, seed=args.seed)
     cfg = RolloutConfig(group_size=args.group_size, max_response_tokens=args.max_response_tokens,
                         tool_budget=args.tool_budget, template=args.template, seed=args.seed, schedule=args.schedule)
+    _roll_out_and_save(llm, problems, cfg, args.out)
+
+
+def _roll_out_and_save(llm, problems: list[dict], cfg: RolloutConfig, out: str, draw: bool = False) -> None:
+    """Roll out with chapter 02's sandbox, save the trajectories, print what was spent (and each trajectory, drawn)."""
+    from sandbox import Sandbox, SandboxConfig
+
     spent: dict = {}
     with Sandbox(SandboxConfig()) as sandbox:
         trajs = rollout(llm, problems, sandbox, cfg, spent)
-    _save_and_report(trajs, args.out, spent)
-
-
-def _save_and_report(trajs: list[Trajectory], out: str, spent: dict, tokenizer=None) -> None:
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     save_trajectories(trajs, out)
-    if tokenizer is not None:
+    if draw:
+        tokenizer = llm.get_tokenizer()
         for t in trajs:
             print(f"--- problem {t.problem_id}, sample {t.group_index}: {t.finish_reason}, {t.num_tool_calls} tool call(s)")
             print(draw_tokens(t, tokenizer))

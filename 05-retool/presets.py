@@ -1,4 +1,4 @@
-"""The runs `make run-05 PRESET=...` knows: each a set of Config fields (retool.py) over its defaults.
+"""The runs `make run-05 PRESET=...` knows: each a set of Config fields (configuration.py) over its defaults.
 
 cpu-demo is Config's defaults; torl-1.5b is ToRL's scripts/torl_1.5b.sh value
 by value (docs/05-torl.md has the table, row by row); torl-7b the same with the
@@ -94,7 +94,7 @@ PRESETS["cpu-chained"] = dict(
     # Sized by the moves check (moves_check.py), not by RL: the demo's 300 / 200 steps and one shared key-value
     # head left a base that copied no number from these problems. Three schedules give a base that may lack a
     # move, and the cold start says so; the one base that passes the check took a fourth with --drills-in-mix
-    # (docs/06-bases.md has each base and its command).
+    # (docs/appendix/06-bases.md has each base and its command).
     cold_start_steps=600,
     cold_start_tool_only_steps=450,
     cold_start_kv_heads=4,

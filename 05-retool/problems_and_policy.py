@@ -107,6 +107,17 @@ def trainer_threads(cfg) -> int:
     return (os.cpu_count() or 1) if cfg.trainer_threads < 0 else cfg.trainer_threads
 
 
+def trainer_policy(cfg, model_path: str, dp):
+    """The trainer's float32 copy of the policy, only its top cfg.train_layers trained if set; under torchrun
+    a DDP replica or an FSDP2 shard (06's distributed.py; FSDP2 reads the weights on rank 0 only)."""
+    policy = dp.load_policy(model_path)
+    if cfg.train_layers:
+        from cold_start import freeze_all_but_top
+
+        print(f"training the top {cfg.train_layers} layers: {freeze_all_but_top(policy, cfg.train_layers):,} weights")
+    return dp.wrap(policy)
+
+
 COLD_STARTS = ("scratch", "finetune", "none")
 
 
@@ -201,7 +212,7 @@ def cold_start_key(argv: list[str], train_file: str, source: str | None) -> str:
     digest = hashlib.sha256()
     settings = [a for i, a in enumerate(argv) if a != "--out" and (i == 0 or argv[i - 1] != "--out")]
     digest.update(repr((settings, torch.__version__, transformers.__version__)).encode())
-    for path in (Path(train_file), here / "cold_start.py", root / "tiny_model.py", root / "01-data" / "chained_problems.py",
+    for path in (Path(train_file), here / "cold_start.py", here / "tool_traces.py", root / "tiny_model.py", root / "01-data" / "chained_problems.py",
                  root / "03-rollout" / "prompt_templates.py", root / "03-rollout" / "rollout.py"):
         digest.update(path.read_bytes())
     if source:

@@ -3,7 +3,7 @@
     make run-05                      # cpu-demo: cold start + RL on the toy task, on the CPU
     make run-05 PRESET=smollm2       # SmolLM2-135M learns to hand arithmetic to Python, on the CPU
     make run-05 PRESET=torl-1.5b     # Qwen2.5-Math-1.5B with ToRL's recipe, on a GPU
-    .venv/bin/python 05-retool/retool.py --steps 60 --lr 1e-5     # every Config field is a flag
+    .venv/bin/python 05-retool/retool.py --steps 60 --lr 1e-5     # every Config field is a flag (configuration.py)
     .venv/bin/python 05-retool/retool.py --resume RUN_DIR         # (--plot RUN_DIR redraws plots.png)
 
 One step (`train_step`): sample groups with the sandbox in the loop (03, 02),
@@ -18,112 +18,31 @@ the method. The story: docs/05-retool.md.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import random
 import sys
 import time
-from dataclasses import dataclass
+from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
 
 try:  # the lab's folders are on the path only in its own Python (the venv's tool_rl_lab.pth)
-    from lab_cli import at_least, private_tmp, refuse_chapter_folder, run_script
+    from lab_cli import private_tmp, refuse_chapter_folder, run_script
 except ModuleNotFoundError:
     sys.exit(f"error: {sys.executable} is not the lab's Python: run .venv/bin/python {sys.argv[0]}, or make")
 from batch_filters import excluded_from_loss, extra_seed, keep_informative_groups
-from configuration import check_config, cuda_available, parse_with_field_flags, sandbox_config
+from configuration import Config, check_config, cuda_available, make_config, parse_with_field_flags, sandbox_config
 from dry_run import add_plan_flags, check_memory_plan, dry_run, fill_plan_defaults
 from plots import plot_run
 from presets import GPU_PRESETS, PRESETS
-from problems_and_policy import first_policy, fit_prompts, load_data, trainer_threads
+from problems_and_policy import first_policy, fit_prompts, load_data, trainer_policy, trainer_threads
 from run_folders import check_new_run_dir, resume_config, stopped_before_training
 from run_record import RunRecord, outcome_metrics, remove_if_unstarted
 from stopping import STOPPER, StopRequested
 
 
-@dataclass
-class Config:
-    # --- the recipe: what ToRL sets (the torl-* presets take its script's values) ---
-    model: str = ""  # hub id or local folder; "" with cold_start "scratch": a tiny model trained first
-    train_file: str = "data/toy_train.jsonl"  # 01-data's schema; the toy task is made if missing
-    eval_file: str = "data/toy_test.jsonl"  # held-out problems, same schema (or ToRL's test set)
-    template: str = "torl"  # prompt template (03-rollout's table)
-    max_prompt_tokens: int = 0  # training prompts longer than this (rendered, in tokens) are dropped at load; 0 = keep all
-    steps: int = 20  # RL steps
-    problems_per_step: int = 8  # problems sampled per step, each a group
-    group_size: int = 8  # samples per problem: GRPO's group
-    max_response_tokens: int = 96  # model + observation tokens per response (ToRL: 3072)
-    max_model_len: int = 512  # the sampler's context: prompt + response must fit
-    tool_budget: int = 1  # code executions per response (ToRL: 1)
-    temperature: float = 1.0  # the trainer divides logits by the same value
-    exec_error_penalty: float = 0.0  # ToRL's optional -0.5 for failed code; off, as in its script
-    scorer: str = "lab"  # the reward's rule: the lab's, or ToRL's own (04-reward/torl_scorer.py), in training and eval
-    lr: float = 2e-5  # the tiny model (2e-4 learned in 3 steps, then collapsed and recovered twice); a 1.5B model wants 1e-6
-    eps_low: float = 0.2  # the clip band's lower side: ratio at least 1 - eps_low where the advantage is negative
-    eps_high: float = 0.28  # its upper side, 1 + eps_high where the advantage is positive (DAPO's clip-higher)
-    scale_advantages: bool = False  # divide by the group's std (original GRPO; ToRL's verl does)
-    num_minibatches: int = 2  # optimizer steps per RL step (ToRL: 1)
-    micro_batch_size: int = 16  # sequences per forward/backward pass: memory and speed, not the update (GRPOConfig's 4 is torl-1.5b's)
-    eval_every: int = 10  # steps; 0 = only before and after training
-    eval_problems: int = 100  # held-out problems per evaluation; 0 = all
-    eval_k: int = 1  # samples per problem
-    eval_temperature: float = 1.0  # sampled, so the demo's tool-use rate shows in it; ToRL evaluates greedily (0)
-    eval_max_response_tokens: int = 96  # the response budget in evaluations
-    save_every: int = 1  # steps between checkpoints
-    # --- the starting policy: one explicit rule (problems_and_policy.py) ---
-    cold_start: str = "scratch"  # scratch: train a tiny model first (model ""); finetune: tune `model` on tool traces; none
-    cold_start_steps: int = 300  # supervised steps on tool traces before RL
-    cold_start_tool_fraction: float = 0.3  # share of traces that call the tool (the rest box a guess)
-    cold_start_tool_only_steps: int = 200  # the first steps on tool traces alone
-    cold_start_lr: float = 2e-3  # the cold start's learning rate
-    cold_start_batch_size: int = 32  # traces per cold-start step
-    cold_start_kv_heads: int = 1  # scratch: key-value heads of the tiny model (1: its heads share one)
-    cold_start_rounds: int = 1  # chained task: schedules run until the base passes the moves check, at most
-    cold_start_cache: bool = True  # reuse a base cold-started before from the same inputs (~/.cache/tool-rl-lab)
-    # ===== Below: how the lab runs the recipe, and options beyond it. A first read can stop here. =====
-    # --- the same method, run another way (rollout and update mechanics) ---
-    seed: int = 0  # the data order, the sampler and the trainer's random state
-    observation_style: str = "torl"  # ToRL's rule; on the toy task "short" would show the same text
-    rollout_schedule: str = "overlap"  # rollout's default; "rounds": one generate call per turn of the batch (docs/03)
-    seed_rollouts: bool = False  # per-request seeds: reproducible rollouts, but vLLM's slow sampling path on a GPU
-    aggregation: str = "token-mean"  # how token losses add up: token-mean, sequence-mean or token-sum (docs/06)
-    skip_zero_advantage: bool = True  # no forward/backward for rows without gradient: the same update, faster
-    gradient_checkpointing: bool = False  # recompute activations in backward: less memory, more time
-    train_layers: int = 0  # train only the top N decoder layers (0 = all)
-    # --- the sandbox (02-sandbox) ---
-    sandbox_backend: str = "local"  # where model code runs: local (fork server), docker, or sandboxfusion (02-sandbox)
-    sandbox_urls: str = ""  # sandboxfusion: run_code URLs, comma-separated (the token from $SANDBOX_TOKEN)
-    sandbox_timeout: float = 10.0  # seconds a tool call may run (ToRL: 10)
-    sandbox_isolation: str = "namespaces"  # local backend: namespaces (contained) or plain (weaker; docs/02)
-    sandbox_preload: str = "math,numpy,sympy"  # modules the warm interpreter imports once, comma-separated; "" for none
-    # --- the engines: vLLM and the trainer on this machine's devices ---
-    strategy: str = "ddp"  # under torchrun: a full trainer replica per GPU (ddp) or 1/N of it (fsdp)
-    trainer_threads: int = 0  # CPU torch threads for training (-1 = every core; 0 = torch's default, which vLLM's CPU engine keeps)
-    dtype: str = "float32"  # the sampler's dtype (the trainer always keeps float32 weights)
-    gpu_memory_utilization: float = 0.3  # vLLM's share of the GPU for weights and KV cache
-    cpu_kv_cache_gib: float = 2.0  # on a CPU: host memory for vLLM's KV cache (a GPU's comes from the share above)
-    enforce_eager: bool = True  # vLLM without compilation (torch.compile, CUDA graphs): starts in seconds, decodes slower
-    # --- what the run records ---
-    eval_text: bool = False  # also evaluate without the tool, before and after RL
-    keep_checkpoints: int = 2  # the newest checkpoints kept in the run folder
-    log: str = ""  # also log to tensorboard, wandb or "tensorboard,wandb" (metrics.jsonl is always written)
-    # --- options from the field since ToRL (batch_filters.py, docs/06-beyond-torl.md); off in the torl-* presets ---
-    tis_cap: float = 0.0  # truncated importance sampling, min(pi_old / pi_sampler, cap) per token; 0 = off
-    dynamic_sampling: bool = False  # DAPO: sample more problems until every group of the step is informative
-    dynamic_sampling_rounds: int = 4  # the most extra rollout rounds a step may take for that
-    mask_truncated: bool = False  # DAPO's overlong filtering: budget-truncated trajectories get no gradient
-    filter_void_turns: bool = False  # SimpleTIR: a turn with neither complete code nor an answer keeps its trajectory out
-    # --- the objectives after DAPO (06-train/objectives.py, docs/06-objectives.md) ---
-    objective: str = "ppo-clip"  # ppo-clip, gspo (one ratio per sequence: its eps ~1000x narrower, the paper's 3e-4 / 4e-4) or cispo
-    force_gspo_clip: bool = False  # let gspo run with a PPO-sized clip band (above 0.01), refused otherwise
-    tis_mode: str = "truncate"  # with tis_cap: truncate, or weight 0 outside [1/cap, cap] per token-mask or sequence-mask
-
-
 def train(cfg: Config, run_dir: Path, resume: bool = False, dp=None) -> None:
     """The sandbox, the run folder, problems, the first policy and vLLM; then `train_step` once per step, each step recorded."""
-    if cfg.trainer_threads:  # before torch starts: it reads this once; vLLM's engine then leaves it
-        os.environ["OMP_NUM_THREADS"] = str(trainer_threads(cfg))
     from distributed import DataParallel
     from grpo import make_optimizer
 
@@ -138,12 +57,7 @@ def train(cfg: Config, run_dir: Path, resume: bool = False, dp=None) -> None:
     # The policy to train: the latest checkpoint, or the first policy (cold-started or as given).
     model_path = run_record.state["path"] if run_record.state else first_policy(cfg, run_dir, dp)
     train_problems = fit_prompts(train_problems, eval_problems, model_path, cfg)  # --max-prompt-tokens, or refused
-    policy = dp.load_policy(model_path)  # FSDP2 under torchrun: weights read on rank 0 only
-    if cfg.train_layers:
-        from cold_start import freeze_all_but_top
-
-        print(f"training the top {cfg.train_layers} layers: {freeze_all_but_top(policy, cfg.train_layers):,} weights")
-    model = dp.wrap(policy)  # under torchrun: gradients averaged over ranks (DDP) or the trainer sharded (FSDP2)
+    model = trainer_policy(cfg, model_path, dp)  # float32; under torchrun DDP's replica or FSDP2's shard
     grpo_cfg = grpo_config(cfg)
     optimizer = make_optimizer(model, grpo_cfg)
     run_record.restore_optimizer(model, optimizer)
@@ -173,18 +87,14 @@ def train_step(llm, model, optimizer, problems, sandbox, rollout_cfg, grpo_cfg, 
     """
     from grpo import group_advantages, grpo_step, sleep_sampler, sync_weights
 
-    timing = {"rollout_s": 0.0, "generate_s": 0.0, "sandbox_s": 0.0, "reward_s": 0.0}
+    timing = dict.fromkeys(("rollout_s", "generate_s", "sandbox_s", "reward_s"), 0.0)
+    sample = partial(sample_and_score, llm, sandbox, cfg, timing)
     # 1-2. Sample groups, the sandbox in the loop, and score each trajectory +1 or -1.
-    trajectories, results = sample_and_score(llm, problems, sandbox, rollout_cfg, cfg, timing)
+    trajectories, results = sample(problems, rollout_cfg)
     outcome = outcome_metrics(trajectories, results)  # the step's own problems, with or without dynamic sampling
-    dynamic_sampling_metrics: dict = {}
-    if cfg.dynamic_sampling:  # DAPO (batch_filters.py): more problems until every group differs in reward
-        def sample_extra_round(extra_round):
-            extra_cfg = dataclasses.replace(rollout_cfg, seed=extra_seed(rollout_cfg.seed, extra_round))
-            return sample_and_score(llm, more_problems(extra_round), sandbox, extra_cfg, cfg, timing)
-
-        trajectories, results, dynamic_sampling_metrics = keep_informative_groups(
-            trajectories, results, sample_extra_round, cfg.group_size, cfg.dynamic_sampling_rounds)
+    # DAPO's dynamic sampling, if on: more problems until every group differs in reward (batch_filters.py).
+    trajectories, results, resampled = keep_informative_groups(trajectories, results, sample, rollout_cfg,
+                                                               more_problems, cfg)
     # 3. Advantages: each reward against its group's mean.
     advantages, degenerate = group_advantages([t.reward for t in trajectories], cfg.group_size, scale=cfg.scale_advantages)
     for t, advantage in zip(trajectories, advantages):
@@ -192,38 +102,42 @@ def train_step(llm, model, optimizer, problems, sandbox, rollout_cfg, grpo_cfg, 
     excluded, exclusions = excluded_from_loss(trajectories, llm.get_tokenizer(), cfg.mask_truncated, cfg.filter_void_turns)
 
     # 4. The clipped policy-gradient update.
-    t0 = time.perf_counter()
-    STOPPER.hold()  # from here the weights change: a stop waits until the loop has recorded this step
-    sleep_sampler(llm)  # CUDA: hand vLLM's KV cache memory to the trainer
-    update = grpo_step(model, optimizer, trajectories, grpo_cfg, exclude=excluded,
-                       global_normalizer=dp.global_normalizer if dp else None)  # the whole batch's token count
-    timing["update_s"] = time.perf_counter() - t0
+    with timed(timing, "update_s"):
+        STOPPER.hold()  # from here the weights change: a stop waits until the loop has recorded this step
+        sleep_sampler(llm)  # CUDA: hand vLLM's KV cache memory to the trainer
+        update = grpo_step(model, optimizer, trajectories, grpo_cfg, exclude=excluded,
+                           global_normalizer=dp.global_normalizer if dp else None)  # torchrun: the whole batch's count
     # 5. The new weights back into the sampler.
-    t0 = time.perf_counter()
-    sync_weights(model, llm)
-    timing["sync_s"] = time.perf_counter() - t0
-    metrics = {**outcome, "degenerate_groups": degenerate, **dynamic_sampling_metrics, **exclusions,
+    with timed(timing, "sync_s"):
+        sync_weights(model, llm)
+    metrics = {**outcome, "degenerate_groups": degenerate, **resampled, **exclusions,
                **update, **timing, "weight_version": llm.weight_version}
     return metrics, trajectories
 
 
-def sample_and_score(llm, problems, sandbox, rollout_cfg, cfg: Config, timing: dict):
+def sample_and_score(llm, sandbox, cfg: Config, timing: dict, problems, rollout_cfg):
     """Rollouts of `problems` (03) with their rewards set (04): (trajectories, reward results); adds to `timing`."""
     from reward import score_batch, total_reward
     from rollout import rollout
 
-    t0 = time.perf_counter()
     spent: dict = {}
-    trajectories = rollout(llm, problems, sandbox, rollout_cfg, spent=spent)
-    timing["rollout_s"] += time.perf_counter() - t0
+    with timed(timing, "rollout_s"):
+        trajectories = rollout(llm, problems, sandbox, rollout_cfg, spent=spent)
     timing["generate_s"] += spent["generate_s"]
     timing["sandbox_s"] += spent["sandbox_s"]
-    t0 = time.perf_counter()
-    results = score_batch([t.text for t in trajectories], [t.reference for t in trajectories], scorer=cfg.scorer)
-    for t, result in zip(trajectories, results):
-        t.reward = total_reward(result, t.execution_pass, cfg.exec_error_penalty)
-    timing["reward_s"] += time.perf_counter() - t0
+    with timed(timing, "reward_s"):
+        results = score_batch([t.text for t in trajectories], [t.reference for t in trajectories], scorer=cfg.scorer)
+        for t, result in zip(trajectories, results):
+            t.reward = total_reward(result, t.execution_pass, cfg.exec_error_penalty)
     return trajectories, results
+
+
+@contextmanager
+def timed(timing: dict, key: str):
+    """Adds the block's wall-clock seconds to timing[key]."""
+    start = time.perf_counter()
+    yield
+    timing[key] = timing.get(key, 0.0) + time.perf_counter() - start
 
 
 def batch_at(problems: list[dict], step: int, size: int, seed: int) -> list[dict]:
@@ -346,6 +260,8 @@ def main(argv: list[str] | None = None) -> Path:
         check_new_run_dir(run_dir, overwrite=args.overwrite)
     check_config(cfg, resuming=bool(args.resume))
     check_memory_plan(cfg)  # on CUDA: a plan that cannot fit the GPUs is refused before anything loads
+    if cfg.trainer_threads:  # before torch's thread pool starts: it reads this once; vLLM's engine then leaves it
+        os.environ["OMP_NUM_THREADS"] = str(trainer_threads(cfg))
     from distributed import setup
 
     dp = setup(cfg.strategy)  # under torchrun: join its world; otherwise a world of one
@@ -383,12 +299,6 @@ def parse_args(argv):
     args, overrides = parse_with_field_flags(parser, Config, argv, PRESETS)
     fill_plan_defaults(args)  # --plan-gpus by the preset (dry_run.py)
     return args, overrides
-
-
-def make_config(preset: str, overrides: dict) -> Config:
-    if preset not in PRESETS:
-        raise SystemExit(f"error: unknown preset '{preset}' (choose from {', '.join(PRESETS)})")
-    return Config(**{**PRESETS[preset], **overrides})
 
 
 if __name__ == "__main__":

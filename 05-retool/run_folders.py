@@ -10,6 +10,8 @@ takes only a run folder. The story: docs/05-retool.md, "Checkpoints, resume, sto
 from __future__ import annotations
 
 import dataclasses
+import errno
+import fcntl
 import json
 import os
 import shutil
@@ -33,10 +35,34 @@ def check_new_run_dir(run_dir: Path, overwrite: bool) -> None:
             "another --run-dir for a new run, or --overwrite to replace it")
     if to_replace(run_dir, overwrite, "--run-dir", "a run folder", is_run, RUN_ENTRIES, keep) and \
             os.environ.get("RANK", "0") == "0":  # under torchrun the other ranks wait for rank 0 in setup
-        from run_record import hold_lock
-
         hold_lock(run_dir).close()  # refuses a folder a live run holds
         shutil.rmtree(run_dir)
+
+
+NO_FLOCK = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL}  # what a file system without flock answers
+
+
+def hold_lock(run_dir: Path):
+    """An exclusive lock on RUN_DIR/.lock (the open file holds it; the kernel drops it when the process ends)."""
+    lock = open(run_dir / ".lock", "a+")
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock.seek(0)
+        holder = lock.read().strip() or "?"
+        lock.close()
+        raise SystemExit(f"error: run folder {run_dir} is in use by another run (pid {holder}); "
+                         "wait for it, or choose another --run-dir") from None
+    except OSError as e:
+        if e.errno not in NO_FLOCK:
+            raise
+        # Lustre mounted without its flock option, and some NFS set-ups: a start must not fail for a guard.
+        print(f"warning: {run_dir} is on a file system without flock ({os.strerror(e.errno)}): "
+              "nothing stops a second run from writing into it at the same time", file=sys.stderr)
+    lock.truncate(0)
+    lock.write(str(os.getpid()))
+    lock.flush()
+    return lock
 
 
 def check_resume_dir(run_dir: Path) -> None:

@@ -11,12 +11,8 @@ finished step. The story: docs/05-retool.md, "Checkpoints, resume, stop".
 from __future__ import annotations
 
 import dataclasses
-import errno
-import fcntl
 import json
-import os
 import shutil
-import sys
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -25,7 +21,7 @@ from checkpoints import (append_jsonl, capture_rng, has_eval_row, latest_checkpo
 from configuration import settings_changed
 from eval import sample_scored, summarise_evaluation, summary_line
 from plots import plot_run
-from run_folders import recipe_changes
+from run_folders import hold_lock, recipe_changes
 from stopping import STOPPER, StopRequested, signal_self_for_tests
 
 
@@ -180,32 +176,6 @@ def evaluate_spread(dp, llm, problems: list[dict], sandbox, samples_path: Path, 
     if not dp.is_main:
         return None
     return summarise_evaluation(settings, [sample for rows in per_problem for sample in rows], samples_path)
-
-
-NO_FLOCK = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL}  # what a file system without flock answers
-
-
-def hold_lock(run_dir: Path):
-    """An exclusive lock on RUN_DIR/.lock (the open file holds it; the kernel drops it when the process ends)."""
-    lock = open(run_dir / ".lock", "a+")
-    try:
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        lock.seek(0)
-        holder = lock.read().strip() or "?"
-        lock.close()
-        raise SystemExit(f"error: run folder {run_dir} is in use by another run (pid {holder}); "
-                         "wait for it, or choose another --run-dir") from None
-    except OSError as e:
-        if e.errno not in NO_FLOCK:
-            raise
-        # Lustre mounted without its flock option, and some NFS set-ups: a start must not fail for a guard.
-        print(f"warning: {run_dir} is on a file system without flock ({os.strerror(e.errno)}): "
-              "nothing stops a second run from writing into it at the same time", file=sys.stderr)
-    lock.truncate(0)
-    lock.write(str(os.getpid()))
-    lock.flush()
-    return lock
 
 
 def remove_if_unstarted(run_dir: Path, say: bool = True) -> None:

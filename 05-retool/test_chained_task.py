@@ -3,7 +3,8 @@ import json
 import random
 
 from chained_problems import make_chained_problems, parse, scripted_calls, without_leading_zeros
-from cold_start import FURTHER_CALL_RATE, TOOL_CLOSING, TOOL_OPENING, chained_traces, is_chained_task
+from cold_start import FURTHER_CALL_RATE, chained_traces, is_chained_task
+from tool_traces import TOOL_CLOSING, TOOL_OPENING
 from reward import score_answer
 from rollout import observation_text
 

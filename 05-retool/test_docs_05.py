@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from doc_pages import says
 from presets import PRESETS
-from retool import Config, make_config
+from configuration import Config, make_config
 
 
 def short(x: float) -> str:
@@ -14,10 +14,11 @@ def short(x: float) -> str:
 
 def test_the_cpu_demo_page_states_the_demo_defaults():
     cfg = Config()
-    says("05-retool.md",
+    says("appendix/05-retool-run-log.md",
          f"`--tool-only-steps {cfg.cold_start_tool_only_steps}` of {cfg.cold_start_steps}",
+         f"The RL learning rate, {short(cfg.lr)}")
+    says("05-retool.md",
          f"{cfg.cold_start_tool_fraction:.0%} of them open a code block",
-         f"The RL learning rate, {short(cfg.lr)}",
          f"over {cfg.steps} RL steps",
          f"Every `save_every` steps ({cfg.save_every} in the demo)",
          f"{cfg.problems_per_step} problems x {cfg.group_size} samples")
@@ -98,3 +99,14 @@ def test_the_tool_s_share_is_measured_on_the_demo_s_final_checkpoint():
 
 def test_the_unknown_preset_refusal_lists_every_preset():
     says("05-retool.md", f"error: unknown preset 'gpt-5' (choose from {', '.join(PRESETS)})")
+
+
+def test_the_step_on_the_page_is_train_step_s_own_code():
+    """The page's main line of a step is retool.py's, line for line: a change to the step shows on the page."""
+    import re
+    from pathlib import Path
+
+    from doc_pages import DOCS
+
+    block = re.search(r"## One step.*?```python\n(.*?)```", (DOCS / "05-retool.md").read_text(), re.S).group(1)
+    assert "grpo_step(" in block and block in (Path(__file__).parent / "retool.py").read_text()

@@ -570,7 +570,7 @@ def test_overwrite_replaces_a_used_folder_unless_a_live_run_holds_it(tmp_path):
     import dataclasses
 
     from run_folders import check_new_run_dir
-    from run_record import hold_lock
+    from run_folders import hold_lock
 
     run_dir = tmp_path / "run"
     run_dir.mkdir()
@@ -588,10 +588,10 @@ def test_overwrite_replaces_a_used_folder_unless_a_live_run_holds_it(tmp_path):
 
 def test_a_second_run_into_a_folder_in_use_is_refused_in_one_line(tmp_path):
     """The lock is the kernel's (flock): a second holder is refused even in another process."""
-    from run_record import hold_lock
+    from run_folders import hold_lock
 
     lock = hold_lock(tmp_path)
-    other = subprocess.run([sys.executable, "-c", "import sys; from pathlib import Path; from run_record import hold_lock; "
+    other = subprocess.run([sys.executable, "-c", "import sys; from pathlib import Path; from run_folders import hold_lock; "
                             f"hold_lock(Path({str(tmp_path)!r}))"], capture_output=True, text=True, timeout=60)
     assert other.returncode == 1 and other.stderr.strip().startswith("error: run folder")
     assert "in use by another run" in other.stderr and len(other.stderr.strip().splitlines()) == 1
@@ -602,13 +602,13 @@ def test_a_file_system_without_flock_warns_and_the_run_goes_on(tmp_path, monkeyp
     """Lustre without its flock option answers ENOLCK: the guard is lost, the start is not."""
     import errno
 
-    import run_record
+    import run_folders
 
     def no_flock(fd, operation):
         raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
 
-    monkeypatch.setattr(run_record.fcntl, "flock", no_flock)
-    lock = run_record.hold_lock(tmp_path)
+    monkeypatch.setattr(run_folders.fcntl, "flock", no_flock)
+    lock = run_folders.hold_lock(tmp_path)
     (warning,) = capsys.readouterr().err.splitlines()
     assert warning.startswith(f"warning: {tmp_path} is on a file system without flock (No locks available)")
     assert (tmp_path / ".lock").read_text() == str(os.getpid())
@@ -617,9 +617,9 @@ def test_a_file_system_without_flock_warns_and_the_run_goes_on(tmp_path, monkeyp
     def broken(fd, operation):
         raise OSError(errno.EIO, os.strerror(errno.EIO))
 
-    monkeypatch.setattr(run_record.fcntl, "flock", broken)
+    monkeypatch.setattr(run_folders.fcntl, "flock", broken)
     with pytest.raises(OSError, match="Input/output error"):  # any other failure is not a missing flock
-        run_record.hold_lock(tmp_path)
+        run_folders.hold_lock(tmp_path)
 
 
 def test_resuming_a_folder_that_is_not_a_run_says_so(tmp_path):

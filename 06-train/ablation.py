@@ -47,7 +47,7 @@ ARMS: dict[str, tuple[list[str], str, str, list[str]]] = {
     "bf16": (["--dtype", "bfloat16"], "bf16 sampler, no correction", "", ["mismatch_abs"]),
     "bf16-tis": (["--dtype", "bfloat16", "--tis-cap", "2.0"], "bf16 sampler + truncated IS, cap 2", "bf16",
                  ["tis_weight_mean", "tis_capped_frac", "mismatch_abs"]),
-    # the objectives after DAPO (docs/06-objectives.md: its predictions were written before these ran)
+    # the objectives after DAPO (docs/06-beyond-torl.md: its predictions were written before these ran)
     "gspo": (["--objective", "gspo", "--eps-low", "3e-4", "--eps-high", "4e-4"], "GSPO, sequence ratio clipped at 3e-4 / 4e-4",
              "baseline", ["clip_high_frac", "clip_low_frac", "entropy"]),
     "fast": (["--num-minibatches", "8", "--lr", "5e-5"], "8 mini-batches x lr 5e-5: the clip fires (docs/06-train)",
@@ -153,7 +153,7 @@ def figures(runs) -> dict:
         out.update({f"{at}_held_out": round(after_accuracy(evals), 3), f"{at}_before_rl": round(accuracy_at(evals, "before RL"), 3),
                     f"{at}_reward_last5": round(last_reward(rows), 3), f"{at}_s_per_step": round(step_seconds(rows), 2)})
         out.update({f"{at}_{key}": float(f"{mean_of(rows, key):.3g}") for key in ARMS[arm][3]})
-        # what the predictions of docs/06-objectives.md and 06-ablation.md name: how soon reward reaches 0.8 (the
+        # what the predictions of docs/06-beyond-torl.md and appendix/06-ablation.md name: how soon reward reaches 0.8 (the
         # demo) or 0 (the chained task; 0 if never), entropy and clip early on
         out[f"{at}_first_step_reward_08"], out[f"{at}_first_step_reward_0"] = first_step(rows, 0.8), first_step(rows, 0)
         out[f"{at}_entropy_mean"] = float(f"{mean_of(rows, 'entropy'):.3g}")
@@ -290,7 +290,7 @@ def parse_args(argv):
     r.add_argument("--preset", help="05-retool's preset the runs start from (default: the CPU demo's settings; "
                                     "cpu-chained for docs/06-experiments.md)")
     r.add_argument("--steps", type=int, default=30, help="RL steps per run (default 30: the runs docs/06-beyond-torl measured; "
-                   "docs/06-ablation.md's take 60)")
+                   "docs/appendix/06-ablation.md's take 60)")
     s = sub.add_parser("report", help="plots and the markdown table from finished runs")
     s.add_argument("--out", default="runs/ablation", help="folder of the run folders (default runs/ablation)")
     s.add_argument("--img", help="write one PNG per option here (e.g. docs/img)")

@@ -77,6 +77,16 @@ def gradient_sync(model, sync: bool):
     return model.no_sync() if hasattr(model, "no_sync") and not sync else nullcontext()
 
 
+def load_policy(model_path, device: str | torch.device | None = None):
+    """The trainer's copy of the model: float32 weights on `device` (CUDA if there is one); one rank's share of
+    the work is `DataParallel.load_policy`'s."""
+    from transformers import AutoModelForCausalLM
+
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    return model.to(device)
+
+
 # ------------------------------------------------------------------- this process's place in the world
 
 
@@ -148,8 +158,6 @@ class DataParallel:
         on an 8-GPU node at once. DDP and one process load on every rank, as before:
         DDP's wrap broadcasts rank 0's replica anyway. `loaded_weights` says which.
         """
-        from grpo import load_policy
-
         sharded = self.strategy == "fsdp" and self.distributed
         self.loaded_weights = not sharded or self.is_main
         if not sharded:

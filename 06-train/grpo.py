@@ -9,9 +9,10 @@ no std); only tokens the model wrote carry gradient (`loss_mask`); pi_old is
 recomputed by the trainer, so the first mini-batch's ratio is exactly 1 and the
 gap to vLLM's log-probs is logged as a mismatch; clip-higher by default (0.2
 below, 0.28 above); token-mean aggregation; no KL term; float32 master weights.
-The options (`exclude`, importance sampling, skipping zero-advantage rows, the
-data-parallel denominator) are helpers in update_options.py; the objectives
-beside PPO-clip (GSPO, CISPO) are in objectives.py.
+PPO-clip with token-mean is written out here, its denominator included; any
+other objective or aggregation (GSPO, CISPO, sequence-mean, token-sum) is
+chosen in objectives.py, and the options (`exclude`, importance sampling,
+skipping zero-advantage rows) are helpers in update_options.py.
 """
 from __future__ import annotations
 
@@ -20,11 +21,10 @@ from dataclasses import dataclass
 
 import torch
 
-from distributed import full_tensor, gradient_sync, unwrap
-from objectives import cispo_loss, gspo_loss, objective_aggregation, objective_problems
+from distributed import full_tensor, gradient_sync, load_policy, unwrap  # load_policy: re-exported, as the two below
+from objectives import aggregate, cispo_loss, gspo_loss, loss_denominator, objective_aggregation, objective_problems
 from update_metrics import UpdateTally, ratio_stats, sampler_mismatch
-from update_options import (aggregate, exclude_rows, loss_normalizer, rows_to_run, rows_with_gradient,
-                            step_if_finite, tis_weights, zero_gradients)
+from update_options import exclude_rows, rows_to_run, rows_with_gradient, step_if_finite, tis_weights, zero_gradients
 from weight_sync import sleep_sampler, sync_weights  # re-exported: the loop takes the chapter's parts from here
 
 
@@ -69,11 +69,11 @@ def clipped_policy_loss(
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """PPO-clip surrogate `-min(r*A, clip(r, 1-eps_low, 1+eps_high)*A)` over model tokens; returns (loss, stats).
 
-    All tensors are [B, T] (advantages may be [B], one per sequence). The token
-    terms add up as `aggregation` says: "token-mean" (sum / model tokens),
-    "sequence-mean" or Dr. GRPO's "token-sum"; `normalizer` replaces the
-    denominator, so the micro-batches of one mini-batch add up to its loss
-    (`aggregate` in update_options.py). `token_weights` ([B, T], no gradient)
+    All tensors are [B, T] (advantages may be [B], one per sequence). Token-mean:
+    the token terms' sum over the model tokens' count, or over `normalizer`,
+    grpo_step's count for the whole mini-batch, so that its micro-batches add up
+    to its loss. Another `aggregation` ("sequence-mean", Dr. GRPO's "token-sum")
+    is objectives.py's `aggregate`. `token_weights` ([B, T], no gradient)
     multiply each token's term: importance sampling.
 
     Where the clip is active the gradient is zero: with A > 0 once r > 1 + eps_high,
@@ -94,12 +94,15 @@ def clipped_policy_loss(
     if token_weights is not None:
         token_terms = token_terms * token_weights.detach()
     token_terms = torch.where(mask, token_terms, 0.0)
-    loss = aggregate(token_terms, mask, aggregation, normalizer)  # update_options.py
+    if aggregation == "token-mean":
+        loss = token_terms.sum() / (mask.sum().clamp(min=1) if normalizer is None else normalizer)
+    else:
+        loss = aggregate(token_terms, mask, aggregation, normalizer)  # objectives.py
     adv, r = advantages.expand_as(ratio), ratio.detach()
     return loss, ratio_stats(ratio, log_ratio, mask, (adv < 0) & (r < 1.0 - eps_low), (adv > 0) & (r > 1.0 + eps_high))
 
 
-# The objective's name -> its loss; all take clipped_policy_loss's arguments (docs/06-objectives.md).
+# The objective's name -> its loss; all take clipped_policy_loss's arguments (docs/06-beyond-torl.md).
 OBJECTIVES = {"ppo-clip": clipped_policy_loss, "gspo": gspo_loss, "cispo": cispo_loss}
 
 
@@ -131,11 +134,16 @@ def grpo_step(model, optimizer, trajectories, cfg: GRPOConfig, exclude=None, glo
     # factor by which zero-advantage rows shrink the step (docs/06-beyond-torl.md, the exercise).
     metrics["informative_frac"] = float(batch.loss_mask.bool()[has_gradient].sum()) / max(loss_tokens, 1)
 
+    # PPO-clip with token-mean (clipped_policy_loss), unless the run chose another: objectives.py.
     tally, objective, aggregation = UpdateTally(), OBJECTIVES[cfg.objective], objective_aggregation(cfg)
     for rows in batch.minibatches(cfg.num_minibatches):
-        # The mini-batch's loss denominator, a float: its tokens in the loss (token-mean), its sequences that
-        # have any (sequence-mean) or budget x sequences (token-sum). Rows skipped next still count in it.
-        normalizer = loss_normalizer(batch.loss_mask[rows], aggregation, cfg.max_response_tokens, global_normalizer)
+        # Token-mean's denominator: the mini-batch's tokens in the loss, every row's (those skipped next too,
+        # so skipping changes nothing). Under torchrun, every rank's count over N: DDP and FSDP average the
+        # ranks' gradients, and the whole batch's loss is then one token-mean (distributed.py).
+        mask = batch.loss_mask[rows]
+        count = max(float(mask.sum()), 1.0) if aggregation == "token-mean" else \
+            loss_denominator(mask, aggregation, cfg.max_response_tokens)
+        normalizer = count if global_normalizer is None else global_normalizer(count)
         rows, skipped = rows_to_run(rows, has_gradient, model, cfg.skip_zero_advantage)
         tally.rows_skipped += skipped
         optimizer.zero_grad(set_to_none=True)
@@ -197,9 +205,6 @@ class GRPOConfig:
     skip_zero_advantage: bool = True  # no forward/backward for rows without gradient; the update is the same
 
 
-AGGREGATIONS = ("token-mean", "sequence-mean", "token-sum")
-
-
 def make_optimizer(model, cfg: GRPOConfig) -> torch.optim.Optimizer:
     """AdamW over the model's parameters, which must be float32 (docs/06-train.md: "Precision")."""
     params = [p for p in model.parameters() if p.requires_grad]
@@ -211,15 +216,6 @@ def make_optimizer(model, cfg: GRPOConfig) -> torch.optim.Optimizer:
         )
     fused = params[0].device.type == "cuda"
     return torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay, fused=fused)
-
-
-def load_policy(model_path, device: str | torch.device | None = None):
-    """The trainer's copy of the model: float32 weights on `device` (CUDA if there is one)."""
-    from transformers import AutoModelForCausalLM
-
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
-    return model.to(device)
 
 
 # --------------------------------------------------------------------------- the batch
@@ -356,10 +352,9 @@ def _old_logprobs_and_entropy(model, batch: Batch, cfg: GRPOConfig):
 def _check_step_inputs(trajectories, cfg: GRPOConfig, exclude) -> None:
     if not trajectories:
         raise ValueError("grpo_step needs at least one trajectory")
-    if objective_problems(cfg, tuple(OBJECTIVES)):  # objectives.py: settings that would train something else
-        raise ValueError(objective_problems(cfg, tuple(OBJECTIVES))[0])
-    if cfg.aggregation not in AGGREGATIONS:
-        raise ValueError(f"unknown aggregation {cfg.aggregation!r} (choose from {', '.join(AGGREGATIONS)})")
+    problems = objective_problems(cfg, tuple(OBJECTIVES))  # objectives.py: settings that would train something else
+    if problems:
+        raise ValueError(problems[0])
     if cfg.aggregation == "token-sum" and cfg.max_response_tokens < 1:
         raise ValueError("aggregation token-sum divides by the response budget: set GRPOConfig.max_response_tokens")
     if exclude is not None and len(exclude) != len(trajectories):
@@ -376,7 +371,7 @@ def _set_gradient_checkpointing(model, on: bool) -> None:
 
 
 __all__ = [
-    "GRPOConfig", "AGGREGATIONS", "OBJECTIVES", "Batch", "group_advantages", "grpo_step", "clipped_policy_loss", "sync_weights",
+    "GRPOConfig", "OBJECTIVES", "Batch", "group_advantages", "grpo_step", "clipped_policy_loss", "sync_weights",
     "sleep_sampler", "make_optimizer", "load_policy", "build_batch", "token_logprobs",
 ]
 

@@ -1,6 +1,8 @@
-"""The objectives the field adopted after DAPO, beside grpo.py's PPO-clip; the story is docs/06-objectives.md.
+"""Every loss a run may choose beside grpo.py's PPO-clip with token-mean; the story is docs/06-beyond-torl.md.
 
-GSPO (Zheng et al., 2025) clips one ratio per sequence, the geometric mean of
+The one place the objective and the aggregation are chosen
+(`objective_aggregation`, `aggregate`, `loss_denominator`), and the objectives
+the field adopted after DAPO. GSPO (Zheng et al., 2025) clips one ratio per sequence, the geometric mean of
 its tokens' ratios, so its clip band is about a thousand times narrower than
 PPO's. CISPO (MiniMax-M1, 2025) clips the importance weight instead of the
 term and detaches it, so no token loses its gradient to the clip. Both take
@@ -13,9 +15,10 @@ from __future__ import annotations
 import torch
 
 from update_metrics import ratio_stats
-from update_options import TIS_MODES, aggregate
+from update_options import TIS_MODES
 
 GSPO_WIDEST_EPS = 0.01  # a wider GSPO band is PPO-sized: the paper uses 3e-4 / 4e-4
+AGGREGATIONS = ("token-mean", "sequence-mean", "token-sum")
 
 
 def gspo_loss(logprobs, old_logprobs, advantages, loss_mask, eps_low: float = 3e-4, eps_high: float = 4e-4,
@@ -82,10 +85,46 @@ def objective_aggregation(cfg) -> str:
     return "sequence-mean" if cfg.objective == "gspo" else cfg.aggregation
 
 
+def loss_denominator(loss_mask: torch.Tensor, aggregation: str, max_response_tokens: int) -> float:
+    """A mini-batch's loss denominator, counting all its rows: its tokens in the loss (token-mean, as
+    grpo_step writes it out), its sequences that have any (sequence-mean), or the response budget times
+    its sequences (token-sum)."""
+    if aggregation == "token-sum":
+        return float(max_response_tokens * loss_mask.shape[0])
+    if aggregation == "token-mean":
+        return max(float(loss_mask.sum()), 1.0)
+    return max(float((loss_mask.sum(dim=1) > 0).sum()), 1.0)
+
+
+def aggregate(token_terms: torch.Tensor, mask: torch.Tensor, aggregation: str, normalizer: float | None = None
+              ) -> torch.Tensor:
+    """The loss from per-token terms (zero off the mask): token-mean, sequence-mean or token-sum.
+
+    "token-mean": sum / model tokens. "sequence-mean": each sequence's mean over
+    its model tokens, then the mean over sequences that have any. "token-sum"
+    (Dr. GRPO): sum / `normalizer`, which it requires (response budget x
+    sequences). Otherwise `normalizer` replaces the denominator, so the
+    micro-batches of one mini-batch add up to the mini-batch's loss.
+    """
+    if aggregation == "token-sum":
+        if normalizer is None:
+            raise ValueError("token-sum needs normalizer = response budget x number of sequences")
+        return token_terms.sum() / normalizer
+    if aggregation == "token-mean":
+        return token_terms.sum() / (normalizer if normalizer is not None else mask.sum().clamp(min=1))
+    if aggregation == "sequence-mean":
+        tokens_per_seq = mask.sum(dim=1)
+        per_seq = token_terms.sum(dim=1) / tokens_per_seq.clamp(min=1)
+        return per_seq.sum() / (normalizer if normalizer is not None else (tokens_per_seq > 0).sum().clamp(min=1))
+    raise ValueError(f"unknown aggregation {aggregation!r}")
+
+
 def objective_problems(cfg, objectives: tuple[str, ...]) -> list[str]:
-    """What is wrong with the objective and importance-sampling settings of a GRPOConfig or a retool Config,
-    one line each; `objectives`: the names grpo.OBJECTIVES knows."""
+    """What is wrong with the aggregation, objective and importance-sampling settings of a GRPOConfig or a
+    retool Config, one line each; `objectives`: the names grpo.OBJECTIVES knows."""
     problems = []
+    if cfg.aggregation not in AGGREGATIONS:
+        problems.append(f"aggregation must be {', '.join(AGGREGATIONS[:-1])} or {AGGREGATIONS[-1]}, got '{cfg.aggregation}'")
     if cfg.objective not in objectives:
         problems.append(f"objective must be one of {', '.join(objectives)}, got '{cfg.objective}'")
     if cfg.tis_mode not in TIS_MODES:

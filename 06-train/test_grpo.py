@@ -856,13 +856,13 @@ def test_gspo_draws_clip_some_sequences_and_not_others():
 def test_micro_batches_with_the_mini_batch_normalizer_add_up_to_the_whole_loss():
     """Each objective: two halves of the rows, each divided by the whole's count, sum to the whole."""
     from grpo import OBJECTIVES
-    from update_options import loss_normalizer
+    from objectives import loss_denominator
 
     for objective, aggregation in (("gspo", "sequence-mean"), ("cispo", "token-mean"), ("cispo", "sequence-mean")):
         new, old, _, advantage, mask = random_batch(0, objective)
         eps = EPS[objective]
         whole, _ = OBJECTIVES[objective](new, old, advantage, mask, *eps, aggregation)
-        n = loss_normalizer(mask, aggregation, 0)
+        n = loss_denominator(mask, aggregation, 0)
         halves = sum(OBJECTIVES[objective](new[r], old[r], advantage[r], mask[r], *eps, aggregation, normalizer=n)[0]
                      for r in (slice(0, 3), slice(3, 6)))
         assert float(halves) == pytest.approx(float(whole), rel=1e-9)
@@ -952,6 +952,7 @@ def test_token_mask_zeroes_one_token_where_sequence_mask_keeps_the_sequence(poli
     (dict(objective="grpo"), "objective must be one of ppo-clip, gspo, cispo, got 'grpo'"),
     (dict(tis_mode="token-mask"), "set tis_cap above 1"),
     (dict(tis_mode="mask", tis_cap=2.0), "tis_mode must be one of truncate, token-mask, sequence-mask"),
+    (dict(aggregation="sum"), "aggregation must be token-mean, sequence-mean or token-sum, got 'sum'"),
 ])
 def test_objective_settings_that_would_train_something_else_are_refused_in_one_line(policy, change, message):
     from configuration import check_config
@@ -980,7 +981,7 @@ def test_a_forced_wide_gspo_band_runs_and_the_loop_refuses_it_before_loading_any
 @pytest.mark.vllm
 def test_each_new_objective_and_mask_runs_real_steps_with_finite_metrics(tiny_llm, sandbox, tiny_model_path, policy):
     """One real step each (vLLM, sandbox, reward, update, sync): gspo + sequence-mask, cispo + token-mask
-    (the 3-step runs with the loop are measured in docs/06-objectives.md). The forced turns make the mismatch
+    (the 3-step runs with the loop are measured in docs/06-beyond-torl.md). The forced turns make the mismatch
     real: on a forced token vLLM records the log-prob of the regex-constrained distribution, higher than the
     trainer's, so the masks have something to do."""
     from retool import Config, train_step

@@ -2,9 +2,9 @@
 
 Each changes one thing: a token weight (truncated or masked importance
 sampling), rows kept out of the loss (`exclude`), rows not run (zero
-advantage), the loss's denominator (aggregation, data parallel), and whether
-AdamW steps (all rows skipped, non-finite gradient). Why each exists:
-docs/06-train.md, docs/06-beyond-torl.md and docs/06-objectives.md.
+advantage), and whether AdamW steps (all rows skipped, non-finite gradient).
+The loss's aggregations beside token-mean are objectives.py's. Why each exists:
+docs/06-train.md and docs/06-beyond-torl.md.
 """
 from __future__ import annotations
 
@@ -83,52 +83,13 @@ def rows_to_run(rows: torch.Tensor, has_gradient: torch.Tensor, model, skip_zero
     """The rows to run forward and backward on, and how many were skipped (GRPOConfig.skip_zero_advantage).
 
     A skipped row adds 0 to the gradient but still counts in the denominator
-    (`loss_normalizer` sees every row), so the update is the same. Under DDP or
+    (grpo_step's denominator counts every row), so the update is the same. Under DDP or
     FSDP2 nothing is skipped: every rank must run the same backward passes, the
     gradient exchange happens inside them.
     """
     if not skip_zero_advantage or is_data_parallel(model):
         return rows, 0
     return rows[has_gradient[rows]], int((~has_gradient[rows]).sum())
-
-
-def loss_normalizer(loss_mask: torch.Tensor, aggregation: str, max_response_tokens: int, global_normalizer=None) -> float:
-    """A mini-batch's loss denominator, counting all its rows: its tokens in the loss (token-mean),
-    its sequences that have any (sequence-mean), or the response budget times its sequences (token-sum).
-
-    Data parallel: `global_normalizer` (distributed.py) turns this rank's count into
-    the one that makes the ranks' averaged gradient the whole batch's.
-    """
-    if aggregation == "token-sum":
-        count = float(max_response_tokens * loss_mask.shape[0])
-    elif aggregation == "token-mean":
-        count = max(float(loss_mask.sum()), 1.0)
-    else:
-        count = max(float((loss_mask.sum(dim=1) > 0).sum()), 1.0)
-    return count if global_normalizer is None else global_normalizer(count)
-
-
-def aggregate(token_terms: torch.Tensor, mask: torch.Tensor, aggregation: str, normalizer: float | None = None
-              ) -> torch.Tensor:
-    """The loss from per-token terms (zero off the mask): token-mean, sequence-mean or token-sum.
-
-    "token-mean": sum / model tokens. "sequence-mean": each sequence's mean over
-    its model tokens, then the mean over sequences that have any. "token-sum"
-    (Dr. GRPO): sum / `normalizer`, which it requires (response budget x
-    sequences). Otherwise `normalizer` replaces the denominator, so the
-    micro-batches of one mini-batch add up to the mini-batch's loss.
-    """
-    if aggregation == "token-sum":
-        if normalizer is None:
-            raise ValueError("token-sum needs normalizer = response budget x number of sequences")
-        return token_terms.sum() / normalizer
-    if aggregation == "token-mean":
-        return token_terms.sum() / (normalizer if normalizer is not None else mask.sum().clamp(min=1))
-    if aggregation == "sequence-mean":
-        tokens_per_seq = mask.sum(dim=1)
-        per_seq = token_terms.sum(dim=1) / tokens_per_seq.clamp(min=1)
-        return per_seq.sum() / (normalizer if normalizer is not None else (tokens_per_seq > 0).sum().clamp(min=1))
-    raise ValueError(f"unknown aggregation {aggregation!r}")
 
 
 def zero_gradients(model) -> None:

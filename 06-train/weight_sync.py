@@ -1,4 +1,4 @@
-"""The trainer's new weights into the running vLLM engine, in memory; see docs/06-weight-sync.md.
+"""The trainer's new weights into the running vLLM engine, in memory; see docs/06-scaling.md, "The weight sync".
 
 `sleep_sampler` frees vLLM's GPU memory for the update (CUDA only), `sync_weights`
 copies the weights in, wakes the engine, resets its prefix cache and bumps
