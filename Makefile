@@ -10,6 +10,8 @@ DEVICE ?= $(shell nvidia-smi -L >/dev/null 2>&1 && echo cuda || echo cpu)
 # CPU wheel index (see the README). Named only for the one step that installs torch.
 TORCH_INDEX ?=
 STAMP := $(VENV)/.installed-$(DEVICE)
+# The oldest NVIDIA driver that runs the CUDA 13 build of torch and vLLM (requirements/cuda.txt).
+MIN_DRIVER := 580
 PRESET ?=
 ARGS ?=
 # A variable this Makefile does not read (`make run-05 STEPS=2`) would be silently ignored: refused, saying how.
@@ -46,6 +48,16 @@ $(STAMP): requirements/common.txt requirements/$(DEVICE).txt
 	@# One environment per device: pip would keep a CPU build's torch 2.13.0+cpu, which satisfies torch==2.13.0.
 	@other=$$(ls $(VENV)/.installed-* 2>/dev/null | grep -v -e '-$(DEVICE)$$' -e '-smollm2$$' | head -1); \
 	  test -z "$$other" || { echo "error: $(VENV) was built for $${other##*-}, not $(DEVICE): use VENV=.venv-$(DEVICE) (or make clean)"; exit 1; }
+ifeq ($(DEVICE),cuda)
+	@# An interrupted CPU install leaves no stamp but its torch+cpu, which pip would keep just the same.
+	@torch=$$($(PY) -c 'import importlib.metadata as m; print(m.version("torch"))' 2>/dev/null); \
+	  case "$$torch" in *+cpu) echo "error: $(VENV) holds torch $$torch from an unfinished CPU install: make clean (or VENV=.venv-cuda), then again"; exit 1;; esac
+	@# The CUDA 13 wheels need libcudart.so.13, which needs driver $(MIN_DRIVER) or newer; on an older one
+	@# torch would see no GPU, and only after a multi-GB install.
+	@driver=$$(nvidia-smi --query-gpu=driver_version --format=csv,noheader 2>/dev/null | head -1 | tr -d ' '); \
+	  major=$${driver%%.*}; \
+	  [ "$$major" -ge $(MIN_DRIVER) ] 2>/dev/null || { echo "error: NVIDIA driver $${driver:-(none found by nvidia-smi)} is older than $(MIN_DRIVER), which the CUDA 13 wheels need: update the driver, or run on the CPU with DEVICE=cpu"; exit 1; }
+endif
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 ifeq ($(DEVICE),cpu)
 	$(PY) -m pip install --quiet $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX)) -r requirements/torch-cpu.txt

