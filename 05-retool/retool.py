@@ -200,7 +200,9 @@ def start_sandbox(cfg: Config):
         sandbox.run("pass")  # one real call: the backend and its containment are ready, or say why not
         print(f"sandbox: {cfg.sandbox_backend}, isolation {sandbox.isolation}")
     except SandboxError as e:
-        raise SystemExit(f"error: the sandbox cannot start: {e}; see docs/02-sandbox.md") from None
+        where = ("" if cfg.sandbox_backend != "local" else "; this run's flags for the other ways: --sandbox-backend "
+                 "docker, --sandbox-backend sandboxfusion --sandbox-urls URL[,URL...], or --sandbox-isolation plain")
+        raise SystemExit(f"error: the sandbox cannot start: {e}{where}; see docs/02-sandbox.md") from None
     return sandbox
 
 

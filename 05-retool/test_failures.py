@@ -241,3 +241,21 @@ def test_ctrl_c_before_the_runs_own_handler_is_one_line_and_writes_nothing(tmp_p
     with pytest.raises(SystemExit) as e:
         lab_cli.run_script(interrupted)
     assert e.value.code == 130 and capsys.readouterr().err == "stopped by SIGINT (Ctrl-C)\n"
+
+
+def test_a_sandbox_that_cannot_contain_code_here_is_refused_naming_the_flags_that_work_around_it(monkeypatch):
+    """A node without user namespaces or cgroups: the dry run and the run say which flag runs the code elsewhere."""
+    import retool
+    import sandbox
+
+    class NoNamespaces:
+        def __init__(self, config):
+            raise sandbox.SandboxError("isolation='namespaces' cannot be set up here: unshare: Operation not permitted")
+
+    monkeypatch.setattr(sandbox, "Sandbox", NoNamespaces)
+    with pytest.raises(SystemExit) as refusal:
+        retool.start_sandbox(retool.Config())
+    message = str(refusal.value.code)
+    assert message.startswith("error: the sandbox cannot start: isolation='namespaces' cannot be set up here")
+    assert "\n" not in message and "--sandbox-backend docker" in message and "--sandbox-isolation plain" in message
+    assert "--sandbox-backend sandboxfusion --sandbox-urls" in message
