@@ -7,8 +7,9 @@ A page quotes it in a block, rewritten from the file, that names the command:
     <!-- /results -->
 
 or inline, as a marker before a one-word value: <!-- r NAME.key -->0.94 (the value ends at a space, a
-closing full stop or punctuation). `python results.py` rewrites every block and quote from the files;
-test_results.py fails when a page and its file differ, or one file is quoted on two pages or on none.
+closing full stop or punctuation). The pages are README.md, docs/*.md and docs/appendix/*.md.
+`python results.py` rewrites every block and quote from the files; test_results.py fails when a page
+and its file differ, or one file is quoted on two pages or on none.
 """
 from __future__ import annotations
 
@@ -63,21 +64,24 @@ def names() -> list[str]:
     return sorted(p.stem for p in RESULTS.glob("*.json"))
 
 
-def block(name: str, keys: list[str]) -> str:
-    """A block's content: the command that measured it, then its figures (all, or `keys`) as a table."""
+def block(name: str, keys: list[str], folder: str = "results") -> str:
+    """A block's content: the command that measured it, then its figures (all, or `keys`) as a table.
+
+    `folder` is docs/results as the page links it: "results" from docs/, "../results" from docs/appendix/.
+    """
     result = load(name)
     figures = result["figures"]
     missing = [key for key in keys if key not in figures]
     if missing:
         raise KeyError(f"results {name} has no figure {', '.join(missing)}")
     rows = [f"| `{key}` | {figures[key]} |" for key in keys or sorted(figures)]
-    return (f"Measured by `{result['command']}` ([results/{name}.json](results/{name}.json)):\n\n"
+    return (f"Measured by `{result['command']}` ([results/{name}.json]({folder}/{name}.json)):\n\n"
             "| figure | value |\n| --- | --- |\n" + "\n".join(rows) + "\n")
 
 
-def render(text: str) -> str:
-    """The page with every block and inline quote rewritten from its file."""
-    text = BLOCK.sub(lambda m: f"<!-- results {m[1]}{m[2]} -->\n{block(m[1], m[2].split())}<!-- /results -->", text)
+def render(text: str, folder: str = "results") -> str:
+    """The page with every block and inline quote rewritten from its file (`folder`: see block)."""
+    text = BLOCK.sub(lambda m: f"<!-- results {m[1]}{m[2]} -->\n{block(m[1], m[2].split(), folder)}<!-- /results -->", text)
     out, last = [], 0
     for m in QUOTE.finditer(text):
         figures = load(m[1])["figures"]
@@ -96,6 +100,11 @@ def pages() -> list[Path]:
     return [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), *sorted((ROOT / "docs" / "appendix").glob("*.md"))]
 
 
+def results_folder(page: str) -> str:
+    """docs/results as a link from `page` (a path under the repository root): "results", "../results"."""
+    return os.path.relpath("docs/results", os.path.dirname(page) or ".").replace(os.sep, "/")
+
+
 def quotes(text: str) -> set[str]:
     """The results files a page quotes, in blocks or inline."""
     return {m[1] for m in BLOCK.finditer(text)} | {m[1] for m in QUOTE.finditer(text)}
@@ -108,7 +117,7 @@ def problems(texts: dict[str, str]) -> list[str]:
         for name in quotes(text):
             quoted_on.setdefault(name, []).append(page)
         try:
-            new = render(text)
+            new = render(text, results_folder(page))
         except (KeyError, ValueError) as e:
             found.append(f"{page}: {e.args[0]}")
             continue
@@ -141,7 +150,7 @@ def main(argv: list[str]) -> int:
     texts, rewritten = {page: page.read_text(encoding="utf-8") for page in pages()}, {}
     for page, text in texts.items():  # every page rendered before one is written: a bad quote changes none
         try:
-            rewritten[page] = render(text)
+            rewritten[page] = render(text, results_folder(str(page.relative_to(ROOT))))
         except (KeyError, ValueError) as e:
             print(f"error: {page.relative_to(ROOT)}: {e.args[0]}", file=sys.stderr)
             return 1

@@ -103,7 +103,8 @@ def test_a_results_file_holds_numbers_and_short_strings_only(tmp_path, monkeypat
 
 
 def test_the_rewrite_changes_no_page_while_one_quotes_what_is_not_there(one_file, tmp_path, monkeypatch):
-    good, bad = tmp_path / "good.md", tmp_path / "bad.md"
+    (tmp_path / "docs").mkdir()
+    good, bad = tmp_path / "docs" / "good.md", tmp_path / "docs" / "bad.md"
     good.write_text(one_file["docs/a.md"].replace("-->0.94,", "-->0.5,"))
     bad.write_text("<!-- r demo.nosuch -->1\n")
     monkeypatch.setattr(results, "pages", lambda: [good, bad])
@@ -111,3 +112,20 @@ def test_the_rewrite_changes_no_page_while_one_quotes_what_is_not_there(one_file
     assert results.main([]) == 1 and "-->0.5," in good.read_text()
     bad.write_text("")
     assert results.main([]) == 0 and good.read_text() == one_file["docs/a.md"]
+
+
+def test_an_appendix_page_is_checked_and_links_the_results_folder_from_where_it_is(one_file, tmp_path, monkeypatch):
+    monkeypatch.setattr(results, "ROOT", tmp_path)
+    appendix = tmp_path / "docs" / "appendix"
+    appendix.mkdir(parents=True)
+    (tmp_path / "README.md").write_text("No figures.\n")
+    stale = one_file["docs/a.md"].replace("-->0.94,", "-->0.91,")
+    (appendix / "02-a.md").write_text(stale)
+    assert appendix / "02-a.md" in results.pages()
+    texts = {str(page.relative_to(tmp_path)): page.read_text() for page in results.pages()}
+    found = results.problems(texts)
+    assert any(p.startswith("docs/appendix/02-a.md:") and "0.91" in p for p in found), found
+    assert results.main([]) == 0
+    fixed = (appendix / "02-a.md").read_text()
+    assert "-->0.94, in" in fixed and "([results/demo.json](../results/demo.json))" in fixed
+    assert results.problems({"docs/appendix/02-a.md": fixed}) == []

@@ -208,3 +208,18 @@ def test_each_command_line_mistake_is_one_line_with_status_2_and_writes_nothing(
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: ") and says in err and "\n" not in err
     assert not (tmp_path / "out").exists()
+
+
+def test_the_page_states_the_sources_columns_and_toy_defaults_of_the_code():
+    """docs/01-data.md restates the named sources, the recognised columns and the toy task's sizes: read from the code."""
+    from doc_pages import says
+    from prepare_data import ANSWER_COLUMNS, DEFAULT_TRAIN, NAMED_SOURCES, QUESTION_COLUMNS, parse_args
+
+    for name, spec in NAMED_SOURCES.items():
+        says("01-data.md", f"| `{name}`" + (" (default train)" if name == DEFAULT_TRAIN else "") + f" | `{spec['path']}` | {spec['split']}")
+    says("01-data.md", "recognised for the question: " + ", ".join(f"`{c}`" for c in QUESTION_COLUMNS),
+         "for the answer: " + ", ".join(f"`{c}`" for c in ANSWER_COLUMNS),
+         f"(looked for {', '.join(ANSWER_COLUMNS)};", f"one of {', '.join(NAMED_SOURCES)}")
+    args = parse_args([])
+    says("01-data.md", f"({args.toy_train} and {args.toy_test} problems by default: `--toy-train`",
+         f"Products of two {args.toy_digits}-digit numbers (`--toy-digits`, at least 2), always {2 * args.toy_digits} digits")

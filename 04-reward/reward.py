@@ -58,7 +58,8 @@ def score_answer(
     answer = extract_answer(text, scorer)
     if answer is None:
         return NO_ANSWER
-    return _result(answer, _pool(1)[0].equivalent(answer, reference, timeout, scorer))
+    correct = _pool(1)[0].equivalent(answer, reference, timeout, scorer)  # is_equivalent, in a worker, within `timeout`
+    return _result(answer, correct)
 
 
 def score_batch(

@@ -171,3 +171,15 @@ def test_the_page_states_the_window_the_deadline_and_the_penalty_of_the_code():
          f"(killed at the deadline) | {DEFAULT_TIMEOUT_S:.1f} s |")
     assert inspect.signature(total_reward).parameters["exec_error_penalty"].default == 0.0
     says("04-reward.md", "## The execution-error penalty, off by default")
+
+
+def test_the_page_s_main_line_is_reward_py_s_own_code():
+    """docs/04-reward.md's main line is reward.py's lines, in order, docstrings and other functions left out."""
+    import reward
+    from doc_pages import DOCS
+
+    page = (DOCS / "04-reward.md").read_text(encoding="utf-8")
+    main_line = page.split("## The main line", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+    source = iter(Path(reward.__file__).read_text(encoding="utf-8").splitlines())
+    for line in filter(str.strip, main_line.splitlines()):
+        assert line in source, f"docs/04-reward.md's main line: {line!r} is not the next such line of reward.py"
