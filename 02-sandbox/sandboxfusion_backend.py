@@ -34,6 +34,7 @@ import runner
 
 DOWN_SECONDS = 5.0  # a server that refused a connection is skipped this long (unless all are)
 PING_SECONDS = 10.0  # the preflight's deadline for one member's GET /v1/ping
+HEAD_BYTES = 64 * 1024  # an answer's status line and headers; more is no sandbox server's answer
 _CUT = re.compile(r"\n\.\.\. \[\d+ bytes cut\] \.\.\.\n")  # runner.read_answer's mark of a stream over the cap
 
 
@@ -204,8 +205,8 @@ class _Answer:
         """The next status line and headers, taken off the data: (status, lower-cased header names -> values)."""
         searched = 0
         while (end := self.data.find(b"\r\n\r\n", max(0, searched - 3))) < 0:
-            if len(self.data) > 1 << 16:
-                raise ValueError("an answer whose status line and headers take more than 64 KB")
+            if len(self.data) > HEAD_BYTES:
+                raise ValueError(f"an answer whose status line and headers take more than {HEAD_BYTES // 1024} KB")
             searched = len(self.data)
             self.more()
         status_line, *fields = bytes(self.data[:end]).decode("latin-1").split("\r\n")

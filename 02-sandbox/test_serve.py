@@ -27,6 +27,7 @@ from pathlib import Path
 
 import pytest
 
+import runner
 import sandboxfusion_backend
 import serve
 from doc_pages import says
@@ -569,7 +570,10 @@ def test_the_page_states_the_services_defaults():
          f"{serve.MAX_RUN_TIMEOUT:g} s", f"{serve.RUN_TIMEOUT:g} s", f"{serve.MIN_TOKEN_CHARS} characters",
          f"| a request's arrival, from connect to its last byte | {serve.REQUEST_SECONDS:g} s |",
          f"| {serve.MAX_SENDING} connections |", f"Past {serve.MAX_SENDING} connections still sending",
-         f"| request line and headers | {serve.MAX_HEAD_BYTES // 1024} KB |", f"headers over {serve.MAX_HEAD_BYTES // 1024} KB")
+         f"| request line and headers | {serve.MAX_HEAD_BYTES // 1024} KB |", f"headers over {serve.MAX_HEAD_BYTES // 1024} KB",
+         f"{serve.FD_HEADROOM} descriptors kept free (`serve.FD_HEADROOM`)", f"or for {serve.ACCEPT_RETRY_SECONDS:g} s",
+         f"`runner.ANSWER_GRACE` ({runner.ANSWER_GRACE:g} s)",
+         f"headers at most {sandboxfusion_backend.HEAD_BYTES // 1024} KB")
 
 
 def test_unprivileged_the_service_answers_and_stops_whatever_slow_clients_hold():
