@@ -127,9 +127,13 @@ def _run(stdin, files, code):
     import base64, io, linecache, os, sys, traceback
     for path, data in files.items():
         if data is not None:
-            os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-            with open(path, "wb") as f:
-                f.write(base64.b64decode(data))
+            try:
+                os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+                with open(path, "wb") as f:
+                    f.write(base64.b64decode(data))
+            except OSError as e:  # the request's fault, not the code's: one line, no frames of this prologue
+                print(f"{{type(e).__name__}}: files[{{path!r}}] cannot be written: {{e.strerror or e}}", file=sys.stderr)
+                raise SystemExit(1)
     if stdin is not None:
         sys.stdin = io.StringIO(stdin)
     linecache.cache["<string>"] = (len(code), None, code.splitlines(True), "<string>")

@@ -156,6 +156,14 @@ def test_stdin_and_files_reach_the_code_and_tracebacks_keep_their_lines(server):
     assert run_code(server, "print(input())")["run_result"]["stderr"].endswith("EOFError: EOF when reading a line\n")
 
 
+def test_a_file_the_request_cannot_write_is_one_line_without_the_prologues_frames(server):
+    for path, why in (("a/", "Is a directory"), ("/proc/no-such-folder/x", "No such file or directory")):
+        body = run_code(server, "print('never')", files={path: base64.b64encode(b"1").decode()})
+        run = body["run_result"]
+        assert body["status"] == "Failed" and run["return_code"] == 1 and run["stdout"] == ""
+        assert run["stderr"].endswith(f"files[{path!r}] cannot be written: {why}\n") and len(run["stderr"].splitlines()) == 1
+
+
 def test_other_languages_and_fetch_files_are_a_sandbox_error_in_sandboxfusion_shape(server):
     for fields in ({"language": "cpp"}, {"language": "nodejs"}, {"fetch_files": ["out.txt"]}):
         status, body = request(server, {"code": "print(1)", "language": "python", **fields})
