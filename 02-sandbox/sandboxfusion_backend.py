@@ -7,28 +7,39 @@ are spread over `urls` (a pool): the least busy server, ties taken in turn (so r
 robin when idle). A server that refuses a connection, or drops one before it answers
 (it died mid-call: while the request went out, or before the answer was whole), is
 skipped for a few seconds and the call runs again on another one: a call's code has
-no effects outside it, and its one answer is the one that arrives. Any other failure (no answer in time, an HTTP error, a SandboxError, an
-answer that is not a well-formed RunCodeResponse) is the call's answer, never an
+no effects outside it, and its one answer is the one that arrives.
+
+A member is trusted with nothing: each call has one absolute deadline (its timeout
+plus runner.ANSWER_GRACE) over connecting, sending, waiting and reading, however the
+member paces its bytes; a redirect is never followed (the token would go with it);
+an answer is read up to a size cap. Any other failure (no answer in time, an HTTP
+error or redirect, a SandboxError, an answer that is not a well-formed
+RunCodeResponse, too large or nested too deep) is the call's answer, never an
 exception. A server's stdout and stderr come back capped as the local sandbox caps
 them. `unreachable(urls)` is a run's preflight: every pool member must answer at
 start. The story and the mapping: docs/02-service.md.
 """
 from __future__ import annotations
 
-import http.client
 import json
 import os
 import re
 import socket
+import ssl
 import threading
 import time
-import urllib.error
-import urllib.request
+import urllib.parse
 
 import runner
 
 DOWN_SECONDS = 5.0  # a server that refused a connection is skipped this long (unless all are)
+PING_SECONDS = 10.0  # the preflight's deadline for one member's GET /v1/ping
+HEAD_BYTES = 64 * 1024  # an answer's status line and headers; more is no sandbox server's answer
 _CUT = re.compile(r"\n\.\.\. \[\d+ bytes cut\] \.\.\.\n")  # runner.read_answer's mark of a stream over the cap
+
+
+class Dropped(ConnectionError):
+    """The member closed the connection before its answer was whole: it may have died mid-call."""
 
 
 class SandboxFusionBackend:
@@ -40,7 +51,6 @@ class SandboxFusionBackend:
                       for url in cfg.urls]
         token = cfg.token if cfg.token is not None else os.environ.get("SANDBOX_TOKEN")
         self._headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {token}"} if token else {})}
-        self._opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # never through an http_proxy
         self._lock = threading.Lock()
         self._busy = [0] * len(self._urls)  # calls in flight per server
         self._down_until = [0.0] * len(self._urls)
@@ -51,20 +61,20 @@ class SandboxFusionBackend:
         body = {"code": request["code"], "language": "python", "run_timeout": request["timeout"],
                 "compile_timeout": request["timeout"], "memory_limit_MB": request["memory_mb"],
                 "stdin": None, "files": {}, "fetch_files": []}
-        deadline = request["timeout"] + runner.ANSWER_GRACE
+        deadline = time.monotonic() + request["timeout"] + runner.ANSWER_GRACE  # one for the call, retries included
         tried: set[int] = set()
         while True:
             index = self._pick(tried)
             try:
                 response = self._post(index, body, deadline, 16 * request["max_output_bytes"] + (1 << 20))
-            except (ConnectionError, http.client.IncompleteRead):  # refused, or dropped before the answer was whole
+            except ConnectionError:  # refused, or dropped before the answer was whole
                 with self._lock:
                     self._down_until[index] = time.monotonic() + DOWN_SECONDS
                 tried.add(index)
-                if len(tried) < len(self._urls):
+                if len(tried) < len(self._urls) and time.monotonic() < deadline:
                     continue  # no answer came back: another server runs it (the code has no effects outside the call)
                 return runner.failure(f"SandboxError: no sandbox server answered ({', '.join(self._urls)})")
-            except (OSError, ValueError, http.client.HTTPException) as e:  # a timeout, an HTTP error, not JSON
+            except Exception as e:  # a timeout, an HTTP error, not JSON, too deep: whatever it answered, not ours to raise
                 return runner.failure(f"SandboxError: {self._urls[index]}: {_describe(e)}")
             finally:
                 with self._lock:
@@ -86,12 +96,14 @@ class SandboxFusionBackend:
         self._ready = True
 
     def _ping(self, index: int) -> str | None:
-        """None if the server answers GET /v1/ping, else what went wrong, naming it."""
+        """None if the server answers GET /v1/ping with 200, else what went wrong, naming it."""
         url = self._urls[index]
-        ping = urllib.request.Request(url[: -len("/run_code")] + "/v1/ping", headers=self._headers)
         try:
-            self._opener.open(ping, timeout=10).read()
-        except (OSError, ValueError, http.client.HTTPException) as e:
+            status, _ = exchange(url[: -len("/run_code")] + "/v1/ping", "GET", b"", self._headers,
+                                 time.monotonic() + PING_SECONDS, 1 << 16)
+            if status != 200:
+                return f"{url}: {_status_problem(status, b'')}"
+        except Exception as e:  # whatever the member does, the preflight names it
             return f"{url}: {_describe(e)}"
         return None
 
@@ -112,19 +124,132 @@ class SandboxFusionBackend:
             self._busy[index] += 1
             return index
 
-    def _post(self, index: int, body: dict, timeout: float, limit: int) -> dict:
-        """The server's JSON answer; at most `limit` bytes of it (two capped streams, JSON-escaped, and the rest)."""
-        request = urllib.request.Request(self._urls[index], data=json.dumps(body).encode(), headers=self._headers)
+    def _post(self, index: int, body: dict, deadline: float, limit: int) -> dict:
+        """The server's JSON answer, whole by `deadline` (time.monotonic()); at most `limit` bytes of it
+        (two capped streams, JSON-escaped, and the rest)."""
+        status, data = exchange(self._urls[index], "POST", json.dumps(body).encode(), self._headers, deadline, limit)
+        if status != 200:
+            raise ValueError(_status_problem(status, data))
         try:
-            with self._opener.open(request, timeout=timeout) as response:
-                data = response.read(limit + 1)
-                if len(data) > limit:
-                    raise ValueError(f"an answer over {limit:,} bytes")
-                return json.loads(data)
-        except urllib.error.URLError as e:
-            if isinstance(e.reason, ConnectionError):  # refused, or reset or broken while the request was sent
-                raise e.reason from None
-            raise
+            return json.loads(data)
+        except RecursionError:
+            raise ValueError("an answer nested deeper than the JSON decoder recurses") from None
+
+
+def exchange(url: str, method: str, body: bytes, headers: dict, deadline: float, limit: int) -> tuple[int, bytes]:
+    """One HTTP/1.1 request and its final answer, (status, body), all of it by `deadline`.
+
+    urllib's timeout counts each receive, so a server trickling a byte at a time, or
+    sending `100 Continue` without end, holds a call for ever; and urllib follows
+    redirects, sending the token wherever one points. Here every step waits only for
+    what is left of the one deadline (TimeoutError), interim 1xx answers are skipped
+    within it, nothing is followed, no proxy is used, and past `limit` bytes received
+    the answer is refused. A connection that closes before the answer is whole raises
+    Dropped; a refused one ConnectionRefusedError.
+    """
+    parts = urllib.parse.urlsplit(url)
+    host, port = parts.hostname or "", parts.port or (443 if parts.scheme == "https" else 80)
+    sock = socket.create_connection((host, port), timeout=_left(deadline))
+    try:
+        if parts.scheme == "https":
+            sock = ssl.create_default_context().wrap_socket(sock, server_hostname=host)
+        target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+        lines = [f"{method} {target} HTTP/1.1", f"Host: {parts.netloc.rpartition('@')[2]}", "Connection: close",
+                 f"Content-Length: {len(body)}", *(f"{k}: {v}" for k, v in headers.items())]
+        outgoing = memoryview(("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + body)
+        while outgoing:
+            sock.settimeout(_left(deadline))
+            outgoing = outgoing[sock.send(outgoing):]
+        answer = _Answer(sock, deadline, limit)
+        status, head = answer.head()
+        while 100 <= status < 200:  # 100 Continue and the like: the final answer comes after
+            status, head = answer.head()
+        if "chunked" in head.get("transfer-encoding", "").lower():
+            return status, _unchunked(answer.until_close(b"0\r\n\r\n"))
+        if "content-length" in head:
+            if not head["content-length"].isdigit():
+                raise ValueError(f"a Content-Length that is no number: {head['content-length'][:40]!r}")
+            return status, answer.exactly(int(head["content-length"]))
+        return status, answer.until_close()
+    finally:
+        sock.close()
+
+
+def _left(deadline: float) -> float:
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise TimeoutError("no answer in time")
+    return left
+
+
+class _Answer:
+    """The bytes of an answer as they arrive, each receive waiting only for what is left of the deadline."""
+
+    def __init__(self, sock: socket.socket, deadline: float, limit: int) -> None:
+        self.sock, self.deadline, self.limit = sock, deadline, limit
+        self.data, self.total = bytearray(), 0
+
+    def more(self, end_ok: bool = False) -> bool:
+        """Receive what comes next; False at the end of the stream, which only `end_ok` readers expect."""
+        self.sock.settimeout(_left(self.deadline))
+        chunk = self.sock.recv(1 << 16)
+        self.total += len(chunk)
+        if self.total > self.limit:
+            raise ValueError(f"an answer over {self.limit:,} bytes")
+        if not chunk and not end_ok:
+            raise Dropped(f"the connection closed after {self.total:,} bytes, before the answer was whole")
+        self.data += chunk
+        return bool(chunk)
+
+    def head(self) -> tuple[int, dict[str, str]]:
+        """The next status line and headers, taken off the data: (status, lower-cased header names -> values)."""
+        searched = 0
+        while (end := self.data.find(b"\r\n\r\n", max(0, searched - 3))) < 0:
+            if len(self.data) > HEAD_BYTES:
+                raise ValueError(f"an answer whose status line and headers take more than {HEAD_BYTES // 1024} KB")
+            searched = len(self.data)
+            self.more()
+        status_line, *fields = bytes(self.data[:end]).decode("latin-1").split("\r\n")
+        del self.data[:end + 4]
+        match = re.fullmatch(r"HTTP/1\.[01] ([1-5][0-9][0-9])(?: .*)?", status_line)
+        if not match:
+            raise ValueError(f"not an HTTP answer: {status_line[:80]!r}")
+        return int(match[1]), {k.strip().lower(): v.strip() for k, _, v in (f.partition(":") for f in fields)}
+
+    def exactly(self, length: int) -> bytes:
+        while len(self.data) < length:
+            self.more()
+        return bytes(self.data[:length])
+
+    def until_close(self, last: bytes | None = None) -> bytes:
+        """Everything until the server closes, or until the data ends with `last` (a chunked answer's end)."""
+        while not (last and self.data.endswith(last)) and self.more(end_ok=True):
+            pass
+        return bytes(self.data)
+
+
+def _unchunked(body: bytes) -> bytes:
+    """A chunked body decoded: each chunk is its size in hex, CRLF, the bytes, CRLF; size 0 ends it."""
+    out, at = bytearray(), 0
+    while True:
+        line_end = body.find(b"\r\n", at)
+        size = body[at:line_end].split(b";")[0].strip() if line_end >= 0 else b""
+        if not re.fullmatch(rb"[0-9a-fA-F]{1,8}", size) or len(body) < line_end + 2 + int(size, 16):
+            raise ValueError("a chunked answer that is cut short or malformed")
+        if int(size, 16) == 0:
+            return bytes(out)
+        out += body[line_end + 2:line_end + 2 + int(size, 16)]
+        at = line_end + 2 + int(size, 16) + 2
+
+
+def _status_problem(status: int, data: bytes) -> str:
+    if 300 <= status < 400:
+        return f"HTTP {status}, a redirect: not followed (the token goes to no other address)"
+    try:
+        detail = json.loads(data).get("detail", "")
+    except (ValueError, AttributeError, RecursionError):
+        detail = ""
+    return f"HTTP {status}" + (f": {detail}" if isinstance(detail, str) and detail else "")
 
 
 def unreachable(cfg) -> list[str]:
@@ -175,12 +300,8 @@ def _capped(text: str, cap: int) -> tuple[str, bool]:
 
 
 def _describe(e: Exception) -> str:
-    if isinstance(e, urllib.error.HTTPError):
-        try:
-            detail = json.loads(e.read()).get("detail", "")
-        except (OSError, ValueError, AttributeError):
-            detail = ""
-        return f"HTTP {e.code}" + (f": {detail}" if detail else "")
-    if isinstance(e, (socket.timeout, TimeoutError)) or isinstance(getattr(e, "reason", None), (socket.timeout, TimeoutError)):
+    """One line naming what went wrong with a member."""
+    if isinstance(e, (socket.timeout, TimeoutError)):
         return "no answer in time"
-    return str(getattr(e, "reason", None) or e)
+    text = str(e) if isinstance(e, (ValueError, OSError)) and str(e) else f"{type(e).__name__}: {e}"
+    return " ".join(text.split())[:300]

@@ -13,10 +13,13 @@ Key decisions (the API, the token rule, limits and figures: docs/02-service.md):
    Anything else is answered in that shape (status SandboxError), never a crash.
 2. It runs code for whoever reaches it: loopback by default, any other address only
    with a shared token that every request carries (refused at start without one).
+   Without a token, a request must name a loopback Host and no foreign Origin: a
+   web page the user opens cannot post code to it (cross-site, DNS rebinding).
 3. Bounded everywhere: calls at once (the sandbox's concurrency), requests held
    (more wait in the listen backlog, so none is lost), request size, run timeout,
    and the time a client has to send its request: one thread reads every request
    without blocking, so a slow or unauthenticated client never holds a thread.
+   Connections stay below the open-files limit, so idle ones cannot starve accept.
 4. stdin and files reach the code through a prologue that runs inside the sandbox,
    with the code's own privileges: the server never writes what a request sends.
 """
@@ -26,15 +29,16 @@ import argparse
 import base64
 import binascii
 import concurrent.futures
+import errno
 import hmac
 import http
 import http.client
 import io
 import ipaddress
 import json
-import math
 import os
 import re
+import resource
 import selectors
 import signal
 import socket
@@ -54,6 +58,8 @@ MAX_REQUEST_KB = 1024  # larger bodies get 413 unread; model code is a few KB
 MAX_CONNECTIONS = 256  # requests held at once (answered or waiting for a slot); more wait in the backlog
 REQUEST_SECONDS = 10.0  # from connect to the request's last byte, whatever the pace: then 408 and the connection goes
 MAX_SENDING = 1024  # connections still sending their request; past it, the one sending longest is dropped
+FD_HEADROOM = 64  # descriptors kept free under the open-files limit, for the sandbox's calls and accept itself
+ACCEPT_RETRY_SECONDS = 1.0  # out of descriptors: the listener rests until a connection closes, or this long
 MAX_HEAD_BYTES = 64 * 1024  # request line and headers
 DRAIN_SECONDS = 2.0  # after a refusal (401, 413, ...), how long the rest of the body is read and dropped
 MIN_TOKEN_CHARS = 16
@@ -121,9 +127,13 @@ def _run(stdin, files, code):
     import base64, io, linecache, os, sys, traceback
     for path, data in files.items():
         if data is not None:
-            os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-            with open(path, "wb") as f:
-                f.write(base64.b64decode(data))
+            try:
+                os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+                with open(path, "wb") as f:
+                    f.write(base64.b64decode(data))
+            except OSError as e:  # the request's fault, not the code's: one line, no frames of this prologue
+                print(f"{{type(e).__name__}}: files[{{path!r}}] cannot be written: {{e.strerror or e}}", file=sys.stderr)
+                raise SystemExit(1)
     if stdin is not None:
         sys.stdin = io.StringIO(stdin)
     linecache.cache["<string>"] = (len(code), None, code.splitlines(True), "<string>")
@@ -189,12 +199,15 @@ class Server:
     arrival order. A slow client therefore holds a socket for at most REQUEST_SECONDS and
     never a thread; while max_connections requests are being answered or wait for a
     thread, new connections wait in the listen backlog; past MAX_SENDING connections
-    still sending, the one that has been sending longest is dropped."""
+    still sending, the one that has been sending longest is dropped. That cap and
+    max_connections together stay FD_HEADROOM under the open-files limit; should accept
+    still run out of descriptors, the listener rests until a connection closes."""
 
     def __init__(self, address, sandbox: Sandbox, token: str | None = None, max_connections: int = MAX_CONNECTIONS,
                  max_request_bytes: int = MAX_REQUEST_KB * 1024, max_run_timeout: float = MAX_RUN_TIMEOUT,
                  log: bool = False, request_seconds: float = REQUEST_SECONDS) -> None:
         family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET
+        self.max_sending = max_sending(max_connections)
         self.listener = socket.create_server(address, family=family, backlog=1024)
         self.listener.setblocking(False)
         self.server_address = self.listener.getsockname()
@@ -204,6 +217,7 @@ class Server:
         self._lock = threading.Lock()
         self._busy = 0  # requests read whole and not yet answered
         self._stopping = False
+        self._accept_rests_until = 0.0  # accept ran out of descriptors: not polled until a connection closes or then
         self._wake_r, self._wake_w = os.pipe()  # written to by shutdown() and by a thread that answered
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
@@ -216,19 +230,21 @@ class Server:
             selector.register(self._wake_r, selectors.EVENT_READ)
             listening = False
             while not self._stopping:
-                if listening != (self._busy < self.max_connections):  # full: the kernel's backlog holds the rest
+                resting = time.monotonic() < self._accept_rests_until
+                if listening != (self._busy < self.max_connections and not resting):  # the kernel's backlog holds the rest
                     listening = not listening
                     if listening:
                         selector.register(self.listener, selectors.EVENT_READ)
                     else:
                         selector.unregister(self.listener)
-                deadlines = [c.deadline for c in self._sending.values()]
+                deadlines = [c.deadline for c in self._sending.values()] + ([self._accept_rests_until] if resting else [])
                 wait = max(0.0, min(deadlines) - time.monotonic()) if deadlines else None
                 for key, _ in selector.select(wait):
                     if key.fileobj is self.listener:
                         self._accept(selector)
-                    elif key.fileobj == self._wake_r:
+                    elif key.fileobj == self._wake_r:  # a request answered: its connection closed
                         _drain_pipe(self._wake_r)
+                        self._accept_rests_until = 0.0
                     else:
                         self._receive(selector, key.data)
                 now = time.monotonic()
@@ -258,9 +274,12 @@ class Server:
                 conn, peer = self.listener.accept()
             except (BlockingIOError, InterruptedError):
                 return
-            except OSError:  # out of descriptors, a connection reset before accept: the next one may do
-                return
-            if len(self._sending) >= MAX_SENDING:  # the one sending longest makes room
+            except OSError as e:
+                if e.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):  # the connection stays queued
+                    self._accept_rests_until = time.monotonic() + ACCEPT_RETRY_SECONDS  # polling now would spin
+                    return
+                continue  # reset before accept (ECONNABORTED): the next one may do
+            if len(self._sending) >= self.max_sending:  # the one sending longest makes room
                 oldest = min((c for c in self._sending.values() if c.phase != "drain"), key=lambda c: c.deadline, default=None)
                 self._close(selector, oldest or next(iter(self._sending.values())))
             conn.setblocking(False)
@@ -320,6 +339,10 @@ class Server:
             return 405, "run_code takes POST"
         if not self._authorized(headers, target):
             return 401, "this server needs its token: Authorization: Bearer <token>"
+        if self.token is None:
+            problem = self._cross_site(headers)
+            if problem:
+                return 403, problem
         lengths = headers.get_all("Content-Length") or []
         if len(lengths) != 1 or headers.get("Transfer-Encoding") is not None:
             return 411, "one Content-Length header is required (no chunked bodies)"
@@ -343,6 +366,35 @@ class Server:
             if pair.startswith("token=") and not given:
                 given = pair[len("token="):]
         return hmac.compare_digest(given.encode(errors="replace"), self.token.encode())
+
+    def _cross_site(self, headers) -> str:
+        """Without a token, why a request may come from a web page rather than a local client ('' if not).
+
+        A page the user opens can POST to 127.0.0.1 (a "simple" text/plain request needs no
+        preflight), and a page under a name that resolves to 127.0.0.1 (DNS rebinding) even
+        reads the answer. Its browser names the page's site in Origin and the name it used in
+        Host; a local client (curl, requests, the backend) sends a loopback Host and no Origin."""
+        hosts, origins = headers.get_all("Host") or [], headers.get_all("Origin") or []
+        if len(hosts) > 1 or len(origins) > 1:
+            return "one Host and at most one Origin header, please"
+        if hosts and not self._is_own_address(hosts[0].strip()):
+            return (f"Host {hosts[0][:100]!r} is not this server's loopback address and port: without a token, "
+                    "only local clients may call it")
+        if origins and not (hosts and origins[0].strip().lower() == f"http://{hosts[0].strip().lower()}"):
+            return f"Origin {origins[0][:100]!r} is another site: without a token, web pages may not call this server"
+        return ""
+
+    def _is_own_address(self, host: str) -> bool:
+        """Host names 'localhost' or a loopback address literally (a name is not resolved: that is the rebinding), and this port if any."""
+        match = re.fullmatch(r"(\[[0-9a-fA-F:.]+\]|[^:\[\]]+)(?::([0-9]{1,5}))?", host)
+        if not match:
+            return False
+        name, port = match[1].strip("[]").lower(), int(match[2] or self.server_address[1])
+        try:
+            loopback = name == "localhost" or ipaddress.ip_address(name).is_loopback
+        except ValueError:
+            loopback = False
+        return loopback and port == self.server_address[1]
 
     def _hand_over(self, selector, incoming: _Incoming) -> None:
         selector.unregister(incoming.conn)
@@ -399,6 +451,7 @@ class Server:
         selector.unregister(incoming.conn)
         del self._sending[incoming.conn]
         incoming.conn.close()
+        self._accept_rests_until = 0.0  # a descriptor is free again
 
     def _count(self, incoming: _Incoming, status: int, run_status: str | None) -> None:
         key = f"{status} {run_status}" if run_status else str(status)
@@ -453,11 +506,35 @@ def _drain_pipe(fd: int) -> None:
         pass
 
 
-def start_process(*args: str, env: dict | None = None) -> tuple[subprocess.Popen, str]:
+def raise_open_files_limit() -> int:
+    """The soft limit of open files raised to the hard one (often 1,024 of 1,048,576): every connection holds one."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and soft != hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            soft = hard
+        except (ValueError, OSError):
+            pass
+    return soft
+
+
+def max_sending(max_connections: int) -> int:
+    """How many connections may be still sending: MAX_SENDING, or fewer so that they, the max_connections
+    being answered and FD_HEADROOM fit under the open-files limit beside the descriptors open now."""
+    limit = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    free = (MAX_SENDING + max_connections + FD_HEADROOM if limit == resource.RLIM_INFINITY
+            else limit - len(os.listdir("/proc/self/fd")) - FD_HEADROOM)
+    if free - max_connections < 1:
+        raise ValueError(f"--max-connections {max_connections} leaves no descriptor for new connections under "
+                         f"the open-files limit ({limit}, {FD_HEADROOM} kept free): lower it, or raise `ulimit -n`")
+    return min(MAX_SENDING, free - max_connections)
+
+
+def start_process(*args: str, env: dict | None = None, **popen) -> tuple[subprocess.Popen, str]:
     """serve.py as a process of its own, on a free loopback port unless args name one: (process, base URL)
     once it listens. Stop it with SIGTERM: it answers the requests in flight, then prints what it answered."""
     proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--port", "0", *args], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **popen)
     line = proc.stdout.readline()
     if " on http" not in line:
         proc.kill()
@@ -482,6 +559,25 @@ def _addresses(host: str) -> list[str]:
         return ["0.0.0.0"]  # unresolvable: not loopback
 
 
+MAX_SECONDS = 86400.0  # the largest timeout a flag takes: the sandbox's own, and far below what select() overflows at
+
+
+def within(low: int | float, high: int | float, kind=int):
+    """An argparse type: a number of `kind` from `low` to `high` ("--port: must be at most 65535, got 70000")."""
+    from lab_cli import at_least
+
+    at_least_low = at_least(low, kind)
+
+    def parse(text: str):
+        value = at_least_low(text)
+        if not value <= high:  # nan too
+            raise argparse.ArgumentTypeError(f"must be at most {high:{'g' if kind is float else 'd'}}, got {text}")
+        return value
+
+    parse.__name__ = kind.__name__
+    return parse
+
+
 def main(argv: list[str] | None = None) -> int:
     from lab_cli import at_least, comma_list, one_line_errors
 
@@ -489,7 +585,7 @@ def main(argv: list[str] | None = None) -> int:
     # where it listens, and who may call it
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s); "
                         "any non-loopback address needs --token")
-    parser.add_argument("--port", type=at_least(0), default=DEFAULT_PORT, help="port, 0 for any free one (default: %(default)s)")
+    parser.add_argument("--port", type=within(0, 65535), default=DEFAULT_PORT, help="port, 0 for any free one (default: %(default)s)")
     parser.add_argument("--token", default=os.environ.get("SANDBOX_TOKEN") or None,  # set but empty: no token
                         help=f"shared secret every request must carry (default: $SANDBOX_TOKEN; at least {MIN_TOKEN_CHARS} "
                         "characters); prefer the variable: a command line is visible to every process")
@@ -504,25 +600,23 @@ def main(argv: list[str] | None = None) -> int:
                         help="modules the warm interpreter imports once, comma-separated, '' for none "
                         "(default: %(default)s)")
     # limits of a request
-    parser.add_argument("--max-run-timeout", type=at_least(0.1, float), default=MAX_RUN_TIMEOUT,
+    parser.add_argument("--max-run-timeout", type=within(0.1, MAX_SECONDS, float), default=MAX_RUN_TIMEOUT,
                         help="a request's run_timeout is cut to this many seconds (default: %(default)s)")
-    parser.add_argument("--max-request-kb", type=at_least(1), default=MAX_REQUEST_KB,
+    parser.add_argument("--max-request-kb", type=within(1, 1 << 20), default=MAX_REQUEST_KB,
                         help="largest request body; larger ones get 413 (default: %(default)s)")
-    parser.add_argument("--max-connections", type=at_least(1), default=MAX_CONNECTIONS,
+    parser.add_argument("--max-connections", type=within(1, 1 << 16), default=MAX_CONNECTIONS,
                         help="requests held at once; more wait in the listen backlog (default: %(default)s)")
-    parser.add_argument("--request-timeout", type=at_least(0.1, float), default=REQUEST_SECONDS,
+    parser.add_argument("--request-timeout", type=within(0.1, MAX_SECONDS, float), default=REQUEST_SECONDS,
                         help="seconds a client has to send its whole request, from connect, however it paces it; "
                         "then 408 (default: %(default)s)")
     parser.add_argument("--log", action="store_true", help="one line per request on stderr")
     args = parser.parse_args(argv)
-    for name in ("max_run_timeout", "request_timeout"):
-        if not math.isfinite(getattr(args, name)):
-            parser.error(f"argument --{name.replace('_', '-')}: must be a finite number of seconds, got {getattr(args, name)}")
     if args.token is not None and len(args.token) < MIN_TOKEN_CHARS:
         parser.error(f"--token must be at least {MIN_TOKEN_CHARS} characters")
     if not is_loopback(args.host) and args.token is None:
         parser.error(f"--host {args.host!r} is not a loopback address: whoever reaches it could run code, "
                      "so it needs a token (--token or $SANDBOX_TOKEN)")
+    raise_open_files_limit()
 
     try:
         config = SandboxConfig(concurrency=args.concurrency, isolation=args.isolation, memory_mb=args.memory_mb,
@@ -535,7 +629,7 @@ def main(argv: list[str] | None = None) -> int:
         host = args.host if args.token is not None else _addresses(args.host)[0]  # the address just judged loopback
         server = Server((host, args.port), sandbox, args.token, args.max_connections,
                         args.max_request_kb * 1024, args.max_run_timeout, args.log, args.request_timeout)
-    except (SandboxError, OSError) as e:
+    except (SandboxError, OSError, ValueError) as e:
         print(f"serve.py: {e}", file=sys.stderr)
         return 2
     signal.signal(signal.SIGTERM, lambda signum, frame: server.shutdown())

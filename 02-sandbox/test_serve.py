@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import base64
 import concurrent.futures
+import errno
 import http.client
 import json
 import os
 import pwd
+import resource
 import shutil
 import signal
 import socket
@@ -25,6 +27,7 @@ from pathlib import Path
 
 import pytest
 
+import runner
 import sandboxfusion_backend
 import serve
 from doc_pages import says
@@ -39,12 +42,12 @@ RESPONSE_FIELDS = {"status", "message", "compile_result", "run_result", "executo
 RUN_RESULT_FIELDS = {"status", "execution_time", "return_code", "stdout", "stderr"}
 
 
-def start_server(*args: str, token: str | None = None) -> tuple[subprocess.Popen, str]:
+def start_server(*args: str, token: str | None = None, **popen) -> tuple[subprocess.Popen, str]:
     """serve.py on a free loopback port; (its process, its base URL) once it listens."""
     env = {k: v for k, v in os.environ.items() if k != "SANDBOX_TOKEN"}
     if token:
         env["SANDBOX_TOKEN"] = token  # the way the page recommends: off the command line
-    return serve.start_process("--concurrency", "2", *args, env=env)
+    return serve.start_process("--concurrency", "2", *args, env=env, **popen)
 
 
 def stop_server(proc: subprocess.Popen) -> str:
@@ -153,6 +156,14 @@ def test_stdin_and_files_reach_the_code_and_tracebacks_keep_their_lines(server):
     assert run_code(server, "print(input())")["run_result"]["stderr"].endswith("EOFError: EOF when reading a line\n")
 
 
+def test_a_file_the_request_cannot_write_is_one_line_without_the_prologues_frames(server):
+    for path, why in (("a/", "Is a directory"), ("/proc/no-such-folder/x", "No such file or directory")):
+        body = run_code(server, "print('never')", files={path: base64.b64encode(b"1").decode()})
+        run = body["run_result"]
+        assert body["status"] == "Failed" and run["return_code"] == 1 and run["stdout"] == ""
+        assert run["stderr"].endswith(f"files[{path!r}] cannot be written: {why}\n") and len(run["stderr"].splitlines()) == 1
+
+
 def test_other_languages_and_fetch_files_are_a_sandbox_error_in_sandboxfusion_shape(server):
     for fields in ({"language": "cpp"}, {"language": "nodejs"}, {"fetch_files": ["out.txt"]}):
         status, body = request(server, {"code": "print(1)", "language": "python", **fields})
@@ -199,16 +210,16 @@ def raw_exchange(url: str, data: bytes, timeout: float = 60) -> tuple[int, dict,
 
 
 def post(body: bytes, *headers: str) -> bytes:
-    return b"\r\n".join([b"POST /run_code HTTP/1.1", b"Host: x", *(h.encode("latin-1") for h in headers),
+    return b"\r\n".join([b"POST /run_code HTTP/1.1", b"Host: localhost", *(h.encode("latin-1") for h in headers),
                          b"Content-Length: %d" % len(body), b"", body])
 
 
 @pytest.mark.parametrize("data, expected", [
-    (b"POST /run_code HTTP/1.1\r\nHost: x\r\nContent-Length: 1\xb2\r\n\r\n1", 400),  # a digit, but not ASCII
+    (b"POST /run_code HTTP/1.1\r\nHost: localhost\r\nContent-Length: 1\xb2\r\n\r\n1", 400),  # a digit, but not ASCII
     (post(b"[" * 5000 + b"]" * 5000), 400),  # JSON nested deeper than the decoder recurses
     (b"GARBAGE\r\n\r\n", 400),  # not a request line
     (b"GET /v1/ping\r\n\r\n", 400),  # HTTP/0.9
-    (b"BREW /run_code HTTP/1.1\r\nHost: x\r\n\r\n", 405),  # a method no handler has
+    (b"BREW /run_code HTTP/1.1\r\nHost: localhost\r\n\r\n", 405),  # a method no handler has
     (b"GET /" + b"a" * 200_000 + b" HTTP/1.1\r\n\r\n", 431),  # a request line past the head's limit
     (b"GET /v1/ping HTTP/1.1\r\n" + b"X-A: b\r\n" * 200 + b"\r\n", 431),  # too many headers
     (b"POST /run_code HTTP/1.1\r\nContent-Length: 2\r\nContent-Length: 3\r\n\r\n{}", 411),  # which length?
@@ -301,7 +312,7 @@ def test_sigterm_stops_the_service_at_once_whatever_slow_clients_hold():
 def test_a_request_without_content_length_gets_411(server):
     parts = urllib.parse.urlsplit(server)
     with socket.create_connection((parts.hostname, parts.port), timeout=30) as conn:
-        conn.sendall(b"POST /run_code HTTP/1.1\r\nHost: x\r\n\r\n")
+        conn.sendall(b"POST /run_code HTTP/1.1\r\nHost: localhost\r\n\r\n")
         assert conn.makefile("rb").readline().split()[1] == b"411"
 
 
@@ -323,6 +334,98 @@ def test_a_token_server_answers_401_without_its_token(token_server):
     status, body = request(token_server, {"code": "print(1)", "language": "python"}, path=f"/run_code?token={TOKEN}")
     assert status == 200 and body["status"] == "Success"  # for clients that cannot set headers (verl, ToRL)
     assert request(token_server, method="GET", path="/v1/ping") == (200, "pong")  # health checks run nothing
+
+
+def test_without_a_token_a_request_a_web_page_could_send_is_refused(server, token_server):
+    """A page the user opens can POST text/plain to 127.0.0.1 (no preflight), or reach it under its own name
+    (DNS rebinding). Its browser names the page in Origin and the name it used in Host; local clients do not."""
+    port = urllib.parse.urlsplit(server).port
+    body = {"code": "print('ran')", "language": "python"}
+    for headers in ({"Host": f"attacker.example:{port}", "Content-Type": "text/plain"},  # rebinding
+                    {"Host": f"127.0.0.1:{port}", "Origin": "http://attacker.example", "Content-Type": "text/plain"},
+                    {"Host": f"localhost:{port}", "Origin": "null"},  # a sandboxed frame, a file:// page
+                    {"Host": f"127.0.0.1:{port + 1 if port < 65535 else 1}"}):  # another local site's port
+        status, answer = request(server, body, headers=headers)
+        assert status == 403 and "ran" not in json.dumps(answer) and answer["detail"], headers
+    for headers in ({}, {"Host": f"localhost:{port}"}, {"Host": f"[::1]:{port}"},
+                    {"Host": f"127.0.0.1:{port}", "Origin": f"http://127.0.0.1:{port}"}):  # local clients, a same-origin page
+        status, answer = request(server, body, headers=headers)
+        assert status == 200 and answer["run_result"]["stdout"] == "ran\n", headers
+    status, answer = request(token_server, body, headers={"Host": "sandbox.example", "Authorization": f"Bearer {TOKEN}"})
+    assert status == 200 and answer["run_result"]["stdout"] == "ran\n"  # with a token, a proxy's name is fine
+
+
+def test_idle_connections_past_the_open_files_limit_neither_starve_a_call_nor_spin_the_server():
+    """A server started under 128 open files (of 256 allowed) holds 400 idle connections: it raises its limit,
+    keeps its connections under it, and a real call is answered while they stay open, with the server idle."""
+    if resource.getrlimit(resource.RLIMIT_NOFILE)[1] < 1024:
+        pytest.skip("the test itself needs 1,024 open files")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(1024, resource.getrlimit(resource.RLIMIT_NOFILE)[0]),
+                                                resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+    proc, url = start_server("--preload", "", "--max-connections", "4", "--request-timeout", "60",
+                             preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (128, 256)))
+    idle = []
+    try:
+        limits = Path(f"/proc/{proc.pid}/limits").read_text()
+        assert [line.split()[3:5] for line in limits.splitlines() if line.startswith("Max open files")] == [["256", "256"]]
+        parts = urllib.parse.urlsplit(url)
+        for _ in range(400):
+            idle.append(socket.create_connection((parts.hostname, parts.port), timeout=10))
+        time.sleep(1)  # the server has taken what it takes of them
+        before = _cpu_seconds(proc.pid)
+        time.sleep(2)
+        spent = _cpu_seconds(proc.pid) - before
+        assert spent < 0.5, f"the server spent {spent:.2f} CPU-seconds in 2 s with idle connections open"
+        assert request(url, {"code": "print(6 * 7)", "language": "python"}, timeout=20)[1]["run_result"]["stdout"] == "42\n"
+    finally:
+        for conn in idle:
+            conn.close()
+        stop_server(proc)
+
+
+def _cpu_seconds(pid: int) -> float:
+    """User and system CPU time of a process, all its threads (the fields after its name in /proc/PID/stat)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def test_out_of_descriptors_the_accept_loop_rests_instead_of_spinning():
+    """accept() failing with EMFILE leaves the connection queued and the listener readable: polling it again at once
+    would spin. The loop waits for a connection to close, or a second."""
+    server = serve.Server(("127.0.0.1", 0), sandbox=None, max_connections=2)
+    listener, attempts = server.listener, []
+
+    class Exhausted:  # the listener as accept() sees it when every descriptor is in use
+        def fileno(self):
+            return listener.fileno()
+
+        def accept(self):
+            attempts.append(time.monotonic())
+            raise OSError(errno.EMFILE, "Too many open files")
+
+        def close(self):
+            listener.close()
+
+    server.listener = Exhausted()
+    loop = threading.Thread(target=server.serve_forever)
+    loop.start()
+    try:
+        with socket.create_connection(server.server_address[:2], timeout=10):  # queued: the listener stays readable
+            time.sleep(2.5)
+    finally:
+        server.shutdown()
+        loop.join(timeout=30)
+        server.server_close()
+    assert not loop.is_alive() and 1 <= len(attempts) <= 5, f"{len(attempts)} accept attempts in 2.5 s"
+
+
+@pytest.mark.parametrize("flag, value", [("--port", "70000"), ("--port", "65536"), ("--port", "-1"),
+                                         ("--request-timeout", "1e300"), ("--max-run-timeout", "1e9"),
+                                         ("--max-connections", "1000000000"), ("--max-request-kb", "1" + "0" * 30)])
+def test_a_flag_out_of_its_range_is_refused_in_one_line_naming_it(flag, value):
+    done = subprocess.run([sys.executable, SERVE, "--port", "0", flag, value], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and done.stdout == "" and "Traceback" not in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1 and f"argument {flag}: must be at " in done.stderr
 
 
 def test_a_non_loopback_address_is_refused_at_start_without_a_token():
@@ -475,7 +578,11 @@ def test_the_page_states_the_services_defaults():
          f"{serve.MAX_RUN_TIMEOUT:g} s", f"{serve.RUN_TIMEOUT:g} s", f"{serve.MIN_TOKEN_CHARS} characters",
          f"| a request's arrival, from connect to its last byte | {serve.REQUEST_SECONDS:g} s |",
          f"| {serve.MAX_SENDING} connections |", f"Past {serve.MAX_SENDING} connections still sending",
-         f"| request line and headers | {serve.MAX_HEAD_BYTES // 1024} KB |", f"headers over {serve.MAX_HEAD_BYTES // 1024} KB")
+         f"| request line and headers | {serve.MAX_HEAD_BYTES // 1024} KB |", f"headers over {serve.MAX_HEAD_BYTES // 1024} KB",
+         f"{serve.FD_HEADROOM} descriptors kept free (`serve.FD_HEADROOM`)", f"or for {serve.ACCEPT_RETRY_SECONDS:g} s",
+         f"`runner.ANSWER_GRACE` ({runner.ANSWER_GRACE:g} s)",
+         f"headers at most {sandboxfusion_backend.HEAD_BYTES // 1024} KB",
+         "timeouts at most a day" if serve.MAX_SECONDS == 24 * 3600 else f"timeouts at most {serve.MAX_SECONDS:g} s")
 
 
 def test_unprivileged_the_service_answers_and_stops_whatever_slow_clients_hold():
