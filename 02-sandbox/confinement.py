@@ -26,6 +26,8 @@ import sys
 import sysconfig
 import tempfile
 
+import runner
+
 # --------------------------------------------------------------------------------------
 # Linux calls Python 3.11 does not wrap (os.unshare and os.setns arrived in 3.12)
 # --------------------------------------------------------------------------------------
@@ -775,12 +777,4 @@ def _self_only(number: int, arguments: tuple[int, ...]) -> list[tuple]:
     return [(_JEQ, 0, len(body), number)] + body
 
 
-class _SockFprog(ctypes.Structure):
-    _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
-
-
-def install_seccomp(program: bytes) -> None:
-    """Install the filter on this process (and all it will start); needs no_new_privs, not root."""
-    buffer = ctypes.create_string_buffer(program, len(program))
-    fprog = _SockFprog(len(program) // 8, ctypes.cast(buffer, ctypes.c_void_p))
-    prctl(PR_SET_SECCOMP, 2, ctypes.byref(fprog))  # SECCOMP_MODE_FILTER
+install_seccomp = runner.install_seccomp  # the filter on this process and all it will start; needs no_new_privs, not root

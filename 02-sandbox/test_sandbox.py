@@ -1007,6 +1007,31 @@ def test_pipes_and_the_other_kernel_queues_hold_nothing_past_the_cap():
         assert r.ok and r.stdout.splitlines() == ["mq_open -1 EMFILE", "vmsplice -1 EPERM", "io_uring_setup -1 EPERM"], r
 
 
+def test_a_containers_runner_adds_the_local_filter_to_dockers_profile(tmp_path):
+    """Docker's profile allows AF_UNIX and AF_NETLINK, whose queues no container cgroup counts: runner.py, which
+    travels alone into each container, installs the local filter on top. Run here as a container starts it."""
+    needs_root()  # the code runs as the test's user: root, on this machine, with the filter only
+    import io
+
+    import runner
+    from sandbox import _request
+
+    code = ("import errno, socket\n"
+            "for family, kind in [(1, 1), (16, 3), (2, 2)]:\n"
+            "    try:\n"
+            "        socket.socket(family, kind).close()\n"
+            "        print(family, 'ok')\n"
+            "    except OSError as e:\n"
+            "        print(family, errno.errorcode[e.errno])\n")
+    request = json.dumps(_request(code, make_config("local", preload=()))).encode()
+    options = {"preload": [], "seccomp": confinement.seccomp_program().hex()}
+    done = subprocess.run([sys.executable, "-I", "-c", open(runner.__file__).read(), "--container", json.dumps(options)],
+                          input=struct.pack(">I", len(request)) + request, capture_output=True, timeout=60,
+                          env={**runner.clean_env(), "TMPDIR": str(tmp_path)}, cwd=str(tmp_path))
+    answer = runner.read_answer(io.BytesIO(done.stdout).read)
+    assert answer["returncode"] == 0 and answer["stdout"] == "1 EAFNOSUPPORT\n16 EAFNOSUPPORT\n2 ok\n", (answer, done.stderr)
+
+
 def test_the_callers_kernel_keys_are_not_visible_to_the_code():
     """The code inherits the caller's session keyring; /proc/keys would list its keys (names and sizes)."""
     needs_root()
