@@ -66,7 +66,7 @@ def main() -> int:
     parser.add_argument("--python", default="/usr/bin/python3", help="a Python that user may run (default: %(default)s)")
     parser.add_argument("--memory-mb", type=int, default=256, help="the call's cap (default: %(default)s)")
     parser.add_argument("--processes", type=int, default=64, help="max_processes, all used by the burst (default: %(default)s)")
-    parser.add_argument("--tries", type=int, default=5, help="bursts, one call each (default: %(default)s)")
+    parser.add_argument("--tries", type=int, default=10, help="bursts, one call each (default: %(default)s)")
     parser.add_argument("--results", metavar="NAME", help="also write the figures to docs/results/NAME.json")
     args = parser.parse_args()
     if os.geteuid() != 0:
