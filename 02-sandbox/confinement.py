@@ -26,6 +26,8 @@ import sys
 import sysconfig
 import tempfile
 
+import runner
+
 # --------------------------------------------------------------------------------------
 # Linux calls Python 3.11 does not wrap (os.unshare and os.setns arrived in 3.12)
 # --------------------------------------------------------------------------------------
@@ -141,6 +143,9 @@ SYSTEM_LIBRARIES = ("/lib", "/lib64", "/lib32", "/libx32", "/usr/lib", "/usr/lib
 DEVICES = ("/dev/null", "/dev/zero", "/dev/urandom")
 SCRATCH_DIRS = ("/tmp", "/var/tmp", "/dev/shm")  # the only places the code may write: one empty tmpfs behind all three, per call
 WORKDIR = "/tmp/work"
+# Files of /proc that describe the kernel's keys: the caller's session keyring and every key its uid may
+# view (names and sizes), and each user's key counts. The filter denies the key calls; these it cannot.
+PROC_MASKED = ("/proc/keys", "/proc/key-users")
 SCRATCH_INODES = 16384  # files and folders the scratch tmpfs holds: each is kernel memory too
 _BUILD_AT = "/tmp"  # where the new root is assembled in the slot's own mount namespace, before pivot_root
 _ETC = {  # a minimal /etc: who is who, and the loader's cache so that native libraries load as usual
@@ -186,10 +191,16 @@ def build_root() -> dict[str, int]:
     # A system Python's own folders (/usr/lib/python3.11) come with the system libraries.
     binds = [p for p in interpreter_paths() if not any(p == d or _inside(p, d) for d in system)] + system
     links = {p: os.readlink(p) for p in SYSTEM_LIBRARIES if os.path.islink(p)}
-    executable = sys.executable  # the name the code's subprocesses use (/usr/bin/python3 -> python3.11)
-    while os.path.islink(executable) and not any(_inside(executable, b) for b in binds):
-        links[executable] = os.readlink(executable)
-        executable = os.path.join(os.path.dirname(executable), links[executable])
+    # The name the code's subprocesses use, and each link on the way to the file (a venv's python ->
+    # python3 -> /root/.pyenv/.../python3 -> python3.11): a link outside the binds is made again.
+    executable = sys.executable
+    for _ in range(40):  # the kernel's own bound on a chain of links
+        if not os.path.islink(executable):
+            break
+        target = os.readlink(executable)
+        if not any(executable == b or _inside(executable, b) for b in binds):
+            links[executable] = target
+        executable = os.path.join(os.path.dirname(executable), target)
     loader_cache = "/etc/ld.so.cache"
     files = [loader_cache] if os.path.isfile(loader_cache) else []
     # Descriptors first: the sources may lie under the folder the new root is built on.
@@ -225,6 +236,8 @@ def build_root() -> dict[str, int]:
     _pivot_root(".", ".")  # the old root now sits on top of the new one ...
     umount(".")  # ... and goes, with every mount of the machine under it
     os.chdir("/")
+    for path in PROC_MASKED:  # as Docker masks them: /dev/null bound over each
+        mount("/dev/null", path, None, MS_BIND)
     mount(None, "/", None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV)
     return {p: os.open(p, os.O_PATH) for p in binds if any(_inside(p, d) for d in SCRATCH_DIRS)}
 
@@ -421,32 +434,41 @@ class MemoryWatch:
 
     RLIMIT_AS caps each process, not the call: a call of N processes could map N times
     memory_mb. Every TICK seconds of the wait, the slot sums what the call's processes
-    hold (anonymous and shared-memory resident pages, swapped pages, above what each
-    inherited from the slot: pages two processes share count in both, so this errs on
-    the side of killing) and kills the call past memory_mb. It reads a /proc without
-    hidepid (mount_proc), where no process of the call can hide. memfds, System V shared
-    memory and message queues, which no process's pages show, are denied by the filter
-    instead (seccomp_program(cgroup=False)); POSIX message queues and locked memory by
-    their rlimits (runner.set_rlimits); files by the scratch tmpfs's size.
+    hold (anonymous and shared-memory pages, resident or swapped, each page split among
+    the processes that share it: the proportional set size of /proc/PID/smaps_rollup),
+    subtracts once the slot's own share, which every fork of it starts with, and kills
+    the call past memory_mb. A process that exec'd a fresh interpreter shares nothing, so
+    it counts whole. It reads a /proc without hidepid (mount_proc), where no process of
+    the call can hide. Kernel memory that no process's pages show is denied or bounded
+    instead: memfds, System V IPC and sockets that queue by the filter
+    (seccomp_program(cgroup=False)); POSIX message queues and locked memory by their
+    rlimits (runner.set_rlimits); files by the scratch tmpfs's size.
     """
 
     TICK = 0.01
 
     def __init__(self, proc: int) -> None:
         self.proc = proc  # a descriptor of the slot's /proc without hidepid
-        self.base_kb = _held_kb(proc, str(os.getpid()))  # the slot's: every process of the call starts from a fork of it
+        self.base_kb = _held_kb(proc, str(os.getpid()), _PROPORTIONAL) or 0  # the slot's share of the pages its forks inherit
         self.killed = False
 
     def join(self, memory_mb: int, max_processes: int) -> None:
         """Nothing to join: the slot watches (the code's process calls this where it would join a cgroup)."""
 
     def over(self, memory_mb: int) -> bool:
-        """Does the call hold more than memory_mb? Once it does, it stays "OOM-killed"."""
-        me, total = str(os.getpid()), 0
-        for entry in os.listdir(self.proc):
-            if entry.isdigit() and entry != me:
-                total += max(0, _held_kb(self.proc, entry) - self.base_kb)
-        self.killed = self.killed or total > memory_mb * 1024
+        """Does the call hold more than memory_mb? Once it does, it stays "OOM-killed".
+
+        A process's resident and swapped pages bound its proportional share from above:
+        only when their sum passes the cap are the dearer smaps_rollup files read (about
+        0.5 ms a process with sympy loaded, against 10 us for status). A process that made
+        itself non-dumpable refuses the slot its smaps_rollup: it counts whole.
+        """
+        me = str(os.getpid())
+        resident = {pid: _held_kb(self.proc, pid, _RESIDENT) or 0 for pid in os.listdir(self.proc) if pid.isdigit() and pid != me}
+        if sum(resident.values()) - self.base_kb > memory_mb * 1024:
+            share = {pid: _held_kb(self.proc, pid, _PROPORTIONAL) for pid in resident}
+            total = sum(kb if kb is not None else resident[pid] for pid, kb in share.items())
+            self.killed = self.killed or total - self.base_kb > memory_mb * 1024
         return self.killed
 
     def oom_killed(self) -> bool:
@@ -456,17 +478,21 @@ class MemoryWatch:
         pass
 
 
-_HELD = ("RssAnon", "RssShmem", "VmSwap")  # private and shared anonymous memory (shmem: MAP_SHARED, /dev/zero), swapped
+# (file, fields): private and shared anonymous memory (shmem: MAP_SHARED, /dev/zero), resident or swapped;
+# status counts every page the process maps whole, smaps_rollup its share of each
+_RESIDENT = ("status", ("RssAnon", "RssShmem", "VmSwap"))
+_PROPORTIONAL = ("smaps_rollup", ("Pss_Anon", "Pss_Shmem", "SwapPss"))
 
 
-def _held_kb(proc: int, pid: str) -> int:
-    """What a process holds in memory (_HELD, from /proc/PID/status), in kB; 0 once it is gone.
+def _held_kb(proc: int, pid: str, kind: tuple[str, tuple[str, ...]]) -> int | None:
+    """What a process holds in memory (kind's fields), in kB; None once it is gone, or where it is refused.
 
     A thread group whose leader exited goes on in its other threads, and the leader's
-    status then shows no memory: one of its threads' shows the group's.
+    files then show no memory: one of its threads' shows the group's.
     """
-    fields = _status(proc, f"{pid}/status")
-    if fields.get("RssAnon") is None and int(fields.get("Threads", "1").split()[0]) > 1:
+    name, held = kind
+    fields = _status(proc, f"{pid}/{name}")
+    if fields.get(held[0]) is None:
         try:
             fd = os.open(f"{pid}/task", os.O_RDONLY | os.O_DIRECTORY, dir_fd=proc)
             try:
@@ -476,10 +502,12 @@ def _held_kb(proc: int, pid: str) -> int:
         except OSError:
             threads = []
         for tid in threads:
-            fields = _status(proc, f"{pid}/task/{tid}/status")
-            if fields.get("RssAnon") is not None:
+            fields = _status(proc, f"{pid}/task/{tid}/{name}")
+            if fields.get(held[0]) is not None:
                 break
-    return sum(int(fields[name].split()[0]) for name in _HELD if name in fields)
+    if fields.get(held[0]) is None:
+        return None
+    return sum(int(fields[field].split()[0]) for field in held if field in fields)
 
 
 def _status(proc: int, path: str) -> dict[str, str]:
@@ -606,6 +634,8 @@ DENIED = (
     "flock", "inotify_init", "inotify_init1", "inotify_add_watch", "inotify_rm_watch",
     # another process's I/O priority or memory placement: math code never needs them
     "ioprio_set", "migrate_pages", "move_pages",
+    # pages handed to a pipe and unmapped: held by the pipe alone, in no process's pages
+    "vmsplice",
 )
 # Allowed on the calling process only (every argument listed 0: "this process"). The kernel lets a
 # process change these of any process of its uid, and unprivileged the code and its slot are one uid:
@@ -622,10 +652,16 @@ FCNTL_DENIED = {"F_GETLK": 5, "F_SETLK": 6, "F_SETLKW": 7, "F_OFD_GETLK": 36, "F
                 "F_SETLEASE": 1024, "F_GETLEASE": 1025, "F_NOTIFY": 1026,
                 "F_SETSIG": 10,  # a real-time signal per I/O event, queued past RLIMIT_SIGPENDING
                 "F_SETPIPE_SZ": 1031}  # and pipes past their default 16 pages: the user's pipe pages are one count
-# socket families allowed; any other (AF_VSOCK reaches the hypervisor, whatever the network namespace) fails
-SOCKET_FAMILIES = {"AF_UNIX": 1, "AF_INET": 2, "AF_INET6": 10, "AF_NETLINK": 16}
+# Socket families allowed; any other fails, socketpair too. The call's network namespace has no interface up,
+# so an AF_INET or AF_INET6 socket can queue nothing. AF_UNIX and AF_NETLINK sockets queue kernel memory that
+# no memory cgroup counts (per socket, per unread message, per descriptor in flight), and AF_VSOCK reaches
+# the hypervisor whatever the network namespace.
+SOCKET_FAMILIES = {"AF_INET": 2, "AF_INET6": 10}
+# getsockopt(SOL_SOCKET, ...) options that read a counter of the whole machine: one call sets it, the next reads it
+SOCKET_COOKIES = {"SO_COOKIE": 57, "SO_NETNS_COOKIE": 71}
+_SOL_SOCKET = 1
 # Denied only where no cgroup counts memory: memory held outside every process's pages
-NO_CGROUP_DENIED = ("memfd_create", "memfd_secret", "shmget", "msgget")
+NO_CGROUP_DENIED = ("memfd_create", "memfd_secret", "shmget", "msgget", "semget")
 _TABLES = {  # system call numbers: asm/unistd_64.h (x86_64) and asm-generic/unistd.h (aarch64)
     "x86_64": dict(
         keyctl=250, add_key=248, request_key=249, ptrace=101, process_vm_readv=310, process_vm_writev=311,
@@ -637,7 +673,7 @@ _TABLES = {  # system call numbers: asm/unistd_64.h (x86_64) and asm-generic/uni
         swapoff=168, acct=163, syslog=103, settimeofday=164, clock_settime=227, clock_adjtime=305,
         adjtimex=159, quotactl=179, lookup_dcookie=212, fanotify_init=300, vhangup=153, clone=56, clone3=435,
         flock=73, inotify_init=253, inotify_init1=294, inotify_add_watch=254, inotify_rm_watch=255, fcntl=72,
-        socket=41, memfd_create=319, memfd_secret=447, shmget=29, msgget=68, ioprio_set=251, migrate_pages=256,
+        socket=41, socketpair=53, getsockopt=55, vmsplice=278, memfd_create=319, memfd_secret=447, shmget=29, msgget=68, semget=64, ioprio_set=251, migrate_pages=256,
         move_pages=279, prlimit64=302, setpriority=141, sched_setaffinity=203, sched_setscheduler=144,
         sched_setparam=142, sched_setattr=314, kill=62, tkill=200, tgkill=234, rt_sigqueueinfo=129,
         rt_tgsigqueueinfo=297, pidfd_send_signal=424,
@@ -652,7 +688,7 @@ _TABLES = {  # system call numbers: asm/unistd_64.h (x86_64) and asm-generic/uni
         swapoff=225, acct=89, syslog=116, settimeofday=170, clock_settime=112, clock_adjtime=266,
         adjtimex=171, quotactl=60, lookup_dcookie=18, fanotify_init=262, vhangup=58, clone=220, clone3=435,
         flock=32, inotify_init1=26, inotify_add_watch=27, inotify_rm_watch=28, fcntl=25,  # (no inotify_init)
-        socket=198, memfd_create=279, memfd_secret=447, shmget=194, msgget=186, ioprio_set=30, migrate_pages=238,
+        socket=198, socketpair=199, getsockopt=209, vmsplice=75, memfd_create=279, memfd_secret=447, shmget=194, msgget=186, semget=190, ioprio_set=30, migrate_pages=238,
         move_pages=239, prlimit64=261, setpriority=140, sched_setaffinity=122, sched_setscheduler=119,
         sched_setparam=118, sched_setattr=274, kill=129, tkill=130, tgkill=131, rt_sigqueueinfo=138,
         rt_tgsigqueueinfo=240, pidfd_send_signal=424,
@@ -663,7 +699,7 @@ SYSCALLS = _TABLES.get(platform.machine(), {})
 NAMESPACE_FLAGS = CLONE_NEWNS | CLONE_NEWCGROUP | CLONE_NEWUTS | CLONE_NEWIPC | CLONE_NEWUSER | CLONE_NEWPID | CLONE_NEWNET
 
 _RET_KILL_PROCESS, _RET_ERRNO, _RET_ALLOW = 0x80000000, 0x00050000, 0x7FFF0000
-_EPERM, _ENOSYS, _EAFNOSUPPORT = 1, 38, 97
+_EPERM, _ENOSYS, _ENOPROTOOPT, _EAFNOSUPPORT = 1, 38, 92, 97
 _LD_ABS, _JEQ, _JGE, _JSET, _RET = 0x20, 0x15, 0x35, 0x45, 0x06  # BPF_LD|W|ABS, BPF_JMP|{JEQ,JGE,JSET}|K, BPF_RET|K
 _NR, _ARCH, _ARGS = 0, 4, (16, 24, 32)  # offsets in struct seccomp_data (arguments' low 32 bits: little-endian)
 
@@ -673,7 +709,8 @@ def seccomp_program(cgroup: bool = True) -> bytes:
 
     A jump skips that many instructions. Every denied call gets a test and a return:
     "is it number N? then fail with EPERM". fcntl is allowed unless it asks for a lock,
-    a lease or dnotify, socket unless its family is off the list. clone is allowed
+    a lease or dnotify, socket unless its family is off the list (socketpair never),
+    getsockopt unless it asks for a socket cookie. clone is allowed
     unless it asks for a new namespace; clone3 passes its flags in memory a filter
     cannot read, so it reports ENOSYS and the C library falls back to clone, as under
     Docker's profile; nor is it allowed a real-time exit signal. SELF_ONLY calls
@@ -701,6 +738,12 @@ def seccomp_program(cgroup: bool = True) -> bytes:
                             _RET_ALLOW)
     program += _by_argument(table["socket"], _ARGS[0], [(_JEQ, family, _RET_ALLOW) for family in SOCKET_FAMILIES.values()],
                             _RET_ERRNO | _EAFNOSUPPORT)
+    program += [(_JEQ, 0, 1, table["socketpair"]), (_RET, 0, 0, _RET_ERRNO | _EAFNOSUPPORT)]  # AF_UNIX is its one family
+    # getsockopt: any level but SOL_SOCKET is allowed, and SOL_SOCKET unless it asks for a cookie
+    body = [(_LD_ABS, 0, 0, _ARGS[1]), (_JEQ, 1, 0, _SOL_SOCKET), (_RET, 0, 0, _RET_ALLOW), (_LD_ABS, 0, 0, _ARGS[2])]
+    for number in SOCKET_COOKIES.values():
+        body += [(_JEQ, 0, 1, number), (_RET, 0, 0, _RET_ERRNO | _ENOPROTOOPT)]
+    program += [(_JEQ, 0, len(body) + 1, table["getsockopt"])] + body + [(_RET, 0, 0, _RET_ALLOW)]
     # clone: no new namespace, and no real-time signal for the parent when the child exits (0xE0: 32 and up)
     program += _by_argument(table["clone"], _ARGS[0], [(_JSET, NAMESPACE_FLAGS, _RET_ERRNO | _EPERM),
                                                       (_JSET, 0xE0, _RET_ERRNO | _EPERM)], _RET_ALLOW)
@@ -734,12 +777,4 @@ def _self_only(number: int, arguments: tuple[int, ...]) -> list[tuple]:
     return [(_JEQ, 0, len(body), number)] + body
 
 
-class _SockFprog(ctypes.Structure):
-    _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
-
-
-def install_seccomp(program: bytes) -> None:
-    """Install the filter on this process (and all it will start); needs no_new_privs, not root."""
-    buffer = ctypes.create_string_buffer(program, len(program))
-    fprog = _SockFprog(len(program) // 8, ctypes.cast(buffer, ctypes.c_void_p))
-    prctl(PR_SET_SECCOMP, 2, ctypes.byref(fprog))  # SECCOMP_MODE_FILTER
+install_seccomp = runner.install_seccomp  # the filter on this process and all it will start; needs no_new_privs, not root

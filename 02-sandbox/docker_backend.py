@@ -20,6 +20,7 @@ import time
 import warnings
 from pathlib import Path
 
+import confinement
 import runner
 
 
@@ -44,6 +45,12 @@ class DockerBackend:
             raise error(f"Docker image {cfg.image} not found: build it with 02-sandbox/build_image.sh") from None
         # The runner travels as `python3 -c` (one argument may hold 128 KiB).
         self._source = Path(runner.__file__).read_text()
+        # The local backend's filter, on top of Docker's profile, which allows AF_UNIX and AF_NETLINK
+        # sockets: their queues are kernel memory the container's cgroup never counts (docs/02-isolation.md).
+        try:
+            self._filter = confinement.seccomp_program().hex()
+        except OSError as e:
+            raise error(str(e)) from None
         self._warm: queue.Queue = queue.Queue()  # (container id, time it was started)
         self._closed = False
         self._want = cfg.docker_warm if cfg.docker_warm is not None else cfg.concurrency
@@ -114,7 +121,7 @@ class DockerBackend:
         )
         created = api.create_container(
             cfg.image,
-            command=["python3", "-I", "-c", self._source, "--container", json.dumps({"preload": list(cfg.preload)})],
+            command=["python3", "-I", "-c", self._source, "--container", json.dumps({"preload": list(cfg.preload), "seccomp": self._filter})],
             user="65534:65534",
             environment=runner.clean_env(),
             working_dir="/tmp",

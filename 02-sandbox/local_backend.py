@@ -96,7 +96,12 @@ class _Server:
 
     def __init__(self, cfg, error: type[Exception], make_request) -> None:
         self._cfg, self._error, self._make_request = cfg, error, make_request
-        self.folder = tempfile.mkdtemp(prefix="sandbox-server-")  # mode 0700: only our own uid reaches the socket
+        try:
+            self.folder = tempfile.mkdtemp(prefix="sandbox-server-")  # mode 0700: only our own uid reaches the socket
+        except OSError as e:  # no writable temporary folder (TMPDIR, /tmp): say so in one line
+            where = f" {e.filename}" if e.filename else ""
+            raise error(f"cannot make the fork server's folder{where}: {e.strerror or e} "
+                        "(set TMPDIR to a writable folder)") from None
         # The socket is named through a descriptor of its folder: an AF_UNIX path holds at most 107
         # bytes, which a deep TMPDIR (a run's private one, pytest's) would pass. The server does the same.
         self._folder_fd = os.open(self.folder, os.O_PATH | os.O_DIRECTORY)

@@ -244,7 +244,7 @@ def test_no_network_connection_can_be_opened(sb):
             "        print('connected', address)\n"
             "    except OSError as e:\n"
             "        print('failed', address, e)\n"
-            "print(sorted(name for _, name in socket.if_nameindex()))\n"
+            "print(sorted(line.split(':')[0].strip() for line in open('/proc/net/dev').readlines()[2:]))\n"
         )
     finally:
         listener.close()
@@ -906,21 +906,161 @@ def one_local_call(code: str) -> ExecResult:
         return sb.run(code)
 
 
-def test_only_ordinary_socket_families_can_be_created():
-    """AF_VSOCK reaches the hypervisor whatever the network namespace; families off the list fail."""
-    r = one_local_call(
-        "import errno, socket\n"
-        "for name, family in [('AF_UNIX', 1), ('AF_INET', 2), ('AF_INET6', 10), ('AF_NETLINK', 16),\n"
-        "                     ('AF_PACKET', 17), ('AF_ALG', 38), ('AF_VSOCK', 40), ('AF_BLUETOOTH', 31)]:\n"
-        "    try:\n"
-        "        socket.socket(family, socket.SOCK_DGRAM if name != 'AF_UNIX' else socket.SOCK_STREAM).close()\n"
-        "        print(name, 'ok')\n"
-        "    except OSError as e:\n"
-        "        print(name, errno.errorcode[e.errno])\n"
-    )
-    assert r.ok, r
-    assert r.stdout.split("\n")[:8] == ["AF_UNIX ok", "AF_INET ok", "AF_INET6 ok", "AF_NETLINK ok", "AF_PACKET EAFNOSUPPORT",
-                                         "AF_ALG EAFNOSUPPORT", "AF_VSOCK EAFNOSUPPORT", "AF_BLUETOOTH EAFNOSUPPORT"]
+SOCKETS = ("import errno, socket\n"  # which sockets the code may make, and whether they can queue anything
+           "for name, family, kind in [('AF_UNIX', 1, 1), ('AF_UNIX', 1, 2), ('AF_INET', 2, 2), ('AF_INET6', 10, 2),\n"
+           "                           ('AF_NETLINK', 16, 3), ('AF_PACKET', 17, 2), ('AF_ALG', 38, 5), ('AF_VSOCK', 40, 1)]:\n"
+           "    try:\n"
+           "        socket.socket(family, kind).close()\n"
+           "        print(name, 'ok')\n"
+           "    except OSError as e:\n"
+           "        print(name, errno.errorcode[e.errno])\n"
+           "for name, attempt in [('socketpair', socket.socketpair),\n"
+           "                      ('udp to itself', lambda: socket.socket(2, 2).sendto(b'x', ('127.0.0.1', 9))),\n"
+           "                      ('SO_COOKIE', lambda: socket.socket(2, 2).getsockopt(1, 57, 8)),\n"
+           "                      ('SO_NETNS_COOKIE', lambda: socket.socket(2, 2).getsockopt(1, 71, 8))]:\n"
+           "    try:\n"
+           "        attempt()\n"
+           "        print(name, 'ok')\n"
+           "    except OSError as e:\n"
+           "        print(name, errno.errorcode[e.errno])\n"
+           "print('SO_TYPE', socket.socket(2, 2).getsockopt(1, 3))\n")
+# AF_UNIX and AF_NETLINK queue kernel memory no cgroup counts; the socket cookies are counters of the machine
+SOCKETS_SEEN = ["AF_UNIX EAFNOSUPPORT", "AF_UNIX EAFNOSUPPORT", "AF_INET ok", "AF_INET6 ok", "AF_NETLINK EAFNOSUPPORT",
+                "AF_PACKET EAFNOSUPPORT", "AF_ALG EAFNOSUPPORT", "AF_VSOCK EAFNOSUPPORT", "socketpair EAFNOSUPPORT",
+                "udp to itself ENETUNREACH", "SO_COOKIE ENOPROTOOPT", "SO_NETNS_COOKIE ENOPROTOOPT", "SO_TYPE 2"]
+
+
+def test_only_sockets_that_can_queue_nothing_can_be_created_and_no_cookie_can_be_read():
+    """AF_VSOCK reaches the hypervisor whatever the network namespace; AF_UNIX and AF_NETLINK queues hold kernel
+    memory the call's cgroup never counts (700 MB under a 256 MB cap); a socket's cookie is a counter of the
+    machine, which one call advances and the next reads."""
+    r = one_local_call(SOCKETS)
+    assert r.ok and r.stdout.splitlines() == SOCKETS_SEEN, r
+
+
+# Kernel memory a call can queue outside its processes' pages: System V semaphores and messages are charged
+# to the call's memory cgroup (killed at its cap); pipes stop at the uid's share of pipe pages; the rest is refused.
+KERNEL_MEMORY = {
+    "semaphores": ("import ctypes, time\n"  # each set of 32,000 semaphores is about 2 MB of the kernel's
+                   "libc = ctypes.CDLL(None, use_errno=True)\n"
+                   "for n in range(1, 601):\n"
+                   "    if libc.semget(0, 32000, 0o1600) < 0:\n"
+                   "        print('refused', ctypes.get_errno(), flush=True)\n"
+                   "        break\n"
+                   "    print('held', 2 * n, flush=True)\n"
+                   "time.sleep(10)\n"),
+    "messages": ("import ctypes, time\n"  # 2 x 8 KB messages in each of up to 32,000 queues: 500 MB
+                 "libc = ctypes.CDLL(None, use_errno=True)\n"
+                 "message = ctypes.create_string_buffer(8 + 8192)\n"
+                 "message[0] = 1\n"
+                 "for n in range(1, 32001):\n"
+                 "    queue = libc.msgget(0, 0o1600)\n"
+                 "    if queue < 0 or libc.msgsnd(queue, message, 8192, 0) or libc.msgsnd(queue, message, 8192, 0):\n"
+                 "        print('refused', ctypes.get_errno(), flush=True)\n"
+                 "        break\n"
+                 "    print('held', n // 64, flush=True)\n"
+                 "time.sleep(10)\n"),
+}
+PIPES = ("import os, time\n"  # 40 processes, each filling 120 pipes and keeping only their read ends
+         "for _ in range(39):\n"
+         "    if os.fork() == 0:\n"
+         "        break\n"
+         "held = 0\n"
+         "for _ in range(120):\n"
+         "    r, w = os.pipe()\n"
+         "    os.set_blocking(w, False)\n"
+         "    try:\n"
+         "        while True:\n"
+         "            held += os.write(w, b'x' * 4096)\n"
+         "    except BlockingIOError:\n"
+         "        os.close(w)\n"
+         "print('held', held >> 10, flush=True)\n"
+         "time.sleep(2)\n")
+REFUSED = ("import ctypes, errno, os\n"  # POSIX message queues (RLIMIT_MSGQUEUE 0), pages gifted to a pipe, io_uring
+           "libc = ctypes.CDLL(None, use_errno=True)\n"
+           "for name, call in [('mq_open', lambda: libc.mq_open(b'/q', os.O_CREAT | os.O_RDWR, 0o600, None)),\n"
+           "                   ('vmsplice', lambda: libc.syscall({vmsplice}, 0, 0, 0, 0)),\n"  # numbers: confinement.SYSCALLS
+           "                   ('io_uring_setup', lambda: libc.syscall({io_uring_setup}, 8, 0))]:\n"
+           "    print(name, call(), errno.errorcode[ctypes.get_errno()])\n")
+
+
+@pytest.mark.parametrize("attack", list(KERNEL_MEMORY))
+def test_kernel_memory_of_system_v_ipc_is_charged_to_the_call_and_stops_at_its_cap(attack):
+    needs_root()
+    with Sandbox(make_config("local", memory_mb=256, concurrency=1, preload=())) as sb:
+        r = sb.run(KERNEL_MEMORY[attack])
+        held = [int(line.split()[1]) for line in r.stdout.splitlines() if line.startswith("held")]
+        assert format_observation(r) == "MemoryError: the call used more than its 256 MB and was killed", r
+        assert max(held) < 256, held
+        assert_answers(sb)
+
+
+def test_pipes_and_the_other_kernel_queues_hold_nothing_past_the_cap():
+    """Pipes stop at the uid's soft share of pipe pages (then 2 pages a pipe), the rest is refused."""
+    needs_root()
+    with Sandbox(make_config("local", memory_mb=256, concurrency=1, preload=(), max_processes=64)) as sb:
+        r = sb.run(PIPES)
+        held = [int(line.split()[1]) for line in r.stdout.splitlines() if line.startswith("held")]
+        assert held and sum(held) < 256 * 1024, r  # kB; the cgroup may also kill a process of the 40 at its cap
+        r = sb.run(REFUSED.format(vmsplice=278, io_uring_setup=425) if platform.machine() == "x86_64"
+                   else REFUSED.format(vmsplice=75, io_uring_setup=425))
+        assert r.ok and r.stdout.splitlines() == ["mq_open -1 EMFILE", "vmsplice -1 EPERM", "io_uring_setup -1 EPERM"], r
+
+
+def test_a_containers_runner_adds_the_local_filter_to_dockers_profile(tmp_path):
+    """Docker's profile allows AF_UNIX and AF_NETLINK, whose queues no container cgroup counts: runner.py, which
+    travels alone into each container, installs the local filter on top. Run here as a container starts it."""
+    needs_root()  # the code runs as the test's user: root, on this machine, with the filter only
+    import io
+
+    import runner
+    from sandbox import _request
+
+    code = ("import errno, socket\n"
+            "for family, kind in [(1, 1), (16, 3), (2, 2)]:\n"
+            "    try:\n"
+            "        socket.socket(family, kind).close()\n"
+            "        print(family, 'ok')\n"
+            "    except OSError as e:\n"
+            "        print(family, errno.errorcode[e.errno])\n")
+    request = json.dumps(_request(code, make_config("local", preload=()))).encode()
+    options = {"preload": [], "seccomp": confinement.seccomp_program().hex()}
+    done = subprocess.run([sys.executable, "-I", "-c", open(runner.__file__).read(), "--container", json.dumps(options)],
+                          input=struct.pack(">I", len(request)) + request, capture_output=True, timeout=60,
+                          env={**runner.clean_env(), "TMPDIR": str(tmp_path)}, cwd=str(tmp_path))
+    answer = runner.read_answer(io.BytesIO(done.stdout).read)
+    assert answer["returncode"] == 0 and answer["stdout"] == "1 EAFNOSUPPORT\n16 EAFNOSUPPORT\n2 ok\n", (answer, done.stderr)
+
+
+def test_the_callers_kernel_keys_are_not_visible_to_the_code():
+    """The code inherits the caller's session keyring; /proc/keys would list its keys (names and sizes)."""
+    needs_root()
+    import ctypes
+
+    description = marker()
+    libc = ctypes.CDLL(None, use_errno=True)
+    key = libc.syscall(confinement.SYSCALLS["add_key"], b"user", description.encode(), b"x", 1, -3)  # the session keyring
+    assert key > 0, os.strerror(ctypes.get_errno())
+    try:
+        r = one_local_call("print(repr(open('/proc/keys').read()), repr(open('/proc/key-users').read()))")
+        assert r.ok and r.stdout == "'' ''\n", r
+    finally:
+        libc.syscall(confinement.SYSCALLS["keyctl"], 9, key, -3)  # KEYCTL_UNLINK
+
+
+def test_the_code_can_start_the_interpreter_it_runs_in(local_sb):
+    """sys.executable is a chain of links (a venv's python -> python3 -> the real file): each is in the root."""
+    r = local_sb.run("import subprocess, sys\n"
+                     "print(subprocess.run([sys.executable, '-c', 'print(6 * 7)'], capture_output=True, text=True).stdout, end='')")
+    assert r.ok and r.stdout == "42\n", r
+
+
+def test_a_missing_temporary_folder_is_a_one_line_sandbox_error(monkeypatch):
+    monkeypatch.setattr(tempfile, "tempdir", "/nonexistent-sbx/tmp")
+    with pytest.raises(SandboxError) as refused:
+        Sandbox(make_config("local", preload=()))
+    message = str(refused.value)
+    assert "\n" not in message and "/nonexistent-sbx/tmp" in message and "TMPDIR" in message, message
 
 
 def test_the_code_sees_no_host_cgroup_path_and_may_use_every_core():
@@ -1124,17 +1264,19 @@ def unprivileged(unprivileged_folder):
                   "for path in ('/tmp/left', '/var/tmp/left', '/dev/shm/left', 'left'):\n"
                   "    open(path, 'w').write('x')\n"
                   "print(ctypes.CDLL(None).semget(0x5A5A5A, 1, 0o1000 | 0o600) >= 0)\n"
-                  "s = socket.socket(socket.AF_UNIX)\ns.bind('\\0sbx-left')\n"
                   "pid = os.fork()\nif pid == 0:\n    os._exit(0)\nos.waitpid(pid, 0)\n"  # the PID counter moves on
                   "print('left')\n", None, None, []),
         "find": ("import ctypes, os, socket\n"
                  "print(os.getpid(), os.listdir('/tmp'), os.listdir('/var/tmp'), os.listdir('/dev/shm'), os.listdir('.'),\n"
-                 "      ctypes.CDLL(None).semget(0x5A5A5A, 0, 0) >= 0)\n"
-                 "s = socket.socket(socket.AF_UNIX)\ns.bind('\\0sbx-left')\nprint('bound')\n", None, None, []),
+                 "      ctypes.CDLL(None).semget(0x5A5A5A, 0, 0) >= 0)\n", None, None, []),
         "heap": ("x = bytearray(512 * 1024**2)", None, None, []),
         "memfd": ("import os\nos.memfd_create('hold')", None, None, []),
-        "shm": ("import ctypes, errno\nlibc = ctypes.CDLL(None, use_errno=True)\n"
-                "print(libc.shmget(0, 64 * 1024**2, 0o1000 | 0o600), errno.errorcode[ctypes.get_errno()])", None, None, []),
+        "shm": ("import ctypes, errno\nlibc = ctypes.CDLL(None, use_errno=True)\n"  # System V memory, messages, semaphores
+                "print(libc.shmget(0, 64 * 1024**2, 0o1000 | 0o600), errno.errorcode[ctypes.get_errno()])\n"
+                "print(libc.msgget(0, 0o1600), errno.errorcode[ctypes.get_errno()])\n"
+                "print(libc.semget(0, 32000, 0o1600), errno.errorcode[ctypes.get_errno()])", None, None, []),
+        "sockets": (SOCKETS, None, None, []),
+        "keys": ("print(repr(open('/proc/keys').read()), repr(open('/proc/key-users').read()))", None, None, []),
         "processes_memory": ("import os, time\n"  # 4 processes of 100 MB: each under RLIMIT_AS, together over the cap
                              "for _ in range(3):\n"
                              "    if os.fork() == 0:\n"
@@ -1216,7 +1358,7 @@ def test_unprivileged_the_code_cannot_read_the_users_files_or_environment(unpriv
 
 def test_unprivileged_the_code_reaches_no_host_listener(unprivileged):
     r = unprivileged["results"]["network"]
-    assert r["ok"] and r["stdout"].split("\n")[:3] == ["OSError 101", "ConnectionRefusedError 111", "OSError 101"], r
+    assert r["ok"] and r["stdout"].split("\n")[:3] == ["OSError 101", "OSError 97", "OSError 101"], r  # 97: no AF_UNIX
     assert unprivileged["accepted"] == 1  # the user's own control connection, nothing from the code
 
 
@@ -1234,19 +1376,26 @@ def test_unprivileged_the_code_sees_and_signals_only_its_own_processes(unprivile
 def test_unprivileged_nothing_is_written_outside_the_call_and_nothing_is_left_for_the_next(unprivileged):
     assert unprivileged["results"]["write"]["stdout"] == "fine\n"
     assert unprivileged["after"]["write"]["paths"] == [] and unprivileged["leftovers"] == []
-    assert unprivileged["results"]["leave"]["stdout"] == "True\nleft\n"
-    assert unprivileged["results"]["find"]["stdout"] == "2 ['work'] [] [] [] False\nbound\n"
+    assert unprivileged["results"]["leave"]["stdout"] == "False\nleft\n"  # semget is denied (below)
+    assert unprivileged["results"]["find"]["stdout"] == "2 ['work'] [] [] [] False\n"
 
 
 def test_unprivileged_memory_past_the_cap_fails_on_the_heap_in_memfds_shm_processes_and_files(unprivileged):
     results = unprivileged["results"]
     assert results["heap"]["observation"] == "MemoryError"
     assert results["memfd"]["observation"] == "PermissionError: [Errno 1] Operation not permitted"
-    assert results["shm"]["stdout"] == "-1 EPERM\n"
+    assert results["shm"]["stdout"] == "-1 EPERM\n" * 3
     r = results["processes_memory"]  # four processes, each under RLIMIT_AS: the slot's watch stops the call
     assert not r["timed_out"] and r["observation"] == "MemoryError: the call used more than its 256 MB and was killed", r
     written, error, errno = results["tmpfs"]["stdout"].split()
     assert int(written) <= 4 * SandboxConfig.max_file_mb and (error, errno) == ("OSError", "28"), results["tmpfs"]
+
+
+def test_unprivileged_no_socket_can_queue_kernel_memory_or_read_a_cookie_and_no_key_is_visible(unprivileged):
+    r = unprivileged["results"]["sockets"]
+    assert r["ok"] and r["stdout"].splitlines() == SOCKETS_SEEN, r
+    r = unprivileged["results"]["keys"]
+    assert r["ok"] and r["stdout"] == "'' ''\n", r
 
 
 def test_unprivileged_no_process_outlives_its_call_and_runaway_code_stops_at_the_timeout(unprivileged):
@@ -1260,17 +1409,19 @@ def test_unprivileged_no_process_outlives_its_call_and_runaway_code_stops_at_the
 
 
 def test_unprivileged_where_the_kernel_refuses_user_namespaces_the_sandbox_refuses_in_one_line(unprivileged_folder):
-    """Simulated with the lab's own seccomp filter (as a container's profile would): unshare is denied."""
+    """Simulated with a seccomp filter that denies unshare (load the call's number; if it is unshare, EPERM;
+    else allow), as a container's profile would."""
     python, folder = unprivileged_folder
     own_tmp = os.path.join(folder, "own", "tmp")  # the user's TMPDIR, where a server folder would be left
     os.mkdir(own_tmp, 0o700)
     user = pwd.getpwnam(UNPRIVILEGED)
     os.chown(own_tmp, user.pw_uid, user.pw_gid)
     done = as_unprivileged(python, folder, (
-        "import sys\nsys.path.insert(0, sys.argv[1])\n"
+        "import struct, sys\nsys.path.insert(0, sys.argv[1])\n"
         "import confinement\nfrom sandbox import Sandbox, SandboxConfig, SandboxError\n"
         "confinement.prctl(confinement.PR_SET_NO_NEW_PRIVS, 1)\n"
-        "confinement.install_seccomp(confinement.seccomp_program())\n"
+        "instructions = [(0x20, 0, 0, 0), (0x15, 0, 1, confinement.SYSCALLS['unshare']), (0x06, 0, 0, 0x50001), (0x06, 0, 0, 0x7FFF0000)]\n"
+        "confinement.install_seccomp(b''.join(struct.pack('HBBI', *i) for i in instructions))\n"
         "try:\n"
         "    Sandbox(SandboxConfig(concurrency=1)).run('print(1)')\n"
         "except SandboxError as e:\n"
@@ -1337,6 +1488,19 @@ HOLD = ("import ctypes, mmap, os, sys, threading, time\n"  # 4 processes of {mb}
         "        m[i] = 1\n"
         "    print('holding', flush=True)\n"
         "    time.sleep(30)\n")
+HELD = "sum(int(line.split()[1]) for line in open('/proc/self/status') if line.startswith(('RssAnon', 'RssShmem')))"  # kB
+# 60 fresh interpreters, each holding about what the slot holds (1 MB less): a watch that subtracts the slot's
+# footprint from every process counts them as nothing
+EXEC_INTERPRETERS = ("import subprocess, sys, time\n"
+                     f"target = {HELD} - 1024\n"  # the code's process is a fork of the slot: it holds what the slot holds
+                     "child = ('import sys, time\\n'\n"
+                     f"         {'m = bytearray(max(int(sys.argv[1]) - ' + HELD + ', 1024) << 10)'!r} + '\\n'\n"
+                     "         'm[::4096] = bytes(len(m[::4096]))\\n'\n"
+                     "         'time.sleep(30)\\n')\n"
+                     "for _ in range(60):\n"
+                     "    subprocess.Popen([sys.executable, '-c', child, str(target)])\n"
+                     "print('holding', 60 * target >> 10, 'MB', flush=True)\n"
+                     "time.sleep(30)\n")
 MEMORY_ATTACKS = {
     "shared_anonymous": HOLD.format(mb=150, how="MAP_SHARED|MAP_ANONYMOUS", hold="m = mmap.mmap(-1, 150 << 20, mmap.MAP_SHARED)")
     + "hold()\n",
@@ -1344,10 +1508,16 @@ MEMORY_ATTACKS = {
                                    hold="m = mmap.mmap(os.open('/dev/zero', os.O_RDWR), 150 << 20, mmap.MAP_SHARED)") + "hold()\n",
     "non_dumpable": HOLD.format(mb=100, how="each hidden from a hidepid /proc", hold="m = bytearray(100 << 20)")
     + "libc.prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE 0\nhold()\n",
+    "exec_interpreters": EXEC_INTERPRETERS,
     "leader_gone": HOLD.format(mb=100, how="held by a thread whose leader exited", hold="m = bytearray(100 << 20)")
     + "threading.Thread(target=lambda: (time.sleep(1), hold())).start()\n"
     "libc.syscall(60 if os.uname().machine == 'x86_64' else 93, 0)  # exit: this thread only, the leader\n",
 }
+POOL = ("import fractions, multiprocessing\n"  # four workers of tens of MB each: under the cap, never killed
+        "def work(n):\n"
+        "    return len([fractions.Fraction(i, n) for i in range(200000)])\n"
+        "with multiprocessing.Pool(4) as pool:\n"
+        "    print(pool.map(work, [1, 2, 3, 4]))\n")
 POISON = ("import errno, os, resource\n"  # the slot is PID 1 of the call's PID namespace, and the caller's uid
           "attempts = {\n"
           "    'prlimit fsize': lambda: resource.prlimit(1, resource.RLIMIT_FSIZE, (0, 0)),\n"
@@ -1392,7 +1562,8 @@ SIGNALS = ("import ctypes, errno, os, signal, time\n"  # queue real-time signals
 @pytest.fixture(scope="module")
 def attacks(unprivileged_folder):
     python, folder = unprivileged_folder
-    stdin = json.dumps({"poison": POISON, "next": NEXT, "signals": SIGNALS, "memory": list(MEMORY_ATTACKS), **MEMORY_ATTACKS})
+    stdin = json.dumps({"poison": POISON, "next": NEXT, "signals": SIGNALS, "memory": list(MEMORY_ATTACKS) + ["pool"],
+                        "pool": POOL, **MEMORY_ATTACKS})
     done = as_unprivileged(python, folder, ATTACK_DRIVER, stdin)
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout)
@@ -1414,6 +1585,11 @@ def test_unprivileged_the_code_cannot_change_its_slots_limits_priority_or_cpus_n
 def test_unprivileged_memory_the_watch_cannot_miss_is_counted_shared_hidden_or_held_by_threads(attacks, attack):
     r = attacks[attack]
     assert not r["timed_out"] and r["observation"] == "MemoryError: the call used more than its 256 MB and was killed", r
+
+
+def test_unprivileged_a_pool_of_workers_under_the_cap_is_not_killed(attacks):
+    r = attacks["pool"]
+    assert r["ok"] and r["stdout"] == "[200000, 200000, 200000, 200000]\n", r
 
 
 def test_unprivileged_a_call_holds_only_its_share_of_the_users_pending_signals(attacks):
