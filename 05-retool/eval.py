@@ -107,12 +107,8 @@ def summarise(samples: list[dict], k: int) -> dict:
     calls = [ok for sample in samples for ok in sample["code_ok"]]
     out = {"problems": len(outcomes), "samples": len(samples),
            f"avg@{k}": mean([sample["correct"] for sample in samples])}
-    j = 1
-    while j <= k:
+    for j in sorted({2**i for i in range(k.bit_length())} | {k}):  # 1, 2, 4, ... up to k, and k itself
         out[f"pass@{j}"] = mean([pass_at_k(len(o), sum(o), j) for o in outcomes.values()])
-        j *= 2
-    if f"pass@{k}" not in out:
-        out[f"pass@{k}"] = mean([pass_at_k(len(o), sum(o), k) for o in outcomes.values()])
     out.update({
         "format_rate": mean([sample["valid_format"] for sample in samples]),
         "code_ratio": mean([sample["tool_calls"] > 0 for sample in samples]),
@@ -143,11 +139,9 @@ def mean(values) -> float:
 
 def summary_line(result: dict) -> str:
     k = result["k"]
-    parts = []
-    for name, summary in result["sets"].items():
-        parts.append(f"{name}: avg@{k} {summary[f'avg@{k}']:.3f} pass@{k} {summary[f'pass@{k}']:.3f} "
-                     f"code {summary['code_ratio']:.2f} format {summary['format_rate']:.2f}")
-    return " | ".join(parts)
+    return " | ".join(f"{name}: avg@{k} {summary[f'avg@{k}']:.3f} pass@{k} {summary[f'pass@{k}']:.3f} "
+                      f"code {summary['code_ratio']:.2f} format {summary['format_rate']:.2f}"
+                      for name, summary in result["sets"].items())
 
 
 def markdown_table(result: dict) -> str:
