@@ -234,8 +234,8 @@ class _InFlight:
 
     def append_observation(self, result) -> None:
         """Append the observation for the code this turn asked to run (result None: nothing ran)."""
-        t = self.traj
-        text = observation_text(result, self.cfg.observation_style) if result is not None else f"\n{NO_CODE_OUTPUT}\n```\n"
+        t, ran = self.traj, result is not None
+        text = observation_text(result, self.cfg.observation_style) if ran else f"\n{NO_CODE_OUTPUT}\n```\n"
         ids = encode_plain(self.tokenizer, text)
         if len(ids) > self.room:
             ids = ids[: self.room]
@@ -245,16 +245,9 @@ class _InFlight:
         t.logprobs += [0.0] * len(ids)
         t.loss_mask += [0] * len(ids)
         t.tool_calls.append(ToolCall(
-            code=self.code,
-            ok=bool(result is not None and result.ok),
-            timed_out=bool(result is not None and result.timed_out),
-            returncode=None if result is None else result.returncode,
-            latency=0.0 if result is None else result.latency,
-            observation=text,
-            start=start,
-            end=len(t.token_ids),
-            passed=bool(result is not None and execution_pass(result)),
-        ))
+            code=self.code, ok=bool(ran and result.ok), timed_out=bool(ran and result.timed_out),
+            returncode=result.returncode if ran else None, latency=result.latency if ran else 0.0,
+            observation=text, start=start, end=len(t.token_ids), passed=bool(ran and execution_pass(result))))
         self.code, self.wants_tool = "", False
         self.calls_left -= 1
         if self.room == 0:
