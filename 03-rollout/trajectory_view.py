@@ -24,12 +24,9 @@ def render_html(trajectories: list, tokenizer, rewards: list | None = None, titl
     """
     shown = len(trajectories)
     count = f"{shown} of {total}" if total is not None and total != shown else f"{shown}"
-    parts = [_PAGE_HEAD.format(title=html.escape(title), n=count)]
-    for k, t in enumerate(trajectories):
-        scored = rewards[k] if rewards else None
-        parts.append(_render_one(t, tokenizer, scored))
-    parts.append("</body></html>\n")
-    return "".join(parts)
+    scored = rewards or [None] * shown
+    return "".join([_PAGE_HEAD.format(title=html.escape(title), n=count),
+                    *(_render_one(t, tokenizer, s) for t, s in zip(trajectories, scored)), "</body></html>\n"])
 
 
 def _render_one(t, tokenizer, scored) -> str:
@@ -129,13 +126,8 @@ def _byte_level_alphabet() -> dict[str, int]:
     character or a space.
     """
     keep = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
-    char_of = {b: chr(b) for b in keep}
-    shifted = 0
-    for b in range(256):
-        if b not in char_of:
-            char_of[b] = chr(256 + shifted)
-            shifted += 1
-    return {c: b for b, c in char_of.items()}
+    shifted = [b for b in range(256) if b not in keep]
+    return {chr(b): b for b in keep} | {chr(256 + i): b for i, b in enumerate(shifted)}
 
 
 _PAGE_HEAD = """<!doctype html>
