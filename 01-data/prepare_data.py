@@ -111,8 +111,7 @@ def load_problems(source: str) -> tuple[list[dict], dict[str, int]]:
     if not raw:
         raise DataError(f"{origin}: no rows")
     rows = [normalise(r, origin, i, default_source=source_name(source)) for i, r in enumerate(raw)]
-    kept, dropped = filter_verifiable(rows)
-    return kept, dropped
+    return filter_verifiable(rows)
 
 
 def normalise(row: dict, origin: str, index: int, default_source: str) -> dict:

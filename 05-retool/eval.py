@@ -18,6 +18,7 @@ its own evaluations. The story: docs/05-torl.md, "Evaluation: eval.py".
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import shutil
@@ -257,13 +258,9 @@ def load_sets(sources: list[str], limit: int | None) -> list[dict]:
             sys.exit(f"error: {e}")
         except Exception as e:  # the hub is unreachable: say which set, in one line
             sys.exit(f"error: {source}: {str(e).splitlines()[0] if str(e) else type(e).__name__}")
-        if limit:
-            kept, taken = [], defaultdict(int)
-            for row in rows:
-                taken[row["source"]] += 1
-                if taken[row["source"]] <= limit:
-                    kept.append(row)
-            rows = kept
+        if limit:  # each set's first `limit` rows, in the file's order
+            place_in_set = defaultdict(itertools.count)
+            rows = [row for row in rows if next(place_in_set[row["source"]]) < limit]
         # ToRL's test file repeats each AIME problem 4 times; one copy gives the same greedy accuracy.
         print(f"{source}: {len(rows)} problems" + "".join(f"; dropped {n} ({why})" for why, n in dropped.items()),
               file=sys.stderr)
