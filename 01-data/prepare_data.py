@@ -339,10 +339,8 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(
-        description="Prepare verifiable math problems in one schema {id, question, answer, source}.",
-        formatter_class=_HelpFormatter,
-    )
+    p = argparse.ArgumentParser(description="Prepare verifiable math problems in one schema {id, question, answer, source}.",
+                                formatter_class=_HelpFormatter)
     p.add_argument("--out", default="data", help="folder the .jsonl files are written to")
     p.add_argument("--train", metavar="SOURCE", help=f"training set: a name ({', '.join(NAMED_SOURCES)}), a hub id or a .jsonl/.parquet file (default: {DEFAULT_TRAIN})")
     p.add_argument("--eval", metavar="SOURCE", nargs="*", help=f"evaluation sets, same kinds of source (default: {' '.join(DEFAULT_EVAL)}; none with --no-eval)")

@@ -61,11 +61,9 @@ def rollout(llm, problems: list[dict], sandbox, cfg: RolloutConfig | None = None
         problem_index = position if indices is None else indices[position]
         prompt_ids, limit = _tokenize_prompt(problem, problem_index, tokenizer, cfg, llm.model_config.max_model_len)
         for group_index in range(cfg.group_size):
-            traj = Trajectory(
-                problem_id=str(problem["id"]), group_index=group_index, reference=str(problem["answer"]),
-                prompt_ids=list(prompt_ids), token_ids=[], logprobs=[], loss_mask=[], text="",
-                weight_version=version, model=model,
-            )
+            traj = Trajectory(problem_id=str(problem["id"]), group_index=group_index, reference=str(problem["answer"]),
+                              prompt_ids=list(prompt_ids), token_ids=[], logprobs=[], loss_mask=[], text="",
+                              weight_version=version, model=model)
             in_flight.append(_InFlight(traj=traj, problem_index=problem_index, limit=limit, cfg=cfg, tokenizer=tokenizer))
     spent = {} if spent is None else spent  # what the rollout spent: seconds, rounds or steps, tokens, tool calls
     spent.update(generate_s=0.0, sandbox_s=0.0)
@@ -270,10 +268,8 @@ def _tokenize_prompt(problem: dict, problem_index: int, tokenizer, cfg: RolloutC
     prompt_ids = tokenizer.encode(render_prompt(problem["question"], cfg.template), add_special_tokens=False)
     limit = min(cfg.max_response_tokens, context - len(prompt_ids))
     if limit < 1:
-        raise ValueError(
-            f"rollout: problem {problem['id']!r}: its prompt is {len(prompt_ids)} tokens, "
-            f"no room for a response within max_model_len {context}"
-        )
+        raise ValueError(f"rollout: problem {problem['id']!r}: its prompt is {len(prompt_ids)} tokens, "
+                         f"no room for a response within max_model_len {context}")
     return prompt_ids, limit
 
 

@@ -14,11 +14,10 @@ import html
 
 def render_html(trajectories: list, tokenizer, rewards: list | None = None, title: str = "rollouts",
                 total: int | None = None) -> str:
-    """A standalone page: per trajectory its summary, its tool calls and every token as a box.
+    """A standalone page: per trajectory its summary, its tool calls and every token as a box, coloured as above.
 
-    Prompt tokens are grey, model tokens (loss mask 1) blue, observation tokens
-    (loss mask 0) orange; neighbouring boxes alternate shade so that token
-    boundaries show; hovering a box shows its position, id, mask and log-prob.
+    Neighbouring boxes alternate shade so that token boundaries show; hovering a
+    box shows its position, id, mask and log-prob.
     `rewards` are chapter 04's RewardResults, one per trajectory (None: show the
     stored reward only). `total`: how many there were, when the page shows fewer.
     """
@@ -53,11 +52,9 @@ def _render_one(t, tokenizer, scored) -> str:
         out.append("<table><tr><th>#</th><th>code</th><th>ok</th><th>exit</th><th>timed out</th>"
                    "<th>latency</th><th>observation (as the model saw it)</th><th>tokens</th></tr>")
         for i, c in enumerate(t.tool_calls):
-            out.append(
-                f"<tr><td>{i}</td><td><pre>{html.escape(c.code) or '<i>no complete block</i>'}</pre></td>"
-                f"<td>{c.ok}</td><td>{c.returncode}</td><td>{c.timed_out}</td><td>{c.latency * 1000:.0f} ms</td>"
-                f"<td><pre>{html.escape(c.observation)}</pre></td><td>{c.start}–{c.end}</td></tr>"
-            )
+            out.append(f"<tr><td>{i}</td><td><pre>{html.escape(c.code) or '<i>no complete block</i>'}</pre></td>"
+                       f"<td>{c.ok}</td><td>{c.returncode}</td><td>{c.timed_out}</td><td>{c.latency * 1000:.0f} ms</td>"
+                       f"<td><pre>{html.escape(c.observation)}</pre></td><td>{c.start}–{c.end}</td></tr>")
         out.append("</table>")
     pieces_prompt = token_pieces(tokenizer, t.prompt_ids)
     pieces = token_pieces(tokenizer, t.token_ids)
