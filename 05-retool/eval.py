@@ -185,7 +185,7 @@ def paper_table(result: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    from configuration import position_limit
+    from configuration import model_problem, position_limit
 
     from lab_cli import private_tmp, refuse_chapter_folder
     from run_folders import check_eval_out, take_run_settings
@@ -197,17 +197,15 @@ def main(argv: list[str] | None = None) -> dict:
     check_eval_out(out, args.overwrite)  # first: an earlier evaluation is replaced only when asked
     if args.temperature == 0 and args.k > 1:
         sys.exit(f"error: --k {args.k} with greedy decoding gives {args.k} identical samples; add --temperature 1.0 (or another)")
-    from configuration import model_problem
-
     problem = model_problem(args.model)
     if problem:
         sys.exit(f"error: --{problem}")
     take_run_settings(args)
-    max_model_len = args.max_model_len or position_limit(args.model) or 4096  # the model's own context by default
+    limit = position_limit(args.model)
+    max_model_len = args.max_model_len or limit or 4096  # the model's own context by default
     if args.max_response_tokens >= max_model_len:
         sys.exit(f"error: --max-response-tokens {args.max_response_tokens} leaves no room for the prompt in "
                  f"--max-model-len {max_model_len}")
-    limit = position_limit(args.model)
     if limit is not None and max_model_len > limit:
         sys.exit(f"error: --max-model-len {max_model_len} is above the position limit of {args.model}, "
                  f"{limit} tokens (max_position_embeddings)")
