@@ -74,15 +74,18 @@ class Trackers:
     def __init__(self, writers: list) -> None:
         self.writers = writers
 
-    def log(self, row: dict, scalars: dict | None = None) -> None:
-        """A metrics.jsonl row: its numbers under their own keys (or `scalars`), at its step."""
-        for writer in self.writers:
-            writer.log(scalars_of(row) if scalars is None else scalars, int(row["step"]))
+    def log(self, row: dict) -> None:
+        """A metrics.jsonl row: its numbers under their own keys, at its step."""
+        self._write(scalars_of(row), row["step"])
 
     def log_eval(self, row: dict) -> None:
         """An eval.jsonl row: every number of every set as eval/<set>/<metric>, at its step."""
-        self.log(row, {f"eval/{name}/{key}": value for name, summary in row["sets"].items()
-                       for key, value in scalars_of(summary).items()})
+        self._write({f"eval/{name}/{key}": value for name, summary in row["sets"].items()
+                     for key, value in scalars_of(summary).items()}, row["step"])
+
+    def _write(self, scalars: dict, step) -> None:
+        for writer in self.writers:
+            writer.log(scalars, int(step))
 
     def close(self) -> None:
         for writer in self.writers:
