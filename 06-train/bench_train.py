@@ -65,8 +65,10 @@ def main(argv: list[str] | None = None) -> None:
                              ("num_minibatches", 1, 2), ("gradient_checkpointing", True, False)):
         if getattr(args, name) is None:
             setattr(args, name, real if shaped else tiny)
-    if shaped or args.model:
-        return run_shape(args) if shaped else run(args, args.model)
+    if shaped:
+        return run_shape(args)
+    if args.model:
+        return run(args, args.model)
     with tempfile.TemporaryDirectory(prefix="tiny-model-") as tmp:
         from tiny_model import build_tiny_model
 
