@@ -83,6 +83,7 @@ class PreloadedPython:
 
 def serve() -> None:
     """Import PRELOAD and ENGINE_PRELOAD, then for each line of jobs on stdin: fork one process a job, answer their pids, then their exit statuses."""
+    import contextlib
     import gc
     import importlib
     import threading
@@ -90,10 +91,8 @@ def serve() -> None:
     for name in PRELOAD:
         importlib.import_module(name)
     for name in ENGINE_PRELOAD:
-        try:
+        with contextlib.suppress(Exception):  # another build's modules: its engines import what they need themselves
             importlib.import_module(name)
-        except Exception:  # another build's modules: its engines import what they need themselves
-            pass
     # The imported objects are kept for good: frozen, a collection in a fork no longer walks them
     # (an engine start collects five times: 1.5 s less) and a fork's pages stay shared.
     gc.freeze()

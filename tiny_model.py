@@ -40,18 +40,9 @@ DEFAULT_CORPUS = [
 ]
 
 
-def build_tiny_model(
-    out_dir: str | os.PathLike,
-    corpus: list[str] | None = None,
-    vocab_size: int = 512,
-    hidden_size: int = 128,
-    num_layers: int = 2,
-    num_heads: int = 2,
-    num_kv_heads: int = 1,
-    intermediate_size: int = 256,
-    max_position_embeddings: int = 4096,
-    seed: int = 0,
-) -> Path:
+def build_tiny_model(out_dir: str | os.PathLike, corpus: list[str] | None = None, vocab_size: int = 512,
+                     hidden_size: int = 128, num_layers: int = 2, num_heads: int = 2, num_kv_heads: int = 1,
+                     intermediate_size: int = 256, max_position_embeddings: int = 4096, seed: int = 0) -> Path:
     """Write a random-init Qwen2 model and its tokenizer to `out_dir`; return the folder.
 
     The folder holds config.json, model.safetensors, tokenizer.json and
@@ -67,22 +58,12 @@ def build_tiny_model(
     tokenizer = train_tokenizer(corpus or DEFAULT_CORPUS, vocab_size)
     tokenizer.save_pretrained(out)
 
-    head_dim = hidden_size // num_heads
-    config = Qwen2Config(
-        vocab_size=len(tokenizer),
-        hidden_size=hidden_size,
-        intermediate_size=intermediate_size,
-        num_hidden_layers=num_layers,
-        num_attention_heads=num_heads,
-        num_key_value_heads=num_kv_heads,
-        head_dim=head_dim,
-        max_position_embeddings=max_position_embeddings,
-        tie_word_embeddings=True,
-        bos_token_id=tokenizer.convert_tokens_to_ids("<|endoftext|>"),
-        eos_token_id=tokenizer.convert_tokens_to_ids("<|endoftext|>"),
-        pad_token_id=tokenizer.convert_tokens_to_ids("<|endoftext|>"),
-        torch_dtype="float32",
-    )
+    end = tokenizer.convert_tokens_to_ids("<|endoftext|>")  # begins, ends and pads, as in Qwen's base models
+    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=intermediate_size,
+                         num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
+                         head_dim=hidden_size // num_heads, max_position_embeddings=max_position_embeddings,
+                         tie_word_embeddings=True, bos_token_id=end, eos_token_id=end, pad_token_id=end,
+                         torch_dtype="float32")
     torch.manual_seed(seed)
     model = Qwen2ForCausalLM(config)
     model.generation_config.eos_token_id = config.eos_token_id
@@ -102,29 +83,15 @@ def train_tokenizer(corpus: list[str], vocab_size: int = 512):
     from transformers import PreTrainedTokenizerFast
 
     bpe = Tokenizer(models.BPE())
-    bpe.pre_tokenizer = pre_tokenizers.Sequence(
-        [
-            pre_tokenizers.Digits(individual_digits=True),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
-        ]
-    )
+    bpe.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
+                                                 pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
     bpe.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=SPECIAL_TOKENS,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     bpe.train_from_iterator(corpus, trainer=trainer)
-    return PreTrainedTokenizerFast(
-        tokenizer_object=bpe,
-        eos_token="<|endoftext|>",
-        pad_token="<|endoftext|>",
-        bos_token=None,
-        unk_token=None,
-        additional_special_tokens=["<|im_start|>", "<|im_end|>"],
-        clean_up_tokenization_spaces=False,
-    )
+    return PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|endoftext|>", pad_token="<|endoftext|>",
+                                   bos_token=None, unk_token=None, additional_special_tokens=["<|im_start|>", "<|im_end|>"],
+                                   clean_up_tokenization_spaces=False)
 
 
 if __name__ == "__main__":

@@ -111,8 +111,7 @@ def load_problems(source: str) -> tuple[list[dict], dict[str, int]]:
     if not raw:
         raise DataError(f"{origin}: no rows")
     rows = [normalise(r, origin, i, default_source=source_name(source)) for i, r in enumerate(raw)]
-    kept, dropped = filter_verifiable(rows)
-    return kept, dropped
+    return filter_verifiable(rows)
 
 
 def normalise(row: dict, origin: str, index: int, default_source: str) -> dict:
@@ -340,10 +339,8 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(
-        description="Prepare verifiable math problems in one schema {id, question, answer, source}.",
-        formatter_class=_HelpFormatter,
-    )
+    p = argparse.ArgumentParser(description="Prepare verifiable math problems in one schema {id, question, answer, source}.",
+                                formatter_class=_HelpFormatter)
     p.add_argument("--out", default="data", help="folder the .jsonl files are written to")
     p.add_argument("--train", metavar="SOURCE", help=f"training set: a name ({', '.join(NAMED_SOURCES)}), a hub id or a .jsonl/.parquet file (default: {DEFAULT_TRAIN})")
     p.add_argument("--eval", metavar="SOURCE", nargs="*", help=f"evaluation sets, same kinds of source (default: {' '.join(DEFAULT_EVAL)}; none with --no-eval)")

@@ -66,8 +66,9 @@ def main(argv: list[str] | None = None) -> int:
     from prepare_data import make_toy_task
     from rollout import SCHEDULES, RolloutConfig, make_llm
     from sandbox import Sandbox, SandboxConfig
+    from tiny_model import build_tiny_model
 
-    model = args.model or str(_tiny_model())
+    model = args.model or str(build_tiny_model(Path(tempfile.mkdtemp(prefix="tiny-model-")), seed=0))
     llm = make_llm(model, dtype=args.dtype, max_model_len=args.max_model_len, seed=0)
     default = RolloutConfig().schedule
     tail = heavy_tail(args.tail_shortest, args.tail_classes)
@@ -243,12 +244,6 @@ def bare_generate(llm, problems: list[dict], cfg, lengths: list[int], grammar: b
     if made != lengths:
         raise RuntimeError(f"bare generate made {sum(made)} tokens where the rollout made {sum(lengths)}")
     return {"wall_s": elapsed, "sandbox_s": 0.0, "model_tokens": sum(made)}
-
-
-def _tiny_model() -> Path:
-    from tiny_model import build_tiny_model
-
-    return build_tiny_model(Path(tempfile.mkdtemp(prefix="tiny-model-")), seed=0)
 
 
 def parse_args(argv):

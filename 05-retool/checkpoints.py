@@ -168,10 +168,7 @@ def truncate_jsonl(path: Path, step: int) -> None:
 def has_eval_row(run_dir: Path, step: int, tag: str | None = None) -> bool:
     """Whether eval.jsonl has a row for `step` (with `tag`, if given)."""
     path = run_dir / "eval.jsonl"
-    if not path.exists():
-        return False
-    rows = read_rows(path)
-    return any(r["step"] == step and (tag is None or r.get("tag") == tag) for r in rows)
+    return path.exists() and any(r["step"] == step and (tag is None or r.get("tag") == tag) for r in read_rows(path))
 
 
 def read_rows(path: Path, say_repair: bool = False) -> list[dict]:

@@ -85,11 +85,9 @@ def build_base_policy(args) -> Path:
         source = args.model
     else:
         corpus = ["".join(text for _, text in t["segments"]) for t in traces[:2000]]
-        build_tiny_model(
-            out, corpus=corpus, vocab_size=args.vocab_size, hidden_size=args.hidden_size,
-            num_layers=args.num_layers, num_heads=args.hidden_size // 64, num_kv_heads=args.kv_heads,
-            intermediate_size=4 * args.hidden_size, max_position_embeddings=args.max_len * 4, seed=args.seed,
-        )
+        build_tiny_model(out, corpus=corpus, vocab_size=args.vocab_size, hidden_size=args.hidden_size,
+                         num_layers=args.num_layers, num_heads=args.hidden_size // 64, num_kv_heads=args.kv_heads,
+                         intermediate_size=4 * args.hidden_size, max_position_embeddings=args.max_len * 4, seed=args.seed)
         source = out
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

@@ -191,13 +191,13 @@ def config_problems(cfg, world: int | None = None, first_only: bool = False) -> 
     for name in ("train_file", "eval_file"):
         path = getattr(cfg, name)
         if not Path(path).exists() and "toy_" not in path and "word_" not in path:
-            flag = "--" + name.replace("_", "-")
+            flag = field_flag(name)
             hint = ("put ToRL's data/torl_data/ folder under data/, or pass " + flag if "torl_data" in path else
                     "join SimpleTIR's datasets/ files there (docs/05-torl.md), or pass " + flag if "simpletir" in path
                     else "run `make run-01` to prepare data")
             problems.append(f"{name} '{path}' does not exist ({hint})")
         elif Path(path).exists():
-            problems += [data_problem(name, path)] if data_problem(name, path) else []
+            problems += [p for p in [data_problem(name, path)] if p]
     if cfg.cold_start not in COLD_STARTS:
         problems.append(f"cold_start must be {_one_of(COLD_STARTS)}, got '{cfg.cold_start}'")
     elif cfg.cold_start == "scratch" and cfg.model:
@@ -208,7 +208,7 @@ def config_problems(cfg, world: int | None = None, first_only: bool = False) -> 
     elif cfg.cold_start != "none" and cfg.cold_start_steps < 1:
         problems.append(f"cold_start_steps must be at least 1 with cold_start '{cfg.cold_start}', got {cfg.cold_start_steps}")
     if cfg.model:
-        problems += [model_problem(cfg.model)] if model_problem(cfg.model) else []
+        problems += [p for p in [model_problem(cfg.model)] if p]
     if cfg.max_response_tokens >= cfg.max_model_len:
         problems.append(f"max_response_tokens ({cfg.max_response_tokens}) leaves no room for the prompt in max_model_len ({cfg.max_model_len})")
     if cfg.max_prompt_tokens and cfg.max_prompt_tokens + cfg.max_response_tokens > cfg.max_model_len:
@@ -274,12 +274,9 @@ def config_problems(cfg, world: int | None = None, first_only: bool = False) -> 
     if not 0 < cfg.lr < 1:
         problems.append(f"lr {cfg.lr} is not a learning rate")
     try:
-        missing = missing_package(cfg.log)  # also refuses an unknown name
+        problems += [missing for missing in [missing_package(cfg.log)] if missing]  # also refuses an unknown name
     except ValueError as e:
         problems.append(str(e))
-    else:
-        if missing:
-            problems.append(missing)
     if not (first_only and problems):
         from distributed import STRATEGIES
         from grpo import OBJECTIVES
@@ -289,7 +286,10 @@ def config_problems(cfg, world: int | None = None, first_only: bool = False) -> 
             problems.append(f"strategy must be {_one_of(STRATEGIES)}, got '{cfg.strategy}'")
         problems += objective_problems(cfg, tuple(OBJECTIVES))  # the aggregation's too
     if cfg.cold_start in ("scratch", "finetune") and not problems and Path(cfg.train_file).exists():
-        problems += [p for p in [cold_start_problem(cfg)] if p]
+        from cold_start import traces_problem  # the cold start's own draw of its traces, without the sandbox
+
+        problems += [p for p in [traces_problem(cfg.train_file, cfg.cold_start_tool_fraction, cfg.template, cfg.seed,
+                                                cfg.cold_start_batch_size, cfg.cold_start_tool_only_steps)] if p]
     if cfg.model and not problems:
         limit = position_limit(cfg.model)
         if limit is not None and cfg.max_model_len > limit:
@@ -344,14 +344,6 @@ def model_problem(model: str) -> str | None:
     why = "HF_HUB_OFFLINE is set" if offline else (hub_unreachable() or "").split(";")[0]  # its advice is for data sets
     return (f"model '{model}' is a hub id that is not in the local cache, and {why}: download it where the hub "
             "answers, or pass a local model folder" if why else None)
-
-
-def cold_start_problem(cfg) -> str | None:
-    """Why the cold start cannot use the training file (cold_start.py draws its traces without the sandbox)."""
-    from cold_start import traces_problem
-
-    return traces_problem(cfg.train_file, cfg.cold_start_tool_fraction, cfg.template, cfg.seed,
-                          cfg.cold_start_batch_size, cfg.cold_start_tool_only_steps)
 
 
 def data_problem(name: str, path: str) -> str | None:

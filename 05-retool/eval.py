@@ -18,6 +18,7 @@ its own evaluations. The story: docs/05-torl.md, "Evaluation: eval.py".
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import shutil
@@ -107,12 +108,8 @@ def summarise(samples: list[dict], k: int) -> dict:
     calls = [ok for sample in samples for ok in sample["code_ok"]]
     out = {"problems": len(outcomes), "samples": len(samples),
            f"avg@{k}": mean([sample["correct"] for sample in samples])}
-    j = 1
-    while j <= k:
+    for j in sorted({2**i for i in range(k.bit_length())} | {k}):  # 1, 2, 4, ... up to k, and k itself
         out[f"pass@{j}"] = mean([pass_at_k(len(o), sum(o), j) for o in outcomes.values()])
-        j *= 2
-    if f"pass@{k}" not in out:
-        out[f"pass@{k}"] = mean([pass_at_k(len(o), sum(o), k) for o in outcomes.values()])
     out.update({
         "format_rate": mean([sample["valid_format"] for sample in samples]),
         "code_ratio": mean([sample["tool_calls"] > 0 for sample in samples]),
@@ -143,11 +140,9 @@ def mean(values) -> float:
 
 def summary_line(result: dict) -> str:
     k = result["k"]
-    parts = []
-    for name, summary in result["sets"].items():
-        parts.append(f"{name}: avg@{k} {summary[f'avg@{k}']:.3f} pass@{k} {summary[f'pass@{k}']:.3f} "
-                     f"code {summary['code_ratio']:.2f} format {summary['format_rate']:.2f}")
-    return " | ".join(parts)
+    return " | ".join(f"{name}: avg@{k} {summary[f'avg@{k}']:.3f} pass@{k} {summary[f'pass@{k}']:.3f} "
+                      f"code {summary['code_ratio']:.2f} format {summary['format_rate']:.2f}"
+                      for name, summary in result["sets"].items())
 
 
 def markdown_table(result: dict) -> str:
@@ -190,7 +185,7 @@ def paper_table(result: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    from configuration import position_limit
+    from configuration import model_problem, position_limit
 
     from lab_cli import private_tmp, refuse_chapter_folder
     from run_folders import check_eval_out, take_run_settings
@@ -202,17 +197,15 @@ def main(argv: list[str] | None = None) -> dict:
     check_eval_out(out, args.overwrite)  # first: an earlier evaluation is replaced only when asked
     if args.temperature == 0 and args.k > 1:
         sys.exit(f"error: --k {args.k} with greedy decoding gives {args.k} identical samples; add --temperature 1.0 (or another)")
-    from configuration import model_problem
-
     problem = model_problem(args.model)
     if problem:
         sys.exit(f"error: --{problem}")
     take_run_settings(args)
-    max_model_len = args.max_model_len or position_limit(args.model) or 4096  # the model's own context by default
+    limit = position_limit(args.model)
+    max_model_len = args.max_model_len or limit or 4096  # the model's own context by default
     if args.max_response_tokens >= max_model_len:
         sys.exit(f"error: --max-response-tokens {args.max_response_tokens} leaves no room for the prompt in "
                  f"--max-model-len {max_model_len}")
-    limit = position_limit(args.model)
     if limit is not None and max_model_len > limit:
         sys.exit(f"error: --max-model-len {max_model_len} is above the position limit of {args.model}, "
                  f"{limit} tokens (max_position_embeddings)")
@@ -263,13 +256,9 @@ def load_sets(sources: list[str], limit: int | None) -> list[dict]:
             sys.exit(f"error: {e}")
         except Exception as e:  # the hub is unreachable: say which set, in one line
             sys.exit(f"error: {source}: {str(e).splitlines()[0] if str(e) else type(e).__name__}")
-        if limit:
-            kept, taken = [], defaultdict(int)
-            for row in rows:
-                taken[row["source"]] += 1
-                if taken[row["source"]] <= limit:
-                    kept.append(row)
-            rows = kept
+        if limit:  # each set's first `limit` rows, in the file's order
+            place_in_set = defaultdict(itertools.count)
+            rows = [row for row in rows if next(place_in_set[row["source"]]) < limit]
         # ToRL's test file repeats each AIME problem 4 times; one copy gives the same greedy accuracy.
         print(f"{source}: {len(rows)} problems" + "".join(f"; dropped {n} ({why})" for why, n in dropped.items()),
               file=sys.stderr)

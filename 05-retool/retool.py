@@ -167,8 +167,7 @@ def rollout_config(cfg: Config, step: int, dp=None):
     rollout_cfg = RolloutConfig(
         group_size=cfg.group_size, temperature=cfg.temperature, max_response_tokens=cfg.max_response_tokens,
         tool_budget=cfg.tool_budget, observation_style=cfg.observation_style, template=cfg.template,
-        seed=dp.rank_seed(seed) if dp else seed, schedule=cfg.rollout_schedule,
-    )
+        seed=dp.rank_seed(seed) if dp else seed, schedule=cfg.rollout_schedule)
     check_on_policy(rollout_cfg)
     return rollout_cfg
 
@@ -182,8 +181,7 @@ def grpo_config(cfg: Config):
         num_minibatches=cfg.num_minibatches, micro_batch_size=cfg.micro_batch_size,
         temperature=cfg.temperature, gradient_checkpointing=cfg.gradient_checkpointing,
         max_response_tokens=cfg.max_response_tokens, tis_cap=cfg.tis_cap, skip_zero_advantage=cfg.skip_zero_advantage,
-        objective=cfg.objective, force_gspo_clip=cfg.force_gspo_clip, tis_mode=cfg.tis_mode,
-    )
+        objective=cfg.objective, force_gspo_clip=cfg.force_gspo_clip, tis_mode=cfg.tis_mode)
 
 
 def start_sandbox(cfg: Config):

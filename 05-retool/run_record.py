@@ -19,7 +19,7 @@ from pathlib import Path
 from checkpoints import (append_jsonl, capture_rng, has_eval_row, latest_checkpoint, load_optimizer, save_checkpoint,
                          stop_with_checkpoint, truncate_jsonl)
 from configuration import settings_changed
-from eval import sample_scored, summarise_evaluation, summary_line
+from eval import mean, sample_scored, summarise_evaluation, summary_line
 from plots import plot_run
 from run_folders import hold_lock, recipe_changes
 from stopping import STOPPER, StopRequested, signal_self_for_tests
@@ -196,10 +196,6 @@ def outcome_metrics(trajectories, results) -> dict:
     called_tool = [t.num_tool_calls > 0 for t in trajectories]
     correct = [r.correct for r in results]
     calls = [call for t in trajectories for call in t.tool_calls]
-
-    def mean(values):
-        return sum(values) / len(values) if values else float("nan")
-
     return {
         "reward_mean": mean([t.reward for t in trajectories]),
         "accuracy": mean(correct),
@@ -225,9 +221,7 @@ def self_correction(trajectories, correct) -> dict:
             if not call.ok:
                 then_ok.append(following is not None and following.ok)
                 then_correct.append(right)
-    return {"error_then_call_ok": sum(then_ok) / len(then_ok) if then_ok else float("nan"),
-            "error_then_correct": sum(then_correct) / len(then_correct) if then_correct else float("nan"),
-            "errors": float(len(then_ok))}
+    return {"error_then_call_ok": mean(then_ok), "error_then_correct": mean(then_correct), "errors": float(len(then_ok))}
 
 
 def step_line(row: dict) -> str:

@@ -21,10 +21,7 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 LOGGERS = ("tensorboard", "wandb")
-INSTALL = {
-    "tensorboard": "the tensorboard package: .venv/bin/pip install -r requirements/logging.txt",
-    "wandb": "the wandb package: .venv/bin/pip install -r requirements/logging.txt",
-}
+INSTALL = "the {} package: .venv/bin/pip install -r requirements/logging.txt"  # either tracker's
 
 
 def parse_log(text: str) -> list[str]:
@@ -42,7 +39,7 @@ def missing_package(log: str) -> str | None:
 
     for name in parse_log(log):
         if importlib.util.find_spec(name) is None:  # torch.utils.tensorboard needs the tensorboard package
-            return f"--log {name} needs {INSTALL[name]}"
+            return f"--log {name} needs {INSTALL.format(name)}"
     return None
 
 
@@ -58,13 +55,13 @@ def open_trackers(log: str, run_dir: Path, config: dict, start_step: int = 0) ->
             try:
                 from torch.utils.tensorboard import SummaryWriter
             except ImportError:
-                raise SystemExit(f"error: --log tensorboard needs {INSTALL['tensorboard']}") from None
+                raise SystemExit(f"error: --log tensorboard needs {INSTALL.format('tensorboard')}") from None
             writers.append(_TensorBoard(SummaryWriter(str(run_dir / "tensorboard"), purge_step=start_step + 1)))
         elif name == "wandb":
             try:
                 import wandb
             except ImportError:
-                raise SystemExit(f"error: --log wandb needs {INSTALL['wandb']}") from None
+                raise SystemExit(f"error: --log wandb needs {INSTALL.format('wandb')}") from None
             mode = os.environ.get("WANDB_MODE") or ("online" if _wandb_reachable(wandb) else "offline")
             run = wandb.init(project=os.environ.get("WANDB_PROJECT", "tool-rl-lab"), name=run_dir.name,
                              id=_run_id(run_dir), resume="allow", dir=str(run_dir), config=config, mode=mode)
@@ -79,16 +76,16 @@ class Trackers:
 
     def log(self, row: dict) -> None:
         """A metrics.jsonl row: its numbers under their own keys, at its step."""
-        scalars = scalars_of(row)
-        for writer in self.writers:
-            writer.log(scalars, int(row["step"]))
+        self._write(scalars_of(row), row["step"])
 
     def log_eval(self, row: dict) -> None:
         """An eval.jsonl row: every number of every set as eval/<set>/<metric>, at its step."""
-        scalars = {f"eval/{name}/{key}": value for name, summary in row["sets"].items()
-                   for key, value in scalars_of(summary).items()}
+        self._write({f"eval/{name}/{key}": value for name, summary in row["sets"].items()
+                     for key, value in scalars_of(summary).items()}, row["step"])
+
+    def _write(self, scalars: dict, step) -> None:
         for writer in self.writers:
-            writer.log(scalars, int(row["step"]))
+            writer.log(scalars, int(step))
 
     def close(self) -> None:
         for writer in self.writers:
@@ -97,13 +94,8 @@ class Trackers:
 
 def scalars_of(row: dict) -> dict[str, float]:
     """The finite numbers of a row (not its step, lists or text), as floats."""
-    out = {}
-    for key, value in row.items():
-        if key == "step" or isinstance(value, bool) or not isinstance(value, (int, float)):
-            continue
-        if math.isfinite(value):
-            out[key] = float(value)
-    return out
+    return {key: float(value) for key, value in row.items() if key != "step" and not isinstance(value, bool)
+            and isinstance(value, (int, float)) and math.isfinite(value)}
 
 
 class _TensorBoard:
@@ -141,10 +133,8 @@ def _run_id(run_dir: Path) -> str:
 def _wandb_reachable(wandb, timeout: float = 3.0) -> bool:
     """Whether W&B's server answers a TCP connection within `timeout` s (no key, no network: offline)."""
     try:
-        url = wandb.Settings().base_url
-        host = urlparse(url).hostname
-        port = urlparse(url).port or (443 if url.startswith("https") else 80)
-        with socket.create_connection((host, port), timeout=timeout):
+        url = urlparse(wandb.Settings().base_url)
+        with socket.create_connection((url.hostname, url.port or (443 if url.scheme == "https" else 80)), timeout=timeout):
             return True
     except Exception:
         return False

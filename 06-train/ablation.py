@@ -69,8 +69,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.command == "run":
         run(args)
     else:
-        print(report(Path(args.out), Path(args.img) if args.img else None, args.results,
-                     Path(args.differences) if args.differences else None))
+        print(report(args.out, args.img, args.results, args.differences))
 
 
 def run(args) -> None:
@@ -227,9 +226,7 @@ def plot(arm: str, against: str, own: str, runs, seeds, path: Path) -> None:
                 ax.plot(steps, [r["reward_mean"] for r in rows], style, color=colour,
                         label=f"{name}, seed {seed}: held-out {after_accuracy(runs[name, seed][1]):.2f}")
                 side.plot(steps, [float("nan") if r.get(own) is None else r[own] for r in rows], style, color=colour)
-    ax.set_xlabel("RL step")
-    ax.set_ylabel("mean reward")
-    ax.set_ylim(-1.05, 1.05)
+    ax.set(xlabel="RL step", ylabel="mean reward", ylim=(-1.05, 1.05))
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7, loc="lower right")
     ax.set_title(f"{arm} vs {against}", fontsize=9)
@@ -292,9 +289,9 @@ def parse_args(argv):
     r.add_argument("--steps", type=int, default=30, help="RL steps per run (default 30: the runs docs/06-beyond-torl measured; "
                    "docs/appendix/06-ablation.md's take 60)")
     s = sub.add_parser("report", help="plots and the markdown table from finished runs")
-    s.add_argument("--out", default="runs/ablation", help="folder of the run folders (default runs/ablation)")
-    s.add_argument("--img", help="write one PNG per option here (e.g. docs/img)")
-    s.add_argument("--differences", metavar="PNG", help="also plot each arm's held-out accuracy minus its comparator's, "
+    s.add_argument("--out", type=Path, default="runs/ablation", help="folder of the run folders (default runs/ablation)")
+    s.add_argument("--img", type=Path, help="write one PNG per option here (e.g. docs/img)")
+    s.add_argument("--differences", metavar="PNG", type=Path, help="also plot each arm's held-out accuracy minus its comparator's, "
                                                         "seed by seed, to this file")
     s.add_argument("--results", metavar="NAME", help="also write the figures to docs/results/NAME.json (results.py)")
     return p.parse_args(argv)

@@ -66,11 +66,9 @@ def main(argv: list[str] | None = None) -> None:
         if getattr(args, name) is None:
             setattr(args, name, real if shaped else tiny)
     if shaped:
-        run_shape(args)
-        return
+        return run_shape(args)
     if args.model:
-        run(args, args.model)
-        return
+        return run(args, args.model)
     with tempfile.TemporaryDirectory(prefix="tiny-model-") as tmp:
         from tiny_model import build_tiny_model
 
@@ -78,17 +76,11 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def run(args, model_path: str) -> None:
-    from grpo import GRPOConfig, grpo_step, load_policy, make_optimizer, sleep_sampler, sync_weights
+    from grpo import grpo_step, load_policy, make_optimizer, sleep_sampler, sync_weights
     from rollout import make_llm
 
     on_cuda = torch.cuda.is_available()
-    cfg = GRPOConfig(
-        lr=1e-6,
-        num_minibatches=args.num_minibatches,
-        micro_batch_size=args.micro_batch_size,
-        gradient_checkpointing=args.gradient_checkpointing,
-    )
-
+    cfg = step_config(args)
     llm = None
     if not args.no_sync:
         t = time.perf_counter()
@@ -106,9 +98,7 @@ def run(args, model_path: str) -> None:
     else:
         trajectories = synthetic_trajectories(args.sequences, args.group_size, args.prompt_len, args.response_len, vocab,
                                               degenerate_frac=args.degenerate_frac)
-    all_tokens = sum(len(t.prompt_ids) + len(t.token_ids) for t in trajectories)
-    model_tokens = sum(sum(t.loss_mask) for t in trajectories)
-
+    all_tokens, model_tokens = token_counts(trajectories)
     optimizer = make_optimizer(model, cfg)
     asleep = sleep_sampler(llm) if llm is not None else False
     # warm-up (allocates optimizer state, first kernels); its mismatch compares
@@ -182,12 +172,11 @@ def run_shape(args) -> None:
     """The trainer alone on a random-init model of a named shape: throughput and the memory budget, measured."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from grpo import GRPOConfig, grpo_step, make_optimizer
+    from grpo import grpo_step, make_optimizer
 
     on_cuda = torch.cuda.is_available()
     device = torch.device("cuda" if on_cuda else "cpu")
-    cfg = GRPOConfig(lr=1e-6, num_minibatches=args.num_minibatches, micro_batch_size=args.micro_batch_size,
-                     gradient_checkpointing=args.gradient_checkpointing)
+    cfg = step_config(args)
     config = Qwen2Config(**SHAPES[args.shape], attn_implementation="sdpa")
     reset_peak_memory()
     base = current_memory()
@@ -198,8 +187,7 @@ def run_shape(args) -> None:
     weights = current_memory() - base
     trajectories = synthetic_trajectories(args.sequences, args.group_size, args.prompt_len, args.response_len,
                                           config.vocab_size)
-    all_tokens = sum(len(t.prompt_ids) + len(t.token_ids) for t in trajectories)
-    model_tokens = sum(sum(t.loss_mask) for t in trajectories)
+    all_tokens, model_tokens = token_counts(trajectories)
     optimizer = make_optimizer(model, cfg)
 
     t = time.perf_counter()
@@ -231,6 +219,19 @@ def run_shape(args) -> None:
         print(f"  reserved by torch : {torch.cuda.max_memory_reserved() / gib:6.2f}   of"
               f" {torch.cuda.get_device_properties(0).total_memory / gib:.1f} on the device")
     print(f"vLLM imported       : {'yes' if 'vllm' in sys.modules else 'no'}")
+
+
+def step_config(args):
+    """The GRPO step both measurements time: the flags' batch shape, a small learning rate."""
+    from grpo import GRPOConfig
+
+    return GRPOConfig(lr=1e-6, num_minibatches=args.num_minibatches, micro_batch_size=args.micro_batch_size,
+                      gradient_checkpointing=args.gradient_checkpointing)
+
+
+def token_counts(trajectories) -> tuple[int, int]:
+    """(all tokens, model tokens) of a batch: the throughput's two denominators."""
+    return sum(len(t.prompt_ids) + len(t.token_ids) for t in trajectories), sum(sum(t.loss_mask) for t in trajectories)
 
 
 def sampled_trajectories(llm, n: int, group_size: int, prompt_len: int, response_len: int, seed: int = 0,

@@ -109,13 +109,11 @@ def plot_budget(runs: dict, path: Path) -> None:
     fig, (acc, cost) = plt.subplots(1, 2, figsize=(7, 2.6))
     for arm, budget in BUDGETS.items():
         seeds = sorted(s for a, s in runs if a == arm)
-        accuracies = [after_accuracy(runs[arm, s][1]) for s in seeds]
-        seconds = [step_seconds(runs[arm, s][0]) for s in seeds]
-        acc.scatter([budget] * len(seeds), accuracies, color="tab:blue", s=14)
-        cost.scatter([budget] * len(seeds), seconds, color="tab:orange", s=14)
-        if seeds:
-            acc.plot([budget - 0.2, budget + 0.2], [sum(accuracies) / len(seeds)] * 2, color="k")
-            cost.plot([budget - 0.2, budget + 0.2], [sum(seconds) / len(seeds)] * 2, color="k")
+        for ax, values, colour in ((acc, [after_accuracy(runs[arm, s][1]) for s in seeds], "tab:blue"),
+                                   (cost, [step_seconds(runs[arm, s][0]) for s in seeds], "tab:orange")):
+            ax.scatter([budget] * len(seeds), values, color=colour, s=14)  # each seed, and a bar at their mean
+            if seeds:
+                ax.plot([budget - 0.2, budget + 0.2], [sum(values) / len(seeds)] * 2, color="k")
     acc.axhline(before_accuracy(runs), color="0.6", linestyle=":", label="before RL, mean of seeds")
     for ax, title in ((acc, "held-out accuracy after RL"), (cost, "seconds per RL step")):
         ax.set_xticks(list(BUDGETS.values()))

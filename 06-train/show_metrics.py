@@ -13,7 +13,7 @@ import argparse
 import math
 from pathlib import Path
 
-from ablation import read_jsonl
+from ablation import mean_of, pyplot, read_jsonl, save_figure
 from lab_cli import one_line_errors
 
 
@@ -28,19 +28,14 @@ def table(runs: dict[str, list[dict]], keys: list[str]) -> str:
     for step in steps:
         cells = [_cell(by_step[name].get(step, {}).get(key)) for name, key in columns]
         lines.append(f"| {step} | " + " | ".join(cells) + " |")
-    means = [_cell(_mean([r[key] for r in runs[name] if r.get(key) is not None])) for name, key in columns]
+    means = [_cell(mean_of(runs[name], key)) for name, key in columns]
     lines.append("| mean | " + " | ".join(means) + " |")
     return "\n".join(lines)
 
 
 def plot(runs: dict[str, list[dict]], keys: list[str], path: Path) -> None:
     """One panel per key, one line per run."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, len(keys), figsize=(3.6 * len(keys), 2.8), squeeze=False)
+    fig, axes = pyplot().subplots(1, len(keys), figsize=(3.6 * len(keys), 2.8), squeeze=False)
     for ax, key in zip(axes[0], keys):
         for name, rows in runs.items():
             have = [r for r in rows if key in r]
@@ -50,18 +45,12 @@ def plot(runs: dict[str, list[dict]], keys: list[str], path: Path) -> None:
         ax.set_xlabel("RL step")
         ax.grid(alpha=0.3)
     axes[0][0].legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=80)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def _number(value) -> bool:
     """A step's value a table can show: a number, or null (undefined that step)."""
     return value is None or (isinstance(value, (int, float)) and not isinstance(value, bool))
-
-
-def _mean(values: list[float]) -> float:
-    return sum(values) / len(values) if values else math.nan
 
 
 def _cell(value) -> str:

@@ -30,10 +30,8 @@ def sync_weights(model, llm) -> int:
     from vllm.v1.engine.core_client import InprocClient
 
     if not isinstance(llm.llm_engine.engine_core, InprocClient):
-        raise RuntimeError(
-            "sync_weights needs the vLLM engine in this process: build it with make_llm "
-            "(VLLM_ENABLE_V1_MULTIPROCESSING=0)"
-        )
+        raise RuntimeError("sync_weights needs the vLLM engine in this process: build it with make_llm "
+                           "(VLLM_ENABLE_V1_MULTIPROCESSING=0)")
     asleep = llm.llm_engine.is_sleeping()
     if asleep:
         llm.wake_up(tags=["weights"])  # the weights' memory first; the KV cache after the copy
