@@ -38,8 +38,10 @@ def test_a_driver_too_old_for_the_cuda_13_wheels_is_refused_before_the_install(t
     assert not venv.exists()  # nothing created, nothing downloaded
 
 
-def test_the_minimum_driver_is_the_one_the_makefile_checks_against():
+def test_the_minimum_driver_is_the_one_the_makefile_checks_against_and_the_readme_states():
     assert re.search(r"^MIN_DRIVER := 580$", (REPO / "Makefile").read_text(), re.M)
+    readme = " ".join((REPO / "README.md").read_text().split())
+    assert "installs `vllm==0.32.0`" in readme and "need NVIDIA driver 580 or newer" in readme
 
 
 def test_an_unfinished_cpu_install_is_refused_rather_than_kept_under_cuda(tmp_path):

@@ -17,7 +17,7 @@ Three ways in, tried in this order:
 The weights are Q4_1 (4-bit) quantized in the package, so the converted model
 is the hub model plus quantization noise, not the hub model itself; it still
 follows instructions and its chat template, which is all the lab needs.
-The story, and what the smollm2 preset makes of the model: docs/05-retool.md.
+The story, and what the smollm2 preset makes of the model: docs/05-smollm2.md.
 
     .venv/bin/python 05-retool/smollm2.py                 # find or convert; prints the folder
     .venv/bin/python 05-retool/smollm2.py --convert X.gguf --out DIR
