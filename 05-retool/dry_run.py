@@ -66,7 +66,7 @@ def add_plan_flags(parser) -> None:
                       help="the GPU, for its peak bf16 FLOP/s [default: H100]")
     plan.add_argument("--assume-decode-rate", type=at_least(0.0, float), default=0.0,
                       help=f"tokens/s one GPU decodes; 0: from its memory bandwidth (weights and KV read a step, at "
-                           f"{DECODE_BANDWIDTH_SHARE:.0%} of the data sheet's) [default: 0]")
+                           f"{DECODE_BANDWIDTH_SHARE * 100:g}%% of the data sheet's) [default: 0]")
     plan.add_argument("--assume-call-s", type=at_least(0.0, float), default=TOOL_CALL_S,
                       help=f"seconds a tool call adds to the longest trajectory [default: {TOOL_CALL_S:g}]")
     plan.add_argument("--assume-train-mfu", type=at_least(0.001, float), default=TRAIN_MFU,

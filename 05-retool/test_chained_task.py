@@ -121,7 +121,7 @@ def test_the_experiments_page_states_the_task_the_cold_start_and_the_preset():
          f"alone (the demo's {demo.cold_start_steps} and {demo.cold_start_tool_only_steps}",
          f"({cfg.problems_per_step} problems × {cfg.group_size} samples, lr {cfg.lr:.0e}".replace("e-05", "e-5"),
          f"a tool budget of {cfg.tool_budget} (the hardest kind needs 3), {cfg.max_response_tokens} response tokens",
-         f"and 30 steps. None of it was tuned. (The steps are {cfg.steps} since",
+         f"and {cfg.steps} steps: 30 were planned, and doubled",
          f"each of the first {cfg.eval_problems} held-out problems")
 
 
