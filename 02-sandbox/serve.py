@@ -29,6 +29,7 @@ import argparse
 import base64
 import binascii
 import concurrent.futures
+import contextlib
 import errno
 import hmac
 import http
@@ -441,10 +442,8 @@ class Server:
         sends for DRAIN_SECONDS: closing with unread data resets the connection, and it could lose the answer."""
         sent = _send_now(incoming.conn, _http_answer(status, {"detail": detail}))
         self._count(incoming, status, None if sent else "client gone")
-        try:
+        with contextlib.suppress(OSError):
             incoming.conn.shutdown(socket.SHUT_WR)
-        except OSError:
-            pass
         incoming.phase, incoming.deadline = "drain", time.monotonic() + DRAIN_SECONDS
 
     def _close(self, selector, incoming: _Incoming) -> None:
@@ -492,18 +491,14 @@ def _send_now(conn: socket.socket, data: bytes) -> bool:
 
 
 def _wake(fd: int) -> None:
-    try:
+    with contextlib.suppress(OSError):  # full: the loop is awake already
         os.write(fd, b"x")
-    except OSError:  # full: the loop is awake already
-        pass
 
 
 def _drain_pipe(fd: int) -> None:
-    try:
+    with contextlib.suppress(OSError):
         while os.read(fd, 4096):
             pass
-    except OSError:
-        pass
 
 
 def raise_open_files_limit() -> int:
@@ -549,10 +544,8 @@ def is_loopback(host: str) -> bool:
 
 
 def _addresses(host: str) -> list[str]:
-    try:
+    with contextlib.suppress(ValueError):  # a name, not an address
         return [ipaddress.ip_address(host).compressed]
-    except ValueError:
-        pass
     try:
         return sorted({info[4][0].split("%")[0] for info in socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)})
     except (OSError, UnicodeError):
