@@ -19,8 +19,8 @@ def one_line_errors(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return parser
 
 
-def at_least(low: int | float, kind=int):
-    """An argparse type: a number of `kind` that is at least `low` ("at least 1, got 0")."""
+def at_least(low: int | float, kind=int, at_most: int | float | None = None):
+    """An argparse type: a number of `kind` that is at least `low` ("at least 1, got 0"), and `at_most` if given."""
     def parse(text: str):
         try:
             value = kind(text)
@@ -28,6 +28,8 @@ def at_least(low: int | float, kind=int):
             raise argparse.ArgumentTypeError(f"not {'an integer' if kind is int else 'a number'}: '{text}'") from None
         if value < low:
             raise argparse.ArgumentTypeError(f"must be at least {low}, got {text}")
+        if at_most is not None and not value <= at_most:  # nan too
+            raise argparse.ArgumentTypeError(f"must be at most {at_most:{'g' if kind is float else 'd'}}, got {text}")
         return value
 
     parse.__name__ = kind.__name__  # argparse names the type in its messages

@@ -74,8 +74,7 @@ def main() -> int:
     folder = tempfile.mkdtemp(prefix="sbx-burst-")
     os.chmod(folder, 0o755)
     for name in ("runner", "confinement", "sandbox", "fork_server", "local_backend"):
-        shutil.copy(HERE / f"{name}.py", folder)
-        os.chmod(os.path.join(folder, f"{name}.py"), 0o644)
+        os.chmod(shutil.copy(HERE / f"{name}.py", folder), 0o644)
     driver = subprocess.Popen([shutil.which("runuser") or "/usr/sbin/runuser", "-u", args.user, "--", args.python, "-I", "-c", DRIVER, folder],
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd="/", env={"PATH": "/usr/bin:/bin"})
     try:

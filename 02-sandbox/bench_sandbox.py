@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import contextlib
 import os
 import re
 import resource
@@ -270,10 +271,8 @@ class CpuMeter:
                     self.works = True
                     return
                 except OSError:
-                    try:
+                    with contextlib.suppress(OSError):
                         os.rmdir(self.group)
-                    except OSError:
-                        pass
 
     def read(self) -> float:
         if not self.works:

@@ -9,6 +9,7 @@ otherwise SandboxError, and nothing runs (docs/02-sandbox.md, "Fail closed").
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import select
@@ -222,7 +223,5 @@ def _stop_server(proc: subprocess.Popen, folder: str, folder_fd: int, log, cgrou
     shutil.rmtree(folder, ignore_errors=True)
     for group in cgroups:  # left by a server that was killed, or a call still ending: empty once its processes die
         for path in sorted(Path(group).glob("call-*")) + [Path(group)]:
-            try:
+            with contextlib.suppress(OSError):
                 path.rmdir()
-            except OSError:
-                pass

@@ -29,6 +29,7 @@ import argparse
 import base64
 import binascii
 import concurrent.futures
+import contextlib
 import errno
 import hmac
 import http
@@ -441,10 +442,8 @@ class Server:
         sends for DRAIN_SECONDS: closing with unread data resets the connection, and it could lose the answer."""
         sent = _send_now(incoming.conn, _http_answer(status, {"detail": detail}))
         self._count(incoming, status, None if sent else "client gone")
-        try:
+        with contextlib.suppress(OSError):
             incoming.conn.shutdown(socket.SHUT_WR)
-        except OSError:
-            pass
         incoming.phase, incoming.deadline = "drain", time.monotonic() + DRAIN_SECONDS
 
     def _close(self, selector, incoming: _Incoming) -> None:
@@ -492,18 +491,14 @@ def _send_now(conn: socket.socket, data: bytes) -> bool:
 
 
 def _wake(fd: int) -> None:
-    try:
+    with contextlib.suppress(OSError):  # full: the loop is awake already
         os.write(fd, b"x")
-    except OSError:  # full: the loop is awake already
-        pass
 
 
 def _drain_pipe(fd: int) -> None:
-    try:
+    with contextlib.suppress(OSError):
         while os.read(fd, 4096):
             pass
-    except OSError:
-        pass
 
 
 def raise_open_files_limit() -> int:
@@ -549,10 +544,8 @@ def is_loopback(host: str) -> bool:
 
 
 def _addresses(host: str) -> list[str]:
-    try:
+    with contextlib.suppress(ValueError):  # a name, not an address
         return [ipaddress.ip_address(host).compressed]
-    except ValueError:
-        pass
     try:
         return sorted({info[4][0].split("%")[0] for info in socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)})
     except (OSError, UnicodeError):
@@ -562,22 +555,6 @@ def _addresses(host: str) -> list[str]:
 MAX_SECONDS = 86400.0  # the largest timeout a flag takes: the sandbox's own, and far below what select() overflows at
 
 
-def within(low: int | float, high: int | float, kind=int):
-    """An argparse type: a number of `kind` from `low` to `high` ("--port: must be at most 65535, got 70000")."""
-    from lab_cli import at_least
-
-    at_least_low = at_least(low, kind)
-
-    def parse(text: str):
-        value = at_least_low(text)
-        if not value <= high:  # nan too
-            raise argparse.ArgumentTypeError(f"must be at most {high:{'g' if kind is float else 'd'}}, got {text}")
-        return value
-
-    parse.__name__ = kind.__name__
-    return parse
-
-
 def main(argv: list[str] | None = None) -> int:
     from lab_cli import at_least, comma_list, one_line_errors
 
@@ -585,7 +562,7 @@ def main(argv: list[str] | None = None) -> int:
     # where it listens, and who may call it
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s); "
                         "any non-loopback address needs --token")
-    parser.add_argument("--port", type=within(0, 65535), default=DEFAULT_PORT, help="port, 0 for any free one (default: %(default)s)")
+    parser.add_argument("--port", type=at_least(0, at_most=65535), default=DEFAULT_PORT, help="port, 0 for any free one (default: %(default)s)")
     parser.add_argument("--token", default=os.environ.get("SANDBOX_TOKEN") or None,  # set but empty: no token
                         help=f"shared secret every request must carry (default: $SANDBOX_TOKEN; at least {MIN_TOKEN_CHARS} "
                         "characters); prefer the variable: a command line is visible to every process")
@@ -600,13 +577,13 @@ def main(argv: list[str] | None = None) -> int:
                         help="modules the warm interpreter imports once, comma-separated, '' for none "
                         "(default: %(default)s)")
     # limits of a request
-    parser.add_argument("--max-run-timeout", type=within(0.1, MAX_SECONDS, float), default=MAX_RUN_TIMEOUT,
+    parser.add_argument("--max-run-timeout", type=at_least(0.1, float, at_most=MAX_SECONDS), default=MAX_RUN_TIMEOUT,
                         help="a request's run_timeout is cut to this many seconds (default: %(default)s)")
-    parser.add_argument("--max-request-kb", type=within(1, 1 << 20), default=MAX_REQUEST_KB,
+    parser.add_argument("--max-request-kb", type=at_least(1, at_most=1 << 20), default=MAX_REQUEST_KB,
                         help="largest request body; larger ones get 413 (default: %(default)s)")
-    parser.add_argument("--max-connections", type=within(1, 1 << 16), default=MAX_CONNECTIONS,
+    parser.add_argument("--max-connections", type=at_least(1, at_most=1 << 16), default=MAX_CONNECTIONS,
                         help="requests held at once; more wait in the listen backlog (default: %(default)s)")
-    parser.add_argument("--request-timeout", type=within(0.1, MAX_SECONDS, float), default=REQUEST_SECONDS,
+    parser.add_argument("--request-timeout", type=at_least(0.1, float, at_most=MAX_SECONDS), default=REQUEST_SECONDS,
                         help="seconds a client has to send its whole request, from connect, however it paces it; "
                         "then 408 (default: %(default)s)")
     parser.add_argument("--log", action="store_true", help="one line per request on stderr")

@@ -226,13 +226,10 @@ def plot(arm: str, against: str, own: str, runs, seeds, path: Path) -> None:
                 ax.plot(steps, [r["reward_mean"] for r in rows], style, color=colour,
                         label=f"{name}, seed {seed}: held-out {after_accuracy(runs[name, seed][1]):.2f}")
                 side.plot(steps, [float("nan") if r.get(own) is None else r[own] for r in rows], style, color=colour)
-    ax.set(xlabel="RL step", ylabel="mean reward", ylim=(-1.05, 1.05))
-    ax.grid(alpha=0.3)
+    ax.set(ylabel="mean reward", ylim=(-1.05, 1.05))
     ax.legend(fontsize=7, loc="lower right")
-    ax.set_title(f"{arm} vs {against}", fontsize=9)
-    side.set_xlabel("RL step")
-    side.set_title(own, fontsize=9)
-    side.grid(alpha=0.3)
+    label(ax, f"{arm} vs {against}")
+    label(side, own)
     save_figure(fig, path)
 
 
@@ -266,6 +263,13 @@ def pyplot():
     import matplotlib.pyplot as plt
 
     return plt
+
+
+def label(ax, title: str, xlabel: str = "RL step") -> None:
+    """A panel's title and x label, in the size and grid every plot of this chapter uses."""
+    ax.set_xlabel(xlabel)
+    ax.set_title(title, fontsize=9)
+    ax.grid(alpha=0.3)
 
 
 def save_figure(fig, path: Path) -> None:

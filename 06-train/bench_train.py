@@ -242,7 +242,6 @@ def sampled_trajectories(llm, n: int, group_size: int, prompt_len: int, response
     from vllm import SamplingParams
 
     from grpo import group_advantages
-    from rollout import Trajectory
 
     g = torch.Generator().manual_seed(seed)
     high = min(llm.get_tokenizer().vocab_size, llm.llm_engine.vllm_config.model_config.get_vocab_size())
@@ -256,15 +255,7 @@ def sampled_trajectories(llm, n: int, group_size: int, prompt_len: int, response
         for j, sample in enumerate(request.outputs):
             ids = list(sample.token_ids)
             logprobs = [sample.logprobs[k][t].logprob for k, t in enumerate(ids)]
-            mask = [1] * len(ids)
-            start, span = len(ids) // 2, len(ids) // 10
-            mask[start : start + span] = [0] * span
-            logprobs[start : start + span] = [0.0] * span
-            k = i * group_size + j
-            out.append(Trajectory(
-                problem_id=str(i), group_index=j, reference="", prompt_ids=prompt, token_ids=ids,
-                logprobs=logprobs, loss_mask=mask, text="", reward=float(rewards[k]), advantage=float(advantages[k]),
-            ))
+            out.append(_trajectory(i * group_size + j, group_size, prompt, ids, logprobs, rewards, advantages))
     return out[:n]
 
 
@@ -285,7 +276,6 @@ def synthetic_trajectories(n: int, group_size: int, prompt_len: int, response_le
     """Random trajectories with ±1 rewards in groups (the first `degenerate_frac` of groups all -1);
     a tenth of each response is an observation span."""
     from grpo import group_advantages
-    from rollout import Trajectory
 
     g = torch.Generator().manual_seed(seed)
     rewards = _rewards(n, group_size, degenerate_frac, g)
@@ -293,16 +283,22 @@ def synthetic_trajectories(n: int, group_size: int, prompt_len: int, response_le
     out = []
     for i in range(n):
         tokens = torch.randint(0, vocab, (response_len,), generator=g).tolist()
-        mask = [1] * response_len
-        start, span = response_len // 2, response_len // 10
-        mask[start : start + span] = [0] * span
-        out.append(Trajectory(
-            problem_id=str(i // group_size), group_index=i % group_size, reference="",
-            prompt_ids=torch.randint(0, vocab, (prompt_len,), generator=g).tolist(),
-            token_ids=tokens, logprobs=[0.0] * response_len, loss_mask=mask, text="",
-            reward=float(rewards[i]), advantage=float(advantages[i]),
-        ))
+        prompt = torch.randint(0, vocab, (prompt_len,), generator=g).tolist()
+        out.append(_trajectory(i, group_size, prompt, tokens, [0.0] * response_len, rewards, advantages))
     return out
+
+
+def _trajectory(k: int, group_size: int, prompt: list[int], ids: list[int], logprobs: list[float], rewards, advantages):
+    """Sample k of the batch, a tenth of its response, from the middle, marked as an observation span (mask 0,
+    log-prob 0), as the rollout marks interpreter output."""
+    from rollout import Trajectory
+
+    start, span = len(ids) // 2, len(ids) // 10
+    mask = [1] * start + [0] * span + [1] * (len(ids) - start - span)
+    logprobs = logprobs[:start] + [0.0] * span + logprobs[start + span:]
+    return Trajectory(problem_id=str(k // group_size), group_index=k % group_size, reference="", prompt_ids=prompt,
+                      token_ids=ids, logprobs=logprobs, loss_mask=mask, text="", reward=float(rewards[k]),
+                      advantage=float(advantages[k]))
 
 
 def _rewards(n: int, group_size: int, degenerate_frac: float, g: torch.Generator) -> list[float]:

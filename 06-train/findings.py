@@ -20,8 +20,8 @@ import sys
 from pathlib import Path
 
 import results
-from ablation import (accuracy_at, after_accuracy, before_accuracy, kind_accuracies, load_runs as load_arm_runs, mean_of,
-                      pyplot, read_jsonl, results_key, save_figure, step_seconds)
+from ablation import (accuracy_at, after_accuracy, before_accuracy, kind_accuracies, label, load_runs as load_arm_runs,
+                      mean_of, pyplot, read_jsonl, results_key, save_figure, step_seconds)
 
 BUDGETS = {"calls-1": 1, "calls-2": 2, "baseline": 4}  # arm -> C
 SELF_CORRECTION = ("error_then_call_ok", "error_then_correct")
@@ -117,9 +117,7 @@ def plot_budget(runs: dict, path: Path) -> None:
     acc.axhline(before_accuracy(runs), color="0.6", linestyle=":", label="before RL, mean of seeds")
     for ax, title in ((acc, "held-out accuracy after RL"), (cost, "seconds per RL step")):
         ax.set_xticks(list(BUDGETS.values()))
-        ax.set_xlabel("tool budget C")
-        ax.set_title(title, fontsize=9)
-        ax.grid(alpha=0.3)
+        label(ax, title, "tool budget C")
     acc.set_ylim(0, 1)
     acc.legend(fontsize=7)
     save_figure(fig, path)
@@ -134,9 +132,7 @@ def plot_over_training(runs: dict, keys: tuple[str, ...], path: Path) -> None:
             if arm == "baseline":
                 ax.plot([r["step"] for r in rows], [float("nan") if r.get(key) is None else r[key] for r in rows],
                         ("-", "--", ":")[seed % 3], color="tab:blue", label=f"seed {seed}")
-        ax.set_xlabel("RL step")
-        ax.set_title(key, fontsize=9)
-        ax.grid(alpha=0.3)
+        label(ax, key)
     axes[0].legend(fontsize=7)
     save_figure(fig, path)
 

@@ -13,7 +13,7 @@ import argparse
 import math
 from pathlib import Path
 
-from ablation import mean_of, pyplot, read_jsonl, save_figure
+from ablation import label, mean_of, pyplot, read_jsonl, save_figure
 from lab_cli import one_line_errors
 
 
@@ -41,9 +41,7 @@ def plot(runs: dict[str, list[dict]], keys: list[str], path: Path) -> None:
             have = [r for r in rows if key in r]
             ax.plot([r["step"] for r in have], [math.nan if r[key] is None else r[key] for r in have], marker=".",
                     label=name)
-        ax.set_title(key, fontsize=9)
-        ax.set_xlabel("RL step")
-        ax.grid(alpha=0.3)
+        label(ax, key)
     axes[0][0].legend(fontsize=7)
     save_figure(fig, path)
 
