@@ -337,3 +337,25 @@ def test_a_well_formed_answer_in_any_http_framing_is_read(monkeypatch):
             with Sandbox(SandboxConfig(backend="sandboxfusion", urls=(url,))) as sb:
                 result = sb.run("print(1)")
         assert (result.ok, result.stdout) == (True, "framed\n"), answer[:60]
+
+
+@needs_root
+def test_a_call_waits_for_a_free_slot_outside_its_deadline_when_the_client_is_sized_to_the_pool(monkeypatch):
+    """The deadline starts once the client admits a call: sized to the pool's slots, waits are never 'timed out'.
+
+    A member with one slot and calls of 1 s under a deadline of 2 s + grace 0.5 s: a client that sends one call at
+    a time (concurrency = the pool's slots; retool's --sandbox-concurrency) runs all three; a client that sends all
+    three at once has the member queue them, so the third's wait is counted against it and it fails.
+    """
+    monkeypatch.setattr(runner, "ANSWER_GRACE", 0.5)
+    proc, url = start_server("--concurrency", "1")
+    codes = ["import time\ntime.sleep(1)\nprint('done')"] * 3
+    try:
+        with Sandbox(SandboxConfig(backend="sandboxfusion", urls=(url,), concurrency=1, timeout=2)) as sized:
+            results = sized.run_many(codes)
+        assert [r.stdout for r in results] == ["done\n"] * 3 and all(r.ok for r in results), results
+        with Sandbox(SandboxConfig(backend="sandboxfusion", urls=(url,), concurrency=3, timeout=2)) as oversized:
+            results = oversized.run_many(codes)
+        assert sum(r.ok for r in results) < 3 and any("SandboxError" in r.stderr for r in results), results
+    finally:
+        stop_server(proc)
