@@ -1686,6 +1686,7 @@ def test_the_isolation_page_states_the_constants_of_the_code():
          f"{confinement.SCRATCH_INODES} inodes", f"the code is uid {confinement.CALL_UID}",
          ", ".join(f"`{call}`" for call in confinement.NO_CGROUP_DENIED[:-1]) + f" and `{confinement.NO_CGROUP_DENIED[-1]}`",
          "allows only " + ", ".join(f"`{family}`" for family in confinement.SOCKET_FAMILIES))
+    says("glossary.md", f"every {confinement.MemoryWatch.TICK * 1000:g} ms it sums each of the call's processes'")
     import runner
 
     says(name, f"{runner.CALL_SIGPENDING} queued (timers' signals)", f"the {runner.CALL_NOFILE} descriptors each may hold",
