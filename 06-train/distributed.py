@@ -77,6 +77,26 @@ def gradient_sync(model, sync: bool):
     return model.no_sync() if hasattr(model, "no_sync") and not sync else nullcontext()
 
 
+def passes_on_every_rank(model, local: int) -> int:
+    """How many forward/backward passes a mini-batch takes on this rank: its own `local` in one process;
+    under DDP or FSDP2 the most any rank needs, and at least one (one all-reduce).
+
+    The gradient exchange happens inside the backward passes, so every rank must run
+    as many as the others; a rank with fewer runs passes that add nothing (grpo_step).
+    """
+    if not is_data_parallel(model):
+        return local
+    most = torch.tensor([local], dtype=torch.int64)  # gloo carries CPU tensors, also on GPU nodes
+    dist.all_reduce(most, op=dist.ReduceOp.MAX)
+    return max(int(most), 1)
+
+
+def gradients_to_none(model) -> bool:
+    """Whether zero_grad may free the gradients: not under DDP, whose gradients are views of its
+    all-reduce buckets (`wrap`); freed, the next no_sync backward would allocate them again beside the buckets."""
+    return unwrap(model) is model
+
+
 def load_policy(model_path, device: str | torch.device | None = None):
     """The trainer's copy of the model: float32 weights on `device` (CUDA if there is one); one rank's share of
     the work is `DataParallel.load_policy`'s."""
@@ -206,7 +226,9 @@ class DataParallel:
         from torch.nn.parallel import DistributedDataParallel
 
         ids = [self.local_rank] if self.device.type == "cuda" else None
-        # gradients live in DDP's all-reduce buckets instead of beside them: one copy, not two (6.2 GB at 1.5B)
+        # gradients live in DDP's all-reduce buckets instead of beside them: one copy, not two (6.2 GB at 1.5B),
+        # as long as zero_grad keeps them (set_to_none=False, `gradients_to_none`): freed, the next no_sync
+        # backward allocates them again, and the sync backward copies them into the buckets
         return DistributedDataParallel(model, device_ids=ids, gradient_as_bucket_view=True)
 
     unwrap = staticmethod(unwrap)
