@@ -75,6 +75,7 @@ class Config:
     sandbox_timeout: float = 10.0  # seconds a tool call may run (ToRL: 10)
     sandbox_isolation: str = "namespaces"  # local backend: namespaces (contained) or plain (weaker; docs/02)
     sandbox_preload: str = "math,numpy,sympy"  # modules the warm interpreter imports once, comma-separated; "" for none
+    sandbox_concurrency: int = 0  # tool calls a rank runs at once; 0 = its share of the node's cores (cores_per_rank)
     # --- the engines: vLLM and the trainer on this machine's devices ---
     strategy: str = "ddp"  # under torchrun: a full trainer replica per GPU (ddp) or 1/N of it (fsdp)
     trainer_threads: int = 0  # CPU torch threads for training (-1 = every core; 0 = torch's default, which vLLM's CPU engine keeps)
@@ -247,7 +248,7 @@ def config_problems(cfg, world: int | None = None, first_only: bool = False) -> 
                  "eval_k", "max_response_tokens", "eval_max_response_tokens", "max_model_len"):
         if getattr(cfg, name) < 1:
             problems.append(f"{name} must be at least 1, got {getattr(cfg, name)}")
-    for name in ("eval_problems", "eval_every", "max_prompt_tokens"):
+    for name in ("eval_problems", "eval_every", "max_prompt_tokens", "sandbox_concurrency"):
         if getattr(cfg, name) < 0:
             problems.append(f"{name} must be 0 or more, got {getattr(cfg, name)}")
     if cfg.eval_temperature == 0 and cfg.eval_k > 1:
@@ -306,7 +307,7 @@ def sandbox_config(cfg):
 
     return SandboxConfig(backend=cfg.sandbox_backend, timeout=cfg.sandbox_timeout, isolation=cfg.sandbox_isolation,
                          urls=comma_list(cfg.sandbox_urls), preload=comma_list(cfg.sandbox_preload),
-                         concurrency=cores_per_rank())  # the ranks of a node share its cores
+                         concurrency=cfg.sandbox_concurrency or cores_per_rank())  # the ranks of a node share its cores
 
 
 DTYPES = ("float32", "bfloat16", "float16", "auto")  # the sampler's: vLLM's names

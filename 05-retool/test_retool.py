@@ -670,6 +670,7 @@ def test_help_gives_each_field_its_meaning_and_the_chosen_presets_value():
     (["--eval-temperature", "-1"], "eval_temperature must be 0 (greedy) or more"),
     (["--max-response-tokens", "0"], "max_response_tokens must be at least 1"),
     (["--sandbox-timeout", "0"], "sandbox_timeout must be positive"),
+    (["--sandbox-concurrency", "-1"], "sandbox_concurrency must be 0 or more, got -1"),
     (["--sandbox-backend", "nope"], "sandbox_backend must be 'local' or 'docker'"),
     (["--sandbox-preload", "numpy sympy"], "sandbox_preload must be a tuple of module names"),
     (["--dtype", "float8"], "dtype must be float32, bfloat16, float16 or auto"),

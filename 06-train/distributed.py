@@ -368,11 +368,11 @@ def cores_per_rank() -> int:
 def combine_metrics(per_rank: list[dict]) -> dict:
     """Combine per-rank metric dicts into the whole step's, exactly where the rule allows.
 
-    - counts add: trajectories, tokens, sequences, degenerate_groups;
+    - counts add: trajectories, tokens, sequences, degenerate_groups, generated_tokens, rows_skipped;
     - timings (`*_s`) take the slowest rank: the step waits for it;
-    - maxima take the max: mismatch_max, ratio_max;
-    - per-token means weigh each rank by its model tokens: entropy, mismatch_*, clip_*, ratio_mean,
-      approx_kl, informative_frac, tis_masked_frac;
+    - maxima take the max: mismatch_max, ratio_max, peak_memory_gb;
+    - per-token means weigh each rank by its model tokens: entropy, mismatch_*, clip_*, informative_frac,
+      tis_masked_frac; ratio_mean and approx_kl by the tokens its update computed on (rows skipped are not);
     - outcome means weigh each rank by its trajectories; code_pass_ratio by its tool calls,
       code_ratio_correct / _incorrect by its correct / incorrect trajectories, error_then_* by its failed calls,
       tis_masked_seq_frac by its sequences;
@@ -381,13 +381,16 @@ def combine_metrics(per_rank: list[dict]) -> dict:
     """
     if len(per_rank) == 1:
         return dict(per_rank[0])
-    sums = {"trajectories", "tokens", "sequences", "degenerate_groups", "errors"}
-    maxima = {"mismatch_max", "ratio_max"}
+    sums = {"trajectories", "tokens", "sequences", "degenerate_groups", "errors", "generated_tokens", "rows_skipped",
+            "computed_tokens"}
+    maxima = {"mismatch_max", "ratio_max", "peak_memory_gb"}  # the plan must fit the fullest rank
     per_token = {"entropy", "mismatch_abs", "mismatch_kl", "clip_low_frac", "clip_high_frac", "ratio_mean", "approx_kl",
                  "informative_frac", "tis_masked_frac"}
 
     def weight(m: dict, key: str) -> float:
         n = m.get("trajectories", 1.0)
+        if key in ("ratio_mean", "approx_kl"):  # over the tokens the update computed on: skipped rows' are not
+            return m.get("computed_tokens", m.get("tokens", 1.0))
         if key in per_token:
             return m.get("tokens", 1.0)
         if key == "code_pass_ratio":

@@ -3,6 +3,7 @@ import math
 
 import pytest
 import torch
+from dataclasses import replace
 
 from distributed import DataParallel, combine_metrics, full_tensor
 from grpo import GRPOConfig, group_advantages, grpo_step, load_policy, make_optimizer
@@ -10,8 +11,8 @@ from rollout import Trajectory
 from tiny_model import KV_CACHE_GIB
 
 PROBLEMS, GROUP = 8, 4
-# 3 does not divide a rank's 8 rows. Ranks never skip zero-advantage rows (grpo_step), so
-# neither does the one-process reference: ratio_mean and approx_kl then cover the same rows.
+# 3 does not divide a rank's 8 rows. No row is skipped here, so that every metric covers every row;
+# the skipping scenarios (SKIP_CFG) skip the same rows on the ranks as in the one-process reference.
 CFG = GRPOConfig(lr=1e-3, num_minibatches=2, micro_batch_size=3, skip_zero_advantage=False)
 
 
@@ -32,6 +33,20 @@ def group_trajectories(seed=0):
     return out
 
 
+# Skipping under data parallel: problems 0 and 1 (rank 0's first mini-batch) and 6 (rank 1's second) all
+# right, so every row of rank 0's first mini-batch is skipped and rank 1 skips 4 of its 8 rows in its second.
+SKIP_CFG = replace(CFG, skip_zero_advantage=True)
+ALL_RIGHT = (0, 1, 6)
+
+
+def skewed_trajectories():
+    out = group_trajectories()
+    for t in out:
+        if int(t.problem_id) in ALL_RIGHT:
+            t.reward, t.advantage = 1.0, 0.0
+    return out
+
+
 def by_problem(trajectories):
     groups = {}
     for t in trajectories:
@@ -39,18 +54,27 @@ def by_problem(trajectories):
     return list(groups.values())
 
 
-def _step_on_ranks(rank, world, model_path, global_denominator, strategy, staging):
-    """One grpo_step on this rank's half of the groups; the weights (FSDP2: gathered) and the combined metrics."""
+def _step_on_ranks(rank, world, model_path, global_denominator, strategy, staging, skip=False):
+    """One grpo_step on this rank's half of the groups; the weights (FSDP2: gathered), the combined metrics,
+    and this rank's own: its metrics, forwards (rows in each), and its gradients' storages after the step."""
     dp = DataParallel(rank, world, strategy=strategy)
     torch.manual_seed(0)
     model = dp.wrap(load_policy(model_path, device="cpu"))
-    optimizer = make_optimizer(model, CFG)
-    groups = dp.shard(by_problem(group_trajectories()), CFG.num_minibatches)  # whole groups per rank
+    cfg = SKIP_CFG if skip else CFG
+    optimizer = make_optimizer(model, cfg)
+    forwards = []
+    model.register_forward_hook(lambda module, args, output: forwards.append(len(output.logits)))
+    trajectories = skewed_trajectories() if skip else group_trajectories()
+    groups = dp.shard(by_problem(trajectories), cfg.num_minibatches)  # whole groups per rank
     local = [t for group in groups for t in group]
-    metrics = grpo_step(model, optimizer, local, CFG, global_normalizer=dp.global_normalizer if global_denominator else None)
-    metrics = dp.reduce_metrics(metrics)
+    own = grpo_step(model, optimizer, local, cfg, global_normalizer=dp.global_normalizer if global_denominator else None)
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    storages = {g.untyped_storage().data_ptr() for g in grads}  # DDP's buckets: a few storages for every gradient
+    per_rank = dp.gather([{"metrics": own, "forwards": forwards, "grads": len(grads), "storages": len(storages),
+                           "parameters": len(list(model.parameters()))}])
+    metrics = dp.reduce_metrics(own)
     weights = dp.checkpoint_parts(model, optimizer, staging)[0].state_dict()  # FSDP2: gathered
-    return {"weights": weights, "metrics": metrics}
+    return {"weights": weights, "metrics": metrics, "per_rank": per_rank}
 
 
 def _checkpoint_on_ranks(rank, world, model_path, run_dir):
@@ -152,6 +176,9 @@ def _rank(rank, world, store, model_path, run_dir, out):
         results = {f"{strategy}-{denominator}": _step_on_ranks(rank, world, model_path, denominator == "global", strategy,
                                                                f"{out}.{strategy}-{denominator}.optimizer")
                    for strategy, denominator in [("ddp", "global"), ("fsdp", "global"), ("ddp", "per-rank")]}
+        for strategy in ("ddp", "fsdp"):
+            results[f"{strategy}-skip"] = _step_on_ranks(rank, world, model_path, True, strategy,
+                                                         f"{out}.{strategy}-skip.optimizer", skip=True)
         results["checkpoint"] = _checkpoint_on_ranks(rank, world, model_path, run_dir)
         results["ddp-exchanges"] = _exchanges_on_ranks(rank, world, model_path)
         results["engine-weights"] = _engine_weights_on_ranks(rank, world, model_path)
@@ -185,6 +212,41 @@ def one_process(tiny_model_path):
     optimizer = make_optimizer(model, CFG)
     metrics = grpo_step(model, optimizer, group_trajectories(), CFG)
     return model.state_dict(), metrics
+
+
+@pytest.fixture(scope="module")
+def one_process_skipping(tiny_model_path):
+    torch.manual_seed(0)
+    model = load_policy(tiny_model_path, device="cpu")
+    metrics = grpo_step(model, make_optimizer(model, SKIP_CFG), skewed_trajectories(), SKIP_CFG)
+    return model.state_dict(), metrics
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_ranks_skip_zero_advantage_rows_unevenly_run_the_same_passes_and_take_one_process_step(
+        two_ranks, one_process_skipping, tiny_model_path, strategy):
+    single, single_metrics = one_process_skipping
+    ranks = two_ranks[0][f"{strategy}-skip"]
+    per_rank = ranks["per_rank"]
+    # rank 0: mini-batch 1 all skipped (8 rows), mini-batch 2 none; rank 1: none, then 4 of 8
+    assert [r["metrics"]["rows_skipped"] for r in per_rank] == [8, 4]
+    # the old-log-prob pass (16 rows in micro-batches of 3: 6 forwards), then 3 + 3 passes on each rank:
+    # rank 0 pads its empty mini-batch with 3 passes of one row, rank 1 its 4 rows' 2 passes with one
+    assert per_rank[0]["forwards"] == [3, 3, 3, 3, 3, 1] + [1, 1, 1] + [3, 3, 2]
+    assert per_rank[1]["forwards"][6:] == [3, 3, 2] + [3, 1, 1]
+    assert single_metrics["rows_skipped"] == ranks["metrics"]["rows_skipped"] == 12
+    assert max_difference(single, load_policy(tiny_model_path, device="cpu").state_dict()) > 1e-3
+    assert max_difference(ranks["weights"], single) < 2e-5
+    for key in ("loss", "grad_norm", "tokens", "sequences", "entropy", "clip_low_frac", "ratio_mean", "approx_kl",
+                "mismatch_abs", "informative_frac"):
+        assert ranks["metrics"][key] == pytest.approx(single_metrics[key], rel=1e-4, abs=1e-6), key
+
+
+def test_ddp_gradients_stay_views_of_its_buckets_after_a_step(two_ranks):
+    """zero_grad(set_to_none=True) would free them: the next no_sync backward would allocate a second copy."""
+    for result in two_ranks[0]["ddp-global"]["per_rank"]:
+        assert result["grads"] == result["parameters"]  # kept, zeroed in place
+        assert result["storages"] < result["parameters"] / 4  # a few buckets hold them all
 
 
 def test_fsdp_checkpoints_keep_each_ranks_optimizer_shard_and_load_them_back(two_ranks):
@@ -239,6 +301,7 @@ def test_the_ranks_of_a_node_share_its_cores_for_their_sandboxes(monkeypatch):
     assert sandbox_config(Config()).concurrency == 1
     monkeypatch.delenv("LOCAL_WORLD_SIZE")
     assert sandbox_config(Config()).concurrency == 224  # one process: every core
+    assert sandbox_config(Config(sandbox_concurrency=6)).concurrency == 6  # a pool sized by hand
 
 
 @pytest.mark.parametrize("visible, processes", [(None, 8), ("0,1", 2), ("2,-1,3", 1), ("", 1)])
