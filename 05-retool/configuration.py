@@ -225,6 +225,8 @@ def config_problems(cfg, world: int | None = None, first_only: bool = False) -> 
         problems.append(f"observation_style must be {_one_of(OBSERVATION_STYLES)}, got '{cfg.observation_style}'")
     if cfg.dtype not in DTYPES:
         problems.append(f"dtype must be {_one_of(DTYPES)}, got '{cfg.dtype}'")
+    if cfg.sandbox_concurrency < 0:  # 0 is a choice here (a rank's share of the cores), not SandboxConfig's error
+        problems.append(f"sandbox_concurrency must be 0 (a rank's share of the cores) or more, got {cfg.sandbox_concurrency}")
     try:
         sandbox_config(cfg)
     except ValueError as e:
@@ -248,7 +250,7 @@ def config_problems(cfg, world: int | None = None, first_only: bool = False) -> 
                  "eval_k", "max_response_tokens", "eval_max_response_tokens", "max_model_len"):
         if getattr(cfg, name) < 1:
             problems.append(f"{name} must be at least 1, got {getattr(cfg, name)}")
-    for name in ("eval_problems", "eval_every", "max_prompt_tokens", "sandbox_concurrency"):
+    for name in ("eval_problems", "eval_every", "max_prompt_tokens"):
         if getattr(cfg, name) < 0:
             problems.append(f"{name} must be 0 or more, got {getattr(cfg, name)}")
     if cfg.eval_temperature == 0 and cfg.eval_k > 1:

@@ -244,7 +244,7 @@ def cost_table(cfg, cost: CostPlan, gpus: int, gpu: str, train_mfu: float) -> st
         f"    time a step on {gpus} GPUs (the slowest rank's, at the budget): rollout {cost.decode_s:,.1f} s + update at "
         f"{train_mfu:.0%} MFU {cost.update_s:,.1f} s = {step:,.1f} s{evals}; {cfg.steps:,} steps: "
         f"{cost.gpu_hours / gpus:,.1f} hours",
-        "    a real run logs the measured counterparts in metrics.jsonl: peak_memory_gb (each rank's), "
+        "    a real run logs the measured counterparts in metrics.jsonl: peak_memory_gb (the fullest rank's), "
         "decode_tokens_per_s, update_s, informative_frac"])
 
 
