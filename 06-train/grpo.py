@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from distributed import full_tensor, gradient_sync, gradients_to_none, load_policy, unwrap  # load_policy: re-exported, as the two below
+from distributed import full_tensor, gradient_sync, gradients_to_none, load_policy, passes_on_every_rank, unwrap  # load_policy: re-exported, as the two below
 from objectives import aggregate, cispo_loss, gspo_loss, loss_denominator, objective_aggregation, objective_problems
 from update_metrics import UpdateTally, ratio_stats, sampler_mismatch
 from update_options import (exclude_rows, micro_batches_to_run, rows_for_the_old_pass, rows_with_gradient, step_if_finite,
@@ -343,8 +343,9 @@ def _old_logprobs_and_entropy(model, batch: Batch, cfg: GRPOConfig, needed: torc
     old = torch.zeros(batch.loss_mask.shape)
     entropy = torch.zeros(batch.loss_mask.shape)
     every_row = next(batch.minibatches(1))  # longest first, so each chunk pads little
-    every_row = every_row[needed[every_row]]
-    for chunk in every_row.split(cfg.micro_batch_size) if len(every_row) else ():
+    chunks = list(every_row[needed[every_row]].split(cfg.micro_batch_size)) if needed.any() else []
+    # FSDP2 gathers weights in every forward: as many as the other ranks, the extra ones on the shortest row
+    for chunk in chunks + [every_row[-1:]] * (passes_on_every_rank(model, len(chunks), at_least=0) - len(chunks)):
         micro = batch.select(chunk)
         lp, ent = _target_logprobs(model, micro.input_ids, micro.attention_mask, cfg.temperature, with_entropy=True)
         old[chunk, : lp.shape[1]] = lp.float().cpu()

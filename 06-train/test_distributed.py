@@ -54,13 +54,13 @@ def by_problem(trajectories):
     return list(groups.values())
 
 
-def _step_on_ranks(rank, world, model_path, global_denominator, strategy, staging, skip=False):
+def _step_on_ranks(rank, world, model_path, global_denominator, strategy, staging, skip=False, minibatches=2):
     """One grpo_step on this rank's half of the groups; the weights (FSDP2: gathered), the combined metrics,
     and this rank's own: its metrics, forwards (rows in each), and its gradients' storages after the step."""
     dp = DataParallel(rank, world, strategy=strategy)
     torch.manual_seed(0)
     model = dp.wrap(load_policy(model_path, device="cpu"))
-    cfg = SKIP_CFG if skip else CFG
+    cfg = replace(SKIP_CFG if skip else CFG, num_minibatches=minibatches)
     optimizer = make_optimizer(model, cfg)
     forwards = []
     model.register_forward_hook(lambda module, args, output: forwards.append(len(output.logits)))
@@ -177,8 +177,10 @@ def _rank(rank, world, store, model_path, run_dir, out):
                                                                f"{out}.{strategy}-{denominator}.optimizer")
                    for strategy, denominator in [("ddp", "global"), ("fsdp", "global"), ("ddp", "per-rank")]}
         for strategy in ("ddp", "fsdp"):
-            results[f"{strategy}-skip"] = _step_on_ranks(rank, world, model_path, True, strategy,
-                                                         f"{out}.{strategy}-skip.optimizer", skip=True)
+            for minibatches in (2, 1):  # 1: pi_old from the update's forward, a pass of its own for skipped rows only
+                results[f"{strategy}-skip-{minibatches}"] = _step_on_ranks(
+                    rank, world, model_path, True, strategy, f"{out}.{strategy}-skip-{minibatches}.optimizer",
+                    skip=True, minibatches=minibatches)
         results["checkpoint"] = _checkpoint_on_ranks(rank, world, model_path, run_dir)
         results["ddp-exchanges"] = _exchanges_on_ranks(rank, world, model_path)
         results["engine-weights"] = _engine_weights_on_ranks(rank, world, model_path)
@@ -216,17 +218,21 @@ def one_process(tiny_model_path):
 
 @pytest.fixture(scope="module")
 def one_process_skipping(tiny_model_path):
-    torch.manual_seed(0)
-    model = load_policy(tiny_model_path, device="cpu")
-    metrics = grpo_step(model, make_optimizer(model, SKIP_CFG), skewed_trajectories(), SKIP_CFG)
-    return model.state_dict(), metrics
+    """minibatches -> (weights, metrics) of one process on the whole skewed batch."""
+    out = {}
+    for minibatches in (2, 1):
+        torch.manual_seed(0)
+        model = load_policy(tiny_model_path, device="cpu")
+        cfg = replace(SKIP_CFG, num_minibatches=minibatches)
+        out[minibatches] = model.state_dict(), grpo_step(model, make_optimizer(model, cfg), skewed_trajectories(), cfg)
+    return out
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_ranks_skip_zero_advantage_rows_unevenly_run_the_same_passes_and_take_one_process_step(
         two_ranks, one_process_skipping, tiny_model_path, strategy):
-    single, single_metrics = one_process_skipping
-    ranks = two_ranks[0][f"{strategy}-skip"]
+    single, single_metrics = one_process_skipping[2]
+    ranks = two_ranks[0][f"{strategy}-skip-2"]
     per_rank = ranks["per_rank"]
     # rank 0: mini-batch 1 all skipped (8 rows), mini-batch 2 none; rank 1: none, then 4 of 8
     assert [r["metrics"]["rows_skipped"] for r in per_rank] == [8, 4]
@@ -239,6 +245,23 @@ def test_ranks_skip_zero_advantage_rows_unevenly_run_the_same_passes_and_take_on
     assert max_difference(ranks["weights"], single) < 2e-5
     for key in ("loss", "grad_norm", "tokens", "sequences", "entropy", "clip_low_frac", "ratio_mean", "approx_kl",
                 "mismatch_abs", "informative_frac"):
+        assert ranks["metrics"][key] == pytest.approx(single_metrics[key], rel=1e-4, abs=1e-6), key
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_with_one_minibatch_ranks_pad_the_skipped_rows_pass_and_the_update_alike(
+        two_ranks, one_process_skipping, strategy):
+    """Rank 0 (problems 0-3) skips 8 rows, rank 1 (4-7) skips 4: the skipped rows' own pass (for entropy and
+    mismatch) and the update's passes are each padded to the other rank's count: FSDP2 gathers in every forward."""
+    single, single_metrics = one_process_skipping[1]
+    ranks = two_ranks[0][f"{strategy}-skip-1"]
+    per_rank = ranks["per_rank"]
+    assert [r["metrics"]["rows_skipped"] for r in per_rank] == [8, 4]
+    assert per_rank[0]["forwards"] == [3, 3, 2] + [3, 3, 2, 1]  # skipped rows' pass, then the update padded by 1
+    assert per_rank[1]["forwards"] == [3, 1, 1] + [3, 3, 3, 3]  # the skipped rows' pass padded by 1
+    assert max_difference(ranks["weights"], single) < 2e-5
+    for key in ("loss", "grad_norm", "tokens", "entropy", "ratio_mean", "approx_kl", "mismatch_abs", "mismatch_max",
+                "informative_frac"):
         assert ranks["metrics"][key] == pytest.approx(single_metrics[key], rel=1e-4, abs=1e-6), key
 
 
