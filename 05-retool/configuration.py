@@ -75,6 +75,7 @@ class Config:
     sandbox_timeout: float = 10.0  # seconds a tool call may run (ToRL: 10)
     sandbox_isolation: str = "namespaces"  # local backend: namespaces (contained) or plain (weaker; docs/02)
     sandbox_preload: str = "math,numpy,sympy"  # modules the warm interpreter imports once, comma-separated; "" for none
+    sandbox_concurrency: int = 0  # tool calls a rank runs at once; 0 = its share of the node's cores (cores_per_rank)
     # --- the engines: vLLM and the trainer on this machine's devices ---
     strategy: str = "ddp"  # under torchrun: a full trainer replica per GPU (ddp) or 1/N of it (fsdp)
     trainer_threads: int = 0  # CPU torch threads for training (-1 = every core; 0 = torch's default, which vLLM's CPU engine keeps)
@@ -224,6 +225,8 @@ def config_problems(cfg, world: int | None = None, first_only: bool = False) -> 
         problems.append(f"observation_style must be {_one_of(OBSERVATION_STYLES)}, got '{cfg.observation_style}'")
     if cfg.dtype not in DTYPES:
         problems.append(f"dtype must be {_one_of(DTYPES)}, got '{cfg.dtype}'")
+    if cfg.sandbox_concurrency < 0:  # 0 is a choice here (a rank's share of the cores), not SandboxConfig's error
+        problems.append(f"sandbox_concurrency must be 0 (a rank's share of the cores) or more, got {cfg.sandbox_concurrency}")
     try:
         sandbox_config(cfg)
     except ValueError as e:
@@ -306,7 +309,7 @@ def sandbox_config(cfg):
 
     return SandboxConfig(backend=cfg.sandbox_backend, timeout=cfg.sandbox_timeout, isolation=cfg.sandbox_isolation,
                          urls=comma_list(cfg.sandbox_urls), preload=comma_list(cfg.sandbox_preload),
-                         concurrency=cores_per_rank())  # the ranks of a node share its cores
+                         concurrency=cfg.sandbox_concurrency or cores_per_rank())  # the ranks of a node share its cores
 
 
 DTYPES = ("float32", "bfloat16", "float16", "auto")  # the sampler's: vLLM's names

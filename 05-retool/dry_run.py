@@ -89,7 +89,7 @@ class CostPlan:
     response_tokens: int  # each trajectory's, as assumed
     decode_tokens: int  # a step's rollout: generated tokens (tool output counted too: an upper bound)
     update_tokens: int  # a step's update: every token of every trajectory, prompt and response
-    flops_per_update_token: int  # in units of N: 2 (old log-probs) + 6 (forward, backward) + 2 (recompute)
+    flops_per_update_token: int  # in units of N: 2 (old log-probs, if a pass) + 6 (forward, backward) + 2 (recompute)
     decode_flops: float
     update_flops: float
     decode_rate: float  # tokens/s a GPU, over the rollout
@@ -173,15 +173,16 @@ def cost_plan(cfg, shape: dict, gpus: int, gpu: str = "H100", decode_rate: float
     Decode is bound by memory: a step of a GPU's batch reads the engine's weights and every sequence's
     KV cache once, at DECODE_BANDWIDTH_SHARE of HBM_TBPS; the batch takes as many steps as its longest
     response, and the longest trajectory adds its tool calls. Every rank is planned at the budget, so
-    the plan is the slowest rank's. The update is 6N a token (2N more for old log-probs, 2N for
-    checkpointing's recompute) at `train_mfu`. An evaluation every `cfg.eval_every` steps decodes
+    the plan is the slowest rank's. The update is 6N a token (2N more for old log-probs, unless the
+    update's own forward gives them: one mini-batch, no TIS; 2N for checkpointing's recompute) at `train_mfu`. An evaluation every `cfg.eval_every` steps decodes
     `eval_rows` x eval_k responses the same way. Not counted: prompt prefill, the weight sync.
     """
     n, peak = shape["parameters"], PEAK_TFLOPS[gpu] * 1e12
     response = response_tokens or cfg.max_response_tokens
     prompt = cfg.max_model_len - cfg.max_response_tokens  # the prompt's share of the context
     trajectories = cfg.problems_per_step * cfg.group_size
-    per_token = 2 + 6 + (2 if cfg.gradient_checkpointing else 0)  # old log-probs, forward and backward, recompute
+    old_pass = 0 if update_gives_pi_old(cfg) else 2  # grpo_step's old log-probs, when a pass of their own
+    per_token = old_pass + 6 + (2 if cfg.gradient_checkpointing else 0)  # forward and backward, recompute
     decode_tokens, update_tokens = trajectories * response, trajectories * (prompt + response)
     calls_s = cfg.tool_budget * call_s
 
@@ -206,6 +207,12 @@ def cost_plan(cfg, shape: dict, gpus: int, gpu: str = "H100", decode_rate: float
                     update_flops, rate, bool(decode_rate), step_ms, waves, calls_s, decode_s, update_s, eval_s, hours)
 
 
+def update_gives_pi_old(cfg) -> bool:
+    """06-train/update_options.py's rule, without importing torch (the dry run plans before the install):
+    one mini-batch and no TIS, and grpo_step takes the old log-probs from the update's own forward."""
+    return cfg.num_minibatches == 1 and cfg.tis_cap <= 0
+
+
 def engine_bytes(cfg, parameters: int) -> int:
     """The sampler's copy of the weights: bf16 (or fp16) as vLLM holds them, float32 when asked."""
     return (2 if cfg.dtype in ("bfloat16", "float16", "auto") else 4) * parameters
@@ -217,7 +224,8 @@ def kv_bytes_per_token(shape: dict) -> int:
 
 
 def cost_table(cfg, cost: CostPlan, gpus: int, gpu: str, train_mfu: float) -> str:
-    recompute = ", 2N gradient checkpointing's recompute" if cost.flops_per_update_token == 10 else ""
+    old = "2N old log-probs, " if not update_gives_pi_old(cfg) else ""
+    recompute = ", 2N gradient checkpointing's recompute" if cfg.gradient_checkpointing else ""
     how = (f"{cost.decode_rate:,.0f} tokens/s a GPU (--assume-decode-rate)" if cost.decode_rate_assumed else
            f"{cost.decode_rate:,.0f} tokens/s a GPU: a step reads the weights and the batch's KV cache, "
            f"{cost.decode_step_ms:.1f} ms at {DECODE_BANDWIDTH_SHARE:.0%} of {HBM_TBPS[gpu]:g} TB/s"
@@ -230,13 +238,13 @@ def cost_table(cfg, cost: CostPlan, gpus: int, gpu: str, train_mfu: float) -> st
         f"    rollout: {cost.trajectories:,} trajectories x {cost.response_tokens:,} tokens = "
         f"{cost.decode_tokens:,} decode tokens a step, 2N FLOPs each: {cost.decode_flops / 1e15:,.1f} PFLOP",
         f"    update: {cost.trajectories:,} x {cfg.max_model_len - cfg.max_response_tokens + cost.response_tokens:,} "
-        f"tokens = {cost.update_tokens:,} tokens a step, {cost.flops_per_update_token}N FLOPs each (2N old log-probs, "
-        f"6N forward and backward{recompute}): {cost.update_flops / 1e15:,.1f} PFLOP",
+        f"tokens = {cost.update_tokens:,} tokens a step, {cost.flops_per_update_token}N FLOPs each ({old}"
+        f"6N forward and backward{recompute}{'' if old else '; old log-probs from the same forward'}): {cost.update_flops / 1e15:,.1f} PFLOP",
         f"    decode at {how}; the longest trajectory's {cfg.tool_budget} tool call(s) add {cost.tool_calls_s:,.1f} s",
         f"    time a step on {gpus} GPUs (the slowest rank's, at the budget): rollout {cost.decode_s:,.1f} s + update at "
         f"{train_mfu:.0%} MFU {cost.update_s:,.1f} s = {step:,.1f} s{evals}; {cfg.steps:,} steps: "
         f"{cost.gpu_hours / gpus:,.1f} hours",
-        "    a real run logs the measured counterparts in metrics.jsonl: peak_memory_gb (each rank's), "
+        "    a real run logs the measured counterparts in metrics.jsonl: peak_memory_gb (the fullest rank's), "
         "decode_tokens_per_s, update_s, informative_frac"])
 
 

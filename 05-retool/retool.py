@@ -37,7 +37,7 @@ from plots import plot_run
 from presets import GPU_PRESETS, PRESETS
 from problems_and_policy import first_policy, fit_prompts, load_data, trainer_policy, trainer_threads
 from run_folders import check_new_run_dir, resume_config, stopped_before_training
-from run_record import RunRecord, outcome_metrics, remove_if_unstarted
+from run_record import RunRecord, measured_counterparts, outcome_metrics, remove_if_unstarted, start_memory_peak
 from stopping import STOPPER, StopRequested
 
 
@@ -87,7 +87,8 @@ def train_step(llm, model, optimizer, problems, sandbox, rollout_cfg, grpo_cfg, 
     """
     from grpo import group_advantages, grpo_step, sleep_sampler, sync_weights
 
-    timing = dict.fromkeys(("rollout_s", "generate_s", "sandbox_s", "reward_s"), 0.0)
+    start_memory_peak()
+    timing = dict.fromkeys(("rollout_s", "generate_s", "sandbox_s", "reward_s", "generated_tokens"), 0.0)
     sample = partial(sample_and_score, llm, sandbox, cfg, timing)
     # 1-2. Sample groups, the sandbox in the loop, and score each trajectory +1 or -1.
     trajectories, results = sample(problems, rollout_cfg)
@@ -111,7 +112,7 @@ def train_step(llm, model, optimizer, problems, sandbox, rollout_cfg, grpo_cfg, 
     with timed(timing, "sync_s"):
         sync_weights(model, llm)
     metrics = {**outcome, "degenerate_groups": degenerate, **resampled, **exclusions,
-               **update, **timing, "weight_version": llm.weight_version}
+               **update, **timing, **measured_counterparts(timing), "weight_version": llm.weight_version}
     return metrics, trajectories
 
 
@@ -125,6 +126,7 @@ def sample_and_score(llm, sandbox, cfg: Config, timing: dict, problems, rollout_
         trajectories = rollout(llm, problems, sandbox, rollout_cfg, spent=spent)
     timing["generate_s"] += spent["generate_s"]
     timing["sandbox_s"] += spent["sandbox_s"]
+    timing["generated_tokens"] += spent["model_tokens"]  # the model's tokens, not the tool outputs
     with timed(timing, "reward_s"):
         results = score_batch([t.text for t in trajectories], [t.reference for t in trajectories], scorer=cfg.scorer)
         for t, result in zip(trajectories, results):

@@ -212,6 +212,30 @@ def outcome_metrics(trajectories, results) -> dict:
     }
 
 
+def start_memory_peak() -> None:
+    """CUDA: count the peak from here, so that a step's peak_memory_gb is its own (CPU: the process's, see below)."""
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+
+
+def measured_counterparts(timing: dict) -> dict:
+    """What the dry run's plan assumed, as this step measured it: the memory peak (CUDA: the allocator's since
+    start_memory_peak; CPU: the process's peak resident memory so far) and the sampler's decode rate.
+    Under torchrun combine_metrics takes the ranks' largest peak and their mean rate (a GPU's)."""
+    import resource
+
+    import torch
+
+    if torch.cuda.is_available():
+        peak_gb = torch.cuda.max_memory_allocated() / 1e9
+    else:
+        peak_gb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9  # Linux: kilobytes
+    return {"peak_memory_gb": peak_gb,
+            "decode_tokens_per_s": timing["generated_tokens"] / timing["generate_s"] if timing["generate_s"] else 0.0}
+
+
 def self_correction(trajectories, correct) -> dict:
     """Of the calls that failed (an error observation): the share the next call of the trajectory ran without
     error, and the share in trajectories whose final answer is right (ToRL's self-correction, docs/06-experiments.md)."""

@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from dry_run import DECODE_BANDWIDTH_SHARE, HBM_TBPS, PEAK_TFLOPS, cost_plan, memory_plan, model_shape
+from dry_run import DECODE_BANDWIDTH_SHARE, HBM_TBPS, PEAK_TFLOPS, cost_plan, cost_table, memory_plan, model_shape
 from retool import Config, make_config
 
 RETOOL = Path(__file__).with_name("retool.py")
@@ -23,6 +23,20 @@ def test_the_cost_of_a_step_is_two_n_a_generated_token_and_eight_n_a_trained_one
     assert cost.decode_s == pytest.approx(32 * 96 / 1000.0 + cfg.tool_budget * 0.5)  # one GPU's half, then its calls
     assert cost.update_s == pytest.approx(8 * 1e6 * 64 * 512 / (2 * PEAK_TFLOPS["A100"] * 1e12 * 0.5))
     assert cost.gpu_hours == pytest.approx((cost.decode_s + cost.update_s) * 20 * 2 / 3600)  # no eval file: none
+
+
+def test_the_old_log_prob_pass_is_counted_only_when_grpo_step_runs_it():
+    """One mini-batch and no TIS: the update's own forward gives pi_old (grpo_step), 6N a trained token, not 8N."""
+    import update_options
+
+    for minibatches, tis_cap, per_token in [(1, 0.0, 6), (2, 0.0, 8), (1, 2.0, 8)]:
+        cfg = dataclasses.replace(Config(), num_minibatches=minibatches, tis_cap=tis_cap)
+        cost = cost_plan(cfg, SHAPE, gpus=1, gpu="H100", decode_rate=1000.0)
+        assert cost.flops_per_update_token == per_token and cost.update_flops == per_token * 1e6 * 64 * 512
+        assert update_options.update_gives_pi_old(cfg) == (per_token == 6)  # the dry run's copy of the rule
+        line = next(line for line in cost_table(cfg, cost, 1, "H100", 0.35).splitlines() if "update:" in line)
+        assert ("2N old log-probs" in line) == (per_token == 8), line
+        assert ("old log-probs from the same forward" in line) == (per_token == 6), line
 
 
 def test_decode_reads_the_weights_and_every_sequences_kv_cache_once_a_step():

@@ -158,6 +158,13 @@ def test_loop_runs_is_stopped_killed_and_resumes_where_it_stopped(tiny_model_pat
     for key in ("reward_mean", "accuracy", "format_rate", "code_ratio", "degenerate_groups", "grad_norm",
                 "mismatch_abs", "clip_low_frac", "rollout_s", "sandbox_s", "reward_s", "update_s", "sync_s"):
         assert key in rows[-1]
+    # the dry run's assumptions as measured: the process's peak (CPU: its resident memory), the decode rate
+    memory_gb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9
+    for row in rows:
+        assert 0.1 < row["peak_memory_gb"] < memory_gb
+        assert row["generated_tokens"] > 0 and row["generate_s"] > 0 and row["update_s"] > 0
+        assert row["decode_tokens_per_s"] == pytest.approx(row["generated_tokens"] / row["generate_s"])
+        assert 0.0 <= row["informative_frac"] <= 1.0
     assert (run_dir / "plots.png").stat().st_size > 0
     assert "<html" in (run_dir / "last_step.html").read_text()[:200].lower()
     final = run_dir / "checkpoints" / "step-000005"
@@ -670,6 +677,7 @@ def test_help_gives_each_field_its_meaning_and_the_chosen_presets_value():
     (["--eval-temperature", "-1"], "eval_temperature must be 0 (greedy) or more"),
     (["--max-response-tokens", "0"], "max_response_tokens must be at least 1"),
     (["--sandbox-timeout", "0"], "sandbox_timeout must be positive"),
+    (["--sandbox-concurrency", "-1"], "sandbox_concurrency must be 0 (a rank's share of the cores) or more, got -1"),
     (["--sandbox-backend", "nope"], "sandbox_backend must be 'local' or 'docker'"),
     (["--sandbox-preload", "numpy sympy"], "sandbox_preload must be a tuple of module names"),
     (["--dtype", "float8"], "dtype must be float32, bfloat16, float16 or auto"),

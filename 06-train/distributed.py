@@ -77,6 +77,27 @@ def gradient_sync(model, sync: bool):
     return model.no_sync() if hasattr(model, "no_sync") and not sync else nullcontext()
 
 
+def passes_on_every_rank(model, local: int, at_least: int = 1) -> int:
+    """How many passes this rank runs: its own `local` in one process; under DDP or FSDP2 the most
+    any rank needs, and `at_least` (one all-reduce).
+
+    The gradient exchange happens inside the backward passes, and FSDP2 gathers each
+    layer's weights in every forward, so every rank must run as many as the others;
+    a rank with fewer runs passes that add nothing (grpo_step).
+    """
+    if not is_data_parallel(model):
+        return local
+    most = torch.tensor([local], dtype=torch.int64)  # gloo carries CPU tensors, also on GPU nodes
+    dist.all_reduce(most, op=dist.ReduceOp.MAX)
+    return max(int(most), at_least)
+
+
+def gradients_to_none(model) -> bool:
+    """Whether zero_grad may free the gradients: not under DDP, whose gradients are views of its
+    all-reduce buckets (`wrap`); freed, the next no_sync backward would allocate them again beside the buckets."""
+    return unwrap(model) is model
+
+
 def load_policy(model_path, device: str | torch.device | None = None):
     """The trainer's copy of the model: float32 weights on `device` (CUDA if there is one); one rank's share of
     the work is `DataParallel.load_policy`'s."""
@@ -206,7 +227,9 @@ class DataParallel:
         from torch.nn.parallel import DistributedDataParallel
 
         ids = [self.local_rank] if self.device.type == "cuda" else None
-        # gradients live in DDP's all-reduce buckets instead of beside them: one copy, not two (6.2 GB at 1.5B)
+        # gradients live in DDP's all-reduce buckets instead of beside them: one copy, not two (6.2 GB at 1.5B),
+        # as long as zero_grad keeps them (set_to_none=False, `gradients_to_none`): freed, the next no_sync
+        # backward allocates them again, and the sync backward copies them into the buckets
         return DistributedDataParallel(model, device_ids=ids, gradient_as_bucket_view=True)
 
     unwrap = staticmethod(unwrap)
@@ -346,11 +369,11 @@ def cores_per_rank() -> int:
 def combine_metrics(per_rank: list[dict]) -> dict:
     """Combine per-rank metric dicts into the whole step's, exactly where the rule allows.
 
-    - counts add: trajectories, tokens, sequences, degenerate_groups;
+    - counts add: trajectories, tokens, sequences, degenerate_groups, generated_tokens, rows_skipped;
     - timings (`*_s`) take the slowest rank: the step waits for it;
-    - maxima take the max: mismatch_max, ratio_max;
-    - per-token means weigh each rank by its model tokens: entropy, mismatch_*, clip_*, ratio_mean,
-      approx_kl, informative_frac, tis_masked_frac;
+    - maxima take the max: mismatch_max, ratio_max, peak_memory_gb;
+    - per-token means weigh each rank by its model tokens: entropy, mismatch_*, clip_*, informative_frac,
+      tis_masked_frac; ratio_mean and approx_kl by the tokens its update computed on (rows skipped are not);
     - outcome means weigh each rank by its trajectories; code_pass_ratio by its tool calls,
       code_ratio_correct / _incorrect by its correct / incorrect trajectories, error_then_* by its failed calls,
       tis_masked_seq_frac by its sequences;
@@ -359,13 +382,16 @@ def combine_metrics(per_rank: list[dict]) -> dict:
     """
     if len(per_rank) == 1:
         return dict(per_rank[0])
-    sums = {"trajectories", "tokens", "sequences", "degenerate_groups", "errors"}
-    maxima = {"mismatch_max", "ratio_max"}
+    sums = {"trajectories", "tokens", "sequences", "degenerate_groups", "errors", "generated_tokens", "rows_skipped",
+            "computed_tokens"}
+    maxima = {"mismatch_max", "ratio_max", "peak_memory_gb"}  # the plan must fit the fullest rank
     per_token = {"entropy", "mismatch_abs", "mismatch_kl", "clip_low_frac", "clip_high_frac", "ratio_mean", "approx_kl",
                  "informative_frac", "tis_masked_frac"}
 
     def weight(m: dict, key: str) -> float:
         n = m.get("trajectories", 1.0)
+        if key in ("ratio_mean", "approx_kl"):  # over the tokens the update computed on: skipped rows' are not
+            return m.get("computed_tokens", m.get("tokens", 1.0))
         if key in per_token:
             return m.get("tokens", 1.0)
         if key == "code_pass_ratio":

@@ -21,10 +21,11 @@ from dataclasses import dataclass
 
 import torch
 
-from distributed import full_tensor, gradient_sync, load_policy, unwrap  # load_policy: re-exported, as the two below
+from distributed import full_tensor, gradient_sync, gradients_to_none, load_policy, passes_on_every_rank, unwrap  # load_policy: re-exported, as the two below
 from objectives import aggregate, cispo_loss, gspo_loss, loss_denominator, objective_aggregation, objective_problems
 from update_metrics import UpdateTally, ratio_stats, sampler_mismatch
-from update_options import exclude_rows, rows_to_run, rows_with_gradient, step_if_finite, tis_weights, zero_gradients
+from update_options import (exclude_rows, micro_batches_to_run, rows_for_the_old_pass, rows_with_gradient, step_if_finite,
+                            tis_weights, update_gives_pi_old, zero_gradients)
 from weight_sync import sleep_sampler, sync_weights  # re-exported: the loop takes the chapter's parts from here
 
 
@@ -120,39 +121,41 @@ def grpo_step(model, optimizer, trajectories, cfg: GRPOConfig, exclude=None, glo
     _set_gradient_checkpointing(model, cfg.gradient_checkpointing)
     model.train()  # Qwen2 has no dropout; train mode is what switches checkpointing on
 
-    # pi_old: the weights before any update of this step, so the first mini-batch's ratio is 1.
-    old_logprobs, entropy = _old_logprobs_and_entropy(model, batch, cfg)
-    metrics = {**sampler_mismatch(old_logprobs, entropy, batch), "sequences": float(len(trajectories))}
-    batch = exclude_rows(batch, exclude)  # the mismatch above covers every row, excluded ones too
-    metrics["excluded_sequences"] = float(sum(bool(e) for e in exclude or ()))
-    loss_tokens = float(batch.loss_mask.bool().sum())
-    metrics["tokens"] = loss_tokens
-    token_weights, tis_metrics = tis_weights(old_logprobs, batch, cfg.tis_cap, cfg.tis_mode)
-    metrics.update(tis_metrics)
-    has_gradient = rows_with_gradient(trajectories, batch.loss_mask)
+    metrics = {"sequences": float(len(trajectories)), "excluded_sequences": float(sum(bool(e) for e in exclude or ()))}
+    scored = exclude_rows(batch, exclude)  # the mismatch metrics cover every row, excluded ones too
+    loss_tokens = float(scored.loss_mask.bool().sum())
+    has_gradient = rows_with_gradient(trajectories, scored.loss_mask)
+    # pi_old: the weights before any update of this step, so the first mini-batch's ratio is 1. With one
+    # mini-batch and no TIS the update's own forward is pi_old: the rows it runs get no pass of their own.
+    one_forward = update_gives_pi_old(cfg)
+    old_logprobs, entropy = _old_logprobs_and_entropy(model, batch, cfg, rows_for_the_old_pass(has_gradient, cfg))
+    token_weights, tis_metrics = tis_weights(old_logprobs, scored, cfg.tis_cap, cfg.tis_mode)
+    metrics.update(tokens=loss_tokens, **tis_metrics)
     # Token-mean divides by every token in the loss, informative or not: this share is the
     # factor by which zero-advantage rows shrink the step (docs/06-beyond-torl.md, the exercise).
-    metrics["informative_frac"] = float(batch.loss_mask.bool()[has_gradient].sum()) / max(loss_tokens, 1)
+    metrics["informative_frac"] = float(scored.loss_mask.bool()[has_gradient].sum()) / max(loss_tokens, 1)
 
     # PPO-clip with token-mean (clipped_policy_loss), unless the run chose another: objectives.py.
     tally, objective, aggregation = UpdateTally(), OBJECTIVES[cfg.objective], objective_aggregation(cfg)
-    for rows in batch.minibatches(cfg.num_minibatches):
+    for rows in scored.minibatches(cfg.num_minibatches):
         # Token-mean's denominator: the mini-batch's tokens in the loss, every row's (those skipped next too,
         # so skipping changes nothing). Under torchrun, every rank's count over N: DDP and FSDP average the
         # ranks' gradients, and the whole batch's loss is then one token-mean (distributed.py).
-        mask = batch.loss_mask[rows]
+        mask = scored.loss_mask[rows]
         count = max(float(mask.sum()), 1.0) if aggregation == "token-mean" else \
             loss_denominator(mask, aggregation, cfg.max_response_tokens)
         normalizer = count if global_normalizer is None else global_normalizer(count)
-        rows, skipped = rows_to_run(rows, has_gradient, model, cfg.skip_zero_advantage)
+        micro_batches, skipped = micro_batches_to_run(rows, has_gradient, model, cfg)  # the same count on every rank
         tally.rows_skipped += skipped
-        optimizer.zero_grad(set_to_none=True)
-        micro_batches = rows.split(cfg.micro_batch_size) if len(rows) else ()  # () when every row was skipped
-        for i, micro_rows in enumerate(micro_batches):
-            micro = batch.select(micro_rows)
+        optimizer.zero_grad(set_to_none=gradients_to_none(model))
+        for i, (micro_rows, counts) in enumerate(micro_batches):
+            micro = scored.select(micro_rows)
             with gradient_sync(model, sync=i == len(micro_batches) - 1):  # DDP: one exchange per update
-                logprobs, _ = _target_logprobs(model, micro.input_ids, micro.attention_mask, cfg.temperature)
+                logprobs, micro_entropy = _target_logprobs(model, micro.input_ids, micro.attention_mask,
+                                                           cfg.temperature, with_entropy=one_forward)
             device, width = logprobs.device, logprobs.shape[1]
+            if one_forward:  # these weights are pi_old: this forward's log-probs, detached, are the old ones
+                old_logprobs[micro_rows, :width], entropy[micro_rows, :width] = logprobs.detach().cpu(), micro_entropy.cpu()
             loss, stats = objective(
                 logprobs, old_logprobs[micro_rows, :width].to(device), micro.advantages.to(device),
                 micro.loss_mask.to(device), cfg.eps_low, cfg.eps_high, aggregation, normalizer=normalizer,
@@ -163,15 +166,16 @@ def grpo_step(model, optimizer, trajectories, cfg: GRPOConfig, exclude=None, glo
             # with ref_logprobs from a frozen copy of the initial model, computed
             # beside old_logprobs. ToRL uses kl_coef = 0, so the lab keeps neither
             # the copy nor its memory.
-            loss.backward()
-            tally.add_micro_batch(loss, stats)
+            (loss if counts else loss * 0.0).backward()  # a pass that does not count: only the ranks' exchange
+            if counts:
+                tally.add_micro_batch(loss, stats)
         if not micro_batches:
             zero_gradients(model)  # AdamW still steps, as it would have on the rows' zero gradients
         grad_norm = full_tensor(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)).item()
         tally.add_update(grad_norm, stepped=step_if_finite(optimizer, grad_norm))
-        optimizer.zero_grad(set_to_none=True)
+        optimizer.zero_grad(set_to_none=gradients_to_none(model))
 
-    metrics.update(tally.metrics(loss_tokens))
+    metrics.update(**sampler_mismatch(old_logprobs, entropy, batch), **tally.metrics(loss_tokens))
     return metrics
 
 
@@ -333,12 +337,15 @@ def _target_logprobs(model, input_ids, attention_mask, temperature: float, with_
 
 
 @torch.no_grad()
-def _old_logprobs_and_entropy(model, batch: Batch, cfg: GRPOConfig):
-    """Log-probs and entropies of all targets under the current weights, on CPU, in micro-batches."""
+def _old_logprobs_and_entropy(model, batch: Batch, cfg: GRPOConfig, needed: torch.Tensor):
+    """Log-probs and entropies of the `needed` rows' targets under the current weights, on CPU, in micro-batches
+    (the other rows' are filled in by the update's forward: update_options.update_gives_pi_old)."""
     old = torch.zeros(batch.loss_mask.shape)
     entropy = torch.zeros(batch.loss_mask.shape)
     every_row = next(batch.minibatches(1))  # longest first, so each chunk pads little
-    for chunk in every_row.split(cfg.micro_batch_size):
+    chunks = list(every_row[needed[every_row]].split(cfg.micro_batch_size)) if needed.any() else []
+    # FSDP2 gathers weights in every forward: as many as the other ranks, the extra ones on the shortest row
+    for chunk in chunks + [every_row[-1:]] * (passes_on_every_rank(model, len(chunks), at_least=0) - len(chunks)):
         micro = batch.select(chunk)
         lp, ent = _target_logprobs(model, micro.input_ids, micro.attention_mask, cfg.temperature, with_entropy=True)
         old[chunk, : lp.shape[1]] = lp.float().cpu()

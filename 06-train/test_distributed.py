@@ -3,6 +3,7 @@ import math
 
 import pytest
 import torch
+from dataclasses import replace
 
 from distributed import DataParallel, combine_metrics, full_tensor
 from grpo import GRPOConfig, group_advantages, grpo_step, load_policy, make_optimizer
@@ -10,8 +11,8 @@ from rollout import Trajectory
 from tiny_model import KV_CACHE_GIB
 
 PROBLEMS, GROUP = 8, 4
-# 3 does not divide a rank's 8 rows. Ranks never skip zero-advantage rows (grpo_step), so
-# neither does the one-process reference: ratio_mean and approx_kl then cover the same rows.
+# 3 does not divide a rank's 8 rows. No row is skipped here, so that every metric covers every row;
+# the skipping scenarios (SKIP_CFG) skip the same rows on the ranks as in the one-process reference.
 CFG = GRPOConfig(lr=1e-3, num_minibatches=2, micro_batch_size=3, skip_zero_advantage=False)
 
 
@@ -32,6 +33,20 @@ def group_trajectories(seed=0):
     return out
 
 
+# Skipping under data parallel: problems 0 and 1 (rank 0's first mini-batch) and 6 (rank 1's second) all
+# right, so every row of rank 0's first mini-batch is skipped and rank 1 skips 4 of its 8 rows in its second.
+SKIP_CFG = replace(CFG, skip_zero_advantage=True)
+ALL_RIGHT = (0, 1, 6)
+
+
+def skewed_trajectories():
+    out = group_trajectories()
+    for t in out:
+        if int(t.problem_id) in ALL_RIGHT:
+            t.reward, t.advantage = 1.0, 0.0
+    return out
+
+
 def by_problem(trajectories):
     groups = {}
     for t in trajectories:
@@ -39,18 +54,27 @@ def by_problem(trajectories):
     return list(groups.values())
 
 
-def _step_on_ranks(rank, world, model_path, global_denominator, strategy, staging):
-    """One grpo_step on this rank's half of the groups; the weights (FSDP2: gathered) and the combined metrics."""
+def _step_on_ranks(rank, world, model_path, global_denominator, strategy, staging, skip=False, minibatches=2):
+    """One grpo_step on this rank's half of the groups; the weights (FSDP2: gathered), the combined metrics,
+    and this rank's own: its metrics, forwards (rows in each), and its gradients' storages after the step."""
     dp = DataParallel(rank, world, strategy=strategy)
     torch.manual_seed(0)
     model = dp.wrap(load_policy(model_path, device="cpu"))
-    optimizer = make_optimizer(model, CFG)
-    groups = dp.shard(by_problem(group_trajectories()), CFG.num_minibatches)  # whole groups per rank
+    cfg = replace(SKIP_CFG if skip else CFG, num_minibatches=minibatches)
+    optimizer = make_optimizer(model, cfg)
+    forwards = []
+    model.register_forward_hook(lambda module, args, output: forwards.append(len(output.logits)))
+    trajectories = skewed_trajectories() if skip else group_trajectories()
+    groups = dp.shard(by_problem(trajectories), cfg.num_minibatches)  # whole groups per rank
     local = [t for group in groups for t in group]
-    metrics = grpo_step(model, optimizer, local, CFG, global_normalizer=dp.global_normalizer if global_denominator else None)
-    metrics = dp.reduce_metrics(metrics)
+    own = grpo_step(model, optimizer, local, cfg, global_normalizer=dp.global_normalizer if global_denominator else None)
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    storages = {g.untyped_storage().data_ptr() for g in grads}  # DDP's buckets: a few storages for every gradient
+    per_rank = dp.gather([{"metrics": own, "forwards": forwards, "grads": len(grads), "storages": len(storages),
+                           "parameters": len(list(model.parameters()))}])
+    metrics = dp.reduce_metrics(own)
     weights = dp.checkpoint_parts(model, optimizer, staging)[0].state_dict()  # FSDP2: gathered
-    return {"weights": weights, "metrics": metrics}
+    return {"weights": weights, "metrics": metrics, "per_rank": per_rank}
 
 
 def _checkpoint_on_ranks(rank, world, model_path, run_dir):
@@ -152,6 +176,11 @@ def _rank(rank, world, store, model_path, run_dir, out):
         results = {f"{strategy}-{denominator}": _step_on_ranks(rank, world, model_path, denominator == "global", strategy,
                                                                f"{out}.{strategy}-{denominator}.optimizer")
                    for strategy, denominator in [("ddp", "global"), ("fsdp", "global"), ("ddp", "per-rank")]}
+        for strategy in ("ddp", "fsdp"):
+            for minibatches in (2, 1):  # 1: pi_old from the update's forward, a pass of its own for skipped rows only
+                results[f"{strategy}-skip-{minibatches}"] = _step_on_ranks(
+                    rank, world, model_path, True, strategy, f"{out}.{strategy}-skip-{minibatches}.optimizer",
+                    skip=True, minibatches=minibatches)
         results["checkpoint"] = _checkpoint_on_ranks(rank, world, model_path, run_dir)
         results["ddp-exchanges"] = _exchanges_on_ranks(rank, world, model_path)
         results["engine-weights"] = _engine_weights_on_ranks(rank, world, model_path)
@@ -185,6 +214,62 @@ def one_process(tiny_model_path):
     optimizer = make_optimizer(model, CFG)
     metrics = grpo_step(model, optimizer, group_trajectories(), CFG)
     return model.state_dict(), metrics
+
+
+@pytest.fixture(scope="module")
+def one_process_skipping(tiny_model_path):
+    """minibatches -> (weights, metrics) of one process on the whole skewed batch."""
+    out = {}
+    for minibatches in (2, 1):
+        torch.manual_seed(0)
+        model = load_policy(tiny_model_path, device="cpu")
+        cfg = replace(SKIP_CFG, num_minibatches=minibatches)
+        out[minibatches] = model.state_dict(), grpo_step(model, make_optimizer(model, cfg), skewed_trajectories(), cfg)
+    return out
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_ranks_skip_zero_advantage_rows_unevenly_run_the_same_passes_and_take_one_process_step(
+        two_ranks, one_process_skipping, tiny_model_path, strategy):
+    single, single_metrics = one_process_skipping[2]
+    ranks = two_ranks[0][f"{strategy}-skip-2"]
+    per_rank = ranks["per_rank"]
+    # rank 0: mini-batch 1 all skipped (8 rows), mini-batch 2 none; rank 1: none, then 4 of 8
+    assert [r["metrics"]["rows_skipped"] for r in per_rank] == [8, 4]
+    # the old-log-prob pass (16 rows in micro-batches of 3: 6 forwards), then 3 + 3 passes on each rank:
+    # rank 0 pads its empty mini-batch with 3 passes of one row, rank 1 its 4 rows' 2 passes with one
+    assert per_rank[0]["forwards"] == [3, 3, 3, 3, 3, 1] + [1, 1, 1] + [3, 3, 2]
+    assert per_rank[1]["forwards"][6:] == [3, 3, 2] + [3, 1, 1]
+    assert single_metrics["rows_skipped"] == ranks["metrics"]["rows_skipped"] == 12
+    assert max_difference(single, load_policy(tiny_model_path, device="cpu").state_dict()) > 1e-3
+    assert max_difference(ranks["weights"], single) < 2e-5
+    for key in ("loss", "grad_norm", "tokens", "sequences", "entropy", "clip_low_frac", "ratio_mean", "approx_kl",
+                "mismatch_abs", "informative_frac"):
+        assert ranks["metrics"][key] == pytest.approx(single_metrics[key], rel=1e-4, abs=1e-6), key
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_with_one_minibatch_ranks_pad_the_skipped_rows_pass_and_the_update_alike(
+        two_ranks, one_process_skipping, strategy):
+    """Rank 0 (problems 0-3) skips 8 rows, rank 1 (4-7) skips 4: the skipped rows' own pass (for entropy and
+    mismatch) and the update's passes are each padded to the other rank's count: FSDP2 gathers in every forward."""
+    single, single_metrics = one_process_skipping[1]
+    ranks = two_ranks[0][f"{strategy}-skip-1"]
+    per_rank = ranks["per_rank"]
+    assert [r["metrics"]["rows_skipped"] for r in per_rank] == [8, 4]
+    assert per_rank[0]["forwards"] == [3, 3, 2] + [3, 3, 2, 1]  # skipped rows' pass, then the update padded by 1
+    assert per_rank[1]["forwards"] == [3, 1, 1] + [3, 3, 3, 3]  # the skipped rows' pass padded by 1
+    assert max_difference(ranks["weights"], single) < 2e-5
+    for key in ("loss", "grad_norm", "tokens", "entropy", "ratio_mean", "approx_kl", "mismatch_abs", "mismatch_max",
+                "informative_frac"):
+        assert ranks["metrics"][key] == pytest.approx(single_metrics[key], rel=1e-4, abs=1e-6), key
+
+
+def test_ddp_gradients_stay_views_of_its_buckets_after_a_step(two_ranks):
+    """zero_grad(set_to_none=True) would free them: the next no_sync backward would allocate a second copy."""
+    for result in two_ranks[0]["ddp-global"]["per_rank"]:
+        assert result["grads"] == result["parameters"]  # kept, zeroed in place
+        assert result["storages"] < result["parameters"] / 4  # a few buckets hold them all
 
 
 def test_fsdp_checkpoints_keep_each_ranks_optimizer_shard_and_load_them_back(two_ranks):
@@ -239,6 +324,7 @@ def test_the_ranks_of_a_node_share_its_cores_for_their_sandboxes(monkeypatch):
     assert sandbox_config(Config()).concurrency == 1
     monkeypatch.delenv("LOCAL_WORLD_SIZE")
     assert sandbox_config(Config()).concurrency == 224  # one process: every core
+    assert sandbox_config(Config(sandbox_concurrency=6)).concurrency == 6  # a pool sized by hand
 
 
 @pytest.mark.parametrize("visible, processes", [(None, 8), ("0,1", 2), ("2,-1,3", 1), ("", 1)])

@@ -257,6 +257,34 @@ def test_first_minibatch_sees_ratio_one_and_no_clipping(policy):
     assert metrics["approx_kl"] == pytest.approx(0.0, abs=1e-9)
 
 
+@pytest.mark.parametrize("skip", [True, False])
+def test_one_minibatch_takes_pi_old_from_the_updates_forward_and_takes_the_same_step(policy, monkeypatch, skip):
+    """num_minibatches 1, no TIS: the old log-probs are the update's own, detached; loss, weights and every
+    metric are the step with a pass of their own (forced here), minus that pass's forwards."""
+    trajectories = random_trajectories(5)
+    trajectories[1].advantage = 0.0  # skipped: its entropy and mismatch still need a forward, under no_grad
+    cfg = GRPOConfig(num_minibatches=1, micro_batch_size=2, skip_zero_advantage=skip, max_grad_norm=1e9)
+
+    def step():  # SGD at lr 1: the weights move by the gradient itself (AdamW's first step is its sign)
+        model, forwards = copy.deepcopy(policy), []
+        model.register_forward_hook(lambda module, args, output: forwards.append(len(output.logits)))
+        metrics = grpo_step(model, torch.optim.SGD(model.parameters(), lr=1.0), trajectories, cfg)
+        return flat_weights(model), metrics, forwards
+
+    weights, metrics, forwards = step()
+    for module in ("grpo", "update_options"):  # the step as it was: pi_old from a pass of its own
+        monkeypatch.setattr(f"{module}.update_gives_pi_old", lambda cfg: False)
+    weights_before, metrics_before, forwards_before = step()
+    assert sorted(forwards) == [1, 2, 2]  # skip: 2 + 2 rows in the update, 1 skipped row; else 2 + 2 + 1
+    assert sum(forwards_before) == sum(forwards) + (4 if skip else 5)  # every row's old pass, no more
+    assert (weights - flat_weights(policy)).abs().max() > 1e-4
+    assert torch.allclose(weights, weights_before, atol=1e-6, rtol=0)
+    assert metrics.keys() == metrics_before.keys()
+    for key in metrics:
+        assert metrics[key] == pytest.approx(metrics_before[key], rel=1e-5, abs=1e-6), key
+    assert metrics["ratio_max"] == 1.0 and metrics["approx_kl"] == 0.0  # exactly: the same forward
+
+
 def test_later_minibatches_see_the_policy_move(policy):
     cfg = GRPOConfig(lr=1e-3, num_minibatches=2, micro_batch_size=2)
     metrics = grpo_step(policy, make_optimizer(policy, cfg), random_trajectories(4), cfg)

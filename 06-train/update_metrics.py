@@ -80,6 +80,7 @@ class UpdateTally:
             "ratio_mean": self.token_weighted["ratio_mean"] / computed if computed else 1.0,
             "ratio_max": self.ratio_max if computed else 1.0,
             "approx_kl": self.token_weighted["approx_kl"] / max(computed, 1.0),
+            "computed_tokens": computed,
             "rows_skipped": float(self.rows_skipped),
             "optimizer_steps": float(self.optimizer_steps),
             "skipped_steps": float(self.skipped_steps),

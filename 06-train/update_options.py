@@ -2,7 +2,9 @@
 
 Each changes one thing: a token weight (truncated or masked importance
 sampling), rows kept out of the loss (`exclude`), rows not run (zero
-advantage), and whether AdamW steps (all rows skipped, non-finite gradient).
+advantage; under torchrun, padded to the same passes on every rank), pi_old
+from the update's own forward, and whether AdamW steps (all rows skipped,
+non-finite gradient).
 The loss's aggregations beside token-mean are objectives.py's. Why each exists:
 docs/06-train.md and docs/06-beyond-torl.md.
 """
@@ -13,7 +15,7 @@ from dataclasses import replace
 
 import torch
 
-from distributed import is_data_parallel
+from distributed import passes_on_every_rank
 from update_metrics import masked_mean
 
 
@@ -79,17 +81,39 @@ def rows_with_gradient(trajectories, loss_mask: torch.Tensor) -> torch.Tensor:
     return (advantage != 0) & loss_mask.bool().any(dim=1)
 
 
-def rows_to_run(rows: torch.Tensor, has_gradient: torch.Tensor, model, skip_zero_advantage: bool) -> tuple[torch.Tensor, int]:
-    """The rows to run forward and backward on, and how many were skipped (GRPOConfig.skip_zero_advantage).
+def micro_batches_to_run(rows: torch.Tensor, has_gradient: torch.Tensor, model, cfg) -> tuple[list, int]:
+    """A mini-batch's forward/backward passes as (rows, counts) pairs, and how many rows were skipped.
 
-    A skipped row adds 0 to the gradient but still counts in the denominator
-    (grpo_step's denominator counts every row), so the update is the same. Under DDP or
-    FSDP2 nothing is skipped: every rank must run the same backward passes, the
-    gradient exchange happens inside them.
+    Rows without gradient are skipped (GRPOConfig.skip_zero_advantage): a skipped row
+    adds 0 to the gradient but still counts in the denominator (grpo_step's denominator
+    counts every row), so the update is the same. Under DDP or FSDP2 every rank must run
+    as many passes as the others, the gradient exchange happens inside them: the ranks
+    agree on the most any needs (`passes_on_every_rank`), and a rank with fewer adds
+    passes that do not count (counts False: the mini-batch's shortest row, its loss
+    times 0, a gradient of exactly 0). One process: no padding, and none at all when
+    every row is skipped.
     """
-    if not skip_zero_advantage or is_data_parallel(model):
-        return rows, 0
-    return rows[has_gradient[rows]], int((~has_gradient[rows]).sum())
+    run, skipped = rows, 0
+    if cfg.skip_zero_advantage:
+        run, skipped = rows[has_gradient[rows]], int((~has_gradient[rows]).sum())
+    micro_batches = [(micro_rows, True) for micro_rows in run.split(cfg.micro_batch_size)] if len(run) else []
+    padding = passes_on_every_rank(model, len(micro_batches)) - len(micro_batches)
+    return micro_batches + [(rows[-1:], False)] * padding, skipped
+
+
+def update_gives_pi_old(cfg) -> bool:
+    """Whether the update's own forward is pi_old: one mini-batch (one update, all its forwards before it)
+    and no importance sampling (whose weights need pi_old before the first forward). Its log-probs, detached,
+    then stand in for the old ones: a ratio of exactly 1, without a forward of their own (2N of 10N a token)."""
+    return cfg.num_minibatches == 1 and cfg.tis_cap <= 0
+
+
+def rows_for_the_old_pass(has_gradient: torch.Tensor, cfg) -> torch.Tensor:
+    """One bool per row: does it need grpo_step's forward for pi_old? Every row, unless the update's forward
+    gives pi_old (`update_gives_pi_old`); then only the rows it skips, for the entropy and mismatch metrics."""
+    if not update_gives_pi_old(cfg):
+        return torch.ones_like(has_gradient)
+    return ~has_gradient if cfg.skip_zero_advantage else torch.zeros_like(has_gradient)
 
 
 def zero_gradients(model) -> None:
