@@ -83,3 +83,20 @@ def test_a_driver_of_580_or_newer_passes_to_the_install(tmp_path):
         done = subprocess.run(["make", "--no-print-directory", "setup", "DEVICE=cuda", f"VENV={venv}", "PYTHON=false"],
                               cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
         assert done.returncode != 0 and done.stdout == "", done.stdout  # no refusal: it stopped at `false -m venv`
+
+
+@pytest.mark.parametrize("driver, refused", [("570.124.06", True), ("580.65.06", False), ("", True), (None, False)])
+def test_the_dry_run_refuses_a_driver_too_old_in_one_line(tmp_path, monkeypatch, driver, refused):
+    """The same bar as make's, for a venv installed before the driver changed (or copied to another node)."""
+    import dry_run
+
+    path = [p for p in os.environ["PATH"].split(":") if not (Path(p) / "nvidia-smi").exists()]
+    if driver is not None:
+        (tmp_path / "nvidia-smi").write_text(f"#!/bin/sh\necho '{driver}'\n")
+        (tmp_path / "nvidia-smi").chmod(0o755)
+    monkeypatch.setenv("PATH", ":".join([str(tmp_path), *path]))
+    problem = dry_run.driver_problem()
+    assert (problem is not None) == refused
+    if refused:
+        assert "\n" not in problem and f"is older than {dry_run.MIN_DRIVER}" in problem
+    assert re.search(rf"^MIN_DRIVER := {dry_run.MIN_DRIVER}$", (REPO / "Makefile").read_text(), re.M)

@@ -138,6 +138,9 @@ def dry_run(cfg, preset: str, args, start_sandbox) -> int:
     print(f"  configuration: {'ok' if not problems else f'{len(problems)} problem(s) above'}")
     _data_counts(cfg)
     problems += _sandbox_check(cfg, start_sandbox)
+    if problem := driver_problem():
+        print(f"  refused: {problem}")
+        problems.append(problem)
     print("  " + layout_line(cfg, gpus))
     shape = model_shape(cfg.model) if cfg.model else None
     if shape is None:
@@ -411,6 +414,29 @@ def _sandbox_check(cfg, start_sandbox) -> list[str]:
     print(f"  sandbox: ok ({cfg.sandbox_backend}, {cfg.sandbox_isolation}; started and one call in "
           f"{time.perf_counter() - t0:.1f} s)")
     return []
+
+
+MIN_DRIVER = 580  # the Makefile's MIN_DRIVER: libcudart.so.13, which the CUDA 13 wheels load, needs it
+
+
+def driver_problem() -> str | None:
+    """Where nvidia-smi reports a driver older than the CUDA 13 wheels need: what to do, in one line; else None."""
+    import shutil
+    import subprocess
+
+    if shutil.which("nvidia-smi") is None:
+        return None  # no NVIDIA GPU here: the plan is for another machine
+    try:
+        found = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                               capture_output=True, text=True, timeout=30).stdout.split()
+    except (OSError, subprocess.TimeoutExpired):
+        found = []
+    driver = found[0] if found else "(none reported by nvidia-smi)"
+    major = driver.split(".")[0]
+    if major.isdigit() and int(major) >= MIN_DRIVER:
+        return None
+    return (f"NVIDIA driver {driver} is older than {MIN_DRIVER}, which the CUDA 13 build of torch and vLLM needs "
+            "(torch would see no GPU): update the driver")
 
 
 def _cuda_gpus() -> int:
