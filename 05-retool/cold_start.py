@@ -172,12 +172,14 @@ def traces_problem(train_file: str, tool_fraction: float, template: str, seed: i
     """
     problems, rng, traces = read_problems(train_file), random.Random(seed), []
     instead = "or pass --cold-start none --model MODEL to start RL from a model as it is"
+    code_for = chained_first_call if problems and is_chained_task(problems) else trace_code  # as build_base_policy
     for number, problem in enumerate(problems, 1):
         try:
-            traces += draw_traces([problem], tool_fraction, rng, template, code_for=trace_code)
+            traces += draw_traces([problem], tool_fraction, rng, template, code_for=code_for)
         except ValueError as e:
             return (f"train_file {train_file}, row {number}: the cold start cannot write a trace for it ({e}); its "
-                    f"traces are for the toy task and 01-data's word problems: use one of those, {instead}")
+                    f"traces are for the toy task, 01-data's word problems and its chained task: use one of those, "
+                    f"{instead}")
     tools = sum(t["tool"] for t in traces)
     if len(traces) < batch_size or (tool_only_steps and tools < batch_size):
         return (f"train_file {train_file}: {len(traces)} problems give {tools} tool traces, fewer than a cold-start "
@@ -202,6 +204,13 @@ def trace_code(question: str) -> str:
 # The chained task (01-data/chained_problems.py): the share of the points where a further call is possible (after
 # an error, the fix; after a result with a step left, the next step) at which a tool trace makes it.
 FURTHER_CALL_RATE = 0.25
+
+
+def chained_first_call(question: str) -> str:
+    """The first call of a chained problem's tool trace: its first step on the reading as written."""
+    from chained_problems import parse, step_call
+
+    return step_call(question, 0, parse(question)[0])
 
 
 def is_chained_task(problems: list[dict]) -> bool:

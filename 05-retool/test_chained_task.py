@@ -229,3 +229,21 @@ def test_drills_in_mix_keep_the_drills_in_the_mixed_phase_pool_and_only_then(tmp
     (mixed, drills), (mixed_with, drills_with) = pools[False], pools[True]
     assert len(mixed) == 30 and drills and drills == drills_with
     assert mixed_with == mixed + drills  # every trace as before, and each drill once more
+
+
+def test_the_chained_presets_own_data_passes_the_cold_starts_check_and_a_foreign_row_is_named(tmp_path, monkeypatch):
+    """`retool.py --preset cpu-chained` on a fresh clone: the check before any model drew toy-task traces for it."""
+    from configuration import config_problems
+    from prepare_data import write_jsonl
+    from retool import make_config
+
+    monkeypatch.chdir(tmp_path)
+    train, held_out = make_chained_problems(200, 20, seed=0)
+    (tmp_path / "data").mkdir()
+    write_jsonl(held_out, tmp_path / "data" / "chained_test.jsonl")
+    write_jsonl(train, tmp_path / "data" / "chained_train.jsonl")
+    assert config_problems(make_config("cpu-chained", {})) == []
+    train[9] = {"question": "What is 3 * 4?", "answer": "12"}
+    write_jsonl(train, tmp_path / "data" / "chained_train.jsonl")
+    problems = config_problems(make_config("cpu-chained", {"cold_start_tool_fraction": 1.0}))
+    assert len(problems) == 1 and "row 10: the cold start cannot write a trace for it (not a question" in problems[0]
