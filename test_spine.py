@@ -109,3 +109,13 @@ def test_every_link_between_pages_reaches_a_file_and_its_heading():
             elif anchor and file.suffix == ".md" and anchor not in heading_anchors(file.read_text()):
                 broken.append(f"{source}: {target} (no such heading)")
     assert not broken, "\n".join(broken)
+
+
+def test_every_test_file_is_one_pytest_collects():
+    """A test file outside `testpaths` would pass silently in CI by never running."""
+    import tomllib
+
+    paths = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]["testpaths"]
+    files = [p.relative_to(REPO) for p in REPO.glob("**/test_*.py") if not p.relative_to(REPO).parts[0].startswith(".")]
+    lost = [str(f) for f in files if not any(str(f) == t or f.parts[0] == t for t in paths)]
+    assert not lost, f"not under pyproject's testpaths: {lost}"
