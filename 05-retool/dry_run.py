@@ -136,7 +136,7 @@ def dry_run(cfg, preset: str, args, start_sandbox) -> int:
     for line in problems:
         print(f"  refused: {line}")
     print(f"  configuration: {'ok' if not problems else f'{len(problems)} problem(s) above'}")
-    _data_counts(cfg)
+    counts = _data_counts(cfg)
     problems += _sandbox_check(cfg, start_sandbox)
     if problem := driver_problem():
         print(f"  refused: {problem}")
@@ -150,7 +150,8 @@ def dry_run(cfg, preset: str, args, start_sandbox) -> int:
         print(plan_table(cfg, plan, shape))
         problems += plan.problems
         cost = cost_plan(cfg, shape, gpus, args.plan_gpu, args.assume_decode_rate, args.assume_train_mfu,
-                         args.assume_response_tokens, args.assume_call_s, plan.kv_tokens, _eval_rows(cfg))
+                         args.assume_response_tokens, args.assume_call_s, plan.kv_tokens,
+                         rows_evaluated(cfg, counts.get("eval_file", 0)))
         print(cost_table(cfg, cost, gpus, args.plan_gpu, args.assume_train_mfu))
         print(f"{preset}: about {cost.gpu_hours:,.0f} GPU-hours on {gpus} x {args.plan_gpu} at the assumed rates")
     print(f"dry run: {'a real run would start' if not problems else f'{len(problems)} problem(s): a real run is refused'}")
@@ -176,10 +177,14 @@ def cost_plan(cfg, shape: dict, gpus: int, gpu: str = "H100", decode_rate: float
     Decode is bound by memory: a step of a GPU's batch reads the engine's weights and every sequence's
     KV cache once, at DECODE_BANDWIDTH_SHARE of HBM_TBPS; the batch takes as many steps as its longest
     response, and the longest trajectory adds its tool calls. Every rank is planned at the budget, so
-    the plan is the slowest rank's. The update is 6N a token (2N more for old log-probs, unless the
-    update's own forward gives them: one mini-batch, no TIS; 2N for checkpointing's recompute) at `train_mfu`. An evaluation every `cfg.eval_every` steps decodes
-    `eval_rows` x eval_k responses the same way. Not counted: prompt prefill, the weight sync.
+    the plan is the slowest rank's. The update is 6N a token at `train_mfu`, plus 2N for the old
+    log-probs unless the update's own forward gives them (one mini-batch, no TIS:
+    update_options.update_gives_pi_old) and 2N for checkpointing's recompute. An evaluation every
+    `cfg.eval_every` steps decodes `eval_rows` x eval_k responses the same way. Not counted: prompt
+    prefill, the weight sync.
     """
+    from update_options import update_gives_pi_old
+
     n, peak = shape["parameters"], PEAK_TFLOPS[gpu] * 1e12
     response = response_tokens or cfg.max_response_tokens
     prompt = cfg.max_model_len - cfg.max_response_tokens  # the prompt's share of the context
@@ -210,12 +215,6 @@ def cost_plan(cfg, shape: dict, gpus: int, gpu: str = "H100", decode_rate: float
                     update_flops, rate, bool(decode_rate), step_ms, waves, calls_s, decode_s, update_s, eval_s, hours)
 
 
-def update_gives_pi_old(cfg) -> bool:
-    """06-train/update_options.py's rule, without importing torch (the dry run plans before the install):
-    one mini-batch and no TIS, and grpo_step takes the old log-probs from the update's own forward."""
-    return cfg.num_minibatches == 1 and cfg.tis_cap <= 0
-
-
 def engine_bytes(cfg, parameters: int) -> int:
     """The sampler's copy of the weights: bf16 (or fp16) as vLLM holds them, float32 when asked."""
     return (2 if cfg.dtype in ("bfloat16", "float16", "auto") else 4) * parameters
@@ -227,7 +226,9 @@ def kv_bytes_per_token(shape: dict) -> int:
 
 
 def cost_table(cfg, cost: CostPlan, gpus: int, gpu: str, train_mfu: float) -> str:
-    old = "2N old log-probs, " if not update_gives_pi_old(cfg) else ""
+    from update_options import update_gives_pi_old
+
+    old = "" if update_gives_pi_old(cfg) else "2N old log-probs, "
     recompute = ", 2N gradient checkpointing's recompute" if cfg.gradient_checkpointing else ""
     how = (f"{cost.decode_rate:,.0f} tokens/s a GPU (--assume-decode-rate)" if cost.decode_rate_assumed else
            f"{cost.decode_rate:,.0f} tokens/s a GPU: a step reads the weights and the batch's KV cache, "
@@ -370,17 +371,20 @@ def model_shape(model: str) -> dict | None:
             "tied": bool(getattr(config, "tie_word_embeddings", False))}
 
 
-def _data_counts(cfg) -> None:
-    """Problems per data file, and the prompt filter's count where the model's tokenizer is on this machine."""
+def _data_counts(cfg) -> dict[str, int]:
+    """Problems per data file, and the prompt filter's count where the model's tokenizer is on this machine;
+    returns each readable file's count (0 where it is missing)."""
     from prepare_data import DataError, load_problems
     from problems_and_policy import drop_long_prompts
 
+    counts = {}
     for name in ("train_file", "eval_file"):
         path = getattr(cfg, name)
         try:
             rows, _ = load_problems(path) if Path(path).exists() else ([], {})
         except DataError:
             continue  # already refused above, with 01-data's message
+        counts[name] = len(rows)
         print(f"  {name} {path}: " + (f"{len(rows)} problems" if Path(path).exists() else "missing"))
         if name == "train_file" and rows and cfg.max_prompt_tokens:
             try:
@@ -388,19 +392,16 @@ def _data_counts(cfg) -> None:
                 drop_long_prompts(rows, cfg.model, cfg)
             except OSError:
                 print(f"needs the tokenizer of {cfg.model}, which is not on this machine; skipped")
+    return counts
 
 
-def _eval_rows(cfg) -> int:
-    """The problems an evaluation samples: eval_problems, else every row of the eval file where it is here."""
-    from prepare_data import DataError, load_problems
-
+def rows_evaluated(cfg, eval_file_rows: int) -> int:
+    """The problems an evaluation samples: eval_problems, else every row of the eval file (0 where it is not here)."""
     if not cfg.eval_every and not cfg.eval_problems:
         return 0
-    try:
-        rows = len(load_problems(cfg.eval_file)[0]) if Path(cfg.eval_file).exists() else 0
-    except DataError:
-        rows = 0
-    return min(cfg.eval_problems, rows) if cfg.eval_problems and rows else cfg.eval_problems or rows
+    if cfg.eval_problems and eval_file_rows:
+        return min(cfg.eval_problems, eval_file_rows)
+    return cfg.eval_problems or eval_file_rows
 
 
 def _sandbox_check(cfg, start_sandbox) -> list[str]:
