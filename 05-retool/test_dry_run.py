@@ -33,7 +33,7 @@ def test_the_old_log_prob_pass_is_counted_only_when_grpo_step_runs_it():
         cfg = dataclasses.replace(Config(), num_minibatches=minibatches, tis_cap=tis_cap)
         cost = cost_plan(cfg, SHAPE, gpus=1, gpu="H100", decode_rate=1000.0)
         assert cost.flops_per_update_token == per_token and cost.update_flops == per_token * 1e6 * 64 * 512
-        assert update_options.update_gives_pi_old(cfg) == (per_token == 6)  # the dry run's copy of the rule
+        assert update_options.update_gives_pi_old(cfg) == (per_token == 6)  # the rule the dry run prices
         line = next(line for line in cost_table(cfg, cost, 1, "H100", 0.35).splitlines() if "update:" in line)
         assert ("2N old log-probs" in line) == (per_token == 8), line
         assert ("old log-probs from the same forward" in line) == (per_token == 6), line
