@@ -21,6 +21,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent
 RESULTS = ROOT / "docs" / "results"
+RESULTS_FROM_ROOT = RESULTS.relative_to(ROOT).as_posix()  # "docs/results", the links' target from the root
 NAME = re.compile(r"[\w-]+")
 # A marker in backticks is an example of one (README.md shows them), not a quote.
 BLOCK = re.compile(r"(?<!`)<!-- results ([\w-]+)((?: \w+)*) -->\n(.*?)<!-- /results -->", re.S)
@@ -102,7 +103,7 @@ def pages() -> list[Path]:
 
 def results_folder(page: str) -> str:
     """docs/results as a link from `page` (a path under the repository root): "results", "../results"."""
-    return os.path.relpath("docs/results", os.path.dirname(page) or ".").replace(os.sep, "/")
+    return os.path.relpath(RESULTS_FROM_ROOT, os.path.dirname(page) or ".").replace(os.sep, "/")
 
 
 def quotes(text: str) -> set[str]:

@@ -14,17 +14,22 @@ REPO = Path(__file__).resolve().parent
 pytestmark = pytest.mark.skipif(shutil.which("make") is None, reason="no make on this machine")
 
 
-def make_setup_cuda(venv: Path, bin_dir: Path, driver: str | None) -> subprocess.CompletedProcess:
-    """`make setup DEVICE=cuda` with an nvidia-smi that reports `driver` (None: no nvidia-smi at all)."""
+def path_with_nvidia_smi(bin_dir: Path, driver: str | None) -> str:
+    """A PATH whose only nvidia-smi, in `bin_dir`, reports `driver` (None: no nvidia-smi at all)."""
     bin_dir.mkdir(exist_ok=True)
     if driver is not None:
         fake = bin_dir / "nvidia-smi"
         fake.write_text(f"#!/bin/sh\necho '{driver}'\n")
         fake.chmod(0o755)
     path = [p for p in os.environ["PATH"].split(":") if not (Path(p) / "nvidia-smi").exists()]
-    env = {**os.environ, "PATH": ":".join([str(bin_dir), *path])}
-    return subprocess.run(["make", "--no-print-directory", "setup", "DEVICE=cuda", f"VENV={venv}"], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=60)
+    return ":".join([str(bin_dir), *path])
+
+
+def make_setup_cuda(venv: Path, bin_dir: Path, driver: str | None, *settings: str) -> subprocess.CompletedProcess:
+    """`make setup DEVICE=cuda` with an nvidia-smi that reports `driver` (None: no nvidia-smi at all)."""
+    env = {**os.environ, "PATH": path_with_nvidia_smi(bin_dir, driver)}
+    return subprocess.run(["make", "--no-print-directory", "setup", "DEVICE=cuda", f"VENV={venv}", *settings], cwd=REPO,
+                          env=env, capture_output=True, text=True, timeout=60)
 
 
 @pytest.mark.parametrize("driver", ["570.124.06", "535.54.03", None])
@@ -39,7 +44,9 @@ def test_a_driver_too_old_for_the_cuda_13_wheels_is_refused_before_the_install(t
 
 
 def test_the_minimum_driver_is_the_one_the_makefile_checks_against_and_the_readme_states():
-    assert re.search(r"^MIN_DRIVER := 580$", (REPO / "Makefile").read_text(), re.M)
+    import dry_run
+
+    assert re.search(r"^MIN_DRIVER := 580$", (REPO / "Makefile").read_text(), re.M) and dry_run.MIN_DRIVER == 580
     readme = " ".join((REPO / "README.md").read_text().split())
     assert "installs `vllm==0.32.0`" in readme and "need NVIDIA driver 580 or newer" in readme
 
@@ -75,13 +82,7 @@ def test_a_driver_of_580_or_newer_passes_to_the_install(tmp_path):
     """Past the checks, make goes on to create the venv (here PYTHON=false stops it there, before any download)."""
     venv = tmp_path / "venv"
     for driver in ("580.65.06", "590.10"):
-        bin_dir = tmp_path / f"bin-{driver}"
-        bin_dir.mkdir()
-        (bin_dir / "nvidia-smi").write_text(f"#!/bin/sh\necho '{driver}'\n")
-        (bin_dir / "nvidia-smi").chmod(0o755)
-        env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"}
-        done = subprocess.run(["make", "--no-print-directory", "setup", "DEVICE=cuda", f"VENV={venv}", "PYTHON=false"],
-                              cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+        done = make_setup_cuda(venv, tmp_path / f"bin-{driver}", driver, "PYTHON=false")
         assert done.returncode != 0 and done.stdout == "", done.stdout  # no refusal: it stopped at `false -m venv`
 
 
@@ -90,13 +91,8 @@ def test_the_dry_run_refuses_a_driver_too_old_in_one_line(tmp_path, monkeypatch,
     """The same bar as make's, for a venv installed before the driver changed (or copied to another node)."""
     import dry_run
 
-    path = [p for p in os.environ["PATH"].split(":") if not (Path(p) / "nvidia-smi").exists()]
-    if driver is not None:
-        (tmp_path / "nvidia-smi").write_text(f"#!/bin/sh\necho '{driver}'\n")
-        (tmp_path / "nvidia-smi").chmod(0o755)
-    monkeypatch.setenv("PATH", ":".join([str(tmp_path), *path]))
+    monkeypatch.setenv("PATH", path_with_nvidia_smi(tmp_path, driver))
     problem = dry_run.driver_problem()
     assert (problem is not None) == refused
     if refused:
         assert "\n" not in problem and f"is older than {dry_run.MIN_DRIVER}" in problem
-    assert re.search(rf"^MIN_DRIVER := {dry_run.MIN_DRIVER}$", (REPO / "Makefile").read_text(), re.M)

@@ -6,12 +6,15 @@ that grew into several sittings fails here, in the change that caused it.
 from __future__ import annotations
 
 import ast
+import functools
 import io
 import re
 import tokenize
 from pathlib import Path
 
 import pytest
+
+import results
 
 REPO = Path(__file__).resolve().parent
 # The README's table: each chapter's core module and its main function, with its budget in code lines.
@@ -65,7 +68,7 @@ def test_each_core_reads_in_one_sitting(core):
         assert start <= 0.4 * total, f"{core}: {MAIN_FUNCTION[core]} starts at line {start} of {total}"
 
 
-PAGES = sorted(str(p.relative_to(REPO)) for p in [*(REPO / "docs").glob("*.md"), *(REPO / "docs" / "appendix").glob("*.md")])
+PAGES = [str(p.relative_to(REPO)) for p in results.pages() if p.parent != REPO]  # the chapters' and the appendix's
 
 
 @pytest.mark.parametrize("page", PAGES)
@@ -82,10 +85,20 @@ def test_every_page_is_linked_from_the_readme_or_another_page():
         assert linked, f"{page} is linked from nowhere"
 
 
+def prose(text: str) -> str:
+    """A page without its fenced blocks: their # lines are not headings, their brackets not links."""
+    return re.sub(r"^```.*?^```", "", text, flags=re.S | re.M)
+
+
 def heading_anchors(text: str) -> set[str]:
     """The anchors a Markdown renderer gives a page's headings: lower case, punctuation dropped, spaces to hyphens."""
-    text = re.sub(r"^```.*?^```", "", text, flags=re.S | re.M)  # fenced blocks: their # lines are not headings
+    text = prose(text)
     return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in re.findall(r"^#+ (.+)$", text, re.M)}
+
+
+@functools.cache
+def anchors_of(page: Path) -> set[str]:
+    return heading_anchors(page.read_text())
 
 
 def test_heading_anchors_follow_the_renderers_rule():
@@ -98,7 +111,7 @@ def test_every_link_between_pages_reaches_a_file_and_its_heading():
     sources = ["README.md", *PAGES, *sorted(str(p.relative_to(REPO)) for p in REPO.glob("*/README.md"))]
     broken = []
     for source in sources:
-        text = re.sub(r"^```.*?^```", "", (REPO / source).read_text(), flags=re.S | re.M)
+        text = prose((REPO / source).read_text())
         for target in re.findall(r"\]\(([^)\s]+)\)", text):
             if re.match(r"[a-z]+:", target):  # https:, mailto:
                 continue
@@ -106,7 +119,7 @@ def test_every_link_between_pages_reaches_a_file_and_its_heading():
             file = (REPO / source).parent / path if path else REPO / source
             if not file.exists():
                 broken.append(f"{source}: {target} (no such file)")
-            elif anchor and file.suffix == ".md" and anchor not in heading_anchors(file.read_text()):
+            elif anchor and file.suffix == ".md" and anchor not in anchors_of(file.resolve()):
                 broken.append(f"{source}: {target} (no such heading)")
     assert not broken, "\n".join(broken)
 

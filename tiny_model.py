@@ -72,6 +72,13 @@ def build_tiny_model(out_dir: str | os.PathLike, corpus: list[str] | None = None
     return out
 
 
+def temp_tiny_model(seed: int = 0) -> Path:
+    """build_tiny_model into a fresh temporary folder: the model of a script that is given none."""
+    import tempfile
+
+    return build_tiny_model(Path(tempfile.mkdtemp(prefix="tiny-model-")), seed=seed)
+
+
 def train_tokenizer(corpus: list[str], vocab_size: int = 512):
     """Train a byte-level BPE on `corpus` and wrap it as a transformers tokenizer.
 

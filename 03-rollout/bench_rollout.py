@@ -51,10 +51,8 @@ import re
 import statistics
 import string
 import sys
-import tempfile
 import time
 from dataclasses import replace
-from pathlib import Path
 
 # A code block with the problem's product, then ```output: the shape ToRL's model writes.
 FORCED_CODE_TURN = r"```python\nprint\([1-9][0-9]{0,2} \* [1-9][0-9]{0,2}\)\n```\n```output"
@@ -66,9 +64,9 @@ def main(argv: list[str] | None = None) -> int:
     from prepare_data import make_toy_task
     from rollout import SCHEDULES, RolloutConfig, make_llm
     from sandbox import Sandbox, SandboxConfig
-    from tiny_model import build_tiny_model
+    from tiny_model import temp_tiny_model
 
-    model = args.model or str(build_tiny_model(Path(tempfile.mkdtemp(prefix="tiny-model-")), seed=0))
+    model = args.model or str(temp_tiny_model())
     llm = make_llm(model, dtype=args.dtype, max_model_len=args.max_model_len, seed=0)
     default = RolloutConfig().schedule
     tail = heavy_tail(args.tail_shortest, args.tail_classes)

@@ -23,8 +23,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import tempfile
-from pathlib import Path
 
 FIXED_TEXT = "Let me compute it with Python.\n```python\nprint(123 * 456)\n```\n"
 
@@ -37,10 +35,10 @@ def main(argv: list[str] | None = None) -> int:
     from vllm.sampling_params import StructuredOutputsParams
 
     from rollout import STOP, make_llm, render_prompt
-    from tiny_model import build_tiny_model
+    from tiny_model import temp_tiny_model
     from trajectory_view import token_pieces
 
-    model = build_tiny_model(Path(tempfile.mkdtemp(prefix="tiny-model-")), seed=0)
+    model = temp_tiny_model()
     llm = make_llm(model, dtype="float32", max_model_len=2048)
     tok = llm.get_tokenizer()
     prompt = TokensPrompt(prompt_token_ids=tok.encode(render_prompt("What is 123 * 456?"), add_special_tokens=False))
