@@ -77,19 +77,19 @@ def gradient_sync(model, sync: bool):
     return model.no_sync() if hasattr(model, "no_sync") and not sync else nullcontext()
 
 
-def passes_on_every_rank(model, local: int, at_least: int = 1) -> int:
-    """How many passes this rank runs: its own `local` in one process; under DDP or FSDP2 the most
-    any rank needs, and `at_least` (one all-reduce).
+def pad_to_every_rank(model, passes: list, filler, at_least: int = 1) -> list:
+    """The passes this rank runs: its own in one process; under DDP or FSDP2 as many as the rank that
+    needs the most, and `at_least` (one all-reduce), the missing ones `filler`.
 
     The gradient exchange happens inside the backward passes, and FSDP2 gathers each
     layer's weights in every forward, so every rank must run as many as the others;
     a rank with fewer runs passes that add nothing (grpo_step).
     """
     if not is_data_parallel(model):
-        return local
-    most = torch.tensor([local], dtype=torch.int64)  # gloo carries CPU tensors, also on GPU nodes
+        return passes
+    most = torch.tensor([len(passes)], dtype=torch.int64)  # gloo carries CPU tensors, also on GPU nodes
     dist.all_reduce(most, op=dist.ReduceOp.MAX)
-    return max(int(most), at_least)
+    return passes + [filler] * (max(int(most), at_least) - len(passes))
 
 
 def gradients_to_none(model) -> bool:

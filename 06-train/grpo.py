@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from distributed import full_tensor, gradient_sync, gradients_to_none, load_policy, passes_on_every_rank, unwrap  # load_policy: re-exported, as the two below
+from distributed import full_tensor, gradient_sync, gradients_to_none, load_policy, pad_to_every_rank, unwrap  # load_policy: re-exported, as the two below
 from objectives import aggregate, cispo_loss, gspo_loss, loss_denominator, objective_aggregation, objective_problems
 from update_metrics import UpdateTally, ratio_stats, sampler_mismatch
 from update_options import (exclude_rows, micro_batches_to_run, rows_for_the_old_pass, rows_with_gradient, step_if_finite,
@@ -128,7 +128,8 @@ def grpo_step(model, optimizer, trajectories, cfg: GRPOConfig, exclude=None, glo
     # pi_old: the weights before any update of this step, so the first mini-batch's ratio is 1. With one
     # mini-batch and no TIS the update's own forward is pi_old: the rows it runs get no pass of their own.
     one_forward = update_gives_pi_old(cfg)
-    old_logprobs, entropy = _old_logprobs_and_entropy(model, batch, cfg, rows_for_the_old_pass(has_gradient, cfg))
+    old_logprobs, entropy = _old_logprobs_and_entropy(model, batch, cfg,
+                                                      rows_for_the_old_pass(has_gradient, cfg.skip_zero_advantage, one_forward))
     token_weights, tis_metrics = tis_weights(old_logprobs, scored, cfg.tis_cap, cfg.tis_mode)
     metrics.update(tokens=loss_tokens, **tis_metrics)
     # Token-mean divides by every token in the loss, informative or not: this share is the
@@ -345,7 +346,7 @@ def _old_logprobs_and_entropy(model, batch: Batch, cfg: GRPOConfig, needed: torc
     every_row = next(batch.minibatches(1))  # longest first, so each chunk pads little
     chunks = list(every_row[needed[every_row]].split(cfg.micro_batch_size)) if needed.any() else []
     # FSDP2 gathers weights in every forward: as many as the other ranks, the extra ones on the shortest row
-    for chunk in chunks + [every_row[-1:]] * (passes_on_every_rank(model, len(chunks), at_least=0) - len(chunks)):
+    for chunk in pad_to_every_rank(model, chunks, every_row[-1:], at_least=0):
         micro = batch.select(chunk)
         lp, ent = _target_logprobs(model, micro.input_ids, micro.attention_mask, cfg.temperature, with_entropy=True)
         old[chunk, : lp.shape[1]] = lp.float().cpu()

@@ -15,7 +15,7 @@ from dataclasses import replace
 
 import torch
 
-from distributed import passes_on_every_rank
+from distributed import pad_to_every_rank
 from update_metrics import masked_mean
 
 
@@ -88,7 +88,7 @@ def micro_batches_to_run(rows: torch.Tensor, has_gradient: torch.Tensor, model, 
     adds 0 to the gradient but still counts in the denominator (grpo_step's denominator
     counts every row), so the update is the same. Under DDP or FSDP2 every rank must run
     as many passes as the others, the gradient exchange happens inside them: the ranks
-    agree on the most any needs (`passes_on_every_rank`), and a rank with fewer adds
+    agree on the most any needs (`pad_to_every_rank`), and a rank with fewer adds
     passes that do not count (counts False: the mini-batch's shortest row, its loss
     times 0, a gradient of exactly 0). One process: no padding, and none at all when
     every row is skipped.
@@ -97,8 +97,7 @@ def micro_batches_to_run(rows: torch.Tensor, has_gradient: torch.Tensor, model, 
     if cfg.skip_zero_advantage:
         run, skipped = rows[has_gradient[rows]], int((~has_gradient[rows]).sum())
     micro_batches = [(micro_rows, True) for micro_rows in run.split(cfg.micro_batch_size)] if len(run) else []
-    padding = passes_on_every_rank(model, len(micro_batches)) - len(micro_batches)
-    return micro_batches + [(rows[-1:], False)] * padding, skipped
+    return pad_to_every_rank(model, micro_batches, (rows[-1:], False)), skipped
 
 
 def update_gives_pi_old(cfg) -> bool:
@@ -108,12 +107,13 @@ def update_gives_pi_old(cfg) -> bool:
     return cfg.num_minibatches == 1 and cfg.tis_cap <= 0
 
 
-def rows_for_the_old_pass(has_gradient: torch.Tensor, cfg) -> torch.Tensor:
+def rows_for_the_old_pass(has_gradient: torch.Tensor, skip_zero_advantage: bool, one_forward: bool) -> torch.Tensor:
     """One bool per row: does it need grpo_step's forward for pi_old? Every row, unless the update's forward
-    gives pi_old (`update_gives_pi_old`); then only the rows it skips, for the entropy and mismatch metrics."""
-    if not update_gives_pi_old(cfg):
+    gives pi_old (`one_forward`: `update_gives_pi_old`); then only the rows it skips, for the entropy and
+    mismatch metrics."""
+    if not one_forward:
         return torch.ones_like(has_gradient)
-    return ~has_gradient if cfg.skip_zero_advantage else torch.zeros_like(has_gradient)
+    return ~has_gradient if skip_zero_advantage else torch.zeros_like(has_gradient)
 
 
 def zero_gradients(model) -> None:
