@@ -172,7 +172,7 @@ def traces_problem(train_file: str, tool_fraction: float, template: str, seed: i
     """
     problems, rng, traces = read_problems(train_file), random.Random(seed), []
     instead = "or pass --cold-start none --model MODEL to start RL from a model as it is"
-    code_for = chained_first_call if problems and is_chained_task(problems) else trace_code  # as build_base_policy
+    code_for = chained_first_call if is_chained_task(problems) else trace_code  # a chained trace opens with that call
     for number, problem in enumerate(problems, 1):
         try:
             traces += draw_traces([problem], tool_fraction, rng, template, code_for=code_for)
@@ -218,7 +218,7 @@ def is_chained_task(problems: list[dict]) -> bool:
 
     try:
         parse(problems[0]["question"])
-    except ValueError:
+    except (IndexError, ValueError):  # no problems, or not the chained task's
         return False
     return True
 

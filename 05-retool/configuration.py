@@ -309,7 +309,8 @@ def sandbox_config(cfg):
 
     return SandboxConfig(backend=cfg.sandbox_backend, timeout=cfg.sandbox_timeout, isolation=cfg.sandbox_isolation,
                          urls=comma_list(cfg.sandbox_urls), preload=comma_list(cfg.sandbox_preload),
-                         concurrency=cfg.sandbox_concurrency or cores_per_rank())  # the ranks of a node share its cores
+                         # 0 (or less, refused above in config_problems' words): the ranks of a node share its cores
+                         concurrency=cfg.sandbox_concurrency if cfg.sandbox_concurrency > 0 else cores_per_rank())
 
 
 DTYPES = ("float32", "bfloat16", "float16", "auto")  # the sampler's: vLLM's names
