@@ -26,9 +26,9 @@ def at_least(low: int | float, kind=int, at_most: int | float | None = None):
             value = kind(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"not {'an integer' if kind is int else 'a number'}: '{text}'") from None
-        if value < low:
+        if not value >= low:  # nan too: it compares false with every number
             raise argparse.ArgumentTypeError(f"must be at least {low}, got {text}")
-        if at_most is not None and not value <= at_most:  # nan too
+        if at_most is not None and value > at_most:
             raise argparse.ArgumentTypeError(f"must be at most {at_most:{'g' if kind is float else 'd'}}, got {text}")
         return value
 

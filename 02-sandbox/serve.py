@@ -501,24 +501,21 @@ def _drain_pipe(fd: int) -> None:
             pass
 
 
-def raise_open_files_limit() -> int:
+def raise_open_files_limit() -> None:
     """The soft limit of open files raised to the hard one (often 1,024 of 1,048,576): every connection holds one."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if hard != resource.RLIM_INFINITY and soft != hard:
-        try:
+        with contextlib.suppress(ValueError, OSError):
             resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-            soft = hard
-        except (ValueError, OSError):
-            pass
-    return soft
 
 
 def max_sending(max_connections: int) -> int:
     """How many connections may be still sending: MAX_SENDING, or fewer so that they, the max_connections
     being answered and FD_HEADROOM fit under the open-files limit beside the descriptors open now."""
     limit = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
-    free = (MAX_SENDING + max_connections + FD_HEADROOM if limit == resource.RLIM_INFINITY
-            else limit - len(os.listdir("/proc/self/fd")) - FD_HEADROOM)
+    if limit == resource.RLIM_INFINITY:
+        return MAX_SENDING
+    free = limit - len(os.listdir("/proc/self/fd")) - FD_HEADROOM
     if free - max_connections < 1:
         raise ValueError(f"--max-connections {max_connections} leaves no descriptor for new connections under "
                          f"the open-files limit ({limit}, {FD_HEADROOM} kept free): lower it, or raise `ulimit -n`")

@@ -259,3 +259,17 @@ def test_a_sandbox_that_cannot_contain_code_here_is_refused_naming_the_flags_tha
     assert message.startswith("error: the sandbox cannot start: isolation='namespaces' cannot be set up here")
     assert "\n" not in message and "--sandbox-backend docker" in message and "--sandbox-isolation plain" in message
     assert "--sandbox-backend sandboxfusion --sandbox-urls" in message
+
+
+def test_a_number_flag_refuses_nan_whatever_its_bounds():
+    """nan compares false with every number, so `value < low` let it through as a timeout or a rate."""
+    import argparse
+
+    import lab_cli
+
+    for kind, at_most in ((float, None), (float, 10.0)):
+        with pytest.raises(argparse.ArgumentTypeError, match="got nan"):
+            lab_cli.at_least(0.0, kind, at_most)("nan")
+    assert lab_cli.at_least(0.0, float)("0.5") == 0.5 and lab_cli.at_least(1, int, 3)("3") == 3
+    with pytest.raises(argparse.ArgumentTypeError, match="must be at most 3, got 4"):
+        lab_cli.at_least(1, int, 3)("4")
