@@ -15,7 +15,7 @@ MIN_DRIVER := 580
 PRESET ?=
 ARGS ?=
 # A variable this Makefile does not read (`make run-05 STEPS=2`) would be silently ignored: refused, saying how.
-KNOWN_VARIABLES := PYTHON VENV PY DEVICE TORCH_INDEX STAMP PRESET ARGS NPROC
+KNOWN_VARIABLES := PYTHON VENV PY DEVICE TORCH_INDEX STAMP PRESET ARGS NPROC SEEDS ARMS
 UNKNOWN_VARIABLE := $(firstword $(filter-out $(KNOWN_VARIABLES),$(foreach v,$(.VARIABLES),$(if $(filter command line,$(origin $(v))),$(v)))))
 ifneq ($(UNKNOWN_VARIABLE),)
 $(error $(UNKNOWN_VARIABLE)=$(value $(UNKNOWN_VARIABLE)) is not a setting of this Makefile, so it would be ignored: a script's flags go in ARGS, e.g. make $(or $(firstword $(MAKECMDGOALS)),run-05) ARGS="--$(shell echo '$(UNKNOWN_VARIABLE)' | tr 'A-Z_' 'a-z-') $(value $(UNKNOWN_VARIABLE))")
@@ -41,7 +41,7 @@ NPROC ?= $(or $(filter-out 0,$(shell if [ -n "$${CUDA_VISIBLE_DEVICES+set}" ]; t
 endif
 NPROC ?= 1
 
-.PHONY: setup smollm2 test docs-results run-01 run-05 eval-05 bench-sandbox bench-rollout bench-train clean
+.PHONY: setup smollm2 test docs-results run-01 run-05 run-06 eval-05 bench-sandbox bench-rollout bench-train bench-06 clean
 setup: $(STAMP)
 
 $(STAMP): requirements/common.txt requirements/$(DEVICE).txt
@@ -95,6 +95,13 @@ run-01: $(STAMP)
 	$(PY) 01-data/prepare_data.py $(ARGS)
 	$(PY) 01-data/chained_problems.py --out-dir data
 
+# Chapter 06's experiment (06-train/experiment.py): data, the chained task's base, its moves check, RL at
+# C = 1, 2, 4 and a report in runs/experiment-06. SEEDS="0 1 2" ARMS=all: the pages' full runs.
+SEEDS ?= 0
+ARMS ?= budget
+run-06: $(STAMP)
+	$(PY) 06-train/experiment.py --seeds $(SEEDS) --arms $(ARMS) $(ARGS)
+
 run-05: $(STAMP) $(if $(filter smollm2,$(PRESET)),$(SMOLLM2_STAMP))
 	$(if $(filter $(PRESET),$(GPU_PRESETS)),@echo "run-05: $(PRESET) on $(NPROC) GPU(s): one process per GPU (NPROC=N to choose)")
 	$(if $(filter-out 1,$(NPROC)),$(VENV)/bin/torchrun --standalone --nproc-per-node $(NPROC),$(PY)) 05-retool/retool.py $(if $(PRESET),--preset $(PRESET)) $(ARGS)
@@ -113,6 +120,10 @@ bench-rollout: $(STAMP)
 bench-train: $(STAMP)
 	PYTHONPATH=$(CURDIR):$(CURDIR)/01-data:$(CURDIR)/02-sandbox:$(CURDIR)/03-rollout:$(CURDIR)/04-reward:$(CURDIR)/05-retool:$(CURDIR)/06-train \
 	  $(PY) 06-train/bench_train.py $(ARGS)
+
+# Chapter 06's default experiment from nothing, timed stage by stage (06-train/bench_experiment.py): most of an hour.
+bench-06: $(STAMP)
+	$(PY) 06-train/bench_experiment.py $(ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache

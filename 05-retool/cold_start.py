@@ -75,8 +75,7 @@ def build_base_policy(args) -> Path:
     out = Path(args.out)
 
     # 1. Traces: text segments (prompt, model, observation, model) per problem.
-    traces = (chained_traces(problems, args.tool_fraction, rng, args.template) if is_chained_task(problems)
-              else make_traces(problems, args.tool_fraction, rng, args.template, code_for=trace_code))
+    traces = drawn_traces(problems, args, rng)
     print(f"cold start: {len(traces)} traces, {sum(t['tool'] for t in traces)} with a tool call")
 
     # 2. The model: a pretrained one as it is (--model), or a tiny random-init Qwen2
@@ -125,6 +124,21 @@ def build_base_policy(args) -> Path:
             freeze_all_but_top(model, args.train_layers)
     (out / "cold_start.json").write_text(json.dumps({**vars(args), "final_loss": losses[-1], **moves}, indent=2))
     return out
+
+
+_DRAWN: dict = {}  # the traces of this process's cold starts: the schedules of one base draw the same ones
+
+
+def drawn_traces(problems: list[dict], args, rng: random.Random) -> list[dict]:
+    """The traces of `problems`, drawn once per process for the same file, share, template and seed: a base of
+    several schedules (problems_and_policy.cold_start_argvs) draws them once, not once a schedule."""
+    path = Path(args.train_file)
+    key = (str(path.resolve()), path.stat().st_mtime_ns, args.tool_fraction, args.template, args.seed)
+    if key not in _DRAWN:
+        _DRAWN.clear()  # one set kept at a time
+        _DRAWN[key] = (chained_traces(problems, args.tool_fraction, rng, args.template) if is_chained_task(problems)
+                       else make_traces(problems, args.tool_fraction, rng, args.template, code_for=trace_code))
+    return _DRAWN[key]
 
 
 def make_traces(problems: list[dict], tool_fraction: float, rng: random.Random, template: str,

@@ -58,6 +58,7 @@ class Config:
     cold_start_batch_size: int = 32  # traces per cold-start step
     cold_start_kv_heads: int = 1  # scratch: key-value heads of the tiny model (1: its heads share one)
     cold_start_rounds: int = 1  # chained task: schedules run until the base passes the moves check, at most
+    cold_start_schedules: str = ""  # further cold starts, each from the last one's weights: STEPS:TOOL_ONLY_STEPS[:drills] ...
     cold_start_cache: bool = True  # reuse a base cold-started before from the same inputs (~/.cache/tool-rl-lab)
     # ===== Below: how the lab runs the recipe, and options beyond it. A first read can stop here. =====
     # --- the same method, run another way (rollout and update mechanics) ---
@@ -183,7 +184,7 @@ def config_problems(cfg, world: int | None = None, first_only: bool = False) -> 
     `first_only`, the checks that import torch (two seconds) are skipped once a
     cheaper one has found a problem, so that most refusals take well under one.
     """
-    from problems_and_policy import COLD_STARTS
+    from problems_and_policy import COLD_STARTS, further_schedules
     from reward import SCORERS
     from rollout import OBSERVATION_STYLES, SCHEDULES, TEMPLATES
     from trackers import missing_package
@@ -191,7 +192,7 @@ def config_problems(cfg, world: int | None = None, first_only: bool = False) -> 
     problems = []
     for name in ("train_file", "eval_file"):
         path = getattr(cfg, name)
-        if not Path(path).exists() and "toy_" not in path and "word_" not in path:
+        if not Path(path).exists() and not any(f"{task}_" in path for task in ("toy", "word", "chained")):  # made on the spot
             flag = field_flag(name)
             hint = ("put ToRL's data/torl_data/ folder under data/, or pass " + flag if "torl_data" in path else
                     "join SimpleTIR's datasets/ files there (docs/05-torl.md), or pass " + flag if "simpletir" in path
@@ -208,6 +209,10 @@ def config_problems(cfg, world: int | None = None, first_only: bool = False) -> 
         problems.append(f"cold_start '{cfg.cold_start}' needs a model (--model), or use scratch for a tiny one")
     elif cfg.cold_start != "none" and cfg.cold_start_steps < 1:
         problems.append(f"cold_start_steps must be at least 1 with cold_start '{cfg.cold_start}', got {cfg.cold_start_steps}")
+    try:
+        further_schedules(cfg.cold_start_schedules)
+    except ValueError as e:
+        problems.append(f"cold_start_schedules: {e}")
     if cfg.model:
         problems += [p for p in [model_problem(cfg.model)] if p]
     if cfg.max_response_tokens >= cfg.max_model_len:

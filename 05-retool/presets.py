@@ -73,14 +73,16 @@ PRESETS["cpu-chained"] = dict(
     max_response_tokens=256,  # a 3-call trace is about 200 tokens, 75 of them the SyntaxError's line
     eval_max_response_tokens=256,
     steps=60,  # first 30, sized for 5-8 s a step; steps took 2.4-4 s, and 60 reached the gain the task was built for
-    # Sized by the moves check (moves_check.py), not by RL: the demo's 300 / 200 steps and one shared key-value
-    # head left a base that copied no number from these problems. Three schedules give a base that may lack a
-    # move, and the cold start says so; the one base that passes the check took a fourth with --drills-in-mix
-    # (docs/appendix/06-bases.md has each base and its command).
+    seed_rollouts=True,  # as ablation.py's runs: two runs of one seed draw the same samples until their policies part
+    # The base: three cold starts, sized by the moves check (moves_check.py), not by RL. The demo's 300 / 200 steps
+    # and one shared key-value head left a base that copied no number from these problems; so 600 steps, 450 of them
+    # on the drills, repeated once if the check fails; one more such schedule; then one whose mixed phase keeps the
+    # drills (docs/appendix/06-bases.md: how each was found; this is the recipe of its base -h).
     cold_start_steps=600,
     cold_start_tool_only_steps=450,
     cold_start_kv_heads=4,
-    cold_start_rounds=3,
+    cold_start_rounds=2,
+    cold_start_schedules="600:450 600:150:drills",
 )
 # ToRL-7B: the same script values with Qwen2.5-Math-7B, on the 8 GPUs of one node
 # (torchrun --nproc-per-node 8; make run-05 NPROC=8 PRESET=torl-7b). Its trainer

@@ -145,48 +145,89 @@ def local_model(model: str) -> str:
 
 
 def cold_started_model(cfg, run_dir: Path) -> str:
-    """The folder RUN_DIR/base, cold-started by cold_start.py with the Config's cold_start_* settings (once).
+    """The folder RUN_DIR/base: cold_start.py once per schedule of the Config (cold_start_argvs), each from the
+    last one's weights; the earlier ones in RUN_DIR/base-schedules/N. A schedule already done is kept.
 
-    With cold_start_cache, a base made before from the same inputs (every setting
+    With cold_start_cache, a schedule made before from the same inputs (every setting
     cold_start.py receives, the training file, the code that builds the traces
-    and the model) is copied from the cache instead of trained again.
+    and the model, the schedules before it) is copied from the cache instead of trained again.
     """
     import cold_start
     from lab_cli import caches_kept
 
-    base = run_dir / "base"
-    if (base / "cold_start.json").exists():
-        return str(base)
-    argv = ["--train-file", cfg.train_file, "--out", str(base), "--steps", str(cfg.cold_start_steps),
-            "--tool-fraction", str(cfg.cold_start_tool_fraction), "--template", cfg.template,
-            "--seed", str(cfg.seed), "--tool-only-steps", str(cfg.cold_start_tool_only_steps),
-            "--lr", str(cfg.cold_start_lr), "--batch-size", str(cfg.cold_start_batch_size)]
+    argvs, base = cold_start_argvs(cfg), run_dir / "base"
+    keep = cfg.cold_start_cache and caches_kept()  # not where the cache folder cannot be written (lab_cli.py)
+    key, source = "", None
+    for number, argv in enumerate(argvs, 1):
+        out = base if number == len(argvs) else run_dir / "base-schedules" / str(number)
+        if number == 1 and cfg.cold_start == "finetune":  # a pretrained model: find it (hub, else the package's GGUF)
+            from rollout import render_prompt
+            from smollm2 import check_template
+
+            source = local_model(cfg.model)
+            if "<|im_start|>" in render_prompt("", cfg.template):  # ChatML: the model's own template must agree
+                check_template(source, cfg.template)
+            argv = argv + ["--model", source]
+        key = cold_start_key(argv, cfg.train_file, source if number == 1 else None, before=key)
+        argv = argv + ["--out", str(out)] + (["--model", str(previous)] if number > 1 else [])
+        previous = out
+        if (out / "cold_start.json").exists():
+            continue
+        cached = cold_start_cache() / key if keep else None
+        if cached is not None and (cached / "cold_start.json").exists():
+            shutil.copytree(cached, out, dirs_exist_ok=True)
+            print(f"cold start: the base made before from the same inputs, {cached} (--cold-start-cache false trains anew)")
+            continue
+        if len(argvs) > 1:
+            print(f"cold start: schedule {number} of {len(argvs)} ({argv[argv.index('--steps') + 1]} steps) into {out}")
+        cold_start.main(argv)
+        if cached is not None:  # whole or not at all: copied under a temporary name, then renamed
+            tmp = cached.with_name(f".{cached.name}.tmp")
+            shutil.rmtree(tmp, ignore_errors=True)
+            shutil.copytree(out, tmp)
+            shutil.rmtree(cached, ignore_errors=True)
+            os.replace(tmp, cached)
+    return str(base)
+
+
+def cold_start_argvs(cfg) -> list[list[str]]:
+    """cold_start.py's flags for each schedule of the base, without --out (and, after the first, its --model).
+
+    The first is the Config's cold_start_* settings; each of cold_start_schedules
+    is a cold start of its own from the weights before it, as a separate command
+    would run it (docs/06-experiments.md: the chained preset's base takes three).
+    """
+    first = {"--train-file": cfg.train_file, "--steps": cfg.cold_start_steps,
+             "--tool-fraction": cfg.cold_start_tool_fraction, "--template": cfg.template, "--seed": cfg.seed,
+             "--tool-only-steps": cfg.cold_start_tool_only_steps, "--lr": cfg.cold_start_lr,
+             "--batch-size": cfg.cold_start_batch_size}
     for flag, value in (("--kv-heads", cfg.cold_start_kv_heads), ("--rounds", cfg.cold_start_rounds)):
         if value != 1:  # only where set: the demo's argv, and so its cached base, stay as they were
-            argv += [flag, str(value)]
-    source = None
-    if cfg.cold_start == "finetune":  # a pretrained model: find it (hub, else the package's GGUF), fine-tune it
-        from rollout import render_prompt
-        from smollm2 import check_template
+            first[flag] = value
+    if cfg.cold_start == "finetune":
+        first.update({"--train-layers": cfg.train_layers, "--warmup-steps": 10, "--threads": trainer_threads(cfg) or 1})
+    flags = [first]
+    for steps, tool_only_steps, drills in further_schedules(cfg.cold_start_schedules):
+        later = {k: v for k, v in first.items() if k not in ("--kv-heads", "--rounds")}  # the model exists by now
+        flags.append({**later, "--steps": steps, "--tool-only-steps": tool_only_steps,
+                      **({"--drills-in-mix": None} if drills else {})})
+    return [[part for flag, value in f.items() for part in (flag, *([] if value is None else [str(value)]))]
+            for f in flags]
 
-        source = local_model(cfg.model)
-        if "<|im_start|>" in render_prompt("", cfg.template):  # ChatML: the model's own template must agree
-            check_template(source, cfg.template)
-        argv += ["--model", source, "--train-layers", str(cfg.train_layers), "--warmup-steps", "10", "--threads", str(trainer_threads(cfg) or 1)]
-    keep = cfg.cold_start_cache and caches_kept()  # not where the cache folder cannot be written (lab_cli.py)
-    cached = cold_start_cache() / cold_start_key(argv, cfg.train_file, source) if keep else None
-    if cached is not None and (cached / "cold_start.json").exists():
-        shutil.copytree(cached, base, dirs_exist_ok=True)
-        print(f"cold start: the base made before from the same inputs, {cached} (--cold-start-cache false trains anew)")
-        return str(base)
-    cold_start.main(argv)
-    if cached is not None:  # whole or not at all: copied under a temporary name, then renamed
-        tmp = cached.with_name(f".{cached.name}.tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
-        shutil.copytree(base, tmp)
-        shutil.rmtree(cached, ignore_errors=True)
-        os.replace(tmp, cached)
-    return str(base)
+
+def further_schedules(text: str) -> list[tuple[int, int, bool]]:
+    """Config.cold_start_schedules, "600:450 600:150:drills", as [(steps, tool-only steps, drills in the mix)]."""
+    schedules = []
+    for item in text.split():
+        parts = item.split(":")
+        try:
+            steps, tool_only = int(parts[0]), int(parts[1])
+        except (IndexError, ValueError):
+            raise ValueError(f"'{item}' is not STEPS:TOOL_ONLY_STEPS[:drills], e.g. 600:150:drills") from None
+        if len(parts) > 3 or parts[2:] not in ([], ["drills"]) or not 0 <= tool_only <= steps or steps < 1:
+            raise ValueError(f"'{item}' is not STEPS:TOOL_ONLY_STEPS[:drills] with 0 <= TOOL_ONLY_STEPS <= STEPS")
+        schedules.append((steps, tool_only, len(parts) == 3))
+    return schedules
 
 
 def cold_start_cache() -> Path:
@@ -196,12 +237,13 @@ def cold_start_cache() -> Path:
     return default_cache_dir() / "cold-start"
 
 
-def cold_start_key(argv: list[str], train_file: str, source: str | None) -> str:
+def cold_start_key(argv: list[str], train_file: str, source: str | None, before: str = "") -> str:
     """A digest of everything that determines a cold-started base: a change to any of it is a new base.
 
     The settings (argv without the output folder), the training problems, the
     code that writes the traces (the chained task's calls too) and builds or loads the model, the template
-    table, and the pretrained model's files (names and sizes) when one is tuned.
+    table, the pretrained model's files (names and sizes) when one is tuned, and the key of
+    the schedule `before` this one, whose weights it starts from.
     """
     import hashlib
 
@@ -217,4 +259,6 @@ def cold_start_key(argv: list[str], train_file: str, source: str | None) -> str:
         digest.update(path.read_bytes())
     if source:
         digest.update(repr(sorted((p.name, p.stat().st_size) for p in Path(source).iterdir())).encode())
+    if before:
+        digest.update(before.encode())
     return digest.hexdigest()[:16]

@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 
 # The names a run writes into its folder (run_record.py, checkpoints.py, trackers.py, plots.py).
-RUN_ENTRIES = {".lock", "config.json", "metrics.jsonl", "eval.jsonl", "checkpoints", "base", "eval_samples",
+RUN_ENTRIES = {".lock", "config.json", "metrics.jsonl", "eval.jsonl", "checkpoints", "base", "base-schedules", "eval_samples",
                "last_step.jsonl", "last_step.html", "plots.png", "tensorboard", "wandb"}
 RUN_MARKS = ("steps", "group_size", "train_file", "cold_start")  # fields every run's config.json records
 EVAL_ENTRIES = {"summary.json", "samples.jsonl"}  # what eval.py writes into --out

@@ -77,17 +77,21 @@ def run(args) -> None:
         raise SystemExit(f"error: --base {args.base}: not a model folder (cold-start one with 05-retool/cold_start.py)")
     for seed in args.seeds:
         for arm in args.arms:
-            run_dir = Path(args.out) / f"{arm}-s{seed}"
-            if finished(run_dir):
-                print(f"{run_dir}: done already")
-                continue
-            shutil.rmtree(run_dir, ignore_errors=True)  # a run cut short starts over: same base, same seed
-            preset = ["--preset", args.preset] if args.preset else []
-            cmd = [sys.executable, str(RETOOL), *preset, "--model", args.base, "--cold-start", "none", "--run-dir", str(run_dir), "--seed", str(seed),
-                   "--steps", str(args.steps), "--eval-every", "0", "--keep-checkpoints", "1",
-                   "--save-every", str(args.steps), "--seed-rollouts", "true", *ARMS[arm][0]]
-            print(" ".join(cmd), flush=True)
-            subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+            print(f"{Path(args.out) / f'{arm}-s{seed}'}: {arm}, seed {seed}", flush=True)
+            run_arm(args.base, Path(args.out) / f"{arm}-s{seed}", arm, seed, args.steps, args.preset)
+
+
+def run_arm(base: str, run_dir: Path, arm: str, seed: int, steps: int, preset: str | None, flags=()) -> None:
+    """One RL run of `arm` from `base` (retool.py, its console quiet), unless it finished before; `flags` are
+    retool.py's, before the arm's own."""
+    if finished(run_dir):
+        print(f"{run_dir}: done already")
+        return
+    shutil.rmtree(run_dir, ignore_errors=True)  # a run cut short starts over: same base, same seed
+    cmd = [sys.executable, str(RETOOL), *(["--preset", preset] if preset else []), "--model", base, "--cold-start",
+           "none", "--run-dir", str(run_dir), "--seed", str(seed), "--steps", str(steps), "--eval-every", "0",
+           "--keep-checkpoints", "1", "--save-every", str(steps), "--seed-rollouts", "true", *flags, *ARMS[arm][0]]
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
 
 
 def finished(run_dir: Path) -> bool:

@@ -31,21 +31,30 @@ CODE_USE = ("code_ratio", "code_pass_ratio", "response_length")
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog="\n\n".join(__doc__.split("\n\n")[1:]))
-    p.add_argument("--out", default="runs/chained", help="the folder of the run folders (default runs/chained)")
+    p.add_argument("--out", default="runs/experiment-06", help="the folder of the run folders (default runs/experiment-06, "
+                                                                "experiment.py's)")
     p.add_argument("--img", help="write the three plots here (e.g. docs/img)")
     p.add_argument("--results", metavar="NAME", help="also write the figures to docs/results/NAME.json (results.py)")
     args = p.parse_args(argv)
     runs = load_runs(Path(args.out))
     figures = summarise(runs, Path(args.out))
     if args.img:
-        plot_budget(runs, Path(args.img) / "06-experiments-budget.png")
-        plot_over_training(runs, SELF_CORRECTION, Path(args.img) / "06-experiments-self-correction.png")
-        plot_over_training(runs, CODE_USE, Path(args.img) / "06-experiments-code-use.png")
+        plot_all(runs, Path(args.img))
     if args.results:
         results.save(args.results, " ".join(["06-train/findings.py", *(argv if argv is not None else sys.argv[1:])]),
                      figures)
     print(json.dumps(figures, indent=1))
     return figures
+
+
+PLOTS = ("06-experiments-budget.png", "06-experiments-self-correction.png", "06-experiments-code-use.png")
+
+
+def plot_all(runs: dict, folder: Path) -> None:
+    """The three plots of docs/06-experiments.md, named PLOTS, into `folder`."""
+    plot_budget(runs, folder / PLOTS[0])
+    plot_over_training(runs, SELF_CORRECTION, folder / PLOTS[1])
+    plot_over_training(runs, CODE_USE, folder / PLOTS[2])
 
 
 def load_runs(out: Path) -> dict:

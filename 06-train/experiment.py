@@ -1,0 +1,225 @@
+"""Chapter 06's experiment in one command: the chained task, its base, the moves check, RL at C = 1, 2, 4, a report.
+
+    make run-06                                  # one seed: the three budgets, 60 steps each
+    make run-06 SEEDS="0 1 2" ARMS=all           # the pages' full runs: every arm of ablation.py, three seeds
+    .venv/bin/python 06-train/experiment.py --seeds 0 --arms budget -- --steps 30   # retool.py's flags after --
+
+Stages, each kept once done, so that Ctrl-C and the same command go on where it stopped:
+  1. data: 01-data's chained task, written if missing (05-retool/problems_and_policy.load_data);
+  2. the base: the cpu-chained preset's cold starts (05-retool/presets.py), the very recipe of the pages' base;
+  3. the moves check of its last cold start: RL from a base without the moves is refused;
+  4. the RL runs, one per arm and seed (06-train/ablation.py's run_arm);
+  5. the report: OUT/report.md, each figure beside the page's own, and the pages' plots, in OUT.
+OUT/experiment.json records the recipe; a folder of another recipe is refused, never overwritten. Nothing is
+written under docs/ unless --results NAME asks for it.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from ablation import ARMS, load_runs, run_arm
+from ablation import report as arms_report
+from configuration import Config, check_config, make_config, parse_with_field_flags
+from lab_cli import one_line_errors
+from presets import PRESETS
+
+BUDGET_ARMS = ["calls-1", "calls-2", "baseline"]  # C = 1, 2, 4 (findings.BUDGETS)
+PRESET = "cpu-chained"
+PAGE_RESULTS = "06-experiments-h60"  # the page's runs, which the report sets beside these
+# For the time-left estimates, on two idle cores (make bench-06 measures them): a cold-start step, an RL step
+# (the page's baseline, 4 calls), and a run's start and evaluations.
+SECONDS = {"cold_start_step": 0.45, "rl_step": 4.0, "rl_run_fixed": 45.0}
+
+
+def main(argv: list[str] | None = None) -> Path:
+    args = parse_args(argv)
+    cfg = chained_config(args.flags)  # refused here, in one line, before any model loads
+    out = Path(args.out)
+    claim(out, recipe(cfg, args))
+    runs = [(arm, seed) for seed in args.seeds for arm in args.arms]
+    clock = Clock(cfg, len(runs))
+
+    from problems_and_policy import cold_started_model, load_data
+
+    clock.stage("data", f"{cfg.train_file} and {cfg.eval_file}")
+    load_data(cfg)
+    clock.stage("base", f"{1 + len(cfg.cold_start_schedules.split())} cold starts into {out / 'base'}")
+    base = cold_started_model(cfg, out)
+    moves_checked(base, args.ignore_moves_check)
+    for number, (arm, seed) in enumerate(runs, 1):
+        clock.stage("runs", f"run {number} of {len(runs)}: {arm}, seed {seed}, {cfg.steps} steps", run=number)
+        try:
+            run_arm(base, out / f"{arm}-s{seed}", arm, seed, cfg.steps, PRESET, args.flags)
+        except subprocess.CalledProcessError as e:
+            raise SystemExit(f"error: the run {out / f'{arm}-s{seed}'} stopped (exit {e.returncode}); its last "
+                             "lines are above. The same command goes on from there") from None
+    clock.stage("report", str(out / "report.md"))
+    report = write_report(out, args.results)
+    clock.finish(out)
+    print(f"run-06: done in {clock.elapsed()}; the report: {report}")
+    return report
+
+
+def chained_config(flags: list[str]):
+    """The cpu-chained preset with retool.py's `flags` over it, checked as retool.py checks a run's."""
+    parser = argparse.ArgumentParser(prog="experiment.py ... --")
+    parser.add_argument("--preset", choices=[PRESET], default=PRESET)
+    _, overrides = parse_with_field_flags(parser, Config, ["--preset", PRESET, *flags], PRESETS)
+    cfg = make_config(PRESET, overrides)
+    check_config(cfg, resuming=False)
+    return cfg
+
+
+def recipe(cfg, args) -> dict:
+    """What makes the folder's base and runs what they are: every Config field and the steps (not seeds or arms,
+    which only add runs)."""
+    return {"preset": PRESET, "config": dataclasses.asdict(cfg), "flags": args.flags}
+
+
+def claim(out: Path, wanted: dict) -> None:
+    """Make OUT this recipe's folder, or find it so; refuse a folder of another recipe, or not an experiment's."""
+    record = out / "experiment.json"
+    if record.exists():
+        made = json.loads(record.read_text())
+        changed = sorted(k for k in set(made["config"]) | set(wanted["config"])
+                         if made["config"].get(k) != wanted["config"].get(k))
+        if changed:
+            name = changed[0]
+            raise SystemExit(f"error: {out} holds an experiment of another recipe ({name} {made['config'].get(name)!r}, "
+                             f"not {wanted['config'].get(name)!r}): pass another --out, or remove that folder")
+        return
+    if out.exists() and any(out.iterdir()):
+        raise SystemExit(f"error: {out} is not empty and not an experiment's folder (no experiment.json): "
+                         "pass another --out")
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = record.with_suffix(".tmp")
+    tmp.write_text(json.dumps(wanted, indent=1))
+    tmp.replace(record)
+
+
+def moves_checked(base: str, ignore: bool) -> None:
+    """The moves check of the base's last cold start (cold_start.json): refused in one line if it failed."""
+    from moves_check import MOVES, MOVES_NEEDED
+
+    moves = json.loads((Path(base) / "cold_start.json").read_text()).get("moves", {})
+    said = ", ".join(f"{m} {moves.get(m, 0):.2f}" for m in MOVES)
+    if moves.get("passed"):
+        print(f"run-06: the base has every move ({said}; each at least {MOVES_NEEDED})")
+    elif ignore:
+        print(f"run-06: the base lacks a move ({said}); RL goes on (--ignore-moves-check)")
+    else:
+        raise SystemExit(f"error: the base {base} fails the moves check ({said}; each must reach {MOVES_NEEDED}): "
+                         "RL would have little to amplify (docs/06-experiments.md); --ignore-moves-check runs it anyway")
+
+
+class Clock:
+    """One line per stage, with the time left: estimated from SECONDS, then from the runs this folder has timed."""
+
+    def __init__(self, cfg, runs: int):
+        steps = cfg.cold_start_steps * cfg.cold_start_rounds + sum(
+            int(s.split(":")[0]) for s in cfg.cold_start_schedules.split())
+        self.left = {"data": 1.0, "base": steps * SECONDS["cold_start_step"],
+                     "runs": runs * (SECONDS["rl_run_fixed"] + cfg.steps * SECONDS["rl_step"]), "report": 5.0}
+        self.runs, self.start, self.names = runs, time.time(), list(self.left)
+        self.current, self.since, self.since_stage, self.stage_times = None, self.start, self.start, {}
+
+    def stage(self, name: str, what: str, run: int = 0) -> None:
+        now = time.time()
+        if self.current:
+            self.stage_times[self.current] = self.stage_times.get(self.current, 0.0) + now - self.since_stage
+        self.since_stage = now
+        if self.current and self.current != name:
+            self.left[self.current] = 0.0
+        if run > 1:  # the runs so far set the pace of the rest
+            self.left["runs"] = (now - self.since) / (run - 1) * (self.runs - run + 1)
+        elif name != self.current:
+            self.since = now
+        self.current = name
+        print(f"run-06: {self.names.index(name) + 1}/{len(self.names)} {name}: {what}; about "
+              f"{minutes(sum(self.left.values()))} left", flush=True)
+
+    def elapsed(self) -> str:
+        return minutes(time.time() - self.start)
+
+    def finish(self, out: Path) -> None:
+        """OUT/timings.json: each stage's seconds in this call (a stage kept from before takes none)."""
+        self.stage_times[self.current] = self.stage_times.get(self.current, 0.0) + time.time() - self.since_stage
+        (out / "timings.json").write_text(json.dumps({k: round(v, 1) for k, v in self.stage_times.items()}))
+
+
+def minutes(seconds: float) -> str:
+    return f"{seconds / 60:.0f} min" if seconds >= 90 else f"{seconds:.0f} s"
+
+
+def write_report(out: Path, results_name: str | None) -> Path:
+    """OUT/report.md: the page's table with these runs beside the page's, the findings, the plots (in OUT)."""
+    import findings
+    import results
+
+    runs = findings.load_runs(out)
+    mine, page = findings.summarise(runs, out), results.load(PAGE_RESULTS)["figures"]
+    findings.plot_all(runs, out)
+    seeds = " / ".join(str(s) for s in sorted({s for _, s in runs}))
+    lines = ["# Chapter 06's experiment: these runs beside the page's", "",
+             f"Runs of `{out}`, seeds {seeds}; the page's: docs/06-experiments.md, seeds 0 / 1 / 2 (means).", "",
+             "| C | held-out after RL | the page | gain | the page | s / step | the page |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    for arm, budget in findings.BUDGETS.items():
+        key = arm.replace("-", "_")
+        if f"{key}_mean_held_out" in mine:
+            lines.append(f"| {budget} | " + " | ".join(
+                f"{mine[f'{key}_mean_{n}']:.2f} | {page[f'{key}_mean_{n}']:.2f}" for n in ("held_out", "gain", "s_per_step"))
+                + " |")
+    lines += ["", "| the baseline (C = 4), mean over seeds | first 5 steps | last 10 | the page: first 5 | last 10 |",
+              "| --- | --- | --- | --- | --- |"]
+    for name in (*findings.SELF_CORRECTION, *findings.CODE_USE):
+        if f"baseline_mean_{name}_first5" in mine:
+            lines.append(f"| {name} | " + " | ".join(f"{figures[f'baseline_mean_{name}_{when}']:.2f}"
+                                                     for figures in (mine, page) for when in ("first5", "last10")) + " |")
+    lines += ["", *(f"![{png}]({png})" for png in findings.PLOTS)]
+    if {arm for arm, _ in load_runs(out, ARMS)} - set(findings.BUDGETS):  # docs/06-beyond-torl.md's options too
+        lines += ["", "## Every arm", "", arms_report(out, out)]
+    report = out / "report.md"
+    report.write_text("\n".join(lines) + "\n")
+    if results_name:  # the pages' own files: only when asked
+        results.save(results_name, " ".join(["06-train/experiment.py", *sys.argv[1:]]), mine)
+        findings.plot_all(runs, results.ROOT / "docs" / "img")
+    return report
+
+
+def parse_args(argv):
+    p = one_line_errors(argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog="\n\n".join(__doc__.split("\n\n")[1:])))
+    p.add_argument("--out", default="runs/experiment-06", help="the experiment's folder (default runs/experiment-06)")
+    p.add_argument("--seeds", type=int, nargs="+", default=[0], help="RL seeds (default 0; the pages': 0 1 2)")
+    p.add_argument("--arms", nargs="+", default=["budget"],
+                   help="budget (C = 1, 2, 4: calls-1 calls-2 baseline), all (every arm of ablation.py), or arm names")
+    p.add_argument("--ignore-moves-check", action="store_true", help="run RL even from a base that fails the moves check")
+    p.add_argument("--results", metavar="NAME", help="also write the figures to docs/results/NAME.json and the plots "
+                                                     "to docs/img (the pages' own: only to remake them)")
+    p.add_argument("flags", nargs=argparse.REMAINDER, help="after --: retool.py's flags over the cpu-chained preset")
+    args = p.parse_args(argv)
+    args.flags = args.flags[1:] if args.flags[:1] == ["--"] else args.flags
+    named = {"budget": BUDGET_ARMS, "all": list(ARMS)}
+    args.arms = list(dict.fromkeys(a for name in args.arms for a in named.get(name, [name])))
+    unknown = [a for a in args.arms if a not in ARMS]
+    if unknown:
+        p.error(f"--arms: no arm '{unknown[0]}' (budget, all, or one of {', '.join(ARMS)})")
+    if "baseline" not in args.arms:
+        p.error("--arms: the report compares with the baseline (C = 4); keep it in")
+    return args
+
+
+if __name__ == "__main__":
+    from lab_cli import run_script
+
+    try:
+        run_script(main)
+    except KeyboardInterrupt:
+        sys.exit(print("\nrun-06 stopped: the same command goes on where it stopped", file=sys.stderr) or 130)
