@@ -101,9 +101,12 @@ def test_the_experiments_page_states_the_task_the_cold_start_and_the_preset():
     from chained_problems import PADDED_SHARE, SIZES, TEST_FRAMES, TRAIN_FRAMES, TWO_STEP_SHARE
     from doc_pages import says
     from moves_check import CHECK_PROBLEMS, MOVES_NEEDED
+    from problems_and_policy import further_schedules
     from retool import Config, make_config
 
-    cfg, demo, words = make_config("cpu-chained", {}), Config(), {2: "two", 4: "four", 0.5: "half", 1 / 3: "a third"}
+    cfg, demo, words = make_config("cpu-chained", {}), Config(), {2: "two", 3: "three", 4: "four", 0.5: "half", 1 / 3: "a third"}
+    schedules, rounds = further_schedules(cfg.cold_start_schedules), {2: "twice"}
+    assert schedules[-1][2] and cfg.cold_start_schedules.split()[0] == f"{cfg.cold_start_steps}:{cfg.cold_start_tool_only_steps}"
     held_out = Counter(kind(r) for r in make_chained_problems(0, SIZES[1], seed=0)[1][:cfg.eval_problems])
     says("06-experiments.md",
          f"two steps ({words[TWO_STEP_SHARE]} the problems) and a reading below 1000 ({words[PADDED_SHARE]})",
@@ -117,8 +120,10 @@ def test_the_experiments_page_states_the_task_the_cold_start_and_the_preset():
          f"`FURTHER_CALL_RATE` = {FURTHER_CALL_RATE}", f"`MOVES_NEEDED` = {MOVES_NEEDED}",
          f"multi-call policy on {CHECK_PROBLEMS} fresh problems in the held-out frames",
          f"Of the {SIZES[0]:,} training problems", f"the model is a tiny one whose {words[cfg.cold_start_kv_heads]} heads each have",
-         f"The cold start trains {cfg.cold_start_steps} steps, the first {cfg.cold_start_tool_only_steps} on the drills "
+         f"A cold start trains {cfg.cold_start_steps} steps, the first {cfg.cold_start_tool_only_steps} on the drills "
          f"alone (the demo's {demo.cold_start_steps} and {demo.cold_start_tool_only_steps}",
+         f"The base\n  takes {words[1 + len(schedules)]}: that schedule (run {rounds[cfg.cold_start_rounds]} when",
+         f"one whose mixed phase, {schedules[-1][0] - schedules[-1][1]} steps,\n  keeps the drills",
          f"({cfg.problems_per_step} problems × {cfg.group_size} samples, lr {cfg.lr:.0e}".replace("e-05", "e-5"),
          f"a tool budget of {cfg.tool_budget} (the hardest kind needs 3), {cfg.max_response_tokens} response tokens",
          f"and {cfg.steps} steps: 30 were planned, and doubled",

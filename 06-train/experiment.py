@@ -61,8 +61,7 @@ def main(argv: list[str] | None = None) -> Path:
                              "lines are above. The same command goes on from there") from None
     clock.stage("report", str(out / "report.md"))
     report = write_report(out, args.results)
-    clock.finish(out)
-    print(f"run-06: done in {clock.elapsed()}; the report: {report}")
+    print(f"run-06: done in {clock.finish(out)}; the report: {report}")
     return report
 
 
@@ -119,38 +118,37 @@ def moves_checked(base: str, ignore: bool) -> None:
 
 
 class Clock:
-    """One line per stage, with the time left: estimated from SECONDS, then from the runs this folder has timed."""
+    """One line per stage with the time left: estimated from SECONDS, then paced by the runs timed so far."""
 
     def __init__(self, cfg, runs: int):
-        steps = cfg.cold_start_steps * cfg.cold_start_rounds + sum(
-            int(s.split(":")[0]) for s in cfg.cold_start_schedules.split())
+        from problems_and_policy import further_schedules
+
+        steps = cfg.cold_start_steps * cfg.cold_start_rounds + sum(s for s, _, _, _ in further_schedules(cfg.cold_start_schedules))
         self.left = {"data": 1.0, "base": steps * SECONDS["cold_start_step"],
                      "runs": runs * (SECONDS["rl_run_fixed"] + cfg.steps * SECONDS["rl_step"]), "report": 5.0}
-        self.runs, self.start, self.names = runs, time.time(), list(self.left)
-        self.current, self.since, self.since_stage, self.stage_times = None, self.start, self.start, {}
+        self.runs, self.seconds, self.current, self.since = runs, {}, None, time.time()
 
     def stage(self, name: str, what: str, run: int = 0) -> None:
-        now = time.time()
-        if self.current:
-            self.stage_times[self.current] = self.stage_times.get(self.current, 0.0) + now - self.since_stage
-        self.since_stage = now
+        self._count()
         if self.current and self.current != name:
             self.left[self.current] = 0.0
-        if run > 1:  # the runs so far set the pace of the rest
-            self.left["runs"] = (now - self.since) / (run - 1) * (self.runs - run + 1)
-        elif name != self.current:
-            self.since = now
         self.current = name
-        print(f"run-06: {self.names.index(name) + 1}/{len(self.names)} {name}: {what}; about "
+        if run > 1:  # the runs timed so far set the pace of the rest
+            self.left["runs"] = self.seconds["runs"] / (run - 1) * (self.runs - run + 1)
+        print(f"run-06: {list(self.left).index(name) + 1}/{len(self.left)} {name}: {what}; about "
               f"{minutes(sum(self.left.values()))} left", flush=True)
 
-    def elapsed(self) -> str:
-        return minutes(time.time() - self.start)
+    def finish(self, out: Path) -> str:
+        """Writes OUT/timings.json, each stage's seconds in this call (a stage kept from before took none); the total."""
+        self._count()
+        (out / "timings.json").write_text(json.dumps({k: round(v, 1) for k, v in self.seconds.items()}))
+        return minutes(sum(self.seconds.values()))
 
-    def finish(self, out: Path) -> None:
-        """OUT/timings.json: each stage's seconds in this call (a stage kept from before takes none)."""
-        self.stage_times[self.current] = self.stage_times.get(self.current, 0.0) + time.time() - self.since_stage
-        (out / "timings.json").write_text(json.dumps({k: round(v, 1) for k, v in self.stage_times.items()}))
+    def _count(self) -> None:
+        now = time.time()
+        if self.current:
+            self.seconds[self.current] = self.seconds.get(self.current, 0.0) + now - self.since
+        self.since = now
 
 
 def minutes(seconds: float) -> str:

@@ -1,0 +1,118 @@
+"""Chapter 06's experiment in one command: the preset is the pages' recipe, and make run-06 runs it end to end."""
+import dataclasses
+import json
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+
+import cold_start
+import experiment
+import problems_and_policy
+from chained_problems import make_chained_problems
+from configuration import field_flag, make_config
+from findings import PLOTS
+from prepare_data import write_jsonl
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def page_commands(page: str) -> dict[str, list[str]]:
+    """The cold_start.py commands of a page's code blocks: {the --out folder's name: the command's flags}."""
+    text = re.sub(r"\\\n\s*", "", (ROOT / page).read_text())
+    commands = {}
+    for line in text.splitlines():
+        if "05-retool/cold_start.py" in line:
+            argv = shlex.split(line.split("05-retool/cold_start.py", 1)[1])
+            commands[Path(argv[argv.index("--out") + 1]).name] = argv
+    return commands
+
+
+def settings(argv: list[str]) -> dict:
+    """cold_start.py's parsed flags, less where the model comes from and goes to."""
+    return {k: v for k, v in vars(cold_start.parse_args(argv + ["--out", "x"])).items() if k not in ("out", "model")}
+
+
+def test_the_chained_preset_is_the_recipe_of_the_pages_base():
+    page = page_commands("docs/appendix/06-bases.md")
+    recipe = [page["chained-base-c"], page["chained-base-f"], page["chained-base-h"]]
+    assert page["chained-base-f"][page["chained-base-f"].index("--model") + 1] == "runs/chained-base-c"
+    assert page["chained-base-h"][page["chained-base-h"].index("--model") + 1] == "runs/chained-base-f"
+    preset = problems_and_policy.cold_start_argvs(make_config("cpu-chained", {}))
+    assert [settings(argv) for argv in preset] == [settings(argv) for argv in recipe]
+    assert experiment.chained_config([]) == make_config("cpu-chained", {})  # run-06 builds the preset's base
+
+
+def chained_data(folder: Path, train: int = 240, test: int = 40) -> None:
+    rows = make_chained_problems(train, test, seed=0)
+    write_jsonl(rows[0], folder / "data" / "chained_train.jsonl")
+    write_jsonl(rows[1], folder / "data" / "chained_test.jsonl")
+
+
+TOY = dict(cold_start_steps=6, cold_start_tool_only_steps=3, cold_start_batch_size=4, cold_start_schedules="4:2 4:1:drills",
+           cold_start_cache=False)
+
+
+def test_a_base_of_several_schedules_is_the_chain_of_separate_cold_starts(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    chained_data(tmp_path)
+    cfg = make_config("cpu-chained", TOY)
+    problems_and_policy.cold_started_model(cfg, Path("run"))
+    before = None
+    for name, argv in zip("cfh", problems_and_policy.cold_start_argvs(cfg)):
+        cold_start._DRAWN.clear()  # as a command of its own would: traces drawn anew
+        cold_start.main(argv + ["--out", f"by-hand/{name}"] + (["--model", f"by-hand/{before}"] if before else []))
+        before = name
+    schedules = sorted(Path("run/base-schedules").iterdir()) + [Path("run/base")]
+    for made, by_hand in zip(schedules, ["by-hand/c", "by-hand/f", "by-hand/h"]):
+        assert (made / "model.safetensors").read_bytes() == (Path(by_hand) / "model.safetensors").read_bytes()
+    assert json.loads(Path("run/base/cold_start.json").read_text())["drills_in_mix"]
+
+
+def test_run_06_end_to_end_at_toy_sizes(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    chained_data(tmp_path)
+    docs = {p: p.stat().st_mtime_ns for p in (ROOT / "docs").rglob("*")}
+    flags = ["--steps", "2", "--problems-per-step", "2", "--group-size", "2", "--eval-problems", "4",
+             *(f for k, v in TOY.items() for f in (field_flag(k), str(v).lower()))]
+    # A toy base lacks the moves: RL is refused, in one line, after the base.
+    with pytest.raises(SystemExit, match=r"error: the base runs/experiment-06/base fails the moves check \(call "):
+        experiment.main(["--arms", "baseline", "--", *flags])
+    assert sorted(p.name for p in Path("runs/experiment-06").iterdir()) == ["base", "base-schedules", "experiment.json"]
+    report = experiment.main(["--arms", "baseline", "--ignore-moves-check", "--", *flags])
+    text = report.read_text()
+    assert "| 4 | " in text and "the page" in text and all((report.parent / png).exists() for png in PLOTS)
+    run = Path("runs/experiment-06/baseline-s0")
+    assert len((run / "metrics.jsonl").read_text().splitlines()) == 2
+    stamp = (run / "metrics.jsonl").stat().st_mtime_ns
+    capsys.readouterr()
+    experiment.main(["--arms", "baseline", "--ignore-moves-check", "--", *flags])  # again: every stage kept
+    assert "done already" in capsys.readouterr().out and (run / "metrics.jsonl").stat().st_mtime_ns == stamp
+    with pytest.raises(SystemExit, match="holds an experiment of another recipe \\(steps 2, not 3\\)"):
+        experiment.main(["--arms", "baseline", "--", *flags, "--steps", "3"])
+    assert {p: p.stat().st_mtime_ns for p in (ROOT / "docs").rglob("*")} == docs  # nothing under docs/
+
+
+def test_bad_arms_and_flags_are_refused_in_one_line_before_any_model(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit, match="--arms: no arm 'calls-3'"):
+        experiment.main(["--arms", "calls-3"])
+    with pytest.raises(SystemExit, match="cold_start_schedules: '600:700' is not"):
+        experiment.main(["--", "--cold-start-schedules", "600:700"])
+    assert not Path("runs").exists()
+
+
+def test_the_pages_say_what_run_06_does_and_how_long_it_takes():
+    from doc_pages import says
+
+    import results
+
+    cfg, words = make_config("cpu-chained", {}), {3: "three"}
+    says("06-experiments.md", f"{words[1 + len(cfg.cold_start_schedules.split())]} cold starts, each",
+         f"one RL run of {cfg.steps} steps per arm and seed", f"{', '.join(map(str, [1, 2]))} and 4",
+         "runs four stages")
+    bench = results.load("06-bench-experiment")["figures"]
+    assert bench["runs"] == len(experiment.BUDGET_ARMS)
+    assert bench["total_min"] < 45  # what the README says of it
+    assert "one seed, under 45 min on two cores" in (ROOT / "README.md").read_text()
