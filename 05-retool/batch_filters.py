@@ -1,11 +1,8 @@
 """The loop's options from the field since ToRL: DAPO's dynamic sampling, and what leaves the loss.
 
 Each is a Config field, off by default and in the torl-* presets, because ToRL
-had none of them. Dynamic sampling draws extra problems until every group of
-the step differs in reward (bounded rounds; degenerate groups fill the rest);
-DAPO's overlong filtering and SimpleTIR's void turns keep trajectories out of
-the loss without dropping them from the batch. What each does and why:
-docs/06-beyond-torl.md; the story of the loop: docs/05-retool.md.
+had none of them. What each does and why: docs/06-beyond-torl.md; the loop:
+docs/05-retool.md.
 """
 from __future__ import annotations
 
@@ -14,11 +11,8 @@ import dataclasses
 
 def keep_informative_groups(trajectories, results, sample, rollout_cfg, more_problems, cfg):
     """DAPO's dynamic sampling, if cfg.dynamic_sampling: (trajectories, results, metrics) with as many groups;
-    off, the step's own as they are and no metrics.
-
-    `sample(problems, rollout_cfg)` samples and scores as the step did; extra
-    round r (1, 2, ...) samples `more_problems(r)` with a seed of its own.
-    """
+    off, the step's own and no metrics. `sample(problems, rollout_cfg)` samples and scores as the step did;
+    extra round r (1, 2, ...) samples `more_problems(r)` with a seed of its own."""
     if not cfg.dynamic_sampling:
         return trajectories, results, {}
 
@@ -72,13 +66,12 @@ def extra_seed(seed: int | None, extra_round: int) -> int | None:
 def excluded_from_loss(trajectories, tokenizer, mask_truncated: bool, filter_void_turns: bool):
     """(one flag per trajectory: kept out of the loss, metrics); void turns are counted whether filtered or not."""
     has_void_turn = [void_turns(t, tokenizer) > 0 for t in trajectories]
-    excluded = [False] * len(trajectories)
+    excluded = [(mask_truncated and t.truncated) or (filter_void_turns and void)
+                for t, void in zip(trajectories, has_void_turn)]
     metrics = {}
     if mask_truncated:
-        excluded = [e or t.truncated for e, t in zip(excluded, trajectories)]
         metrics["truncated_masked"] = float(sum(t.truncated for t in trajectories))
     if filter_void_turns:
-        excluded = [e or v for e, v in zip(excluded, has_void_turn)]
         metrics["void_filtered"] = float(sum(has_void_turn))
     metrics["void_trajectories"] = float(sum(has_void_turn))
     return excluded, metrics

@@ -1,9 +1,8 @@
 """What a run leaves on disk so that it can go on: checkpoints, random state, and its metrics and eval records.
 
-Key decisions: a checkpoint folder is complete or absent (written under a
-`.tmp` name, every file flushed, then renamed); metrics.jsonl and eval.jsonl
-are appended and flushed line by line, and a resume cuts the lines of steps
-after its checkpoint; a stop saves the last finished step before exiting.
+Key decisions: a checkpoint folder is complete or absent; metrics.jsonl and
+eval.jsonl are appended and flushed line by line, and a resume cuts the lines
+of steps after its checkpoint; a stop saves the last finished step first.
 The story: docs/05-retool.md, "Checkpoints, resume, stop, bad configuration".
 """
 from __future__ import annotations
@@ -21,14 +20,8 @@ from stopping import STOPPER, StopRequested
 
 
 def save_checkpoint(run_dir: Path, step: int, model, optimizer, tokenizer, keep: int, rng: dict | None = None) -> Path:
-    """Hugging Face weights + tokenizer + optimizer + RNG state, written to a temporary folder then renamed.
-
-    A checkpoint folder either is complete or does not exist: a kill mid-write
-    leaves only a `.tmp` folder, which the next save or resume ignores. Every
-    file is flushed to disk before the rename, so a power cut right after it
-    cannot leave a complete-looking folder of empty files. `rng` is the random
-    state to record (default: the current one).
-    """
+    """Hugging Face weights + tokenizer + optimizer + RNG state (`rng`, default the current one), written to a
+    `.tmp` folder, every file flushed, then renamed: a kill or a power cut leaves no complete-looking half."""
     from transformers.utils import logging as transformers_logging
 
     transformers_logging.disable_progress_bar()  # a "Writing model shards" bar per checkpoint would bury the step lines
@@ -94,28 +87,23 @@ def latest_checkpoint(run_dir: Path) -> dict | None:
 
 
 def load_optimizer(state: dict, optimizer) -> None:
-    """The checkpoint's optimizer state, mapped onto the CPU first; `load_state_dict` moves it to the weights' device.
+    """The checkpoint's optimizer state, memory-mapped onto the CPU; `load_state_dict` moves it to the weights' device.
 
-    Read straight to where it was saved from, a GPU would briefly hold a second
-    copy of AdamW's moments (twice the model in float32) beside the live ones.
-    Memory-mapped, the file is read only where a tensor is used: ranks that
-    take rank 0's state instead (FSDP2) read nothing, and ranks on one node
-    share one copy in the page cache (torl-7b's file is 61 GB).
+    On the GPU at once, AdamW's moments (twice the model in float32) would briefly be there twice; memory-mapped,
+    ranks that take rank 0's state (FSDP2) read nothing and ranks on one node share the page cache.
     """
     import torch
 
     shards = Path(state["path"]) / "optimizer"
     if shards.is_dir():  # FSDP2: each rank reads its own shard
         optimizer.load_shards(shards)
-        return
-    path = Path(state["path"]) / "optimizer.pt"
-    optimizer.load_state_dict(torch.load(path, map_location="cpu", mmap=True))
+    else:
+        optimizer.load_state_dict(torch.load(shards.with_suffix(".pt"), map_location="cpu", mmap=True))
 
 
 def capture_rng() -> dict:
-    import torch
-
     import numpy as np
+    import torch
 
     rng = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
@@ -124,9 +112,8 @@ def capture_rng() -> dict:
 
 
 def restore_rng(rng: dict) -> None:
-    import torch
-
     import numpy as np
+    import torch
 
     random.setstate(rng["python"])
     if "numpy" in rng:  # checkpoints written before numpy's state was kept have none
@@ -138,12 +125,9 @@ def restore_rng(rng: dict) -> None:
 
 def stop_with_checkpoint(stop: StopRequested, run_dir: Path, step: int, rng: dict, model, optimizer, tokenizer,
                          keep: int, dp):
-    """Save `step`, the last finished one, unless it is saved already; then exit with 128 + the signal.
-
-    `rng` is the random state right after that step. Data parallel: rank 0 saves
-    its replica alone, with no collective, since the other ranks may be anywhere;
-    FSDP2 shards cannot be gathered then, so such a run resumes from its last save.
-    """
+    """Save `step`, the last finished one (`rng`: the random state right after it), unless it is saved already;
+    then exit with 128 + the signal. Rank 0 saves its replica alone, with no collective (the other ranks may be
+    anywhere); FSDP2 shards cannot be gathered then, so such a run resumes from its last save."""
     final = run_dir / "checkpoints" / f"step-{step:06d}"
     if step > 0 and not (final / "state.json").exists() and dp.is_main and dp.strategy != "fsdp":
         STOPPER.hold()  # a further signal while saving waits (a third one stops at once)

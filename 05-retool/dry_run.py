@@ -4,16 +4,11 @@
     .venv/bin/python 05-retool/retool.py --preset torl-7b --dry-run --plan-gpus 1     # refused: say why
     .venv/bin/python 05-retool/retool.py --preset simpletir-7b --dry-run --plan-nodes 2
 
-It checks the configuration, the data files (and, where the model's tokenizer is
-on this machine, the prompt filter's counts), the sandbox with one real call, the
-rank layout and batch split, and plans memory per GPU from the model's shape
-(config.json where the model is on this machine, else bench_train.SHAPES):
-the trainer's state, the update's peak (logits of one micro-batch, layer inputs),
-vLLM's share and the KV cache tokens it leaves; then the cost of a step and of
-the whole schedule from FLOP counts and assumed rates (`cost_plan`). A real run
-on CUDA makes the same memory checks before it loads anything
-(`check_memory_plan`). The arithmetic is the one docs/06-scaling.md explains;
-GB = 10^9 bytes.
+It checks the configuration, the data files, the sandbox (one real call) and
+the rank layout, plans memory per GPU from the model's shape (`memory_plan`)
+and the cost of the schedule from FLOP counts and assumed rates (`cost_plan`).
+A real run on CUDA makes the same memory checks before it loads anything
+(`check_memory_plan`). The arithmetic: docs/06-scaling.md; GB = 10^9 bytes.
 """
 from __future__ import annotations
 
@@ -51,10 +46,8 @@ PLAN_GPUS = {"gpu": 8, "demo": 1}  # --plan-gpus' default: a node of 8 for a GPU
 
 
 def add_plan_flags(parser) -> None:
-    """The dry run's flags: the GPUs it plans for without CUDA, and the throughputs its cost assumes.
-
-    --plan-gpus' default depends on the preset: parse the flags, then call fill_plan_defaults.
-    """
+    """The dry run's flags: the GPUs it plans for without CUDA, and the throughputs its cost assumes
+    (--plan-gpus' default depends on the preset: fill_plan_defaults)."""
     from lab_cli import at_least
 
     plan = parser.add_argument_group("--dry-run: the GPUs to plan for (without CUDA) and the assumed rates of its cost")
@@ -118,16 +111,13 @@ class MemoryPlan:
 
 def dry_run(cfg, preset: str, args, start_sandbox) -> int:
     """Print every check, the memory plan and the cost; 0 when a real run would start, 2 when it would be refused.
-
-    `args`: retool's parsed flags (add_plan_flags' among them). `start_sandbox(cfg)` is the
-    loop's own (retool.py): the same start, with one real call.
-    """
+    `args`: retool's parsed flags; `start_sandbox(cfg)`: the loop's own start, with one real call."""
     from configuration import config_problems
 
-    cuda = _cuda_gpus()
+    cuda, cuda_gb = _cuda()
     per_node, nodes, gpu_gb = args.plan_gpus, args.plan_nodes, args.plan_gpu_gb
     if cuda:
-        per_node, gpu_gb = cuda, _cuda_gb()
+        per_node, gpu_gb = cuda, cuda_gb
         nodes = max(1, int(os.environ.get("WORLD_SIZE", cuda)) // cuda)
     gpus = per_node * nodes
     print(f"dry run of preset {preset}: {gpus} x {gpu_gb:.0f} GB GPU(s)" + (f" ({nodes} nodes of {per_node})" if nodes > 1 else "")
@@ -160,11 +150,11 @@ def dry_run(cfg, preset: str, args, start_sandbox) -> int:
 
 def check_memory_plan(cfg) -> None:
     """Before a real run on CUDA loads anything: refuse, in one line, a plan that cannot fit."""
-    gpus = _cuda_gpus()
+    gpus, gpu_gb = _cuda()
     shape = model_shape(cfg.model) if cfg.model and gpus else None
     if shape is None:
         return
-    plan = memory_plan(cfg, shape, int(os.environ.get("WORLD_SIZE", "1")), _cuda_gb(), per_node=gpus)
+    plan = memory_plan(cfg, shape, int(os.environ.get("WORLD_SIZE", "1")), gpu_gb, per_node=gpus)
     if plan.problems:
         raise SystemExit(f"error: {plan.problems[0]} (see --dry-run)")
 
@@ -174,14 +164,10 @@ def cost_plan(cfg, shape: dict, gpus: int, gpu: str = "H100", decode_rate: float
               kv_tokens: int = 0, eval_rows: int = 0) -> CostPlan:
     """A step's tokens, FLOPs and seconds on `gpus` GPUs, and the GPU-hours of `cfg.steps` steps.
 
-    Decode is bound by memory: a step of a GPU's batch reads the engine's weights and every sequence's
-    KV cache once, at DECODE_BANDWIDTH_SHARE of HBM_TBPS; the batch takes as many steps as its longest
-    response, and the longest trajectory adds its tool calls. Every rank is planned at the budget, so
-    the plan is the slowest rank's. The update is 6N a token at `train_mfu`, plus 2N for the old
-    log-probs unless the update's own forward gives them (one mini-batch, no TIS:
-    update_options.update_gives_pi_old) and 2N for checkpointing's recompute. An evaluation every
-    `cfg.eval_every` steps decodes `eval_rows` x eval_k responses the same way. Not counted: prompt
-    prefill, the weight sync.
+    Decode is bound by memory (weights and KV cache read once a step); every rank is planned at the
+    budget, so the plan is the slowest rank's. The update is 6N a token, plus 2N for the old log-probs
+    unless the update's forward gives them and 2N for checkpointing's recompute. Not counted: prompt
+    prefill, the weight sync. The model: docs/05-torl.md, "The cost before the run".
     """
     from update_options import update_gives_pi_old
 
@@ -397,11 +383,9 @@ def _data_counts(cfg) -> dict[str, int]:
 
 def rows_evaluated(cfg, eval_file_rows: int) -> int:
     """The problems an evaluation samples: eval_problems, else every row of the eval file (0 where it is not here)."""
-    if not cfg.eval_every and not cfg.eval_problems:
-        return 0
     if cfg.eval_problems and eval_file_rows:
         return min(cfg.eval_problems, eval_file_rows)
-    return cfg.eval_problems or eval_file_rows
+    return cfg.eval_problems or (eval_file_rows if cfg.eval_every else 0)
 
 
 def _sandbox_check(cfg, start_sandbox) -> list[str]:
@@ -440,13 +424,10 @@ def driver_problem() -> str | None:
             "(torch would see no GPU): update the driver")
 
 
-def _cuda_gpus() -> int:
+def _cuda() -> tuple[int, float]:
+    """(the GPUs CUDA sees here, the first one's GB); (0, 0.0) without CUDA."""
     import torch
 
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
-
-
-def _cuda_gb() -> float:
-    import torch
-
-    return torch.cuda.get_device_properties(0).total_memory / GB
+    if not torch.cuda.is_available():
+        return 0, 0.0
+    return torch.cuda.device_count(), torch.cuda.get_device_properties(0).total_memory / GB

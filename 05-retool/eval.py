@@ -7,13 +7,10 @@
     .venv/bin/python 05-retool/eval.py --model runs/cpu-demo-.../checkpoints/step-000020 --data data/toy_test.jsonl
 
 Key decisions: the default is ToRL's protocol (greedy, one response per
-problem, AIME24, AIME25 and MATH500, the paper's numbers beside the measured
-ones); pass@j uses the unbiased estimator 1 - C(n-c, j) / C(n, j) over n
-samples of which c are right; every metric is reported per data set (each
-problem's `source`); `--mode text` gives the model no tool and a prompt that
-never mentions one (`cot`), since a tool prompt without the tool makes a model
-write code and invent its output. The loop (retool.py) calls `evaluate` for
-its own evaluations. The story: docs/05-torl.md, "Evaluation: eval.py".
+problem, AIME24, AIME25 and MATH500, the paper's numbers beside); pass@j is the
+unbiased estimator; every metric is per data set; `--mode text` has no tool and
+a prompt that never mentions one (`cot`). The loop (retool.py) calls `evaluate`
+too. The story: docs/05-torl.md, "Evaluation: eval.py".
 """
 from __future__ import annotations
 
@@ -40,12 +37,34 @@ PAPER = {
 PAPER_SET_SIZE = {"aime24": 30, "aime25": 30, "math500": 500}
 
 
-def evaluate(llm, problems: list[dict], sandbox, samples_path: Path | None = None, **settings) -> dict:
+def evaluate(llm, problems: list[dict], sandbox, samples_path: Path | None = None, dp=None, **settings) -> dict | None:
     """Sample k responses per problem, score them, and summarise per source and overall (`settings`: sample_scored's).
 
-    A run under torchrun deals the problems over its ranks instead (run_record.evaluate_spread).
+    Under torchrun (`dp`, 06's DataParallel) each rank samples its share and rank 0 puts the samples back
+    in the problems' order: the result and the samples file equal one process's. Other ranks get None.
     """
-    return summarise_evaluation(*sample_scored(llm, problems, sandbox, **settings), samples_path)
+    if dp is None:
+        from distributed import DataParallel
+
+        dp = DataParallel()  # a world of one
+    indices, share = dp.share(problems)
+    settings, samples = sample_scored(llm, share, sandbox, indices=indices, **settings)
+    k = settings["k"]  # the samples come k per problem, in the share's order
+    per_problem = dp.gather_in_order([samples[i * k: (i + 1) * k] for i in range(len(share))], indices)
+    if not dp.is_main:
+        return None
+    samples = [sample for rows in per_problem for sample in rows]
+    if samples_path is not None:
+        from prepare_data import write_jsonl
+
+        write_jsonl(samples, Path(samples_path))
+    by_source = defaultdict(list)
+    for sample in samples:
+        by_source[sample["source"]].append(sample)
+    summary = {source: summarise(rows, k) for source, rows in sorted(by_source.items())}
+    if len(by_source) > 1:
+        summary["all"] = summarise(samples, k)
+    return {**settings, "sets": summary}
 
 
 def sample_scored(llm, problems: list[dict], sandbox, k: int = 1, mode: str = "tir", template: str | None = None,
@@ -54,10 +73,8 @@ def sample_scored(llm, problems: list[dict], sandbox, k: int = 1, mode: str = "t
                   indices: list[int] | None = None) -> tuple[dict, list[dict]]:
     """The evaluation's settings and its samples, k per problem in the problems' order, scored.
 
-    `template` defaults to the mode's (DEFAULT_TEMPLATE); `temperature` 0 is
-    greedy decoding (then k must be 1). `rollout_overrides` sets further
-    RolloutConfig fields (tests force tool calls with it). `indices`: each
-    problem's place in the whole evaluation set when these are a share of it
+    `temperature` 0 is greedy (then k must be 1). `rollout_overrides`: further RolloutConfig fields (tests
+    force tool calls with it). `indices`: each problem's place in the whole set when these are a share of it
     (a rank's): the seeds follow it, so a share samples as the whole would.
     """
     from reward import score_batch
@@ -84,21 +101,6 @@ def sample_scored(llm, problems: list[dict], sandbox, k: int = 1, mode: str = "t
         for t, r in zip(trajectories, results)
     ]
     return {"mode": mode, "k": k, "temperature": temperature, "template": template, "scorer": scorer}, samples
-
-
-def summarise_evaluation(settings: dict, samples: list[dict], samples_path: Path | None = None) -> dict:
-    """The result of an evaluation from its settings and samples (sample_scored's); the samples to `samples_path`."""
-    if samples_path is not None:
-        from prepare_data import write_jsonl
-
-        write_jsonl(samples, Path(samples_path))
-    by_source = defaultdict(list)
-    for sample in samples:
-        by_source[sample["source"]].append(sample)
-    summary = {source: summarise(rows, settings["k"]) for source, rows in sorted(by_source.items())}
-    if len(by_source) > 1:
-        summary["all"] = summarise(samples, settings["k"])
-    return {**settings, "sets": summary}
 
 
 def summarise(samples: list[dict], k: int) -> dict:
@@ -157,13 +159,8 @@ def markdown_table(result: dict) -> str:
 
 
 def paper_table(result: dict) -> str:
-    """Measured accuracy (%) beside ToRL's, for the sets the paper reports; "" when there are none.
-
-    The paper's numbers are greedy, one sample per problem, on the full sets
-    (PAPER_SET_SIZE problems); a measurement on fewer problems, such as the
-    134 MATH500 rows of ToRL's released test file, is shown but marked as not
-    comparable.
-    """
+    """Measured accuracy (%) beside ToRL's, for the sets the paper reports; "" when there are none. The paper's
+    are greedy, one sample, on the full sets (PAPER_SET_SIZE): a measurement on fewer is marked not comparable."""
     k = result["k"]
     rows = [(name, summary) for name, summary in result["sets"].items() if name in PAPER]
     if not rows:
@@ -197,8 +194,7 @@ def main(argv: list[str] | None = None) -> dict:
     check_eval_out(out, args.overwrite)  # first: an earlier evaluation is replaced only when asked
     if args.temperature == 0 and args.k > 1:
         sys.exit(f"error: --k {args.k} with greedy decoding gives {args.k} identical samples; add --temperature 1.0 (or another)")
-    problem = model_problem(args.model)
-    if problem:
+    if problem := model_problem(args.model):
         sys.exit(f"error: --{problem}")
     take_run_settings(args)
     limit = position_limit(args.model)
@@ -237,8 +233,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     (out / "summary.json").write_text(json.dumps(json_safe(result), indent=1))
     print(markdown_table(result))
-    comparison = paper_table(result)
-    if comparison:
+    if comparison := paper_table(result):
         print("\n" + comparison)
     print(f"samples: {out / 'samples.jsonl'}  summary: {out / 'summary.json'}")
     return result

@@ -21,7 +21,7 @@ PANELS = [
 
 
 def plot_run(run_dir: Path) -> Path:
-    """plots.png from metrics.jsonl: reward, accuracy, code ratio and pass ratio, response length, policy entropy."""
+    """plots.png from metrics.jsonl, one panel of PANELS each."""
     import matplotlib
 
     matplotlib.use("Agg")

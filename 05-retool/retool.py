@@ -6,18 +6,16 @@
     .venv/bin/python 05-retool/retool.py --steps 60 --lr 1e-5     # every Config field is a flag (configuration.py)
     .venv/bin/python 05-retool/retool.py --resume RUN_DIR         # (--plot RUN_DIR redraws plots.png)
 
-One step (`train_step`): sample groups with the sandbox in the loop (03, 02),
-score them (04), turn rewards into group advantages and update the policy
-(06), copy the new weights into vLLM (06). Key decisions: the trainer and vLLM
-share one process and the weights are copied in memory after every update;
-the update is on-policy, at the sampling temperature; the run folder, resume,
-stops, evaluations and trackers are one object, `RunRecord` (run_record.py),
-and data parallel one object, `dp` (06's distributed.py), so the loop shows
-the method. The story: docs/05-retool.md.
+`train` runs `train_step` once a step: sample groups with the sandbox in the
+loop (03, 02), score them (04), group advantages, the policy update (on-policy) and
+the new weights copied into vLLM in the same process (06). The run folder, resume, stops,
+evaluations and trackers are one `RunRecord` (run_record.py), data parallel one
+`dp` (06's distributed.py). The story: docs/05-retool.md.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import random
 import sys
@@ -48,34 +46,30 @@ def train(cfg: Config, run_dir: Path, resume: bool = False, dp=None) -> None:
 
     dp = dp or DataParallel()  # a world of one unless torchrun started several ranks
     sandbox = start_sandbox(cfg)  # first: where code cannot be contained, the run stops before any model loads
-    run_record = RunRecord(cfg, run_dir, resume, dp, sandbox_isolation_used=sandbox.isolation)  # the folder, resume, records
-    if run_record.finished:
-        sandbox.close()
-        return
+    run = RunRecord(cfg, run_dir, resume, dp, sandbox_isolation_used=sandbox.isolation)  # the folder, resume, records
+    if run.finished:
+        return sandbox.close()
     train_problems, eval_problems = load_data(cfg, dp)
 
     # The policy to train: the latest checkpoint, or the first policy (cold-started or as given).
-    model_path = run_record.state["path"] if run_record.state else first_policy(cfg, run_dir, dp)
+    model_path = run.state["path"] if run.state else first_policy(cfg, run_dir, dp)
     train_problems = fit_prompts(train_problems, eval_problems, model_path, cfg)  # --max-prompt-tokens, or refused
     model = trainer_policy(cfg, model_path, dp)  # float32; under torchrun DDP's replica or FSDP2's shard
     grpo_cfg = grpo_config(cfg)
     optimizer = make_optimizer(model, grpo_cfg)
-    run_record.restore_optimizer(model, optimizer)
+    run.restore_optimizer(model, optimizer)
+    llm = start_sampler(cfg, model_path, run.state, dp)  # the sampler runs the same weights
+    llm.weight_version = run.start_step
 
-    # The sampler runs the same weights.
-    llm = start_sampler(cfg, model_path, run_record.state, dp)
-    llm.weight_version = run_record.start_step
     trajectories = []
-    with sandbox, run_record.stops_saved(model, optimizer, llm):
-        run_record.evaluate_if_due(run_record.start_step, llm, sandbox, eval_problems, resumed=True)
-        for step in run_record.steps():
+    with sandbox, run.stops_saved(model, optimizer, llm):
+        for step in run.steps(llm, sandbox, eval_problems):  # the held-out evaluations fall between the steps
             problems = batch_at(train_problems, step, cfg.problems_per_step, cfg.seed)
             metrics, trajectories = train_step(
                 llm, model, optimizer, dp.shard(problems, cfg.num_minibatches), sandbox, rollout_config(cfg, step, dp),
                 grpo_cfg, cfg, dp=dp, more_problems=partial(extra_problems, train_problems, step, cfg, dp))
-            run_record.record_step(step + 1, metrics, problems, model, optimizer, llm)
-            run_record.evaluate_if_due(step + 1, llm, sandbox, eval_problems)
-    run_record.finish(trajectories, llm)  # the last step's batch, plots.png
+            run.record_step(step + 1, metrics, problems, model, optimizer, llm)
+    run.finish(trajectories, llm)  # the last step's batch, plots.png
 
 
 def train_step(llm, model, optimizer, problems, sandbox, rollout_cfg, grpo_cfg, cfg: Config, dp=None,
@@ -175,15 +169,10 @@ def rollout_config(cfg: Config, step: int, dp=None):
 
 
 def grpo_config(cfg: Config):
-    """The update's settings (06-train's GRPOConfig), from the run's Config."""
+    """The update's settings (06-train's GRPOConfig): each of its fields that the run's Config has, by name."""
     from grpo import GRPOConfig
 
-    return GRPOConfig(
-        lr=cfg.lr, eps_low=cfg.eps_low, eps_high=cfg.eps_high, aggregation=cfg.aggregation,
-        num_minibatches=cfg.num_minibatches, micro_batch_size=cfg.micro_batch_size,
-        temperature=cfg.temperature, gradient_checkpointing=cfg.gradient_checkpointing,
-        max_response_tokens=cfg.max_response_tokens, tis_cap=cfg.tis_cap, skip_zero_advantage=cfg.skip_zero_advantage,
-        objective=cfg.objective, force_gspo_clip=cfg.force_gspo_clip, tis_mode=cfg.tis_mode)
+    return GRPOConfig(**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(GRPOConfig) if hasattr(cfg, f.name)})
 
 
 def start_sandbox(cfg: Config):
@@ -209,10 +198,8 @@ def start_sandbox(cfg: Config):
 def start_sampler(cfg: Config, model_path: str, state: dict | None, dp=None):
     """The vLLM engine over `model_path`, then the random state: the checkpoint's, or fresh from the seed.
 
-    In that order because vLLM seeds Python's, numpy's and torch's global
-    generators when its engine starts: a state restored before would be
-    silently replaced. Under torchrun (`dp`, 06's DataParallel) each rank's engine
-    gets a seed of its own and joins torchrun's world.
+    In that order because vLLM's engine seeds the global generators when it starts. Under torchrun
+    (`dp`, 06's DataParallel) each rank's engine gets a seed of its own and joins torchrun's world.
     """
     import numpy as np
     import torch

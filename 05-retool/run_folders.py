@@ -1,11 +1,9 @@
 """What a folder named on the command line is, checked before anything is written: a run, an evaluation, or not ours.
 
 Key decision: `--overwrite` removes only a folder the lab wrote, recognised by
-its marker file (a run's config.json with the Config's fields, an evaluation's
-summary.json) and holding nothing but the names the lab writes there. Anything
-else (a git clone, a folder of runs, a user's notes, a checkpoint, the folder
-the command runs in) is refused in one line and left as it was. `--resume`
-takes only a run folder. The story: docs/05-retool.md, "Checkpoints, resume, stop".
+its marker file and holding nothing but the names the lab writes there; anything
+else is refused in one line and left as it was. `--resume` takes only a run
+folder. The story: docs/05-retool.md, "Checkpoints, resume, stop".
 """
 from __future__ import annotations
 
@@ -27,10 +25,7 @@ EVAL_ENTRIES = {"summary.json", "samples.jsonl"}  # what eval.py writes into --o
 
 def check_new_run_dir(run_dir: Path, overwrite: bool) -> None:
     """Refuse, in one line, a new run into a folder that holds anything: its records would be lost or mixed.
-
-    With `overwrite` a run folder is removed first (by rank 0), unless a live run
-    holds it; any other folder is refused.
-    """
+    With `overwrite` a run folder is removed first (by rank 0), unless a live run holds it."""
     keep = (f"error: run folder {run_dir} is not empty: pass --resume {run_dir} to go on with it, "
             "another --run-dir for a new run, or --overwrite to replace it")
     if to_replace(run_dir, overwrite, "--run-dir", "a run folder", is_run, RUN_ENTRIES, keep) and \
@@ -92,7 +87,10 @@ def check_eval_out(out: Path, overwrite: bool) -> None:
 def to_replace(folder: Path, overwrite: bool, flag: str, kind: str, is_kind, entries: set[str], keep: str) -> bool:
     """Whether `folder` must be removed before the lab writes it: False if it is new or empty; True if it is
     `kind` (`is_kind`), holds only `entries` and `overwrite` asks; else a one-line refusal (`keep` if not asked)."""
-    check_writable(folder, flag)
+    from lab_cli import cannot_write
+
+    if why := cannot_write(folder):  # a read-only disk, /proc: refused in seconds, not after the work
+        raise SystemExit(f"error: {flag} {folder}: cannot write there ({why}); choose a folder on a writable disk")
     if not folder.is_dir() or not any(folder.iterdir()):
         return False
     if not is_kind(folder):
@@ -114,15 +112,6 @@ def refuse_foreign(folder: Path, entries: set[str], flag: str) -> None:
     here, target = Path.cwd().resolve(), folder.resolve()
     if here == target or target in here.parents:
         raise SystemExit(f"error: {flag} {folder} holds the folder this command runs in: --overwrite leaves it as it is")
-
-
-def check_writable(folder: Path, flag: str) -> None:
-    """Refuse, in one line, a folder that cannot be written (a read-only disk, /proc): seconds, not after the work."""
-    from lab_cli import cannot_write
-
-    why = cannot_write(folder)
-    if why:
-        raise SystemExit(f"error: {flag} {folder}: cannot write there ({why}); choose a folder on a writable disk")
 
 
 def read_object(path: Path) -> dict | None:
@@ -176,12 +165,8 @@ FREE_ON_RESUME = {"steps", "eval_every", "eval_problems", "eval_k", "eval_temper
 
 
 def resume_config(config_class, run_dir: Path, overrides: dict, argv: list[str] | None, change_recipe: bool):
-    """The Config of the run in `run_dir` with `overrides`, refusing what a resume would ignore or silently change.
-
-    The folder and settings are the run's own: --preset, --run-dir and
-    --overwrite are refused. A recipe setting (anything not in FREE_ON_RESUME)
-    that differs from the run's needs --change-recipe; RunRecord records it.
-    """
+    """The Config of the run in `run_dir` with `overrides`, refusing what a resume would ignore or silently change:
+    --preset, --run-dir, --overwrite, and without --change-recipe a recipe setting (not in FREE_ON_RESUME)."""
     from configuration import field_flag
 
     check_resume_dir(run_dir)
@@ -219,11 +204,8 @@ def stopped_before_training(stop, run_dir: Path) -> str:
 
 
 def take_run_settings(args) -> None:
-    """eval.py on a run's checkpoint: the context, response budget and template its run used, unless given.
-
-    A tiny model's context (the demo's 512 tokens) is far below eval.py's
-    defaults, which are ToRL's; the run's own settings fit its checkpoints.
-    """
+    """eval.py on a run's checkpoint: the context, response budget and template its run used, unless given
+    (a tiny model's context, the demo's 512 tokens, is far below eval.py's defaults, which are ToRL's)."""
     model = Path(args.model)
     run = read_object(model.parent.parent / "config.json") if is_run(model.parent.parent) else None
     taken = {}

@@ -1,12 +1,11 @@
 """Everything a run writes besides the weights' story: its folder, resume point, records, evaluations and stops.
 
-The loop (retool.py) keeps the method in view and hands the record-keeping to
-one `RunRecord` with a few verbs: open (or resume) the folder, `steps()` to
-iterate, `record_step` after each, `evaluate_if_due`, `stops_saved` around the
-work, `finish`. Under torchrun every rank holds one; rank 0 alone writes files.
-Key decisions (checkpoints.py, stopping.py): metrics.jsonl and eval.jsonl are
-the record, cut back to the checkpoint on resume; a stop saves the last
-finished step. The story: docs/05-retool.md, "Checkpoints, resume, stop".
+The loop (retool.py) hands the record-keeping to one `RunRecord` with a few
+verbs: open (or resume) the folder, `stops_saved` around the work, `steps()`
+(evaluations between them), `record_step` after each, `finish`. Under torchrun
+every rank holds one; rank 0 alone writes files. metrics.jsonl and eval.jsonl
+are the record, cut back to the checkpoint on resume. The story:
+docs/05-retool.md, "Checkpoints, resume, stop".
 """
 from __future__ import annotations
 
@@ -19,7 +18,7 @@ from pathlib import Path
 from checkpoints import (append_jsonl, capture_rng, has_eval_row, latest_checkpoint, load_optimizer, save_checkpoint,
                          stop_with_checkpoint, truncate_jsonl)
 from configuration import settings_changed
-from eval import mean, sample_scored, summarise_evaluation, summary_line
+from eval import evaluate, mean, summary_line
 from plots import plot_run
 from run_folders import hold_lock, recipe_changes
 from stopping import STOPPER, StopRequested, signal_self_for_tests
@@ -63,15 +62,17 @@ class RunRecord:
         if self.state is not None:
             load_optimizer(self.state, self.dp.restorable_optimizer(model, optimizer))
 
-    def steps(self):
-        """The steps still to do, under a progress bar (rank 0's)."""
+    def steps(self, llm, sandbox, eval_problems: list[dict]):
+        """The steps still to do, under a progress bar (rank 0's), each held-out evaluation when due between them."""
         from lab_cli import progress
 
+        self.evaluate_if_due(self.start_step, llm, sandbox, eval_problems, resumed=True)
         self.bar = progress(range(self.start_step, self.cfg.steps), desc="RL", initial=self.start_step,
                             total=self.cfg.steps, disable=not self.dp.is_main)
         for step in self.bar:
             signal_self_for_tests(step + 1)
             yield step
+            self.evaluate_if_due(step + 1, llm, sandbox, eval_problems)
 
     def record_step(self, step: int, metrics: dict, problems: list[dict], model, optimizer, llm) -> dict:
         """After step `step` (1-based): the batch's metrics row, a checkpoint when due, the console line."""
@@ -110,24 +111,18 @@ class RunRecord:
             return
         tag = "before RL" if step == 0 else "after RL" if final else f"step {step}"
         for mode in ("tir", "text") if cfg.eval_text and (step == 0 or final) else ("tir",):
-            self._evaluate(tag, step, mode, llm, sandbox, problems)
+            result = evaluate(llm, problems[: cfg.eval_problems] if cfg.eval_problems else problems, sandbox,
+                              self.run_dir / "eval_samples" / f"step-{step:06d}-{mode}.jsonl", dp,
+                              k=cfg.eval_k, mode=mode, template=cfg.template,
+                              max_response_tokens=cfg.eval_max_response_tokens, tool_budget=cfg.tool_budget,
+                              temperature=cfg.eval_temperature, seed=cfg.seed, scorer=cfg.scorer)
+            if dp.is_main:
+                from tqdm import tqdm
 
-    def _evaluate(self, tag: str, step: int, mode: str, llm, sandbox, problems: list[dict]) -> None:
-        cfg = self.cfg
-        tag += " (text only)" if mode == "text" else ""
-        result = evaluate_spread(self.dp, llm, problems[: cfg.eval_problems] if cfg.eval_problems else problems,
-                                 sandbox, self.run_dir / "eval_samples" / f"step-{step:06d}-{mode}.jsonl",
-                                 k=cfg.eval_k, mode=mode, template=cfg.template,
-                                 max_response_tokens=cfg.eval_max_response_tokens, tool_budget=cfg.tool_budget,
-                                 temperature=cfg.eval_temperature, seed=cfg.seed, scorer=cfg.scorer)
-        if not self.dp.is_main:
-            return
-        from tqdm import tqdm
-
-        tqdm.write(f"eval {tag}: {summary_line(result)}")  # on a line of its own, not after the RL bar
-        row = {"step": step, "tag": tag, **result}
-        append_jsonl(self.eval_path, row)
-        self.trackers.log_eval(row)
+                row = {"step": step, "tag": tag + (" (text only)" if mode == "text" else ""), **result}
+                tqdm.write(f"eval {row['tag']}: {summary_line(result)}")  # on a line of its own, not after the RL bar
+                append_jsonl(self.eval_path, row)
+                self.trackers.log_eval(row)
 
     @contextmanager
     def stops_saved(self, model, optimizer, llm):
@@ -159,23 +154,6 @@ class RunRecord:
             (self.run_dir / "last_step.html").write_text(html)
         plot_run(self.run_dir)
         print(f"run folder: {self.run_dir}  (metrics.jsonl, eval.jsonl, plots.png, last_step.html, checkpoints/)")
-
-
-def evaluate_spread(dp, llm, problems: list[dict], sandbox, samples_path: Path, **settings) -> dict | None:
-    """eval.py's evaluation with the problems dealt over the ranks (06's DataParallel `dp`); rank 0's result.
-
-    Each rank samples its share with its own engine and sandbox, seeded by each
-    problem's index in the whole set; rank 0 puts the samples back in the
-    problems' order and summarises them, so the result and the samples file
-    equal one process's. The other ranks get None.
-    """
-    indices, share = dp.share(problems)
-    settings, samples = sample_scored(llm, share, sandbox, indices=indices, **settings)
-    k = settings["k"]  # the samples come k per problem, in the share's order
-    per_problem = dp.gather_in_order([samples[i * k: (i + 1) * k] for i in range(len(share))], indices)
-    if not dp.is_main:
-        return None
-    return summarise_evaluation(settings, [sample for rows in per_problem for sample in rows], samples_path)
 
 
 def remove_if_unstarted(run_dir: Path, say: bool = True) -> None:

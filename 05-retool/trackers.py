@@ -4,12 +4,9 @@
     .venv/bin/python 05-retool/retool.py --log wandb                # a W&B run (offline without a network)
     .venv/bin/python 05-retool/retool.py --log tensorboard,wandb
 
-metrics.jsonl and eval.jsonl stay the record: resume reads them and the plots
-are drawn from them. A tracker gets each row as it is written, under the same
-keys (eval rows as `eval/<set>/<metric>`), and nothing else. Neither package is
-installed by default; each is imported only when asked for, and a missing one
-is a one-line error at start, before any model is loaded. The story:
-docs/05-retool.md, "Logs".
+metrics.jsonl and eval.jsonl stay the record; a tracker gets each row as it is
+written, under the same keys (eval rows as `eval/<set>/<metric>`). A missing
+package is a one-line error at start. The story: docs/05-retool.md, "Logs".
 """
 from __future__ import annotations
 
@@ -49,24 +46,30 @@ def open_trackers(log: str, run_dir: Path, config: dict, start_step: int = 0) ->
     A resumed run redoes the steps after its checkpoint: TensorBoard drops the
     events it had from them (purge_step), W&B resumes the same run id.
     """
-    writers = []
+    writers = []  # (write(scalars, step), close) per tracker
     for name in parse_log(log):
-        if name == "tensorboard":
-            try:
+        try:
+            if name == "tensorboard":
                 from torch.utils.tensorboard import SummaryWriter
-            except ImportError:
-                raise SystemExit(f"error: --log tensorboard needs {INSTALL.format('tensorboard')}") from None
-            writers.append(_TensorBoard(SummaryWriter(str(run_dir / "tensorboard"), purge_step=start_step + 1)))
-        elif name == "wandb":
-            try:
+            else:
                 import wandb
-            except ImportError:
-                raise SystemExit(f"error: --log wandb needs {INSTALL.format('wandb')}") from None
+        except ImportError:
+            raise SystemExit(f"error: --log {name} needs {INSTALL.format(name)}") from None
+        if name == "tensorboard":
+            board = SummaryWriter(str(run_dir / "tensorboard"), purge_step=start_step + 1)
+
+            def write(scalars: dict, step: int, board=board) -> None:
+                for key, value in scalars.items():
+                    board.add_scalar(key, value, step)
+                board.flush()
+
+            writers.append((write, board.close))
+        else:
             mode = os.environ.get("WANDB_MODE") or ("online" if _wandb_reachable(wandb) else "offline")
             run = wandb.init(project=os.environ.get("WANDB_PROJECT", "tool-rl-lab"), name=run_dir.name,
                              id=_run_id(run_dir), resume="allow", dir=str(run_dir), config=config, mode=mode)
             print(f"wandb: {mode} run {run.id} in {run_dir / 'wandb'}")
-            writers.append(_WandB(run))
+            writers.append((lambda scalars, step, run=run: run.log(scalars, step=step), run.finish))
     return Trackers(writers)
 
 
@@ -84,42 +87,18 @@ class Trackers:
                      for key, value in scalars_of(summary).items()}, row["step"])
 
     def _write(self, scalars: dict, step) -> None:
-        for writer in self.writers:
-            writer.log(scalars, int(step))
+        for write, _ in self.writers:
+            write(scalars, int(step))
 
     def close(self) -> None:
-        for writer in self.writers:
-            writer.close()
+        for _, close in self.writers:
+            close()
 
 
 def scalars_of(row: dict) -> dict[str, float]:
     """The finite numbers of a row (not its step, lists or text), as floats."""
     return {key: float(value) for key, value in row.items() if key != "step" and not isinstance(value, bool)
             and isinstance(value, (int, float)) and math.isfinite(value)}
-
-
-class _TensorBoard:
-    def __init__(self, writer) -> None:
-        self.writer = writer
-
-    def log(self, scalars: dict, step: int) -> None:
-        for key, value in scalars.items():
-            self.writer.add_scalar(key, value, step)
-        self.writer.flush()
-
-    def close(self) -> None:
-        self.writer.close()
-
-
-class _WandB:
-    def __init__(self, run) -> None:
-        self.run = run
-
-    def log(self, scalars: dict, step: int) -> None:
-        self.run.log(scalars, step=step)
-
-    def close(self) -> None:
-        self.run.finish()
 
 
 def _run_id(run_dir: Path) -> str:

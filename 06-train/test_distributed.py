@@ -162,7 +162,7 @@ def _loading_on_ranks(rank, world, model_path):
 
 
 def _evaluation_on_ranks(rank, world):
-    """Each rank's share of 5 problems, 2 results each, gathered back in the problems' order (what evaluate_spread does)."""
+    """Each rank's share of 5 problems, 2 results each, gathered back in the problems' order (what eval.evaluate does)."""
     dp = DataParallel(rank, world)
     indices, share = dp.share([f"problem {i}" for i in range(5)])
     return dp.gather_in_order([[f"{problem} sample {j} by rank {rank}" for j in range(2)] for problem in share], indices)
