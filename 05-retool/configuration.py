@@ -58,7 +58,7 @@ class Config:
     cold_start_batch_size: int = 32  # traces per cold-start step
     cold_start_kv_heads: int = 1  # scratch: key-value heads of the tiny model (1: its heads share one)
     cold_start_rounds: int = 1  # chained task: schedules run until the base passes the moves check, at most
-    cold_start_schedules: str = ""  # further cold starts, each from the last one's weights: STEPS:TOOL_ONLY_STEPS[:drills][*ROUNDS] ...
+    cold_start_schedules: str = ""  # further cold starts, each from the last one's weights: STEPS:TOOL_ONLY_STEPS[:drills] ...
     cold_start_cache: bool = True  # reuse a base cold-started before from the same inputs (~/.cache/tool-rl-lab)
     # ===== Below: how the lab runs the recipe, and options beyond it. A first read can stop here. =====
     # --- the same method, run another way (rollout and update mechanics) ---

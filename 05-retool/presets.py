@@ -77,13 +77,12 @@ PRESETS["cpu-chained"] = dict(
     # The base: three cold starts, sized by the moves check (moves_check.py), not by RL. The demo's 300 / 200 steps
     # and one shared key-value head left a base that copied no number from these problems; so 600 steps, 450 of them
     # on the drills, repeated once if the check fails; one more such schedule; then one whose mixed phase keeps the
-    # drills, repeated (up to 3 in all) until the check passes: the float sums of another CPU give another base
-    # (docs/appendix/06-bases.md: how each was found; on the machine of its base -h, the third passed at once).
+    # drills (docs/appendix/06-bases.md: how each was found, and the base this recipe gave on another machine).
     cold_start_steps=600,
     cold_start_tool_only_steps=450,
     cold_start_kv_heads=4,
     cold_start_rounds=2,
-    cold_start_schedules="600:450 600:150:drills*3",
+    cold_start_schedules="600:450 600:150:drills",
 )
 # ToRL-7B: the same script values with Qwen2.5-Math-7B, on the 8 GPUs of one node
 # (torchrun --nproc-per-node 8; make run-05 NPROC=8 PRESET=torl-7b). Its trainer

@@ -207,29 +207,26 @@ def cold_start_argvs(cfg) -> list[list[str]]:
     if cfg.cold_start == "finetune":
         first.update({"--train-layers": cfg.train_layers, "--warmup-steps": 10, "--threads": trainer_threads(cfg) or 1})
     flags = [first]
-    for steps, tool_only_steps, drills, rounds in further_schedules(cfg.cold_start_schedules):
+    for steps, tool_only_steps, drills in further_schedules(cfg.cold_start_schedules):
         later = {k: v for k, v in first.items() if k not in ("--kv-heads", "--rounds")}  # the model exists by now
         flags.append({**later, "--steps": steps, "--tool-only-steps": tool_only_steps,
-                      **({"--drills-in-mix": None} if drills else {}), **({"--rounds": rounds} if rounds > 1 else {})})
+                      **({"--drills-in-mix": None} if drills else {})})
     return [[part for flag, value in f.items() for part in (flag, *([] if value is None else [str(value)]))]
             for f in flags]
 
 
-def further_schedules(text: str) -> list[tuple[int, int, bool, int]]:
-    """Config.cold_start_schedules, "600:450 600:150:drills*2", as [(steps, tool-only steps, drills in the mix,
-    rounds)]: *N runs that schedule again, up to N times in all, until the base passes the moves check."""
+def further_schedules(text: str) -> list[tuple[int, int, bool]]:
+    """Config.cold_start_schedules, "600:450 600:150:drills", as [(steps, tool-only steps, drills in the mix)]."""
     schedules = []
     for item in text.split():
-        schedule, _, rounds = item.partition("*")
-        parts = schedule.split(":")
+        parts = item.split(":")
         try:
-            steps, tool_only, rounds = int(parts[0]), int(parts[1]), int(rounds or 1)
+            steps, tool_only = int(parts[0]), int(parts[1])
         except (IndexError, ValueError):
-            raise ValueError(f"'{item}' is not STEPS:TOOL_ONLY_STEPS[:drills][*ROUNDS], e.g. 600:150:drills*2") from None
-        if len(parts) > 3 or parts[2:] not in ([], ["drills"]) or not 0 <= tool_only <= steps or min(steps, rounds) < 1:
-            raise ValueError(f"'{item}' is not STEPS:TOOL_ONLY_STEPS[:drills][*ROUNDS] with 0 <= TOOL_ONLY_STEPS <= STEPS "
-                             "and ROUNDS at least 1")
-        schedules.append((steps, tool_only, len(parts) == 3, rounds))
+            raise ValueError(f"'{item}' is not STEPS:TOOL_ONLY_STEPS[:drills], e.g. 600:150:drills") from None
+        if len(parts) > 3 or parts[2:] not in ([], ["drills"]) or not 0 <= tool_only <= steps or steps < 1:
+            raise ValueError(f"'{item}' is not STEPS:TOOL_ONLY_STEPS[:drills] with 0 <= TOOL_ONLY_STEPS <= STEPS")
+        schedules.append((steps, tool_only, len(parts) == 3))
     return schedules
 
 

@@ -2,6 +2,7 @@
 
     make bench-06                                # the default experiment (one seed, C = 1, 2, 4) in a fresh folder
     make bench-06 ARGS="--results 06-bench-experiment"   # also docs/results/06-bench-experiment.json
+    make bench-06 ARGS="--out runs/bench-06 --ignore-moves-check"   # keep the runs; RL even from a base that fails the check
 
 The issue's budget on two idle cores: the base at most 20 min, a 60-step run at most 4, the whole at most 45.
 """
@@ -20,10 +21,14 @@ import experiment
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--results", metavar="NAME", help="also write the figures to docs/results/NAME.json (results.py)")
+    p.add_argument("--out", help="the experiment's folder, kept (default: a temporary one, removed after)")
+    p.add_argument("--ignore-moves-check", action="store_true", help="time RL even from a base that fails the moves check")
     args = p.parse_args(argv)
-    with tempfile.TemporaryDirectory(prefix="bench-06-") as folder:
+    with tempfile.TemporaryDirectory(prefix="bench-06-") as temporary:
+        folder = args.out or temporary
         start = time.time()
-        experiment.main(["--out", folder, "--", "--cold-start-cache", "false"])
+        experiment.main(["--out", folder, *(["--ignore-moves-check"] if args.ignore_moves_check else []),
+                         "--", "--cold-start-cache", "false"])
         stages = json.loads((Path(folder) / "timings.json").read_text())
     runs = len(experiment.BUDGET_ARMS)
     figures = {"base_min": round(stages["base"] / 60, 1), "run_min": round(stages["runs"] / runs / 60, 1),

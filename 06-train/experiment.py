@@ -123,7 +123,7 @@ class Clock:
     def __init__(self, cfg, runs: int):
         from problems_and_policy import further_schedules
 
-        steps = cfg.cold_start_steps * cfg.cold_start_rounds + sum(s for s, _, _, _ in further_schedules(cfg.cold_start_schedules))
+        steps = cfg.cold_start_steps * cfg.cold_start_rounds + sum(s for s, _, _ in further_schedules(cfg.cold_start_schedules))
         self.left = {"data": 1.0, "base": steps * SECONDS["cold_start_step"],
                      "runs": runs * (SECONDS["rl_run_fixed"] + cfg.steps * SECONDS["rl_step"]), "report": 5.0}
         self.runs, self.seconds, self.current, self.since = runs, {}, None, time.time()

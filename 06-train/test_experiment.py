@@ -94,10 +94,11 @@ def test_run_06_end_to_end_at_toy_sizes(tmp_path, monkeypatch, capsys):
     assert {p: p.stat().st_mtime_ns for p in (ROOT / "docs").rglob("*")} == docs  # nothing under docs/
 
 
-def test_bad_arms_and_flags_are_refused_in_one_line_before_any_model(tmp_path, monkeypatch):
+def test_bad_arms_and_flags_are_refused_in_one_line_before_any_model(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
-    with pytest.raises(SystemExit, match="--arms: no arm 'calls-3'"):
+    with pytest.raises(SystemExit):
         experiment.main(["--arms", "calls-3"])
+    assert "error: --arms: no arm 'calls-3'" in capsys.readouterr().err
     with pytest.raises(SystemExit, match="cold_start_schedules: '600:700' is not"):
         experiment.main(["--", "--cold-start-schedules", "600:700"])
     assert not Path("runs").exists()
@@ -114,5 +115,4 @@ def test_the_pages_say_what_run_06_does_and_how_long_it_takes():
          "runs four stages")
     bench = results.load("06-bench-experiment")["figures"]
     assert bench["runs"] == len(experiment.BUDGET_ARMS)
-    assert bench["total_min"] < 45  # what the README says of it
-    assert "one seed, under 45 min on two cores" in (ROOT / "README.md").read_text()
+    assert f"one seed, about {round(bench['total_min'])} min on two cores" in (ROOT / "README.md").read_text()
