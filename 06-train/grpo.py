@@ -12,7 +12,7 @@ below, 0.28 above); token-mean aggregation; no KL term; float32 master weights.
 PPO-clip with token-mean is written out here, its denominator included; any
 other objective or aggregation (GSPO, CISPO, sequence-mean, token-sum) is
 chosen in objectives.py, and the options (`exclude`, importance sampling,
-skipping zero-advantage rows) are helpers in update_options.py.
+skipping zero-advantage rows) are the calls on update_options.py's UpdateRun.
 """
 from __future__ import annotations
 
@@ -21,11 +21,10 @@ from dataclasses import dataclass
 
 import torch
 
-from distributed import full_tensor, gradient_sync, gradients_to_none, load_policy, pad_to_every_rank, unwrap  # load_policy: re-exported, as the two below
+from distributed import gradient_sync, gradients_to_none, load_policy, pad_to_every_rank, unwrap  # load_policy: re-exported, as the two below
 from objectives import aggregate, cispo_loss, gspo_loss, loss_denominator, objective_aggregation, objective_problems
-from update_metrics import UpdateTally, ratio_stats, sampler_mismatch
-from update_options import (exclude_rows, micro_batches_to_run, rows_for_the_old_pass, rows_with_gradient, step_if_finite,
-                            tis_weights, update_gives_pi_old, zero_gradients)
+from update_metrics import ratio_stats
+from update_options import UpdateRun
 from weight_sync import sleep_sampler, sync_weights  # re-exported: the loop takes the chapter's parts from here
 
 
@@ -117,50 +116,36 @@ def grpo_step(model, optimizer, trajectories, cfg: GRPOConfig, exclude=None, glo
     data-parallel one (distributed.py). Metrics: docs/06-train.md, "Metrics".
     """
     _check_step_inputs(trajectories, cfg, exclude)
-    batch = build_batch(trajectories)
     _set_gradient_checkpointing(model, cfg.gradient_checkpointing)
     model.train()  # Qwen2 has no dropout; train mode is what switches checkpointing on
-
-    metrics = {"sequences": float(len(trajectories)), "excluded_sequences": float(sum(bool(e) for e in exclude or ()))}
-    scored = exclude_rows(batch, exclude)  # the mismatch metrics cover every row, excluded ones too
-    loss_tokens = float(scored.loss_mask.bool().sum())
-    has_gradient = rows_with_gradient(trajectories, scored.loss_mask)
-    # pi_old: the weights before any update of this step, so the first mini-batch's ratio is 1. With one
-    # mini-batch and no TIS the update's own forward is pi_old: the rows it runs get no pass of their own.
-    one_forward = update_gives_pi_old(cfg)
-    old_logprobs, entropy = _old_logprobs_and_entropy(model, batch, cfg,
-                                                      rows_for_the_old_pass(has_gradient, cfg.skip_zero_advantage, one_forward))
-    token_weights, tis_metrics = tis_weights(old_logprobs, scored, cfg.tis_cap, cfg.tis_mode)
-    metrics.update(tokens=loss_tokens, **tis_metrics)
-    # Token-mean divides by every token in the loss, informative or not: this share is the
-    # factor by which zero-advantage rows shrink the step (docs/06-beyond-torl.md, the exercise).
-    metrics["informative_frac"] = float(scored.loss_mask.bool()[has_gradient].sum()) / max(loss_tokens, 1)
+    # Each production concern is one call on `run` (update_options.py): rows excluded from the loss, rows
+    # skipped for a zero advantage, passes padded to every rank's, pi_old from the update's own forward,
+    # importance weights, the metrics' tally.
+    run = UpdateRun(model, build_batch(trajectories), trajectories, cfg, exclude)
+    # pi_old: the weights before any update of this step, so the first mini-batch's ratio is 1.
+    run.set_pi_old(*_old_logprobs_and_entropy(model, run.batch, cfg, run.rows_for_the_old_pass()))
 
     # PPO-clip with token-mean (clipped_policy_loss), unless the run chose another: objectives.py.
-    tally, objective, aggregation = UpdateTally(), OBJECTIVES[cfg.objective], objective_aggregation(cfg)
-    for rows in scored.minibatches(cfg.num_minibatches):
+    objective, aggregation = OBJECTIVES[cfg.objective], objective_aggregation(cfg)
+    for rows in run.scored.minibatches(cfg.num_minibatches):
         # Token-mean's denominator: the mini-batch's tokens in the loss, every row's (those skipped next too,
         # so skipping changes nothing). Under torchrun, every rank's count over N: DDP and FSDP average the
         # ranks' gradients, and the whole batch's loss is then one token-mean (distributed.py).
-        mask = scored.loss_mask[rows]
+        mask = run.scored.loss_mask[rows]
         count = max(float(mask.sum()), 1.0) if aggregation == "token-mean" else \
             loss_denominator(mask, aggregation, cfg.max_response_tokens)
         normalizer = count if global_normalizer is None else global_normalizer(count)
-        micro_batches, skipped = micro_batches_to_run(rows, has_gradient, model, cfg)  # the same count on every rank
-        tally.rows_skipped += skipped
         optimizer.zero_grad(set_to_none=gradients_to_none(model))
-        for i, (micro_rows, counts) in enumerate(micro_batches):
-            micro = scored.select(micro_rows)
-            with gradient_sync(model, sync=i == len(micro_batches) - 1):  # DDP: one exchange per update
-                logprobs, micro_entropy = _target_logprobs(model, micro.input_ids, micro.attention_mask,
-                                                           cfg.temperature, with_entropy=one_forward)
-            device, width = logprobs.device, logprobs.shape[1]
-            if one_forward:  # these weights are pi_old: this forward's log-probs, detached, are the old ones
-                old_logprobs[micro_rows, :width], entropy[micro_rows, :width] = logprobs.detach().cpu(), micro_entropy.cpu()
+        for micro_rows, counts, last in run.passes(rows):
+            micro = run.scored.select(micro_rows)
+            with gradient_sync(model, sync=last):  # DDP: one exchange per update
+                logprobs, entropy = _target_logprobs(model, micro.input_ids, micro.attention_mask, cfg.temperature,
+                                                     with_entropy=run.one_forward)
+            device = logprobs.device
             loss, stats = objective(
-                logprobs, old_logprobs[micro_rows, :width].to(device), micro.advantages.to(device),
+                logprobs, run.old_logprobs(micro_rows, logprobs, entropy), micro.advantages.to(device),
                 micro.loss_mask.to(device), cfg.eps_low, cfg.eps_high, aggregation, normalizer=normalizer,
-                token_weights=None if token_weights is None else token_weights[micro_rows, :width].to(device),
+                token_weights=run.token_weights(micro_rows, logprobs),
             )
             # ---- A KL penalty to a reference model would go here. ----------------
             # loss = loss + kl_coef * k3(ref_logprobs - logprobs) over model tokens,
@@ -168,16 +153,9 @@ def grpo_step(model, optimizer, trajectories, cfg: GRPOConfig, exclude=None, glo
             # beside old_logprobs. ToRL uses kl_coef = 0, so the lab keeps neither
             # the copy nor its memory.
             (loss if counts else loss * 0.0).backward()  # a pass that does not count: only the ranks' exchange
-            if counts:
-                tally.add_micro_batch(loss, stats)
-        if not micro_batches:
-            zero_gradients(model)  # AdamW still steps, as it would have on the rows' zero gradients
-        grad_norm = full_tensor(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)).item()
-        tally.add_update(grad_norm, stepped=step_if_finite(optimizer, grad_norm))
-        optimizer.zero_grad(set_to_none=gradients_to_none(model))
-
-    metrics.update(**sampler_mismatch(old_logprobs, entropy, batch), **tally.metrics(loss_tokens))
-    return metrics
+            run.add(loss, stats, counts)
+        run.step(optimizer)  # clip the gradient's norm; AdamW steps unless it is NaN or inf
+    return run.metrics()
 
 
 # --------------------------------------------------------------------------- the knobs

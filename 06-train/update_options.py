@@ -1,4 +1,4 @@
-"""The update's options and safeguards, one small helper each, called from `grpo_step`.
+"""The update's options and safeguards: `UpdateRun`, whose calls `grpo_step` makes at its edge.
 
 Each changes one thing: a token weight (truncated or masked importance
 sampling), rows kept out of the loss (`exclude`), rows not run (zero
@@ -15,8 +15,8 @@ from dataclasses import replace
 
 import torch
 
-from distributed import pad_to_every_rank
-from update_metrics import masked_mean
+from distributed import full_tensor, gradients_to_none, pad_to_every_rank
+from update_metrics import UpdateTally, masked_mean, sampler_mismatch
 
 
 TIS_MODES = ("truncate", "token-mask", "sequence-mask")
@@ -66,40 +66,6 @@ def masked_importance_weights(log_ratio: torch.Tensor, mask: torch.Tensor, cap: 
                      "tis_masked_seq_frac": masked_mean(outside.any(dim=1), in_loss)}
 
 
-def exclude_rows(batch, exclude):
-    """The batch with the rows marked in `exclude` out of the loss: no token gets gradient
-    or counts in the denominator (DAPO's overlong filtering, SimpleTIR's void turns)."""
-    if exclude is None or not any(exclude):
-        return batch
-    kept = ~torch.tensor([bool(e) for e in exclude])[:, None]
-    return replace(batch, loss_mask=batch.loss_mask * kept, advantages=batch.advantages * kept)
-
-
-def rows_with_gradient(trajectories, loss_mask: torch.Tensor) -> torch.Tensor:
-    """One bool per row: a non-zero advantage and a token in the loss, so its backward adds something."""
-    advantage = torch.tensor([float(t.advantage) for t in trajectories])
-    return (advantage != 0) & loss_mask.bool().any(dim=1)
-
-
-def micro_batches_to_run(rows: torch.Tensor, has_gradient: torch.Tensor, model, cfg) -> tuple[list, int]:
-    """A mini-batch's forward/backward passes as (rows, counts) pairs, and how many rows were skipped.
-
-    Rows without gradient are skipped (GRPOConfig.skip_zero_advantage): a skipped row
-    adds 0 to the gradient but still counts in the denominator (grpo_step's denominator
-    counts every row), so the update is the same. Under DDP or FSDP2 every rank must run
-    as many passes as the others, the gradient exchange happens inside them: the ranks
-    agree on the most any needs (`pad_to_every_rank`), and a rank with fewer adds
-    passes that do not count (counts False: the mini-batch's shortest row, its loss
-    times 0, a gradient of exactly 0). One process: no padding, and none at all when
-    every row is skipped.
-    """
-    run, skipped = rows, 0
-    if cfg.skip_zero_advantage:
-        run, skipped = rows[has_gradient[rows]], int((~has_gradient[rows]).sum())
-    micro_batches = [(micro_rows, True) for micro_rows in run.split(cfg.micro_batch_size)] if len(run) else []
-    return pad_to_every_rank(model, micro_batches, (rows[-1:], False)), skipped
-
-
 def update_gives_pi_old(cfg) -> bool:
     """Whether the update's own forward is pi_old: one mini-batch (one update, all its forwards before it)
     and no importance sampling (whose weights need pi_old before the first forward). Its log-probs, detached,
@@ -107,26 +73,100 @@ def update_gives_pi_old(cfg) -> bool:
     return cfg.num_minibatches == 1 and cfg.tis_cap <= 0
 
 
-def rows_for_the_old_pass(has_gradient: torch.Tensor, skip_zero_advantage: bool, one_forward: bool) -> torch.Tensor:
-    """One bool per row: does it need grpo_step's forward for pi_old? Every row, unless the update's forward
-    gives pi_old (`one_forward`: `update_gives_pi_old`); then only the rows it skips, for the entropy and
-    mismatch metrics."""
-    if not one_forward:
-        return torch.ones_like(has_gradient)
-    return ~has_gradient if skip_zero_advantage else torch.zeros_like(has_gradient)
+class UpdateRun:
+    """One `grpo_step`'s options and safeguards, each a call the step makes at its edge.
 
+    It holds the batch as scored (`exclude`d rows out of the loss), which rows have
+    gradient, pi_old (from a pass of its own, or the update's forward), the
+    importance weights, and the metrics' tally.
+    """
 
-def zero_gradients(model) -> None:
-    """All of a mini-batch's rows were skipped: give AdamW the zero gradients backward would
-    have left, so it still takes its step (momentum, weight decay), as it would unskipped."""
-    for p in model.parameters():
-        if p.requires_grad:
-            p.grad = torch.zeros_like(p)
+    def __init__(self, model, batch, trajectories, cfg, exclude) -> None:
+        self.model, self.batch, self.cfg, self.tally = model, batch, cfg, UpdateTally()
+        # Excluded rows: no token gets gradient or counts in the denominator (DAPO's overlong filtering,
+        # SimpleTIR's void turns); the mismatch metrics still cover them.
+        self.scored = batch
+        if exclude is not None and any(exclude):
+            kept = ~torch.tensor([bool(e) for e in exclude])[:, None]
+            self.scored = replace(batch, loss_mask=batch.loss_mask * kept, advantages=batch.advantages * kept)
+        self.loss_tokens = float(self.scored.loss_mask.bool().sum())
+        # A row adds to the gradient with a non-zero advantage and a token in the loss.
+        advantage = torch.tensor([float(t.advantage) for t in trajectories])
+        self.has_gradient = (advantage != 0) & self.scored.loss_mask.bool().any(dim=1)
+        self.one_forward = update_gives_pi_old(cfg)
+        self.step_metrics = {"sequences": float(len(trajectories)),
+                             "excluded_sequences": float(sum(bool(e) for e in exclude or ()))}
 
+    def rows_for_the_old_pass(self) -> torch.Tensor:
+        """One bool per row: does it need a forward for pi_old? Every row, unless the update's forward gives
+        pi_old (`update_gives_pi_old`); then only the rows it skips, for the entropy and mismatch metrics."""
+        if not self.one_forward:
+            return torch.ones_like(self.has_gradient)
+        return ~self.has_gradient if self.cfg.skip_zero_advantage else torch.zeros_like(self.has_gradient)
 
-def step_if_finite(optimizer, grad_norm: float) -> bool:
-    """Step, unless the gradient norm is NaN or inf: such a gradient would poison every weight it touches."""
-    if not math.isfinite(grad_norm):
-        return False
-    optimizer.step()
-    return True
+    def set_pi_old(self, old_logprobs: torch.Tensor, entropy: torch.Tensor) -> None:
+        """pi_old's log-probs and entropies (on CPU, [B, T-1]), and the importance weights they give."""
+        self.old, self.entropy = old_logprobs, entropy
+        self.weights, tis_metrics = tis_weights(old_logprobs, self.scored, self.cfg.tis_cap, self.cfg.tis_mode)
+        self.step_metrics.update(tokens=self.loss_tokens, **tis_metrics)
+        # Token-mean divides by every token in the loss, informative or not: this share is the
+        # factor by which zero-advantage rows shrink the step (docs/06-beyond-torl.md, the exercise).
+        informative = float(self.scored.loss_mask.bool()[self.has_gradient].sum())
+        self.step_metrics["informative_frac"] = informative / max(self.loss_tokens, 1)
+
+    def passes(self, rows: torch.Tensor) -> list[tuple[torch.Tensor, bool, bool]]:
+        """A mini-batch's forward/backward passes, as (rows, counts, last).
+
+        Rows without gradient are skipped (GRPOConfig.skip_zero_advantage): a skipped row
+        adds 0 to the gradient but still counts in the denominator (grpo_step's denominator
+        counts every row), so the update is the same. Under DDP or FSDP2 every rank must run
+        as many passes as the others, the gradient exchange happens inside them: the ranks
+        agree on the most any needs (`pad_to_every_rank`), and a rank with fewer adds
+        passes that do not count (counts False: the mini-batch's shortest row, its loss
+        times 0, a gradient of exactly 0). One process: no padding, and none at all when
+        every row is skipped.
+        """
+        run = rows
+        if self.cfg.skip_zero_advantage:
+            run = rows[self.has_gradient[rows]]
+            self.tally.rows_skipped += int((~self.has_gradient[rows]).sum())
+        micro_batches = [(micro_rows, True) for micro_rows in run.split(self.cfg.micro_batch_size)] if len(run) else []
+        micro_batches = pad_to_every_rank(self.model, micro_batches, (rows[-1:], False))
+        self.ran = bool(micro_batches)
+        return [(micro_rows, counts, i == len(micro_batches) - 1) for i, (micro_rows, counts) in enumerate(micro_batches)]
+
+    def old_logprobs(self, rows: torch.Tensor, logprobs: torch.Tensor, entropy: torch.Tensor | None) -> torch.Tensor:
+        """pi_old's log-probs of `rows`, on the forward's device; where the update's forward is pi_old, its
+        log-probs, detached (and its entropy, for the metrics)."""
+        width = logprobs.shape[1]
+        if self.one_forward:
+            self.old[rows, :width], self.entropy[rows, :width] = logprobs.detach().cpu(), entropy.cpu()
+        return self.old[rows, :width].to(logprobs.device)
+
+    def token_weights(self, rows: torch.Tensor, logprobs: torch.Tensor) -> torch.Tensor | None:
+        """The importance weights of `rows` (None without importance sampling)."""
+        return None if self.weights is None else self.weights[rows, :logprobs.shape[1]].to(logprobs.device)
+
+    def add(self, loss: torch.Tensor, stats: dict[str, float], counts: bool) -> None:
+        if counts:
+            self.tally.add_micro_batch(loss, stats)
+
+    def step(self, optimizer) -> None:
+        """Clip the gradient's norm and step, unless the norm is NaN or inf: such a gradient would poison
+        every weight it touches. With every row skipped AdamW gets the zero gradients backward would have
+        left, so it still steps (momentum, weight decay), as it would unskipped."""
+        model = self.model
+        if not self.ran:
+            for p in model.parameters():
+                if p.requires_grad:
+                    p.grad = torch.zeros_like(p)
+        grad_norm = full_tensor(torch.nn.utils.clip_grad_norm_(model.parameters(), self.cfg.max_grad_norm)).item()
+        stepped = math.isfinite(grad_norm)
+        if stepped:
+            optimizer.step()
+        self.tally.add_update(grad_norm, stepped=stepped)
+        optimizer.zero_grad(set_to_none=gradients_to_none(model))
+
+    def metrics(self) -> dict[str, float]:
+        return {**self.step_metrics, **sampler_mismatch(self.old, self.entropy, self.batch),
+                **self.tally.metrics(self.loss_tokens)}
