@@ -81,7 +81,7 @@ def train_step(llm, model, optimizer, problems, sandbox, rollout_cfg, grpo_cfg, 
     """
     from grpo import group_advantages, grpo_step, sleep_sampler, sync_weights
 
-    start_memory_peak()
+    start_memory_peak()  # so that this step's peak_memory_gb is its own
     timing = dict.fromkeys(("rollout_s", "generate_s", "sandbox_s", "reward_s", "generated_tokens"), 0.0)
     sample = partial(sample_and_score, llm, sandbox, cfg, timing)
     # 1-2. Sample groups, the sandbox in the loop, and score each trajectory +1 or -1.
@@ -106,7 +106,8 @@ def train_step(llm, model, optimizer, problems, sandbox, rollout_cfg, grpo_cfg, 
     with timed(timing, "sync_s"):
         sync_weights(model, llm)
     metrics = {**outcome, "degenerate_groups": degenerate, **resampled, **exclusions,
-               **update, **timing, **measured_counterparts(timing), "weight_version": llm.weight_version}
+               **update, **timing, **measured_counterparts(timing),  # the memory peak and decode rate the dry run assumed
+               "weight_version": llm.weight_version}
     return metrics, trajectories
 
 

@@ -153,7 +153,7 @@ def run(args, model_path: str) -> None:
           f" {'includes waking the slept engine' if asleep else 'engine was awake'})")
     fresh = sampled_trajectories(llm, args.group_size, args.group_size, args.prompt_len, args.response_len, seed=1)
     gap = sampler_trainer_gap(model, fresh, cfg)
-    print(f"mismatch after sync : mean |dlogp| {gap[0]:.3e}, max {gap[1]:.3e} (new samples after {args.steps + 1} updates and the sync)")
+    print(f"mismatch after sync : mean |dlogp| {gap[0]:.3e}, max {gap[1]:.3e} (new samples after {2 * args.steps + 1} GRPO steps and the sync)")
     figures.update({"mismatch_mean": float(f"{first['mismatch_abs']:.3e}"), "mismatch_max": float(f"{first['mismatch_max']:.3e}"),
                     "engine_start_s": round(engine_s, 1), "sync_ms": round(statistics.median(sync_times) * 1e3, 1),
                     "mismatch_after_sync_mean": float(f"{gap[0]:.3e}"), "mismatch_after_sync_max": float(f"{gap[1]:.3e}")})

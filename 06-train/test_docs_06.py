@@ -296,3 +296,15 @@ def test_each_page_ends_with_questions_and_folded_answers(name):
     asked = [line for line in questions.splitlines() if line[:1].isdigit()]
     assert len(asked) == text.count("<details><summary>") == text.count("</details>") > 0
     assert text.rstrip().endswith("</details>")
+
+
+def test_the_main_line_on_the_page_is_retools_own_code():
+    """Each line of docs/06-train.md's main line, but the `...`, stands in retool.py as it is: the page shows real code."""
+    import re
+    from pathlib import Path
+
+    block = re.search(r"## The main line.*?```python\n(.*?)```", (DOCS / "06-train.md").read_text(), re.S).group(1)
+    retool = (Path(__file__).parent.parent / "05-retool" / "retool.py").read_text().splitlines()
+    lines = [line for line in block.splitlines() if line.strip() != "..."]
+    assert "grpo_step(" in block and len(lines) >= 7
+    assert all(line in retool for line in lines), [line for line in lines if line not in retool]
