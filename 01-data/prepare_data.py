@@ -63,18 +63,17 @@ def main(argv: list[str] | None = None) -> int:
     if why:
         print(f"error: --out {out}: cannot write there ({why}); choose a folder on a writable disk", file=sys.stderr)
         return 2
-    explicit = args.train is not None or args.eval is not None
-    jobs = []
+    jobs = []  # (kind, source, named: asked for by its own flag, so it must load)
     if not args.no_toy:
-        jobs.append(("toy", None))
+        jobs.append(("toy", None, False))
     # Evaluation sets first, so that the training set can leave out their questions.
     for source in args.eval if args.eval is not None else ([] if args.no_eval else DEFAULT_EVAL):
-        jobs.append(("eval", source))
+        jobs.append(("eval", source, args.eval is not None))
     if not args.no_train:
-        jobs.append(("train", args.train or DEFAULT_TRAIN))
+        jobs.append(("train", args.train or DEFAULT_TRAIN, args.train is not None))
 
     failed, eval_questions = 0, set()
-    for kind, source in jobs:
+    for kind, source, named in jobs:
         try:
             if kind == "toy":
                 train, test = make_toy_task(args.toy_train, args.toy_test, seed=args.seed, digits=args.toy_digits)
@@ -100,8 +99,8 @@ def main(argv: list[str] | None = None) -> int:
         except HubUnreachable as e:
             # The default run is meant to work offline for the toy task; a source the
             # user asked for by name must load, or the run fails.
-            print(f"{'error' if explicit else 'skipped'}: {e}", file=sys.stderr)
-            failed += explicit
+            print(f"{'error' if named else 'skipped'}: {e}", file=sys.stderr)
+            failed += named
     return 1 if failed else 0
 
 

@@ -181,6 +181,19 @@ def test_an_unreachable_hub_is_found_once_not_per_data_set(tmp_path, monkeypatch
     assert (tmp_path / "toy_train.jsonl").exists()
 
 
+def test_a_named_train_file_does_not_make_the_default_eval_sets_fail_offline(tmp_path, monkeypatch, capsys):
+    import prepare_data
+
+    monkeypatch.setattr(prepare_data, "_hub_probe", {})
+    monkeypatch.setattr(prepare_data, "_probe_hub", lambda: "no answer (test)")
+    mine = tmp_path / "mine.jsonl"
+    mine.write_text('{"question": "What is 2 + 3?", "answer": "5"}\n')
+    assert prepare_data.main(["--out", str(tmp_path / "data"), "--no-toy", "--train", str(mine)]) == 0
+    assert [line.split(":")[0] for line in capsys.readouterr().err.splitlines()] == ["skipped", "skipped"]
+    assert len(read_problems(tmp_path / "data" / "train.jsonl")) == 1
+    assert prepare_data.main(["--out", str(tmp_path / "data"), "--no-toy", "--no-train", "--eval", "aime24"]) == 1
+
+
 def test_offline_mode_never_tries_the_network(monkeypatch):
     from huggingface_hub import utils
 
