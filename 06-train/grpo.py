@@ -122,7 +122,8 @@ def grpo_step(model, optimizer, trajectories, cfg: GRPOConfig, exclude=None, glo
     # skipped for a zero advantage, passes padded to every rank's, pi_old from the update's own forward,
     # importance weights, the metrics' tally.
     run = UpdateRun(model, build_batch(trajectories), trajectories, cfg, exclude)
-    # pi_old: the weights before any update of this step, so the first mini-batch's ratio is 1.
+    # pi_old: the weights before any update of this step, so the first mini-batch's ratio is 1. A pass over
+    # every row; where the update's own forward is pi_old (one mini-batch, no TIS), only over the rows it skips.
     run.set_pi_old(*_old_logprobs_and_entropy(model, run.batch, cfg, run.rows_for_the_old_pass()))
 
     # PPO-clip with token-mean (clipped_policy_loss), unless the run chose another: objectives.py.
@@ -142,6 +143,7 @@ def grpo_step(model, optimizer, trajectories, cfg: GRPOConfig, exclude=None, glo
                 logprobs, entropy = _target_logprobs(model, micro.input_ids, micro.attention_mask, cfg.temperature,
                                                      with_entropy=run.one_forward)
             device = logprobs.device
+            # pi_old of these rows: from the pass above, or this forward's own log-probs, detached.
             loss, stats = objective(
                 logprobs, run.old_logprobs(micro_rows, logprobs, entropy), micro.advantages.to(device),
                 micro.loss_mask.to(device), cfg.eps_low, cfg.eps_high, aggregation, normalizer=normalizer,
