@@ -151,10 +151,9 @@ class Sandbox:
         """
         if not isinstance(code, str):
             raise TypeError(f"code must be a str, got {type(code).__name__}")
-        if timeout is not None:
-            _check_range("timeout", timeout)
         request = _request(code, self.config)
         if timeout is not None:
+            _check_range("timeout", timeout)
             request["timeout"] = timeout
         with self._slots:
             self._backend.ready()  # the first call waits for the warm imports; not part of its latency
@@ -213,14 +212,8 @@ def format_observation(result: ExecResult, style: str = "short", max_chars: int 
 
 def _request(code: str, cfg: SandboxConfig) -> dict:
     """What travels to the runner: the code and its limits, nothing else."""
-    return {
-        "code": code,
-        "timeout": cfg.timeout,
-        "memory_mb": cfg.memory_mb,
-        "max_output_bytes": cfg.max_output_bytes,
-        "max_file_mb": cfg.max_file_mb,
-        "max_processes": cfg.max_processes,
-    }
+    limits = ("timeout", "memory_mb", "max_output_bytes", "max_file_mb", "max_processes")
+    return {"code": code, **{name: getattr(cfg, name) for name in limits}}
 
 
 def _result(answer: dict, request: dict, latency: float) -> ExecResult:
