@@ -44,11 +44,9 @@ _OLD_STREAMS: list = []  # see _fresh_interpreter_state
 
 def clean_env() -> dict:
     """The whole environment the sandbox's processes get: built from nothing, never copied."""
-    env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "USER": "sandbox", "MPLBACKEND": "Agg"}
-    for name in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "NUMEXPR_NUM_THREADS", "VECLIB_MAXIMUM_THREADS"):
-        env[name] = "1"
-    env["PYTHONDONTWRITEBYTECODE"] = "1"
-    return env
+    threads = dict.fromkeys(("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "NUMEXPR_NUM_THREADS", "VECLIB_MAXIMUM_THREADS"), "1")
+    return {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "USER": "sandbox", "MPLBACKEND": "Agg", **threads,
+            "PYTHONDONTWRITEBYTECODE": "1"}
 
 
 def preload(modules: list[str]) -> None:
@@ -99,7 +97,7 @@ def take_request(request_fd: int, files: CallFiles) -> dict:
     os.close(files.limits_r)
     os.dup2(files.out, 1)  # first: anything that fails from here on is reported in the answer
     os.dup2(files.err, 2)
-    request = json.loads(read_frame(request_fd))
+    request = json.loads(_read_exactly(request_fd, struct.unpack(">I", _read_exactly(request_fd, 4))[0]))  # length-prefixed
     os.write(files.limits_w, _LIMITS.pack(float(request["timeout"]), int(request["max_output_bytes"]), int(request["memory_mb"])))
     return request
 
@@ -291,12 +289,6 @@ def _write_all(fd: int, data: bytes) -> int:
     return len(data)
 
 
-def read_frame(fd: int) -> bytes:
-    """One length-prefixed message (4 bytes, big-endian, then the body) from fd."""
-    header = _read_exactly(fd, 4)
-    return _read_exactly(fd, struct.unpack(">I", header)[0])
-
-
 def _read_exactly(fd: int, size: int) -> bytes:
     chunks = bytearray()
     while len(chunks) < size:
@@ -361,32 +353,26 @@ def _kill_the_rest() -> None:
 
 
 def _children_of(parent: int) -> list[int]:
-    found = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[1]) == parent and fields[0] != "Z":
-                found.append(int(entry))
-    return found
+    stats = ((pid, text.rsplit(")", 1)[1].split()) for pid, text in _proc_files("stat"))  # state, then parent
+    return [pid for pid, fields in stats if int(fields[1]) == parent and fields[0] != "Z"]
 
 
 def _tasks_of_uid(uid: int) -> int:
     """Processes and threads of a uid: what RLIMIT_NPROC counts."""
-    count = 0
+    statuses = (dict(line.split(":", 1) for line in text.splitlines() if ":" in line) for _, text in _proc_files("status"))
+    return sum(int(fields["Threads"]) for fields in statuses if int(fields["Uid"].split()[0]) == uid)
+
+
+def _proc_files(name: str):
+    """(pid, text of /proc/PID/name) for every process still there to be read."""
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             try:
-                with open(f"/proc/{entry}/status") as f:
-                    fields = dict(line.split(":", 1) for line in f if ":" in line)
+                with open(f"/proc/{entry}/{name}") as f:
+                    text = f.read()
             except OSError:
                 continue
-            if int(fields["Uid"].split()[0]) == uid:
-                count += int(fields["Threads"])
-    return count
+            yield int(entry), text
 
 
 def _kill_quietly(pid: int) -> None:
@@ -425,8 +411,10 @@ def _exec(source: str) -> int:
     try:
         exec(compile(source, name, "exec", dont_inherit=True), main.__dict__)
         status = 0
-    except SystemExit as e:
-        status = _exit_status(e)
+    except SystemExit as e:  # as the interpreter exits: None is 0, a number its low byte, anything else printed and 1
+        if e.code is not None and not isinstance(e.code, int):
+            print(e.code, file=sys.stderr)
+        status = e.code & 0xFF if isinstance(e.code, int) else int(e.code is not None)
     except BaseException as e:
         # Skip this function's own frame: the model should see only its code's frames.
         traceback.print_exception(type(e), e, e.__traceback__.tb_next)
@@ -439,15 +427,6 @@ def _exec(source: str) -> int:
     except BaseException:
         traceback.print_exc()
     return status
-
-
-def _exit_status(e: SystemExit) -> int:
-    if e.code is None:
-        return 0
-    if isinstance(e.code, int):
-        return e.code & 0xFF
-    print(e.code, file=sys.stderr)
-    return 1
 
 
 def _fresh_interpreter_state() -> None:
