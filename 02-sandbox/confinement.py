@@ -63,21 +63,8 @@ def umount(target: str) -> None:
     _check(_LIBC.umount2(target.encode(), ctypes.c_int(MNT_DETACH)), f"umount {target}")
 
 
-def prctl(option: int, value: int, pointer=None) -> None:
-    third = pointer if pointer is not None else ctypes.c_ulong(0)
-    _check(_LIBC.prctl(ctypes.c_int(option), ctypes.c_ulong(value), third, ctypes.c_ulong(0), ctypes.c_ulong(0)), "prctl")
-
-
-def _pivot_root(new_root: str, put_old: str) -> None:
-    _check(_LIBC.syscall(ctypes.c_long(SYSCALLS["pivot_root"]), new_root.encode(), put_old.encode()), "pivot_root")
-
-
-def _write_file(path: str, text: str) -> None:
-    fd = os.open(path, os.O_WRONLY)
-    try:
-        os.write(fd, text.encode())
-    finally:
-        os.close(fd)
+def prctl(option: int, value: int) -> None:
+    _check(_LIBC.prctl(ctypes.c_int(option), ctypes.c_ulong(value), ctypes.c_ulong(0), ctypes.c_ulong(0), ctypes.c_ulong(0)), "prctl")
 
 
 # --------------------------------------------------------------------------------------
@@ -104,9 +91,9 @@ def enter_user_namespace() -> None:
         raise OSError(e.errno, f"the kernel refuses an unprivileged user namespace ({e.strerror}; see "
                       "/proc/sys/user/max_user_namespaces, kernel.unprivileged_userns_clone, "
                       "kernel.apparmor_restrict_unprivileged_userns, or a seccomp profile of a container)") from None
-    _write_file("/proc/self/setgroups", "deny")  # the one mapping an unprivileged process may write requires it
-    _write_file("/proc/self/uid_map", f"0 {uid} 1")
-    _write_file("/proc/self/gid_map", f"0 {gid} 1")
+    _write(None, "/proc/self/setgroups", "deny")  # the one mapping an unprivileged process may write requires it
+    _write(None, "/proc/self/uid_map", f"0 {uid} 1")
+    _write(None, "/proc/self/gid_map", f"0 {gid} 1")
     pid = os.fork()
     if pid:
         for fd in (0, 1):  # the caller's pipes are the server's now
@@ -128,9 +115,9 @@ def enter_call_namespaces(userns: bool) -> None:
     if not userns:
         return
     unshare(CLONE_NEWUSER)
-    _write_file("/proc/self/uid_map", f"{CALL_UID} 0 1")
-    _write_file("/proc/self/setgroups", "deny")
-    _write_file("/proc/self/gid_map", f"{CALL_UID} 0 1")
+    _write(None, "/proc/self/uid_map", f"{CALL_UID} 0 1")
+    _write(None, "/proc/self/setgroups", "deny")
+    _write(None, "/proc/self/gid_map", f"{CALL_UID} 0 1")
     header = (ctypes.c_uint32 * 2)(0x20080522, 0)  # _LINUX_CAPABILITY_VERSION_3, this process
     _check(_LIBC.capset(header, (ctypes.c_uint32 * 6)()), "capset")  # effective, permitted, inheritable: none
 
@@ -233,7 +220,7 @@ def build_root() -> dict[str, int]:
     for path in ("/proc", *SCRATCH_DIRS):
         os.makedirs(root + path, mode=0o755, exist_ok=True)
     os.chdir(root)
-    _pivot_root(".", ".")  # the old root now sits on top of the new one ...
+    _check(_LIBC.syscall(ctypes.c_long(SYSCALLS["pivot_root"]), b".", b"."), "pivot_root")  # the old root now sits on top of the new one ...
     umount(".")  # ... and goes, with every mount of the machine under it
     os.chdir("/")
     for path in PROC_MASKED:  # as Docker masks them: /dev/null bound over each
@@ -408,11 +395,9 @@ class CallGroup:
         """Did the kernel kill a process of this call for exceeding its memory limit?"""
         name = "memory.oom_control" if self.groups.version == 1 else "memory.events"
         try:
-            fd = os.open(name, os.O_RDONLY, dir_fd=self.dirs[0])
-            with os.fdopen(fd) as f:
-                counts = dict(line.split() for line in f if line.strip())
+            counts = dict(line.split() for line in _read(self.dirs[0], name).splitlines() if line.strip())
             return int(counts.get("oom_kill", "0")) > 0
-        except (OSError, ValueError):
+        except ValueError:
             return False
 
     def remove(self) -> None:
@@ -511,18 +496,22 @@ def _held_kb(proc: int, pid: str, kind: tuple[str, tuple[str, ...]]) -> int | No
 
 
 def _status(proc: int, path: str) -> dict[str, str]:
+    return dict(line.split(":", 1) for line in _read(proc, path).splitlines() if ":" in line)
+
+
+def _read(dir_fd: int, path: str) -> str:
+    """A small file's text; '' where it is gone already, or refused."""
     try:
-        fd = os.open(path, os.O_RDONLY, dir_fd=proc)
+        fd = os.open(path, os.O_RDONLY, dir_fd=dir_fd)
         try:
-            text = os.read(fd, 1 << 16).decode()
+            return os.read(fd, 1 << 16).decode()
         finally:
             os.close(fd)
     except OSError:
-        return {}  # gone already
-    return dict(line.split(":", 1) for line in text.splitlines() if ":" in line)
+        return ""
 
 
-def _write(dir_fd: int, name: str, text: str, optional: bool = False) -> None:
+def _write(dir_fd: int | None, name: str, text: str, optional: bool = False) -> None:
     try:
         fd = os.open(name, os.O_WRONLY, dir_fd=dir_fd)
     except FileNotFoundError:
