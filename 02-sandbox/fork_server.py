@@ -46,7 +46,11 @@ def serve(options: dict, enter_slot, serve_call) -> None:
         return _hello(error=f"cannot listen in {options['folder']}: {e.strerror or e}")
     try:
         if mode != "plain":
-            cgroups = _cgroups(mode == "namespaces")
+            try:
+                cgroups = confinement.Cgroups(f"tool-rl-lab-sandbox-{os.getpid()}")
+            except OSError:
+                if mode == "namespaces":
+                    raise  # userns goes on without: where none can be had, each call is watched
         if mode == "userns":
             confinement.enter_user_namespace()  # after the cgroups: they are made as the caller, outside it
         program = confinement.seccomp_program(cgroup=cgroups is not None)
@@ -122,16 +126,6 @@ def _serve_slots(options: dict, mode: str, listener: socket.socket, cgroups, pro
                 if not _alive(pid):
                     del slots[token]
                     spawn()
-
-
-def _cgroups(required: bool):
-    """This server's cgroups; unprivileged (not required), None where none can be had: each call is then watched."""
-    try:
-        return confinement.Cgroups(f"tool-rl-lab-sandbox-{os.getpid()}")
-    except OSError:
-        if required:
-            raise
-        return None
 
 
 def _hello(**fields) -> None:
