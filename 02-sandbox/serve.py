@@ -101,9 +101,7 @@ def to_response(result: ExecResult) -> dict:
         return {**_sandbox_error(reason), "run_result": run}
     if result.timed_out:
         run.update(status="TimeLimitExceeded", return_code=None)
-    status = "Success" if result.ok else "Failed"
-    return {"status": status, "message": reason, "compile_result": None, "run_result": run,
-            "executor_pod_name": os.environ.get("MY_POD_NAME"), "files": {}}
+    return {**_sandbox_error(reason), "status": "Success" if result.ok else "Failed", "run_result": run}  # one shape
 
 
 def split_reason(result: ExecResult) -> tuple[str, str]:
