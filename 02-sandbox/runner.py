@@ -4,14 +4,6 @@ sandbox.py shows the sequence (serve_call and code_process, run by the fork serv
 slots); this file holds each step's detail. It needs only the standard library, because
 it is also sent alone, as `python3 -I -c <source> --container OPTIONS`, to every Docker
 container, whose container_main takes the same steps less those Docker provides.
-
-- the code's process reads its own request (take_request), so the code and its output
-  never pass through the memory of the supervisor, which later calls inherit; it sends
-  its supervisor only three numbers, the time limit, the output cap and the memory cap;
-- its stdout and stderr are memory files (CallFiles) capped by RLIMIT_FSIZE;
-- the supervisor (collect) waits up to the time limit, kills every process the call
-  left, and sends the answer: a small header, then head and tail of each memory file,
-  copied by the kernel (sendfile) straight from the file to the caller's socket.
 Why each step exists: docs/02-sandbox.md.
 """
 from __future__ import annotations
@@ -191,14 +183,15 @@ def collect(pid: int, files: CallFiles, answer_fd: int, limiter=None, may_copy: 
     refused; only a single-use container may.
     """
     os.close(files.limits_w)
-    limits = _read_limits(files.limits_r)
+    ready, _, _ = select.select([files.limits_r], [], [], REQUEST_GRACE)  # sent once the code's process read the request
+    limits = os.read(files.limits_r, _LIMITS.size) if ready else b""
     os.close(files.limits_r)
-    if limits is None:  # no request, or a malformed one: the code's process says why on its stderr
+    if len(limits) != _LIMITS.size:  # no request, or a malformed one: the code's process says why on its stderr
         _kill_quietly(pid)
         status, timed_out = _wait_for(pid, None)
         cap = DEFAULT_CAP
     else:
-        timeout, cap, memory_mb = limits
+        timeout, cap, memory_mb = _LIMITS.unpack(limits)
         watch = getattr(limiter, "over", None)  # a MemoryWatch, where no cgroup counts the call's memory
         status, timed_out = _wait_for(pid, timeout, watch and (lambda: watch(memory_mb)), getattr(limiter, "TICK", None))
     _kill_the_rest()  # before answering: when the caller has its result, nothing is left running
@@ -213,13 +206,6 @@ def collect(pid: int, files: CallFiles, answer_fd: int, limiter=None, may_copy: 
 # --------------------------------------------------------------------------------------
 # The detail of the supervisor's side
 # --------------------------------------------------------------------------------------
-
-
-def _read_limits(fd: int) -> tuple[float, int, int] | None:
-    """The three numbers the code's process sends once it has read the request; None if it never does."""
-    ready, _, _ = select.select([fd], [], [], REQUEST_GRACE)
-    data = os.read(fd, _LIMITS.size) if ready else b""
-    return _LIMITS.unpack(data) if len(data) == _LIMITS.size else None
 
 
 def _wait_for(user: int, timeout: float | None, over_memory=None, tick: float | None = None) -> tuple[int, bool]:
@@ -257,8 +243,7 @@ def _send_answer(fd: int, status: int, timed_out: bool, oom_killed: bool, out: i
     """A header (sizes, exit status), then head and tail of each stream, at most `cap` bytes each.
 
     sendfile copies from the memory file to the socket inside the kernel: the output
-    never enters this process's memory. Only a container (single-use) may fall back to
-    reading it, where sendfile is refused.
+    never enters this process's memory (but with may_copy, where sendfile is refused).
     """
     header = {"returncode": os.waitstatus_to_exitcode(status), "timed_out": timed_out, "oom_killed": oom_killed}
     pieces = []
@@ -465,8 +450,7 @@ def container_main(options: dict) -> None:
 
     The steps of sandbox.serve_call and code_process, less those Docker provides
     (namespaces, root file system, cgroup, uid, seccomp profile). options["seccomp"]
-    (hex) is the local backend's filter, installed on top of Docker's profile: the
-    profile allows sockets whose queues the container's cgroup never counts.
+    (hex): the local backend's filter, on top of Docker's profile (why: docker_backend.py).
     """
     preload(options["preload"])
     ready, _, _ = select.select([0], [], [], IDLE_EXIT)
