@@ -5,16 +5,6 @@ server forks into PID namespaces of their own (fork_server.py); docs/02-sandbox.
 docs/02-isolation.md say why each exists and what each stops. Every function fails with
 an exception naming what could not be set up: the sandbox never runs code with less
 than it promised.
-
-    enter_user_namespace()  once per server, not root: a user namespace of its own (isolation "userns")
-    build_root()            once per slot: a fresh root holding only what Python needs, read-only
-    reset_pids()            per call: the slot's PID counter back to 1, so PIDs carry nothing between calls
-    fresh_scratch()         per call: one empty, size-capped tmpfs behind /tmp, /var/tmp, /dev/shm
-    plain_workdir()         per call, plain isolation only: a temporary folder instead
-    Cgroups                 per call: a memory group and a pids group (cgroup v1 or v2)
-    MemoryWatch             per call, where no cgroup can be had: the slot samples the call's memory
-    enter_call_namespaces() in the code's process: its own cgroup view (and user namespace, unprivileged)
-    install_seccomp()       in the code's process: deny the system calls math code never needs
 """
 from __future__ import annotations
 
@@ -348,17 +338,13 @@ class Cgroups:
                 if self.version == 2:
                     _write(self.bases[-1], "cgroup.subtree_control", "+memory +pids")
         except OSError as e:
-            self.close()
+            for fd in self.bases:
+                os.close(fd)
             raise OSError(e.errno, f"cannot create a cgroup under {self.paths}: {e.strerror}") from None
         self.paths = [f"{path}/{name}" for path in self.paths]
 
     def prepare(self, name: str) -> CallGroup:
         return CallGroup(self, name)
-
-    def close(self) -> None:
-        for fd in self.bases:
-            os.close(fd)
-        self.bases = []
 
 
 class CallGroup:
@@ -418,16 +404,13 @@ class MemoryWatch:
     """Where no cgroup can be had (not root, no delegated cgroup v2): the slot samples the call's memory.
 
     RLIMIT_AS caps each process, not the call: a call of N processes could map N times
-    memory_mb. Every TICK seconds of the wait, the slot sums what the call's processes
-    hold (anonymous and shared-memory pages, resident or swapped, each page split among
-    the processes that share it: the proportional set size of /proc/PID/smaps_rollup),
-    subtracts once the slot's own share, which every fork of it starts with, and kills
-    the call past memory_mb. A process that exec'd a fresh interpreter shares nothing, so
-    it counts whole. It reads a /proc without hidepid (mount_proc), where no process of
-    the call can hide. Kernel memory that no process's pages show is denied or bounded
-    instead: memfds, System V IPC and sockets that queue by the filter
-    (seccomp_program(cgroup=False)); POSIX message queues and locked memory by their
-    rlimits (runner.set_rlimits); files by the scratch tmpfs's size.
+    memory_mb. Every TICK seconds of the wait, the slot sums the call's processes' share
+    of their pages (_PROPORTIONAL: a page shared is split), less once the slot's own share,
+    which every fork of it starts with (one that exec'd shares nothing: it counts whole),
+    and kills the call past memory_mb; in a /proc where no process can hide (mount_proc).
+    Kernel memory that no process's pages show is denied or bounded instead: memfds, System V
+    IPC and sockets that queue by the filter (seccomp_program(cgroup=False)); POSIX message
+    queues and locked memory by their rlimits (runner.set_rlimits); files by the scratch tmpfs.
     """
 
     TICK = 0.01
@@ -697,15 +680,9 @@ def seccomp_program(cgroup: bool = True) -> bytes:
     """The filter, one BPF instruction (code, jump if true, jump if false, constant) per line.
 
     A jump skips that many instructions. Every denied call gets a test and a return:
-    "is it number N? then fail with EPERM". fcntl is allowed unless it asks for a lock,
-    a lease or dnotify, socket unless its family is off the list (socketpair never),
-    getsockopt unless it asks for a socket cookie. clone is allowed
-    unless it asks for a new namespace; clone3 passes its flags in memory a filter
-    cannot read, so it reports ENOSYS and the C library falls back to clone, as under
-    Docker's profile; nor is it allowed a real-time exit signal. SELF_ONLY calls
-    are allowed on the calling process only, SIGNAL_SENDERS for standard signals
-    only. cgroup=False (no cgroup counts the call's memory) also denies
-    NO_CGROUP_DENIED.
+    "is it number N? then fail with EPERM"; the calls after them are judged by an
+    argument, as the tables above say. cgroup=False (no cgroup counts the call's memory)
+    also denies NO_CGROUP_DENIED.
     """
     machine = platform.machine()
     if machine not in _TABLES:
@@ -722,6 +699,7 @@ def seccomp_program(cgroup: bool = True) -> bytes:
     for name in DENIED + (() if cgroup else NO_CGROUP_DENIED):
         if name in table:
             program += [(_JEQ, 0, 1, table[name]), (_RET, 0, 0, _RET_ERRNO | _EPERM)]
+    # clone3's flags are in memory a filter cannot read: ENOSYS, and the C library falls back to clone (as under Docker)
     program += [(_JEQ, 0, 1, table["clone3"]), (_RET, 0, 0, _RET_ERRNO | _ENOSYS)]
     program += _by_argument(table["fcntl"], _ARGS[1], [(_JEQ, command, _RET_ERRNO | _EPERM) for command in FCNTL_DENIED.values()],
                             _RET_ALLOW)
