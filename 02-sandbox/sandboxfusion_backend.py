@@ -9,15 +9,11 @@ robin when idle). A server that refuses a connection, or drops one before it ans
 skipped for a few seconds and the call runs again on another one: a call's code has
 no effects outside it, and its one answer is the one that arrives.
 
-A member is trusted with nothing: each call has one absolute deadline (its timeout
-plus runner.ANSWER_GRACE) over connecting, sending, waiting and reading, however the
-member paces its bytes; a redirect is never followed (the token would go with it);
-an answer is read up to a size cap. Any other failure (no answer in time, an HTTP
-error or redirect, a SandboxError, an answer that is not a well-formed
-RunCodeResponse, too large or nested too deep) is the call's answer, never an
-exception. A server's stdout and stderr come back capped as the local sandbox caps
-them. `unreachable(urls)` is a run's preflight: every pool member must answer at
-start. The story and the mapping: docs/02-service.md.
+A member is trusted with nothing (exchange: one deadline per call, however it paces its
+bytes, no redirect followed, a size cap): any other failure is the call's answer, never
+an exception, and its streams come back capped as the local sandbox caps them.
+`unreachable(cfg)` is a run's preflight: every pool member must answer at start. The
+story and the mapping: docs/02-service.md.
 """
 from __future__ import annotations
 
