@@ -54,7 +54,7 @@ def umount(target: str) -> None:
 
 
 def prctl(option: int, value: int) -> None:
-    _check(_LIBC.prctl(ctypes.c_int(option), ctypes.c_ulong(value), ctypes.c_ulong(0), ctypes.c_ulong(0), ctypes.c_ulong(0)), "prctl")
+    _check(runner._prctl(option, value), "prctl")
 
 
 # --------------------------------------------------------------------------------------
@@ -168,6 +168,8 @@ def build_root() -> dict[str, int]:
     # A system Python's own folders (/usr/lib/python3.11) come with the system libraries.
     binds = [p for p in interpreter_paths() if not any(p == d or _inside(p, d) for d in system)] + system
     links = {p: os.readlink(p) for p in SYSTEM_LIBRARIES if os.path.islink(p)}
+    links.update({"/dev/fd": "/proc/self/fd", "/dev/stdin": "/proc/self/fd/0", "/dev/stdout": "/proc/self/fd/1",
+                  "/dev/stderr": "/proc/self/fd/2"})
     # The name the code's subprocesses use, and each link on the way to the file (a venv's python ->
     # python3 -> /root/.pyenv/.../python3 -> python3.11): a link outside the binds is made again.
     executable = sys.executable
@@ -204,9 +206,6 @@ def build_root() -> dict[str, int]:
         os.makedirs(f"{root}/etc", mode=0o755, exist_ok=True)
         with open(f"{root}/etc/{name}", "w") as f:
             f.write(text)
-    for name, target in (("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"), ("stdout", "/proc/self/fd/1"),
-                         ("stderr", "/proc/self/fd/2")):
-        os.symlink(target, f"{root}/dev/{name}")
     for path in ("/proc", *SCRATCH_DIRS):
         os.makedirs(root + path, mode=0o755, exist_ok=True)
     os.chdir(root)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import atexit
 import builtins
+import ctypes
 import io
 import json
 import linecache
@@ -152,15 +153,12 @@ def install_seccomp(program: bytes) -> None:
     Here, not in confinement.py, because runner.py travels alone into every container, where
     the filter stacks on Docker's profile: a call is allowed only if both allow it.
     """
-    import ctypes
-
     class SockFprog(ctypes.Structure):
         _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
 
     buffer = ctypes.create_string_buffer(program, len(program))
     fprog = SockFprog(len(program) // 8, ctypes.cast(buffer, ctypes.c_void_p))
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(ctypes.c_int(22), ctypes.c_ulong(2), ctypes.byref(fprog), ctypes.c_ulong(0), ctypes.c_ulong(0)) != 0:
+    if _prctl(22, 2, ctypes.byref(fprog)) != 0:
         raise OSError(ctypes.get_errno(), f"prctl(PR_SET_SECCOMP): {os.strerror(ctypes.get_errno())}")  # needs no_new_privs
 
 
@@ -379,10 +377,9 @@ def _set_limit(kind: int, value: int) -> None:
     resource.setrlimit(kind, (value, value))
 
 
-def _prctl(option: int, value: int) -> None:
-    import ctypes
-
-    ctypes.CDLL(None).prctl(ctypes.c_int(option), ctypes.c_ulong(value), ctypes.c_ulong(0), ctypes.c_ulong(0), ctypes.c_ulong(0))
+def _prctl(option: int, value: int, pointer=None) -> int:
+    third = pointer if pointer is not None else ctypes.c_ulong(0)
+    return ctypes.CDLL(None, use_errno=True).prctl(ctypes.c_int(option), ctypes.c_ulong(value), third, ctypes.c_ulong(0), ctypes.c_ulong(0))
 
 
 def _exec(source: str) -> int:
