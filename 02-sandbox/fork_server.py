@@ -1,15 +1,12 @@
 """The local backend's fork server: warm imports once, then slots that serve calls one at a time.
 
-Started by local_backend.py as `python -I -c <bootstrap>`: its options and the source of
-runner.py, confinement.py, sandbox.py and this file arrive on stdin, so its command line
-(which every process can read) names no path and no socket. It imports the preload
-modules (math, numpy, sympy by default) once, then keeps `spares` slots running. Not
+Started by local_backend.py (`python -I -c <bootstrap>`, its source and options on stdin:
+why there). It imports the preload modules once, then keeps `spares` slots running. Not
 root, it first enters a user namespace of its own (isolation "userns"). Each slot is
-forked once (with namespaces, into a PID namespace of its own), runs enter_slot,
-then serve_call call after call: the containment sequence, step by step in sandbox.py,
-which the bootstrap hands to serve(). A slot never reads a request or an answer, retires
-after `slot_calls` calls (local_backend.SLOT_CALLS), and the server forks a new one.
-docs/02-sandbox.md has the why.
+forked once (with namespaces, into a PID namespace of its own), runs enter_slot, then
+serve_call call after call: sandbox.py's containment sequence. A slot never reads a
+request or an answer, retires after `slot_calls` calls (local_backend.SLOT_CALLS), and
+the server forks a new one. docs/02-sandbox.md has the why.
 """
 from __future__ import annotations
 
