@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import contextlib
+import json
 import os
 import re
 import resource
@@ -45,7 +46,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from runner import clean_env  # noqa: E402
-from sandbox import Sandbox, SandboxConfig, SandboxError  # noqa: E402
+from sandbox import ExecResult, Sandbox, SandboxConfig, SandboxError  # noqa: E402
 
 WORKLOADS = {
     "print(1+1)": "print(1+1)",
@@ -159,8 +160,6 @@ class Baseline:
             return list(pool.map(self.run, codes))
 
     def run(self, code: str):
-        from sandbox import ExecResult
-
         cfg = self.config
         mb = 1024 * 1024
 
@@ -222,7 +221,6 @@ class AsUser:
     )
 
     def __init__(self, config: SandboxConfig, user: str, python: str) -> None:
-        import json
         import local_backend
 
         self.folder = tempfile.mkdtemp(prefix="bench-unprivileged-")
@@ -236,19 +234,17 @@ class AsUser:
         if not line:
             self.close()
             raise OSError(f"the fork server did not start as {user} with {python}")
-        self.isolation, self._json = json.loads(line), json
+        self.isolation = json.loads(line)
         self.imports = subprocess.run(command + ["-c", "import sympy"], cwd="/", capture_output=True).returncode == 0
 
     def can_run(self, code: str) -> bool:
         return "sympy" not in code or self.imports
 
     def run_many(self, codes: list[str]) -> list:
-        from sandbox import ExecResult
-
-        self.proc.stdin.write(self._json.dumps(codes) + "\n")
+        self.proc.stdin.write(json.dumps(codes) + "\n")
         self.proc.stdin.flush()
         return [ExecResult(ok=ok, stdout=out, stderr="", returncode=0, timed_out=False, truncated=False, latency=latency)
-                for ok, out, latency in self._json.loads(self.proc.stdout.readline())]
+                for ok, out, latency in json.loads(self.proc.stdout.readline())]
 
     def close(self) -> None:
         self.proc.stdin.close()

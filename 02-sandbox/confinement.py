@@ -5,16 +5,6 @@ server forks into PID namespaces of their own (fork_server.py); docs/02-sandbox.
 docs/02-isolation.md say why each exists and what each stops. Every function fails with
 an exception naming what could not be set up: the sandbox never runs code with less
 than it promised.
-
-    enter_user_namespace()  once per server, not root: a user namespace of its own (isolation "userns")
-    build_root()            once per slot: a fresh root holding only what Python needs, read-only
-    reset_pids()            per call: the slot's PID counter back to 1, so PIDs carry nothing between calls
-    fresh_scratch()         per call: one empty, size-capped tmpfs behind /tmp, /var/tmp, /dev/shm
-    plain_workdir()         per call, plain isolation only: a temporary folder instead
-    Cgroups                 per call: a memory group and a pids group (cgroup v1 or v2)
-    MemoryWatch             per call, where no cgroup can be had: the slot samples the call's memory
-    enter_call_namespaces() in the code's process: its own cgroup view (and user namespace, unprivileged)
-    install_seccomp()       in the code's process: deny the system calls math code never needs
 """
 from __future__ import annotations
 
@@ -63,21 +53,8 @@ def umount(target: str) -> None:
     _check(_LIBC.umount2(target.encode(), ctypes.c_int(MNT_DETACH)), f"umount {target}")
 
 
-def prctl(option: int, value: int, pointer=None) -> None:
-    third = pointer if pointer is not None else ctypes.c_ulong(0)
-    _check(_LIBC.prctl(ctypes.c_int(option), ctypes.c_ulong(value), third, ctypes.c_ulong(0), ctypes.c_ulong(0)), "prctl")
-
-
-def _pivot_root(new_root: str, put_old: str) -> None:
-    _check(_LIBC.syscall(ctypes.c_long(SYSCALLS["pivot_root"]), new_root.encode(), put_old.encode()), "pivot_root")
-
-
-def _write_file(path: str, text: str) -> None:
-    fd = os.open(path, os.O_WRONLY)
-    try:
-        os.write(fd, text.encode())
-    finally:
-        os.close(fd)
+def prctl(option: int, value: int) -> None:
+    _check(runner._prctl(option, value), "prctl")
 
 
 # --------------------------------------------------------------------------------------
@@ -104,9 +81,9 @@ def enter_user_namespace() -> None:
         raise OSError(e.errno, f"the kernel refuses an unprivileged user namespace ({e.strerror}; see "
                       "/proc/sys/user/max_user_namespaces, kernel.unprivileged_userns_clone, "
                       "kernel.apparmor_restrict_unprivileged_userns, or a seccomp profile of a container)") from None
-    _write_file("/proc/self/setgroups", "deny")  # the one mapping an unprivileged process may write requires it
-    _write_file("/proc/self/uid_map", f"0 {uid} 1")
-    _write_file("/proc/self/gid_map", f"0 {gid} 1")
+    _write(None, "/proc/self/setgroups", "deny")  # the one mapping an unprivileged process may write requires it
+    _write(None, "/proc/self/uid_map", f"0 {uid} 1")
+    _write(None, "/proc/self/gid_map", f"0 {gid} 1")
     pid = os.fork()
     if pid:
         for fd in (0, 1):  # the caller's pipes are the server's now
@@ -128,9 +105,9 @@ def enter_call_namespaces(userns: bool) -> None:
     if not userns:
         return
     unshare(CLONE_NEWUSER)
-    _write_file("/proc/self/uid_map", f"{CALL_UID} 0 1")
-    _write_file("/proc/self/setgroups", "deny")
-    _write_file("/proc/self/gid_map", f"{CALL_UID} 0 1")
+    _write(None, "/proc/self/uid_map", f"{CALL_UID} 0 1")
+    _write(None, "/proc/self/setgroups", "deny")
+    _write(None, "/proc/self/gid_map", f"{CALL_UID} 0 1")
     header = (ctypes.c_uint32 * 2)(0x20080522, 0)  # _LINUX_CAPABILITY_VERSION_3, this process
     _check(_LIBC.capset(header, (ctypes.c_uint32 * 6)()), "capset")  # effective, permitted, inheritable: none
 
@@ -191,6 +168,8 @@ def build_root() -> dict[str, int]:
     # A system Python's own folders (/usr/lib/python3.11) come with the system libraries.
     binds = [p for p in interpreter_paths() if not any(p == d or _inside(p, d) for d in system)] + system
     links = {p: os.readlink(p) for p in SYSTEM_LIBRARIES if os.path.islink(p)}
+    links.update({"/dev/fd": "/proc/self/fd", "/dev/stdin": "/proc/self/fd/0", "/dev/stdout": "/proc/self/fd/1",
+                  "/dev/stderr": "/proc/self/fd/2"})
     # The name the code's subprocesses use, and each link on the way to the file (a venv's python ->
     # python3 -> /root/.pyenv/.../python3 -> python3.11): a link outside the binds is made again.
     executable = sys.executable
@@ -227,13 +206,10 @@ def build_root() -> dict[str, int]:
         os.makedirs(f"{root}/etc", mode=0o755, exist_ok=True)
         with open(f"{root}/etc/{name}", "w") as f:
             f.write(text)
-    for name, target in (("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"), ("stdout", "/proc/self/fd/1"),
-                         ("stderr", "/proc/self/fd/2")):
-        os.symlink(target, f"{root}/dev/{name}")
     for path in ("/proc", *SCRATCH_DIRS):
         os.makedirs(root + path, mode=0o755, exist_ok=True)
     os.chdir(root)
-    _pivot_root(".", ".")  # the old root now sits on top of the new one ...
+    _check(_LIBC.syscall(ctypes.c_long(SYSCALLS["pivot_root"]), b".", b"."), "pivot_root")  # the old root now sits on top of the new one ...
     umount(".")  # ... and goes, with every mount of the machine under it
     os.chdir("/")
     for path in PROC_MASKED:  # as Docker masks them: /dev/null bound over each
@@ -361,17 +337,13 @@ class Cgroups:
                 if self.version == 2:
                     _write(self.bases[-1], "cgroup.subtree_control", "+memory +pids")
         except OSError as e:
-            self.close()
+            for fd in self.bases:
+                os.close(fd)
             raise OSError(e.errno, f"cannot create a cgroup under {self.paths}: {e.strerror}") from None
         self.paths = [f"{path}/{name}" for path in self.paths]
 
     def prepare(self, name: str) -> CallGroup:
         return CallGroup(self, name)
-
-    def close(self) -> None:
-        for fd in self.bases:
-            os.close(fd)
-        self.bases = []
 
 
 class CallGroup:
@@ -408,11 +380,9 @@ class CallGroup:
         """Did the kernel kill a process of this call for exceeding its memory limit?"""
         name = "memory.oom_control" if self.groups.version == 1 else "memory.events"
         try:
-            fd = os.open(name, os.O_RDONLY, dir_fd=self.dirs[0])
-            with os.fdopen(fd) as f:
-                counts = dict(line.split() for line in f if line.strip())
+            counts = dict(line.split() for line in _read(self.dirs[0], name).splitlines() if line.strip())
             return int(counts.get("oom_kill", "0")) > 0
-        except (OSError, ValueError):
+        except ValueError:
             return False
 
     def remove(self) -> None:
@@ -433,16 +403,13 @@ class MemoryWatch:
     """Where no cgroup can be had (not root, no delegated cgroup v2): the slot samples the call's memory.
 
     RLIMIT_AS caps each process, not the call: a call of N processes could map N times
-    memory_mb. Every TICK seconds of the wait, the slot sums what the call's processes
-    hold (anonymous and shared-memory pages, resident or swapped, each page split among
-    the processes that share it: the proportional set size of /proc/PID/smaps_rollup),
-    subtracts once the slot's own share, which every fork of it starts with, and kills
-    the call past memory_mb. A process that exec'd a fresh interpreter shares nothing, so
-    it counts whole. It reads a /proc without hidepid (mount_proc), where no process of
-    the call can hide. Kernel memory that no process's pages show is denied or bounded
-    instead: memfds, System V IPC and sockets that queue by the filter
-    (seccomp_program(cgroup=False)); POSIX message queues and locked memory by their
-    rlimits (runner.set_rlimits); files by the scratch tmpfs's size.
+    memory_mb. Every TICK seconds of the wait, the slot sums the call's processes' share
+    of their pages (_PROPORTIONAL: a page shared is split), less once the slot's own share,
+    which every fork of it starts with (one that exec'd shares nothing: it counts whole),
+    and kills the call past memory_mb; in a /proc where no process can hide (mount_proc).
+    Kernel memory that no process's pages show is denied or bounded instead: memfds, System V
+    IPC and sockets that queue by the filter (seccomp_program(cgroup=False)); POSIX message
+    queues and locked memory by their rlimits (runner.set_rlimits); files by the scratch tmpfs.
     """
 
     TICK = 0.01
@@ -511,18 +478,22 @@ def _held_kb(proc: int, pid: str, kind: tuple[str, tuple[str, ...]]) -> int | No
 
 
 def _status(proc: int, path: str) -> dict[str, str]:
+    return dict(line.split(":", 1) for line in _read(proc, path).splitlines() if ":" in line)
+
+
+def _read(dir_fd: int, path: str) -> str:
+    """A small file's text; '' where it is gone already, or refused."""
     try:
-        fd = os.open(path, os.O_RDONLY, dir_fd=proc)
+        fd = os.open(path, os.O_RDONLY, dir_fd=dir_fd)
         try:
-            text = os.read(fd, 1 << 16).decode()
+            return os.read(fd, 1 << 16).decode()
         finally:
             os.close(fd)
     except OSError:
-        return {}  # gone already
-    return dict(line.split(":", 1) for line in text.splitlines() if ":" in line)
+        return ""
 
 
-def _write(dir_fd: int, name: str, text: str, optional: bool = False) -> None:
+def _write(dir_fd: int | None, name: str, text: str, optional: bool = False) -> None:
     try:
         fd = os.open(name, os.O_WRONLY, dir_fd=dir_fd)
     except FileNotFoundError:
@@ -708,15 +679,9 @@ def seccomp_program(cgroup: bool = True) -> bytes:
     """The filter, one BPF instruction (code, jump if true, jump if false, constant) per line.
 
     A jump skips that many instructions. Every denied call gets a test and a return:
-    "is it number N? then fail with EPERM". fcntl is allowed unless it asks for a lock,
-    a lease or dnotify, socket unless its family is off the list (socketpair never),
-    getsockopt unless it asks for a socket cookie. clone is allowed
-    unless it asks for a new namespace; clone3 passes its flags in memory a filter
-    cannot read, so it reports ENOSYS and the C library falls back to clone, as under
-    Docker's profile; nor is it allowed a real-time exit signal. SELF_ONLY calls
-    are allowed on the calling process only, SIGNAL_SENDERS for standard signals
-    only. cgroup=False (no cgroup counts the call's memory) also denies
-    NO_CGROUP_DENIED.
+    "is it number N? then fail with EPERM"; the calls after them are judged by an
+    argument, as the tables above say. cgroup=False (no cgroup counts the call's memory)
+    also denies NO_CGROUP_DENIED.
     """
     machine = platform.machine()
     if machine not in _TABLES:
@@ -733,6 +698,7 @@ def seccomp_program(cgroup: bool = True) -> bytes:
     for name in DENIED + (() if cgroup else NO_CGROUP_DENIED):
         if name in table:
             program += [(_JEQ, 0, 1, table[name]), (_RET, 0, 0, _RET_ERRNO | _EPERM)]
+    # clone3's flags are in memory a filter cannot read: ENOSYS, and the C library falls back to clone (as under Docker)
     program += [(_JEQ, 0, 1, table["clone3"]), (_RET, 0, 0, _RET_ERRNO | _ENOSYS)]
     program += _by_argument(table["fcntl"], _ARGS[1], [(_JEQ, command, _RET_ERRNO | _EPERM) for command in FCNTL_DENIED.values()],
                             _RET_ALLOW)

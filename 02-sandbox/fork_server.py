@@ -1,15 +1,12 @@
 """The local backend's fork server: warm imports once, then slots that serve calls one at a time.
 
-Started by local_backend.py as `python -I -c <bootstrap>`: its options and the source of
-runner.py, confinement.py, sandbox.py and this file arrive on stdin, so its command line
-(which every process can read) names no path and no socket. It imports the preload
-modules (math, numpy, sympy by default) once, then keeps `spares` slots running. Not
+Started by local_backend.py (`python -I -c <bootstrap>`, its source and options on stdin:
+why there). It imports the preload modules once, then keeps `spares` slots running. Not
 root, it first enters a user namespace of its own (isolation "userns"). Each slot is
-forked once (with namespaces, into a PID namespace of its own), runs enter_slot,
-then serve_call call after call: the containment sequence, step by step in sandbox.py,
-which the bootstrap hands to serve(). A slot never reads a request or an answer, retires
-after `slot_calls` calls (local_backend.SLOT_CALLS), and the server forks a new one.
-docs/02-sandbox.md has the why.
+forked once (with namespaces, into a PID namespace of its own), runs enter_slot, then
+serve_call call after call: sandbox.py's containment sequence. A slot never reads a
+request or an answer, retires after `slot_calls` calls (local_backend.SLOT_CALLS), and
+the server forks a new one. docs/02-sandbox.md has the why.
 """
 from __future__ import annotations
 
@@ -46,7 +43,11 @@ def serve(options: dict, enter_slot, serve_call) -> None:
         return _hello(error=f"cannot listen in {options['folder']}: {e.strerror or e}")
     try:
         if mode != "plain":
-            cgroups = _cgroups(mode == "namespaces")
+            try:
+                cgroups = confinement.Cgroups(f"tool-rl-lab-sandbox-{os.getpid()}")
+            except OSError:
+                if mode == "namespaces":
+                    raise  # userns goes on without: where none can be had, each call is watched
         if mode == "userns":
             confinement.enter_user_namespace()  # after the cgroups: they are made as the caller, outside it
         program = confinement.seccomp_program(cgroup=cgroups is not None)
@@ -122,16 +123,6 @@ def _serve_slots(options: dict, mode: str, listener: socket.socket, cgroups, pro
                 if not _alive(pid):
                     del slots[token]
                     spawn()
-
-
-def _cgroups(required: bool):
-    """This server's cgroups; unprivileged (not required), None where none can be had: each call is then watched."""
-    try:
-        return confinement.Cgroups(f"tool-rl-lab-sandbox-{os.getpid()}")
-    except OSError:
-        if required:
-            raise
-        return None
 
 
 def _hello(**fields) -> None:

@@ -1,8 +1,9 @@
 """The local backend, caller's side: start the fork server, then one Unix-socket connection per call.
 
 The server (fork_server.py) is a separate interpreter started with `subprocess` from a
-clean environment, never forked from the caller, which may run vLLM threads. Its
-command line names no path and no socket: its source and options arrive on stdin.
+clean environment, never forked from the caller, which may run vLLM threads. Its command
+line, which every process can read (the code's too), names no path and no socket: its
+source and options arrive on stdin (_BOOT).
 Before the first call runs, the server must say that its isolation is in place and a
 probe call must show that the code is not root and can read the interpreter's files;
 otherwise SandboxError, and nothing runs (docs/02-sandbox.md, "Fail closed").
@@ -26,8 +27,6 @@ import runner
 
 HERE = Path(__file__).resolve().parent
 
-# The server's command line is readable by every process, the code's included: it names
-# no path and no socket. Its own source and its options arrive on stdin instead.
 _BOOT = (
     "import json, sys, types\n"
     "boot = json.loads(sys.stdin.buffer.readline())\n"
@@ -148,7 +147,9 @@ class _Server:
         ready, _, _ = select.select([self._proc.stdout], [], [], timeout)
         line = self._proc.stdout.readline() if ready else b""
         if not line:
-            tail = self._log_tail()  # before stop(), which removes the log with the folder
+            tail = f"exit status {self._proc.poll()}"  # or the log's last line, read before stop() removes it
+            with contextlib.suppress(OSError, IndexError):
+                tail = Path(self.folder, "server.log").read_text(errors="replace").strip().splitlines()[-1]
             self.stop()
             raise self._error(f"the fork server did not start: {tail}")
         hello = json.loads(line)
@@ -191,13 +192,6 @@ class _Server:
 
     def stop(self) -> None:
         self._finalizer()
-
-    def _log_tail(self) -> str:
-        try:
-            lines = Path(self.folder, "server.log").read_text(errors="replace").strip().splitlines()
-            return lines[-1] if lines else f"exit status {self._proc.poll()}"
-        except OSError:
-            return f"exit status {self._proc.poll()}"
 
 
 def _recv_exactly(conn: socket.socket, size: int) -> bytes:

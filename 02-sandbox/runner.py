@@ -4,14 +4,6 @@ sandbox.py shows the sequence (serve_call and code_process, run by the fork serv
 slots); this file holds each step's detail. It needs only the standard library, because
 it is also sent alone, as `python3 -I -c <source> --container OPTIONS`, to every Docker
 container, whose container_main takes the same steps less those Docker provides.
-
-- the code's process reads its own request (take_request), so the code and its output
-  never pass through the memory of the supervisor, which later calls inherit; it sends
-  its supervisor only three numbers, the time limit, the output cap and the memory cap;
-- its stdout and stderr are memory files (CallFiles) capped by RLIMIT_FSIZE;
-- the supervisor (collect) waits up to the time limit, kills every process the call
-  left, and sends the answer: a small header, then head and tail of each memory file,
-  copied by the kernel (sendfile) straight from the file to the caller's socket.
 Why each step exists: docs/02-sandbox.md.
 """
 from __future__ import annotations
@@ -19,6 +11,7 @@ from __future__ import annotations
 import argparse
 import atexit
 import builtins
+import ctypes
 import io
 import json
 import linecache
@@ -44,11 +37,9 @@ _OLD_STREAMS: list = []  # see _fresh_interpreter_state
 
 def clean_env() -> dict:
     """The whole environment the sandbox's processes get: built from nothing, never copied."""
-    env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "USER": "sandbox", "MPLBACKEND": "Agg"}
-    for name in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "NUMEXPR_NUM_THREADS", "VECLIB_MAXIMUM_THREADS"):
-        env[name] = "1"
-    env["PYTHONDONTWRITEBYTECODE"] = "1"
-    return env
+    threads = dict.fromkeys(("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "NUMEXPR_NUM_THREADS", "VECLIB_MAXIMUM_THREADS"), "1")
+    return {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "USER": "sandbox", "MPLBACKEND": "Agg", **threads,
+            "PYTHONDONTWRITEBYTECODE": "1"}
 
 
 def preload(modules: list[str]) -> None:
@@ -99,7 +90,7 @@ def take_request(request_fd: int, files: CallFiles) -> dict:
     os.close(files.limits_r)
     os.dup2(files.out, 1)  # first: anything that fails from here on is reported in the answer
     os.dup2(files.err, 2)
-    request = json.loads(read_frame(request_fd))
+    request = json.loads(_read_exactly(request_fd, struct.unpack(">I", _read_exactly(request_fd, 4))[0]))  # length-prefixed
     os.write(files.limits_w, _LIMITS.pack(float(request["timeout"]), int(request["max_output_bytes"]), int(request["memory_mb"])))
     return request
 
@@ -162,15 +153,12 @@ def install_seccomp(program: bytes) -> None:
     Here, not in confinement.py, because runner.py travels alone into every container, where
     the filter stacks on Docker's profile: a call is allowed only if both allow it.
     """
-    import ctypes
-
     class SockFprog(ctypes.Structure):
         _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
 
     buffer = ctypes.create_string_buffer(program, len(program))
     fprog = SockFprog(len(program) // 8, ctypes.cast(buffer, ctypes.c_void_p))
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(ctypes.c_int(22), ctypes.c_ulong(2), ctypes.byref(fprog), ctypes.c_ulong(0), ctypes.c_ulong(0)) != 0:
+    if _prctl(22, 2, ctypes.byref(fprog)) != 0:
         raise OSError(ctypes.get_errno(), f"prctl(PR_SET_SECCOMP): {os.strerror(ctypes.get_errno())}")  # needs no_new_privs
 
 
@@ -193,14 +181,15 @@ def collect(pid: int, files: CallFiles, answer_fd: int, limiter=None, may_copy: 
     refused; only a single-use container may.
     """
     os.close(files.limits_w)
-    limits = _read_limits(files.limits_r)
+    ready, _, _ = select.select([files.limits_r], [], [], REQUEST_GRACE)  # sent once the code's process read the request
+    limits = os.read(files.limits_r, _LIMITS.size) if ready else b""
     os.close(files.limits_r)
-    if limits is None:  # no request, or a malformed one: the code's process says why on its stderr
+    if len(limits) != _LIMITS.size:  # no request, or a malformed one: the code's process says why on its stderr
         _kill_quietly(pid)
         status, timed_out = _wait_for(pid, None)
         cap = DEFAULT_CAP
     else:
-        timeout, cap, memory_mb = limits
+        timeout, cap, memory_mb = _LIMITS.unpack(limits)
         watch = getattr(limiter, "over", None)  # a MemoryWatch, where no cgroup counts the call's memory
         status, timed_out = _wait_for(pid, timeout, watch and (lambda: watch(memory_mb)), getattr(limiter, "TICK", None))
     _kill_the_rest()  # before answering: when the caller has its result, nothing is left running
@@ -215,13 +204,6 @@ def collect(pid: int, files: CallFiles, answer_fd: int, limiter=None, may_copy: 
 # --------------------------------------------------------------------------------------
 # The detail of the supervisor's side
 # --------------------------------------------------------------------------------------
-
-
-def _read_limits(fd: int) -> tuple[float, int, int] | None:
-    """The three numbers the code's process sends once it has read the request; None if it never does."""
-    ready, _, _ = select.select([fd], [], [], REQUEST_GRACE)
-    data = os.read(fd, _LIMITS.size) if ready else b""
-    return _LIMITS.unpack(data) if len(data) == _LIMITS.size else None
 
 
 def _wait_for(user: int, timeout: float | None, over_memory=None, tick: float | None = None) -> tuple[int, bool]:
@@ -259,8 +241,7 @@ def _send_answer(fd: int, status: int, timed_out: bool, oom_killed: bool, out: i
     """A header (sizes, exit status), then head and tail of each stream, at most `cap` bytes each.
 
     sendfile copies from the memory file to the socket inside the kernel: the output
-    never enters this process's memory. Only a container (single-use) may fall back to
-    reading it, where sendfile is refused.
+    never enters this process's memory (but with may_copy, where sendfile is refused).
     """
     header = {"returncode": os.waitstatus_to_exitcode(status), "timed_out": timed_out, "oom_killed": oom_killed}
     pieces = []
@@ -289,12 +270,6 @@ def _write_all(fd: int, data: bytes) -> int:
     while view:
         view = view[os.write(fd, view):]
     return len(data)
-
-
-def read_frame(fd: int) -> bytes:
-    """One length-prefixed message (4 bytes, big-endian, then the body) from fd."""
-    header = _read_exactly(fd, 4)
-    return _read_exactly(fd, struct.unpack(">I", header)[0])
 
 
 def _read_exactly(fd: int, size: int) -> bytes:
@@ -361,32 +336,26 @@ def _kill_the_rest() -> None:
 
 
 def _children_of(parent: int) -> list[int]:
-    found = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[1]) == parent and fields[0] != "Z":
-                found.append(int(entry))
-    return found
+    stats = ((pid, text.rsplit(")", 1)[1].split()) for pid, text in _proc_files("stat"))  # state, then parent
+    return [pid for pid, fields in stats if int(fields[1]) == parent and fields[0] != "Z"]
 
 
 def _tasks_of_uid(uid: int) -> int:
     """Processes and threads of a uid: what RLIMIT_NPROC counts."""
-    count = 0
+    statuses = (dict(line.split(":", 1) for line in text.splitlines() if ":" in line) for _, text in _proc_files("status"))
+    return sum(int(fields["Threads"]) for fields in statuses if int(fields["Uid"].split()[0]) == uid)
+
+
+def _proc_files(name: str):
+    """(pid, text of /proc/PID/name) for every process still there to be read."""
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             try:
-                with open(f"/proc/{entry}/status") as f:
-                    fields = dict(line.split(":", 1) for line in f if ":" in line)
+                with open(f"/proc/{entry}/{name}") as f:
+                    text = f.read()
             except OSError:
                 continue
-            if int(fields["Uid"].split()[0]) == uid:
-                count += int(fields["Threads"])
-    return count
+            yield int(entry), text
 
 
 def _kill_quietly(pid: int) -> None:
@@ -408,10 +377,9 @@ def _set_limit(kind: int, value: int) -> None:
     resource.setrlimit(kind, (value, value))
 
 
-def _prctl(option: int, value: int) -> None:
-    import ctypes
-
-    ctypes.CDLL(None).prctl(ctypes.c_int(option), ctypes.c_ulong(value), ctypes.c_ulong(0), ctypes.c_ulong(0), ctypes.c_ulong(0))
+def _prctl(option: int, value: int, pointer=None) -> int:
+    third = pointer if pointer is not None else ctypes.c_ulong(0)
+    return ctypes.CDLL(None, use_errno=True).prctl(ctypes.c_int(option), ctypes.c_ulong(value), third, ctypes.c_ulong(0), ctypes.c_ulong(0))
 
 
 def _exec(source: str) -> int:
@@ -425,8 +393,10 @@ def _exec(source: str) -> int:
     try:
         exec(compile(source, name, "exec", dont_inherit=True), main.__dict__)
         status = 0
-    except SystemExit as e:
-        status = _exit_status(e)
+    except SystemExit as e:  # as the interpreter exits: None is 0, a number its low byte, anything else printed and 1
+        if e.code is not None and not isinstance(e.code, int):
+            print(e.code, file=sys.stderr)
+        status = e.code & 0xFF if isinstance(e.code, int) else int(e.code is not None)
     except BaseException as e:
         # Skip this function's own frame: the model should see only its code's frames.
         traceback.print_exception(type(e), e, e.__traceback__.tb_next)
@@ -439,15 +409,6 @@ def _exec(source: str) -> int:
     except BaseException:
         traceback.print_exc()
     return status
-
-
-def _exit_status(e: SystemExit) -> int:
-    if e.code is None:
-        return 0
-    if isinstance(e.code, int):
-        return e.code & 0xFF
-    print(e.code, file=sys.stderr)
-    return 1
 
 
 def _fresh_interpreter_state() -> None:
@@ -486,8 +447,7 @@ def container_main(options: dict) -> None:
 
     The steps of sandbox.serve_call and code_process, less those Docker provides
     (namespaces, root file system, cgroup, uid, seccomp profile). options["seccomp"]
-    (hex) is the local backend's filter, installed on top of Docker's profile: the
-    profile allows sockets whose queues the container's cgroup never counts.
+    (hex): the local backend's filter, on top of Docker's profile (why: docker_backend.py).
     """
     preload(options["preload"])
     ready, _, _ = select.select([0], [], [], IDLE_EXIT)

@@ -10,12 +10,10 @@ chapter 03's rollout.torl_observation).
         print(format_observation(r))                       # what the model reads
     .venv/bin/python 02-sandbox/sandbox.py -c "print(1+1)"           # the same from a shell
 
-The file opens with the caller's side (ExecResult, SandboxConfig, Sandbox.run and run_many,
-format_observation: what chapter 03 uses), then the containment sequence, one named call
-a step: enter_slot once per warm slot, then serve_call and code_process for every call.
-The steps' detail lives beside it: confinement.py (namespaces, the root, cgroups,
-seccomp), runner.py (request, rlimits, uid, run, answer), fork_server.py and
-local_backend.py (the warm server).
+The file opens with the caller's side (what chapter 03 uses), then the containment
+sequence, one named call a step: enter_slot once per warm slot, then serve_call and
+code_process for every call. The steps' detail lives beside it: confinement.py,
+runner.py, fork_server.py and local_backend.py (the warm server).
 
 Key decisions (the why, the threat model and the figures: docs/02-sandbox.md):
 1. A warm fork server (fork_server.py, started and called by local_backend.py)
@@ -151,10 +149,9 @@ class Sandbox:
         """
         if not isinstance(code, str):
             raise TypeError(f"code must be a str, got {type(code).__name__}")
-        if timeout is not None:
-            _check_range("timeout", timeout)
         request = _request(code, self.config)
         if timeout is not None:
+            _check_range("timeout", timeout)
             request["timeout"] = timeout
         with self._slots:
             self._backend.ready()  # the first call waits for the warm imports; not part of its latency
@@ -165,9 +162,7 @@ class Sandbox:
     def run_many(self, codes: list[str], timeout: float | None = None) -> list[ExecResult]:
         """Run programs concurrently (up to `concurrency` at once); results in input order."""
         codes = list(codes)
-        if not codes:
-            return []
-        with concurrent.futures.ThreadPoolExecutor(min(len(codes), self.config.concurrency)) as pool:
+        with concurrent.futures.ThreadPoolExecutor(max(1, min(len(codes), self.config.concurrency))) as pool:
             return list(pool.map(lambda code: self.run(code, timeout), codes))
 
     @property
@@ -213,14 +208,8 @@ def format_observation(result: ExecResult, style: str = "short", max_chars: int 
 
 def _request(code: str, cfg: SandboxConfig) -> dict:
     """What travels to the runner: the code and its limits, nothing else."""
-    return {
-        "code": code,
-        "timeout": cfg.timeout,
-        "memory_mb": cfg.memory_mb,
-        "max_output_bytes": cfg.max_output_bytes,
-        "max_file_mb": cfg.max_file_mb,
-        "max_processes": cfg.max_processes,
-    }
+    limits = ("timeout", "memory_mb", "max_output_bytes", "max_file_mb", "max_processes")
+    return {"code": code, **{name: getattr(cfg, name) for name in limits}}
 
 
 def _result(answer: dict, request: dict, latency: float) -> ExecResult:
@@ -331,11 +320,7 @@ def serve_call(slot, call_index: int) -> bool:
 
 
 def code_process(request_fd: int, files: runner.CallFiles, workdir: str, slot, limiter) -> int:
-    """The forked process that becomes the code; returns the code's exit status.
-
-    It reads its own request, so the code and its output never enter the slot's memory,
-    which later calls inherit.
-    """
+    """The forked process that becomes the code; returns its exit status. It reads its own request (decision 3 above)."""
     request = runner.take_request(request_fd, files)  # the slot learns only the time limit and the output and memory caps
     if limiter is not None:
         limiter.join(request["memory_mb"], request["max_processes"])  # limits: the cgroup, joined while still root

@@ -9,15 +9,11 @@ robin when idle). A server that refuses a connection, or drops one before it ans
 skipped for a few seconds and the call runs again on another one: a call's code has
 no effects outside it, and its one answer is the one that arrives.
 
-A member is trusted with nothing: each call has one absolute deadline (its timeout
-plus runner.ANSWER_GRACE) over connecting, sending, waiting and reading, however the
-member paces its bytes; a redirect is never followed (the token would go with it);
-an answer is read up to a size cap. Any other failure (no answer in time, an HTTP
-error or redirect, a SandboxError, an answer that is not a well-formed
-RunCodeResponse, too large or nested too deep) is the call's answer, never an
-exception. A server's stdout and stderr come back capped as the local sandbox caps
-them. `unreachable(urls)` is a run's preflight: every pool member must answer at
-start. The story and the mapping: docs/02-service.md.
+A member is trusted with nothing (exchange: one deadline per call, however it paces its
+bytes, no redirect followed, a size cap): any other failure is the call's answer, never
+an exception, and its streams come back capped as the local sandbox caps them.
+`unreachable(cfg)` is a run's preflight: every pool member must answer at start. The
+story and the mapping: docs/02-service.md.
 """
 from __future__ import annotations
 
@@ -83,29 +79,26 @@ class SandboxFusionBackend:
 
     def ready(self) -> None:
         """Once: at least one server answers GET /v1/ping; the others are skipped until they do."""
-        if self._ready:
-            return
+        if not self._ready:
+            problems = self._unanswered()
+            if len(problems) == len(self._urls):
+                raise self._error(f"no SandboxFusion server answers: {'; '.join(problems)}")
+            self._ready = True
+
+    def _unanswered(self) -> list[str]:
+        """One line per server that does not answer GET /v1/ping with 200, naming it and what went wrong; each is skipped a while."""
         problems = []
         for index, url in enumerate(self._urls):
-            problem = self._ping(index)
+            try:
+                status, _ = exchange(url[: -len("/run_code")] + "/v1/ping", "GET", b"", self._headers,
+                                     time.monotonic() + PING_SECONDS, 1 << 16)
+                problem = None if status == 200 else _status_problem(status, b"")
+            except Exception as e:  # whatever the member does, the preflight names it
+                problem = _describe(e)
             if problem:
-                problems.append(problem)
+                problems.append(f"{url}: {problem}")
                 self._down_until[index] = time.monotonic() + DOWN_SECONDS
-        if len(problems) == len(self._urls):
-            raise self._error(f"no SandboxFusion server answers: {'; '.join(problems)}")
-        self._ready = True
-
-    def _ping(self, index: int) -> str | None:
-        """None if the server answers GET /v1/ping with 200, else what went wrong, naming it."""
-        url = self._urls[index]
-        try:
-            status, _ = exchange(url[: -len("/run_code")] + "/v1/ping", "GET", b"", self._headers,
-                                 time.monotonic() + PING_SECONDS, 1 << 16)
-            if status != 200:
-                return f"{url}: {_status_problem(status, b'')}"
-        except Exception as e:  # whatever the member does, the preflight names it
-            return f"{url}: {_describe(e)}"
-        return None
+        return problems
 
     def isolation(self) -> str:
         return "remote"  # whatever the servers provide; the lab's own: docs/02-sandbox.md
@@ -254,8 +247,7 @@ def _status_problem(status: int, data: bytes) -> str:
 
 def unreachable(cfg) -> list[str]:
     """A run's preflight over the pool of a SandboxConfig: one line per server that does not answer GET /v1/ping."""
-    pool = SandboxFusionBackend(cfg, RuntimeError)
-    return [problem for problem in map(pool._ping, range(len(pool._urls))) if problem]
+    return SandboxFusionBackend(cfg, RuntimeError)._unanswered()
 
 
 def to_answer(response, url: str, cap: int = 64 * 1024) -> dict:
@@ -267,9 +259,8 @@ def to_answer(response, url: str, cap: int = 64 * 1024) -> dict:
     server puts it there). Each stream keeps at most `cap` bytes, head and tail, as the
     local sandbox's do.
     """
-    run = response.get("run_result") if isinstance(response, dict) else None
-    status = response.get("status") if isinstance(response, dict) else None
-    message = response.get("message") if isinstance(response, dict) else None
+    response = response if isinstance(response, dict) else {}
+    run, status, message = response.get("run_result"), response.get("status"), response.get("message")
     message = message if isinstance(message, str) else None
     if status not in ("Success", "Failed") or not isinstance(run, dict) or run.get("status") not in ("Finished", "TimeLimitExceeded"):
         shown = status if isinstance(status, str) and status else "something else than a RunCodeResponse"

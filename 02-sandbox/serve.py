@@ -101,9 +101,7 @@ def to_response(result: ExecResult) -> dict:
         return {**_sandbox_error(reason), "run_result": run}
     if result.timed_out:
         run.update(status="TimeLimitExceeded", return_code=None)
-    status = "Success" if result.ok else "Failed"
-    return {"status": status, "message": reason, "compile_result": None, "run_result": run,
-            "executor_pod_name": os.environ.get("MY_POD_NAME"), "files": {}}
+    return {**_sandbox_error(reason), "status": "Success" if result.ok else "Failed", "run_result": run}  # one shape
 
 
 def split_reason(result: ExecResult) -> tuple[str, str]:
@@ -193,16 +191,11 @@ def request_problem(body) -> str:
 
 
 class Server:
-    """The accept loop reads requests itself, without blocking, each under one deadline
-    (REQUEST_SECONDS from connect to its last byte), and refuses what it can from the
-    head alone (a wrong path or token, a missing or too large Content-Length) before any
-    body is read. Whole requests go to max_connections threads that answer them, in
-    arrival order. A slow client therefore holds a socket for at most REQUEST_SECONDS and
-    never a thread; while max_connections requests are being answered or wait for a
-    thread, new connections wait in the listen backlog; past MAX_SENDING connections
-    still sending, the one that has been sending longest is dropped. That cap and
-    max_connections together stay FD_HEADROOM under the open-files limit; should accept
-    still run out of descriptors, the listener rests until a connection closes."""
+    """The accept loop reads requests itself, without blocking, each under one deadline, and refuses
+    what it can from the head alone (a wrong path or token, a missing or too large Content-Length)
+    before any body is read. Whole requests go to max_connections threads that answer them, in
+    arrival order: a slow client holds a socket for at most request_seconds, and never a thread.
+    The other bounds: the constants above (MAX_SENDING, FD_HEADROOM, ACCEPT_RETRY_SECONDS)."""
 
     def __init__(self, address, sandbox: Sandbox, token: str | None = None, max_connections: int = MAX_CONNECTIONS,
                  max_request_bytes: int = MAX_REQUEST_KB * 1024, max_run_timeout: float = MAX_RUN_TIMEOUT,
