@@ -66,8 +66,9 @@ def make_chained_problems(n_train: int, n_test: int, seed: int = 0) -> tuple[lis
     The held-out problems are drawn first, from a generator of their own, so they do
     not depend on `n_train`; no training problem shares their numbers (reading and operands).
     """
-    test = _make(TEST_FRAMES, n_test, random.Random(f"{seed}-heldout"), "chained-heldout", used=set())
-    return _make(TRAIN_FRAMES, n_train, random.Random(seed), "chained", used={_numbers(r) for r in test}), test
+    used = set()  # the numbers drawn so far: the held-out problems' are left out of training
+    test = _make(TEST_FRAMES, n_test, random.Random(f"{seed}-heldout"), "chained-heldout", used)
+    return _make(TRAIN_FRAMES, n_train, random.Random(seed), "chained", used), test
 
 
 # --- the moves: what a tool call of the taught shape runs at each point ----------------------
@@ -155,11 +156,6 @@ def _make(frames, n: int, rng: random.Random, source: str, used: set) -> list[di
         rows.append({"id": f"{source}-{len(rows)}-{reading}" + "".join(f"{op}{n}" for op, n in steps),
                      "question": question, "answer": str(values[-1]), "source": f"{source}-{kind}"})
     return rows
-
-
-def _numbers(row: dict) -> tuple:
-    reading, steps = parse(row["question"])
-    return (int(reading), *steps)
 
 
 def _step(text: str) -> tuple[str, int] | None:
