@@ -138,12 +138,9 @@ class RolloutConfig:
     extra_sampling: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if self.template not in TEMPLATES:
-            raise ValueError(f"RolloutConfig.template: {self.template!r} is not one of {sorted(TEMPLATES)}")
-        if self.schedule not in SCHEDULES:
-            raise ValueError(f"RolloutConfig.schedule: {self.schedule!r} is not one of {SCHEDULES}")
-        if self.observation_style not in OBSERVATION_STYLES:
-            raise ValueError(f"RolloutConfig.observation_style: {self.observation_style!r} is not one of {OBSERVATION_STYLES}")
+        for name, allowed in (("template", sorted(TEMPLATES)), ("schedule", SCHEDULES), ("observation_style", OBSERVATION_STYLES)):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"RolloutConfig.{name}: {getattr(self, name)!r} is not one of {allowed}")
         for name in ("group_size", "max_response_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"RolloutConfig.{name} must be at least 1, got {getattr(self, name)}")
