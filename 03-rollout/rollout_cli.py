@@ -126,8 +126,7 @@ def _roll_out_and_save(llm, problems: list[dict], cfg: RolloutConfig, out: str, 
     spent: dict = {}
     with Sandbox(SandboxConfig()) as sandbox:
         trajs = rollout(llm, problems, sandbox, cfg, spent)
-    Path(out).parent.mkdir(parents=True, exist_ok=True)
-    save_trajectories(trajs, out)
+    save_trajectories(trajs, out)  # its folder made if need be
     if draw:
         tokenizer = llm.get_tokenizer()
         for t in trajs:
