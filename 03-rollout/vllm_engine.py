@@ -100,10 +100,9 @@ def check_logprobs_mode(llm) -> None:
 def check_on_policy(cfg) -> None:
     """Refuse, in one line, a RolloutConfig whose sampling the trainer's log-probs do not reproduce.
 
-    The trainer (chapter 06) scores tokens with softmax(logits / temperature)
-    over the whole vocabulary. vLLM records the log-probs of the distribution it
-    sampled from, after every filter; with top_p < 1 or one of the RESHAPING
-    fields, the two are different policies and the update would be off-policy.
+    The trainer (chapter 06) scores tokens with softmax(logits / temperature) over the
+    whole vocabulary: with top_p < 1 or a RESHAPING field, vLLM samples from another
+    policy and the update would be off-policy.
     """
     reshaping = sorted(k for k in RESHAPING if k in cfg.extra_sampling)
     if cfg.top_p != 1.0 or reshaping:
