@@ -19,14 +19,10 @@ prints 1119, and only with that printed number can the second step be written,
     two steps, padded reading         3
 
 No single program of that shape (nor a product or difference of two of the
-numbers) gives a two-step problem's answer. Held-out problems pair each opening
-with a question sentence no training problem pairs it with, and use number
-tuples never used in training. The question comes first and every number of the
-problem, and the first step's result, has a fixed width, so each number sits at
-the same distance from where the model copies it, whatever the sentences: a model trained from scratch copies
-by that distance, not by content (docs/06-experiments.md). A row's source names its kind
-("chained-2step-padded", "chained-heldout-1step"), so an evaluation reports
-each kind on its own.
+numbers) gives a two-step problem's answer. Held-out problems pair frames and
+numbers no training problem has (the constants below say why each number has a
+fixed width). A row's source names its kind ("chained-2step-padded",
+"chained-heldout-1step"), so an evaluation reports each kind on its own.
 
     .venv/bin/python 01-data/chained_problems.py --out-dir data     # data/chained_train.jsonl, data/chained_test.jsonl
 """
