@@ -129,9 +129,8 @@ def measure(llm, problems: list[dict], sandbox, cfg, repeats: int, name: str, pl
 class SleepingTool:
     """A stand-in for the sandbox, in this bench only: it answers the forced code blocks by reading them.
 
-    It sleeps as long as the code's `time.sleep` asks, in the calling thread, and
-    prints what the code would print: the product of `print(a * b)` or the number
-    of `print(n)`. No process and no CPU: the rollout's cost without the sandbox's work.
+    It sleeps as long as the code's `time.sleep` asks, in the calling thread, and prints what
+    `print(a * b)` or `print(n)` would: no process and no CPU, the rollout's cost without the sandbox's.
     """
 
     def run(self, code: str, timeout: float | None = None):

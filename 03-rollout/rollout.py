@@ -17,9 +17,8 @@ Key decisions (docs/03 gives the reasons and compares each with ToRL's code):
 5. Unseeded unless RolloutConfig.seed is set: seeded requests take vLLM's slower path.
 
 Here: rollout() with the rounds schedule, the config, one trajectory's bookkeeping,
-ToRL's protocol. Beside it: overlapped_schedule.py (the default schedule, chosen in
-rollout()), prompt_templates.py, trajectory.py (the records), vllm_engine.py,
-trajectory_view.py, and rollout_cli.py (the command line this file runs).
+ToRL's protocol. Beside it, the files 03-rollout/README.md lists (the overlapped
+schedule, the records, the engine, the command line this file runs).
 """
 from __future__ import annotations
 
