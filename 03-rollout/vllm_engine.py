@@ -37,11 +37,10 @@ def make_llm(model_path: str | os.PathLike, dtype: str = "auto", max_model_len: 
     """
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
-    # The engine's log (a 3,000-character config line, dozens of INFO lines, a warning per thread
-    # and per weight sync) would bury the lab's own progress lines: errors only, unless
-    # VLLM_LOGGING_LEVEL=INFO (or WARNING) asks for more. Set before the import, for what vLLM says
-    # while it is imported: "Triton is installed, but doesn't include CPU backend" (the CPU build)
-    # and two FutureWarnings of torch's, raised from vllm/triton_utils with their source lines.
+    # The engine's log (a 3,000-character config line, dozens of INFO lines, a warning per thread and per
+    # weight sync) would bury the lab's progress lines: errors only, unless VLLM_LOGGING_LEVEL asks for more;
+    # set before the import, which says "Triton is installed, but doesn't include CPU backend" (the CPU
+    # build) and raises two FutureWarnings of torch's from vllm/triton_utils, with their source lines.
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     logging.getLogger("vllm").setLevel(os.environ["VLLM_LOGGING_LEVEL"].upper())
     warnings.filterwarnings("ignore", category=FutureWarning, module=r"vllm\.triton_utils")
@@ -72,13 +71,11 @@ def make_llm(model_path: str | os.PathLike, dtype: str = "auto", max_model_len: 
               enable_sleep_mode=on_cuda if enable_sleep_mode is None else enable_sleep_mode,
               logprobs_mode="processed_logprobs",
               **{"use_tqdm_on_load": False, **engine_kwargs})  # the checkpoint-shard bar: a second of nothing to watch
-    # Kept to the end of the process: vLLM tears an engine down as soon as it is dropped (a training
-    # loop returning), undoing the freeze above and collecting everything, 2 s of a 2-core CPU.
-    _ENGINES.append(llm)
+    _ENGINES.append(llm)  # dropped (a loop returning), vLLM tears it down, undoing the freeze: 2 s of 2 cores
     return llm
 
 
-_ENGINES = []  # the engines make_llm built; a lab's process builds one and needs it to the end
+_ENGINES = []  # the engines make_llm built, kept to the end: a lab's process builds one and needs it throughout
 
 
 def skip_teardown_at_exit() -> None:
