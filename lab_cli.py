@@ -6,7 +6,10 @@ usage dump and no traceback (argparse's own status for usage errors).
 from __future__ import annotations
 
 import argparse
+import atexit
+import os
 import sys
+import tempfile
 
 
 def one_line_errors(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -49,11 +52,8 @@ def private_tmp(prefix: str = "tool-rl-lab-") -> str:
     for its process they can be found: at every start, the folders of
     processes that no longer exist are removed, and this one goes at exit.
     """
-    import atexit
     import getpass
-    import os
     import shutil
-    import tempfile
 
     base = tempfile.gettempdir()
     # torch.compile's cache stays where torch keeps it by default, shared by every run: in the
@@ -87,8 +87,6 @@ def keep_caches_writable(tmp: str) -> None:
     The lab's, Hugging Face's and vLLM's caches live under it; they then go in
     this process's temporary folder and are gone at exit.
     """
-    import os
-
     cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     why = cannot_write(cache)
     if why:
@@ -107,9 +105,6 @@ def cannot_write(folder) -> str | None:
 
     A real file is made and removed: permission bits say nothing of a read-only disk or of /proc.
     """
-    import os
-    import tempfile
-
     existing = os.path.abspath(folder)
     while not os.path.exists(existing):
         existing = os.path.dirname(existing)
@@ -163,8 +158,6 @@ def quiet_console() -> None:
     worker's NUMA note) are off unless their variables say otherwise; written to a file or a pipe,
     stdout goes out line by line, so the lab's lines and the bars' lines (`progress`) keep their order.
     """
-    import os
-
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     if not sys.stdout.isatty() and hasattr(sys.stdout, "reconfigure"):  # a real stream, not a test's capture
@@ -204,8 +197,6 @@ def exit_now(code: int) -> None:
     freeing, one by one, the million objects torch and vLLM hold: 3 s of the
     5 a process with an engine took to exit on two cores, for nothing.
     """
-    import atexit
-    import os
     import threading
 
     threading._shutdown()  # what the interpreter does first at exit: join the threads that are not daemons

@@ -27,10 +27,10 @@ ENGINE_PRELOAD = ("vllm.v1.worker.cpu_worker", "vllm.model_executor.models.qwen2
 
 
 class PreloadedPython:
-    def __init__(self, env: dict | None = None):
+    def __init__(self):
         self._log = tempfile.NamedTemporaryFile(prefix="preloaded-python-", suffix=".log", delete=False)
         self._server = subprocess.Popen([sys.executable, __file__], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                        stderr=self._log, text=True, env=env)
+                                        stderr=self._log, text=True)
         self._ready = False
 
     def run(self, argv: list, *, cwd, env: dict | None = None, timeout: float = 600) -> subprocess.CompletedProcess:

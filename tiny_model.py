@@ -9,9 +9,6 @@ text can be encoded (unknown words fall back to bytes) and the special tokens
 
 Sizes are chosen for vLLM's CPU backend: its attention rejects head_dim 16, so
 heads are 64 wide (hidden 128 = 2 heads x 64, one KV head).
-
-    from tiny_model import build_tiny_model
-    path = build_tiny_model("/tmp/tiny")      # folder loadable by both libraries
 """
 from __future__ import annotations
 
@@ -72,11 +69,11 @@ def build_tiny_model(out_dir: str | os.PathLike, corpus: list[str] | None = None
     return out
 
 
-def temp_tiny_model(seed: int = 0) -> Path:
+def temp_tiny_model() -> Path:
     """build_tiny_model into a fresh temporary folder: the model of a script that is given none."""
     import tempfile
 
-    return build_tiny_model(Path(tempfile.mkdtemp(prefix="tiny-model-")), seed=seed)
+    return build_tiny_model(Path(tempfile.mkdtemp(prefix="tiny-model-")), seed=0)
 
 
 def train_tokenizer(corpus: list[str], vocab_size: int = 512):

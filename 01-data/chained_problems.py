@@ -19,14 +19,10 @@ prints 1119, and only with that printed number can the second step be written,
     two steps, padded reading         3
 
 No single program of that shape (nor a product or difference of two of the
-numbers) gives a two-step problem's answer. Held-out problems pair each opening
-with a question sentence no training problem pairs it with, and use number
-tuples never used in training. The question comes first and every number of the
-problem, and the first step's result, has a fixed width, so each number sits at
-the same distance from where the model copies it, whatever the sentences: a model trained from scratch copies
-by that distance, not by content (docs/06-experiments.md). A row's source names its kind
-("chained-2step-padded", "chained-heldout-1step"), so an evaluation reports
-each kind on its own.
+numbers) gives a two-step problem's answer. Held-out problems pair frames and
+numbers no training problem has (the constants below say why each number has a
+fixed width). A row's source names its kind ("chained-2step-padded",
+"chained-heldout-1step"), so an evaluation reports each kind on its own.
 
     .venv/bin/python 01-data/chained_problems.py --out-dir data     # data/chained_train.jsonl, data/chained_test.jsonl
 """
@@ -66,8 +62,9 @@ def make_chained_problems(n_train: int, n_test: int, seed: int = 0) -> tuple[lis
     The held-out problems are drawn first, from a generator of their own, so they do
     not depend on `n_train`; no training problem shares their numbers (reading and operands).
     """
-    test = _make(TEST_FRAMES, n_test, random.Random(f"{seed}-heldout"), "chained-heldout", used=set())
-    return _make(TRAIN_FRAMES, n_train, random.Random(seed), "chained", used={_numbers(r) for r in test}), test
+    used = set()  # the numbers drawn so far: the held-out problems' are left out of training
+    test = _make(TEST_FRAMES, n_test, random.Random(f"{seed}-heldout"), "chained-heldout", used)
+    return _make(TRAIN_FRAMES, n_train, random.Random(seed), "chained", used), test
 
 
 # --- the moves: what a tool call of the taught shape runs at each point ----------------------
@@ -155,11 +152,6 @@ def _make(frames, n: int, rng: random.Random, source: str, used: set) -> list[di
         rows.append({"id": f"{source}-{len(rows)}-{reading}" + "".join(f"{op}{n}" for op, n in steps),
                      "question": question, "answer": str(values[-1]), "source": f"{source}-{kind}"})
     return rows
-
-
-def _numbers(row: dict) -> tuple:
-    reading, steps = parse(row["question"])
-    return (int(reading), *steps)
 
 
 def _step(text: str) -> tuple[str, int] | None:

@@ -267,13 +267,12 @@ def read_hub(path: str, split: str) -> list[dict]:
     from datasets import load_dataset
 
     why = hub_unreachable()
-    if why:
-        raise HubUnreachable(f"could not load '{path}' (split {split}) from the Hugging Face hub: {why}")
-    try:
-        return list(load_dataset(path, split=split))
-    except Exception as e:
-        first = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise HubUnreachable(f"could not load '{path}' (split {split}) from the Hugging Face hub: {first}") from None
+    if not why:
+        try:
+            return list(load_dataset(path, split=split))
+        except Exception as e:
+            why = str(e).splitlines()[0] if str(e) else type(e).__name__
+    raise HubUnreachable(f"could not load '{path}' (split {split}) from the Hugging Face hub: {why}") from None
 
 
 _hub_probe: dict[str, str | None] = {}  # "unreachable_because": _probe_hub's answer, once per process

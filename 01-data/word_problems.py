@@ -55,7 +55,7 @@ def make_word_problems(n_train: int, n_test: int, seed: int = 0) -> tuple[list[d
 def solution_code(question: str) -> str:
     """The Python line that answers a question written by this module: `print(a op b)`; ValueError for any other text."""
     for phrasing, op in TRAIN_TEMPLATES + TEST_TEMPLATES:
-        match = _pattern(phrasing).fullmatch(question)
+        match = re.fullmatch(re.escape(phrasing).replace(r"\{a\}", r"(?P<a>\d+)").replace(r"\{b\}", r"(?P<b>\d+)"), question)
         if match:
             return f"print({match['a']} {op} {match['b']})"
     raise ValueError(f"not a question this task writes: {question[:60]!r}")
@@ -80,10 +80,6 @@ def _make(templates, n: int, rng: random.Random, source: str) -> list[dict]:
 
 def _number(rng: random.Random) -> int:
     return rng.randint(100, 999) if rng.random() < 0.5 else rng.randint(1000, 9999)
-
-
-def _pattern(phrasing: str) -> re.Pattern:
-    return re.compile(re.escape(phrasing).replace(r"\{a\}", r"(?P<a>\d+)").replace(r"\{b\}", r"(?P<b>\d+)"))
 
 
 if __name__ == "__main__":

@@ -3,45 +3,17 @@
     make bench-rollout                                   # tiny random model on CPU, a few minutes
     .venv/bin/python 03-rollout/bench_rollout.py --model Qwen/Qwen2.5-Math-1.5B --dtype bfloat16 --max-response-tokens 3072
 
-Two workloads, each run with the overlapped rollout (the default) and with rounds:
-
-1. Equal lengths: `--problems` x `--group-size` samples. Every first turn writes a
-   short code block and stops on ```output (forced with structured outputs: a
-   random model never writes code by itself); the second turn samples to the
-   response budget with EOS ignored, so every sample is about as long as every
-   other. This is the kindest case for rounds.
-2. Long-tailed: `--tail-problems` x `--group-size` samples whose lengths follow a
-   heavy tail, as real RL responses do (most end early, a few run long). Each of
-   the two turns opens with a marker letter that picks its length class: classes
-   run from `--tail-shortest` tokens upwards, doubling, and a class twice as long
-   is half as likely (P(length >= x) ~ 1/x). The tool call comes after the first
-   turn's class, so at a different point in each sample, and its code sleeps
-   `--tool-sleep` seconds, a sandbox call that takes a realistic time. Its
-   sandbox admits every sample's call at once: sleeping takes no core.
-
-The baseline for each is a bare `llm.generate` of the same tokens: one request per
-sample, as many tokens as that sample's model tokens, the same sampling, seeds and
-log-probs. For the long-tailed workload the baseline is also constrained by a
-grammar of the same length (digits, then EOS), so that both pay the same
-per-token masking and the ratio measures the schedule. The ratio
-
-    rollout wall time / baseline wall time, scaled to equal token counts
-
-is shown with the sandbox's time (time the engine had nothing to decode while
-code ran) excluded and included. Run k is seeded with k: within a run every kind
-samples the same tokens, and each run is a new draw of the lengths (times are
-per token, shown for the mean token count). Each figure is the best and the
-median of `--repeats` runs after one warm-up run of each kind: on a machine
-shared with other work, the fastest run is the least disturbed one. The last
-line is the default rollout on the long-tailed workload, sandbox included.
-
-One more kind splits what is left of the overlapped rollout's cost: "tool
-without CPU" is the same rollout with a stand-in for the sandbox (SleepingTool)
-that answers each forced code block by reading it, after sleeping as long as
-the code would, in the calling thread: no process, no CPU. The same tokens come
-out; what it costs over bare is the schedule's own (each sample's wait for its
-call), and what the real sandbox costs over it is its calls' CPU on the cores
-that decode.
+Two workloads, each run with the overlapped rollout (the default), with rounds and
+with a sandbox that takes no CPU (SleepingTool): equal lengths, the kindest case for
+rounds (a forced code block, then to the budget with EOS ignored), and long-tailed
+lengths as real RL responses have, whose forced marker letters pick a length class
+(P(length >= x) ~ 1/x) and whose code sleeps `--tool-sleep` seconds. Each is set
+against a bare `llm.generate` of the same tokens (same sampling, seeds, log-probs;
+for the long tail a grammar of the same length, so both pay the same masking), as
+seconds per token, the sandbox's time excluded and included: the best and the median
+of `--repeats` seeded runs after a warm-up, since on a shared machine the fastest
+run is the least disturbed. The workloads and a reading of the figures:
+docs/appendix/03-schedules-benchmarks.md.
 """
 from __future__ import annotations
 
@@ -157,9 +129,8 @@ def measure(llm, problems: list[dict], sandbox, cfg, repeats: int, name: str, pl
 class SleepingTool:
     """A stand-in for the sandbox, in this bench only: it answers the forced code blocks by reading them.
 
-    It sleeps as long as the code's `time.sleep` asks, in the calling thread, and
-    prints what the code would print: the product of `print(a * b)` or the number
-    of `print(n)`. No process and no CPU: the rollout's cost without the sandbox's work.
+    It sleeps as long as the code's `time.sleep` asks, in the calling thread, and prints what
+    `print(a * b)` or `print(n)` would: no process and no CPU, the rollout's cost without the sandbox's.
     """
 
     def run(self, code: str, timeout: float | None = None):

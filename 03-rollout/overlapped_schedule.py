@@ -1,12 +1,8 @@
 """The overlapped schedule of chapter 03's rollout, the default: every trajectory moves on its own. The story: docs/03-schedules.md.
 
-`rollout()` hands its trajectories here when RolloutConfig.schedule is "overlap".
-What a turn or an observation appends, the budgets and the seeds stay the
-core's (each trajectory's `next_params`, `append_turn`, `append_observation`):
-for a seed this gives the trajectories rounds give; only the order of events
-differs. Here the engine steps continuously (vLLM's in-process `add_request` /
-`step`): a turn that stops on ```output hands its code to a sandbox thread at
-once, and when the result is back, the continuation joins the running batch.
+What a turn or an observation appends, the budgets and the seeds stay the core's
+(`_InFlight`'s three calls), so for a seed this gives the trajectories rounds give;
+only the order of events differs.
 """
 from __future__ import annotations
 
@@ -21,10 +17,11 @@ _REQUEST_IDS = itertools.count()  # unique in the process: the engine may be sha
 def run_overlapped(engine, in_flight: list, run_code: Callable, spent: dict) -> None:
     """Sample every trajectory in `in_flight` to its end, each on its own: no trajectory waits for another.
 
-    `engine` is vLLM's in-process engine (`llm.llm_engine`), `run_code(code)` a
-    sandbox call that may come from several threads at once. The loop blocks only
-    when nothing is left to decode; `spent["sandbox_s"]` counts that wait and
-    `spent["steps"]` the engine steps.
+    The engine steps continuously (vLLM's in-process `llm.llm_engine`: `add_request`,
+    `step`); a turn that stops on ```output hands its code to `run_code` in a sandbox
+    thread at once, and its continuation joins the running batch when the result is
+    back. The loop blocks only when nothing is left to decode; `spent["sandbox_s"]`
+    counts that wait and `spent["steps"]` the engine steps.
     """
     from vllm.inputs import tokens_input
     from vllm.sampling_params import RequestOutputKind

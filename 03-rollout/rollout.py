@@ -17,9 +17,8 @@ Key decisions (docs/03 gives the reasons and compares each with ToRL's code):
 5. Unseeded unless RolloutConfig.seed is set: seeded requests take vLLM's slower path.
 
 Here: rollout() with the rounds schedule, the config, one trajectory's bookkeeping,
-ToRL's protocol. Beside it: overlapped_schedule.py (the default schedule, chosen in
-rollout()), prompt_templates.py, trajectory.py (the records), vllm_engine.py,
-trajectory_view.py, and rollout_cli.py (the command line this file runs).
+ToRL's protocol. Beside it, the files 03-rollout/README.md lists (the overlapped
+schedule, the records, the engine, the command line this file runs).
 """
 from __future__ import annotations
 
@@ -138,12 +137,9 @@ class RolloutConfig:
     extra_sampling: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if self.template not in TEMPLATES:
-            raise ValueError(f"RolloutConfig.template: {self.template!r} is not one of {sorted(TEMPLATES)}")
-        if self.schedule not in SCHEDULES:
-            raise ValueError(f"RolloutConfig.schedule: {self.schedule!r} is not one of {SCHEDULES}")
-        if self.observation_style not in OBSERVATION_STYLES:
-            raise ValueError(f"RolloutConfig.observation_style: {self.observation_style!r} is not one of {OBSERVATION_STYLES}")
+        for name, allowed in (("template", sorted(TEMPLATES)), ("schedule", SCHEDULES), ("observation_style", OBSERVATION_STYLES)):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"RolloutConfig.{name}: {getattr(self, name)!r} is not one of {allowed}")
         for name in ("group_size", "max_response_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"RolloutConfig.{name} must be at least 1, got {getattr(self, name)}")

@@ -100,12 +100,9 @@ def _cmd_view(args) -> str:
 
 def _cmd_demo(args) -> None:
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # the trajectories, not the engine's log
-    model = args.model
-    if model is None:
-        from tiny_model import temp_tiny_model
+    from tiny_model import temp_tiny_model
 
-        model = str(temp_tiny_model())
-    llm = make_llm(model, dtype="float32", max_model_len=2048)
+    llm = make_llm(str(temp_tiny_model()) if args.model is None else args.model, dtype="float32", max_model_len=2048)
     cfg = RolloutConfig(group_size=args.group_size, max_response_tokens=256, force_turns=DEMO_TURNS, seed=0)
     problems = [{"id": "demo-1", "question": DEMO_QUESTION, "answer": "56088", "source": "demo"}]
     _roll_out_and_save(llm, problems, cfg, args.out, draw=True)
@@ -126,8 +123,7 @@ def _roll_out_and_save(llm, problems: list[dict], cfg: RolloutConfig, out: str, 
     spent: dict = {}
     with Sandbox(SandboxConfig()) as sandbox:
         trajs = rollout(llm, problems, sandbox, cfg, spent)
-    Path(out).parent.mkdir(parents=True, exist_ok=True)
-    save_trajectories(trajs, out)
+    save_trajectories(trajs, out)  # its folder made if need be
     if draw:
         tokenizer = llm.get_tokenizer()
         for t in trajs:

@@ -56,12 +56,10 @@ def _render_one(t, tokenizer, scored) -> str:
                        f"<td>{c.ok}</td><td>{c.returncode}</td><td>{c.timed_out}</td><td>{c.latency * 1000:.0f} ms</td>"
                        f"<td><pre>{html.escape(c.observation)}</pre></td><td>{c.start}–{c.end}</td></tr>")
         out.append("</table>")
-    pieces_prompt = token_pieces(tokenizer, t.prompt_ids)
-    pieces = token_pieces(tokenizer, t.token_ids)
     out.append('<details><summary>prompt: %d tokens</summary><div class="toks">' % len(t.prompt_ids))
-    out += [_box("p", i, tok, piece, None) for i, (tok, piece) in enumerate(zip(t.prompt_ids, pieces_prompt))]
+    out += [_box("p", i, tok, piece, None) for i, (tok, piece) in enumerate(zip(t.prompt_ids, token_pieces(tokenizer, t.prompt_ids)))]
     out.append('</div></details><div class="toks">')
-    for i, (tok, piece, m, lp) in enumerate(zip(t.token_ids, pieces, t.loss_mask, t.logprobs)):
+    for i, (tok, piece, m, lp) in enumerate(zip(t.token_ids, token_pieces(tokenizer, t.token_ids), t.loss_mask, t.logprobs)):
         out.append(_box("m" if m else "o", i, tok, piece, lp if m else None))
     out.append("</div></section>\n")
     return "".join(out)
@@ -81,7 +79,8 @@ def token_pieces(tokenizer, ids: list[int]) -> list[str]:
     and the next token's piece carries the whole character. Tokenizers that are
     not byte-level fall back to decoding each token on its own.
     """
-    if not _is_byte_level(tokenizer):
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or type(backend.decoder).__name__ != "ByteLevel":
         return [tokenizer.decode([i]) for i in ids]
     byte_of = _byte_level_alphabet()
     decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
@@ -108,11 +107,6 @@ def draw_tokens(t, tokenizer) -> str:
             lines.append(f"{kind}, {end - start} tokens): " + "|".join(pieces[start:end]))
             start = end
     return "\n".join(lines)
-
-
-def _is_byte_level(tokenizer) -> bool:
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    return backend is not None and type(backend.decoder).__name__ == "ByteLevel"
 
 
 def _byte_level_alphabet() -> dict[str, int]:

@@ -3,20 +3,13 @@
     .venv/bin/python 03-rollout/traps.py            # tiny random model on CPU, about a minute
 
 Each trap is measured, not asserted: the script samples with the real engine and
-prints what it saw.
-
-1. A stop string can end inside a token. vLLM cuts `text` at the stop string,
-   but `token_ids` keep the whole token that completed it, and that token is
-   what the model conditioned on afterwards. The sampler is steered (structured
-   outputs and a logit bias) to complete "```output" with the token "tan", as a
-   real model may complete it with any token that starts with "t".
-2. One text, several tokenizations. Forced to write one fixed string, a random
-   model spells it with different tokens from sample to sample; re-tokenizing
-   the text gives yet another spelling. Log-probs belong to the spelling that
-   was sampled, so only the sampled ids can carry them.
-3. A group needs a random stream per sample (`n=k`, or k requests with seeds
-   seed + j, as the overlapped rollout sends them), not k copies with one seed:
-   those are k identical samples, a GRPO group with zero variance.
+prints what it saw (docs/03-rollout.md reads the output). 1: a stop string can end
+inside a token, which `token_ids` keep and `text` cuts; the sampler is steered
+(structured outputs, a logit bias) to complete "```output" with the token "tan", as
+a real model may with any token that starts with "t". 2: one text, several
+tokenizations, so only the sampled ids can carry the log-probs. 3: a group needs a
+random stream per sample (`n=k`, or seeds seed + j), not k copies with one seed:
+those are k identical samples, a GRPO group with zero variance.
 """
 from __future__ import annotations
 

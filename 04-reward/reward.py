@@ -93,12 +93,9 @@ def score_batch(
 def total_reward(result: RewardResult, execution_pass: bool, exec_error_penalty: float = 0.0) -> float:
     """ToRL's R = R_answer + R_exec: subtract `exec_error_penalty` when the trajectory did not pass.
 
-    `execution_pass` is ToRL's flag (chapter 03's Trajectory.execution_pass): its
-    last tool call passed. A trajectory without a tool call has not passed.
-
-    The ToRL paper describes a -0.5 execution penalty; its released launch
-    script leaves it off, and so does this lab by default (0.0): punishing
-    errors also punishes exploration, and the paper found no gain from it.
+    `execution_pass` is ToRL's flag (chapter 03's Trajectory.execution_pass): its last
+    tool call passed; without a call it has not. Off by default (0.0), as in ToRL's launch
+    script: punishing errors also punishes exploration, and the paper found no gain from it.
     """
     return result.reward - (exec_error_penalty if not execution_pass else 0.0)
 
@@ -162,19 +159,16 @@ _CHECKS = {"lab": is_equivalent, "torl": torl_equivalent}  # what a worker runs 
 class _Verifier:
     """One worker process that runs a scorer's check, replaced when it overruns its deadline.
 
-    The worker is its own interpreter running this file (`reward.py --serve-fd`),
-    not a multiprocessing child: spawn would re-import the caller's main script,
-    so a learner's three-line script without an `if __name__ == "__main__":`
-    guard would start workers that run that script again. Nor forked: the parent
-    may hold threads (vLLM, tqdm) that a fork would copy in a broken state. The
-    first call pays the child's start-up (importing math-verify, about half a second);
-    later calls cost a socket round trip.
+    Its own interpreter running this file (`reward.py --serve-fd`): spawned, it would
+    re-import the caller's main script (a learner's script without an `if __name__`
+    guard would run again in every worker); forked, it would copy the parent's threads
+    (vLLM, tqdm) in a broken state. The first call pays the start-up (importing
+    math-verify, about half a second); later calls cost a socket round trip.
     """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._proc = None
-        self._conn = None
+        self._proc = self._conn = None
 
     def equivalent(self, answer: str, reference: str, timeout: float, scorer: str = "lab") -> bool:
         with self._lock:

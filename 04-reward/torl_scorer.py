@@ -1,24 +1,17 @@
 r"""ToRL's own scorer (GAIR-NLP/ToRL, reward type "default"), for comparison with the lab's.
-Where and why the two disagree, with measured counts: docs/04-torl-scorer.md.
+The rule in words, and where and why the two disagree, with measured counts: docs/04-torl-scorer.md.
 
-ToRL's rule, reproduced here (written anew from reading its source, not copied):
-1. The answer is the content of the last complete `\boxed{...}` ANYWHERE in the
-   response, found by a regex that nests braces up to 4 levels deep (the box's
-   own included); a deeper or unclosed box is skipped, so an earlier one counts.
-   The lab reads only the last 300 characters and never falls back.
-2. Equal lower-cased, stripped strings score +1 at once. Otherwise both sides
-   go through the Minerva normaliser (Lewkowycz et al. 2022, appendix D, with
-   ToRL's edits) and math-verify's parse/verify, UNWRAPPED: the lab wraps both
-   in `$...$`. Unwrapped, parse reads numbers, `a/b` and `\frac{a}{b}`, but
-   returns [] for much LaTeX (`\sqrt{8}`, `p-q`), and verify([], []) is False;
-   from `2\sqrt{2}` or `12\pi` it reads only the leading number.
-3. Anything that raises scores -1. (ToRL falls back to Hendrycks' string
-   equality when parse/verify raise; with math-verify's default
-   raise_on_error=False they never do, so that fallback never decides.)
+Written anew from reading ToRL's source, not copied: the answer is the last complete
+`\boxed{...}` anywhere (braces nested up to BOX_DEPTH levels; a deeper or unclosed
+box is skipped, so an earlier one counts), where the lab reads only the last 300
+characters and never falls back. A string match, else Minerva's normaliser (with
+ToRL's edits) and math-verify UNWRAPPED: the lab wraps both sides in `$...$`, without
+which parse returns [] for much LaTeX and only the leading number of `12\pi`.
+Anything that raises scores -1 (ToRL's fallback to Hendrycks' string equality never
+decides: math-verify does not raise by default).
 
-math-verify runs with its signal timeouts off, so the verdict is the same from
-any thread. `torl_score` itself sets no deadline; `reward.score_batch(...,
-scorer="torl")` runs this same check in reward.py's worker processes under one.
+math-verify runs with its signal timeouts off, so the verdict is the same from any
+thread; `torl_score` sets no deadline, `reward.score_batch(..., scorer="torl")` runs it under one.
 """
 from __future__ import annotations
 
