@@ -37,6 +37,9 @@ import time
 
 import torch
 
+from grpo import (GRPOConfig, build_batch, group_advantages, grpo_step, load_policy, make_optimizer, sleep_sampler,
+                  sync_weights, token_logprobs)
+
 
 # Config numbers of the lab's target models (their config.json), for random-init models of the same shape.
 SHAPES = {
@@ -76,7 +79,6 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def run(args, model_path: str) -> None:
-    from grpo import build_batch, grpo_step, load_policy, make_optimizer, sleep_sampler, sync_weights, token_logprobs
     from rollout import make_llm
 
     on_cuda = torch.cuda.is_available()
@@ -171,8 +173,6 @@ def run_shape(args) -> None:
     """The trainer alone on a random-init model of a named shape: throughput and the memory budget, measured."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from grpo import grpo_step, make_optimizer
-
     on_cuda = torch.cuda.is_available()
     device = torch.device("cuda" if on_cuda else "cpu")
     cfg = step_config(args)
@@ -189,10 +189,7 @@ def run_shape(args) -> None:
     all_tokens, model_tokens = token_counts(trajectories)
     optimizer = make_optimizer(model, cfg)
 
-    t = time.perf_counter()
-    grpo_step(model, optimizer, trajectories, cfg)  # warm-up: creates AdamW's moments
-    synchronize()
-    warmup_s = time.perf_counter() - t
+    (warmup_s,) = timed_steps(model, optimizer, trajectories, cfg, 1)  # warm-up: creates AdamW's moments
     state = memory() - base  # weights + AdamW moments (gradients are freed after each update)
     reset_peak_memory()
     times = timed_steps(model, optimizer, trajectories, cfg, args.steps)
@@ -222,8 +219,6 @@ def run_shape(args) -> None:
 
 def step_config(args):
     """The GRPO step both measurements time: the flags' batch shape, a small learning rate."""
-    from grpo import GRPOConfig
-
     return GRPOConfig(lr=1e-6, num_minibatches=args.num_minibatches, micro_batch_size=args.micro_batch_size,
                       gradient_checkpointing=args.gradient_checkpointing)
 
@@ -282,8 +277,6 @@ def _trajectory(k: int, group_size: int, prompt: list[int], ids: list[int], logp
 def _rewards(n: int, group_size: int, degenerate_frac: float, g: torch.Generator) -> tuple[list[float], list[float]]:
     """±1 at random, except the first `degenerate_frac` of groups, which are all -1 (nothing to compare); and their
     advantages (the rewards themselves where n is not whole groups)."""
-    from grpo import group_advantages
-
     rewards = (torch.randint(0, 2, (n,), generator=g) * 2 - 1).tolist()
     flat = round(degenerate_frac * (n // group_size)) * group_size
     rewards[:flat] = [-1] * flat
@@ -296,8 +289,6 @@ def _rewards(n: int, group_size: int, degenerate_frac: float, g: torch.Generator
 
 def timed_steps(model, optimizer, trajectories, cfg, steps: int) -> list[float]:
     """Wall seconds of `steps` GRPO steps, each waited for on the device."""
-    from grpo import grpo_step
-
     times = []
     for _ in range(steps):
         t = time.perf_counter()
