@@ -44,11 +44,6 @@ def unwrap(model):
     return getattr(model, "module", model)
 
 
-def is_data_parallel(model) -> bool:
-    """Wrapped in DDP or sharded by FSDP2."""
-    return unwrap(model) is not model or any(hasattr(p, "full_tensor") for p in model.parameters())
-
-
 def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
     """The whole tensor from an FSDP2 shard (a DTensor: a collective, every rank must call it)."""
     return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
@@ -62,15 +57,11 @@ def gradient_sync(model, sync: bool):
 
 
 def pad_to_every_rank(model, passes: list, filler, at_least: int = 1) -> list:
-    """The passes this rank runs: its own in one process; under DDP or FSDP2 as many as the rank that
-    needs the most, and `at_least` (one all-reduce), the missing ones `filler`.
-
-    The gradient exchange happens inside the backward passes, and FSDP2 gathers each
-    layer's weights in every forward, so every rank must run as many as the others;
-    a rank with fewer runs passes that add nothing (grpo_step).
-    """
-    if not is_data_parallel(model):
-        return passes
+    """The passes this rank runs: its own in one process; under DDP or FSDP2 as many as the rank that needs the
+    most, and `at_least` (one all-reduce), the missing ones `filler`: the gradient exchange happens inside the
+    backward passes, and FSDP2 gathers each layer's weights in every forward."""
+    if unwrap(model) is model and not any(hasattr(p, "full_tensor") for p in model.parameters()):
+        return passes  # neither wrapped in DDP nor sharded by FSDP2
     most = torch.tensor([len(passes)], dtype=torch.int64)  # gloo carries CPU tensors, also on GPU nodes
     dist.all_reduce(most, op=dist.ReduceOp.MAX)
     return passes + [filler] * (max(int(most), at_least) - len(passes))
@@ -116,13 +107,9 @@ class DataParallel:
     # ----------------------------------------------------------------- the batch
 
     def shard(self, items: list, num_minibatches: int) -> list:
-        """This rank's share of a step's problems (decision 2).
-
-        The problems are cut into `num_minibatches` consecutive chunks, as
-        grpo_step cuts the trajectories; each chunk is cut again into one
-        consecutive slice per rank. With 8 problems, 2 mini-batches, 2 ranks:
-        rank 0 gets [0, 1, 4, 5] and rank 1 [2, 3, 6, 7].
-        """
+        """This rank's share of a step's problems (decision 2): `num_minibatches` consecutive chunks, as grpo_step
+        cuts the trajectories, each cut into one slice per rank. With 8 problems, 2 mini-batches, 2 ranks: rank 0
+        gets [0, 1, 4, 5] and rank 1 [2, 3, 6, 7]."""
         if not self.distributed:
             return items
         if len(items) % (num_minibatches * self.world_size):
@@ -293,11 +280,8 @@ class DataParallel:
 
 
 def setup(strategy: str = "ddp") -> DataParallel:
-    """Join torchrun's world if this process was started by it; otherwise a world of one.
-
-    NCCL on GPUs (one per rank, by LOCAL_RANK), gloo on CPU. vLLM joins the same
-    group later; it requires the group to exist before the engine is built.
-    """
+    """Join torchrun's world if this process was started by it; otherwise a world of one. NCCL on GPUs (one per
+    rank, by LOCAL_RANK), gloo on CPU; vLLM joins the group later, and requires it to exist first."""
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy must be {' or '.join(STRATEGIES)}, got {strategy!r}")
     if "RANK" not in os.environ or int(os.environ.get("WORLD_SIZE", "1")) == 1:
@@ -316,11 +300,8 @@ def setup(strategy: str = "ddp") -> DataParallel:
 
 
 def cores_per_rank() -> int:
-    """This rank's share of the node's cores: what its sandbox may run at once (math code is CPU-bound).
-
-    torchrun's LOCAL_WORLD_SIZE ranks share one node; each taking every core
-    would start 8 x 224 warm slots on a 224-core, 8-GPU node.
-    """
+    """This rank's share of the node's cores: what its sandbox may run at once (math code is CPU-bound). Each of
+    torchrun's LOCAL_WORLD_SIZE ranks taking every core would start 8 x 224 warm slots on a 224-core, 8-GPU node."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     return max(1, cores // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
 

@@ -42,11 +42,7 @@ def tis_weights(old_logprobs: torch.Tensor, batch, cap: float, mode: str = "trun
 def masked_importance_weights(log_ratio: torch.Tensor, mask: torch.Tensor, cap: float, mode: str
                               ) -> tuple[torch.Tensor, dict[str, float]]:
     """Weight 0 outside the band [1/cap, cap], 1 inside: per token ("token-mask", IcePop's rule) or per
-    sequence on its geometric-mean ratio ("sequence-mask"). A masked token still counts in the denominator.
-
-    tis_masked_frac: share of tokens in the loss with weight 0; tis_masked_seq_frac: share of
-    sequences in the loss with at least one (all of them, with sequence-mask).
-    """
+    sequence on its geometric-mean ratio ("sequence-mask"). A masked token still counts in the denominator."""
     band = math.log(cap)
     if mode == "token-mask":
         outside = log_ratio.abs() > band
