@@ -49,11 +49,9 @@ SHAPES = {
     "qwen2.5-math-7b": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
                             num_key_value_heads=4, vocab_size=152064, max_position_embeddings=4096,
                             rope_theta=10000.0, rms_norm_eps=1e-6, tie_word_embeddings=False),
-    # the base model SimpleTIR starts from: Qwen2.5-Math-7B's shape with a 131,072-token context
-    "qwen2.5-7b": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
-                       num_key_value_heads=4, vocab_size=152064, max_position_embeddings=131072,
-                       rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=False),
 }
+# the base model SimpleTIR starts from: Qwen2.5-Math-7B's shape with a 131,072-token context
+SHAPES["qwen2.5-7b"] = dict(SHAPES["qwen2.5-math-7b"], max_position_embeddings=131072, rope_theta=1000000.0)
 
 
 def main(argv: list[str] | None = None) -> None:
