@@ -15,8 +15,7 @@ from distributed import full_tensor, unwrap
 
 def sync_weights(model, llm) -> int:
     """Copy the trainer's weights into the running vLLM engine, as tensors (no checkpoint is written); return the
-    new version. vLLM's in-place reload also redoes any kernel-specific repacking. If the loader fails on one rank,
-    that rank still joins the gathers the others wait in, and every rank raises."""
+    new version. vLLM's in-place reload also redoes any kernel-specific repacking."""
     from vllm.v1.engine.core_client import InprocClient
 
     if not isinstance(llm.llm_engine.engine_core, InprocClient):
