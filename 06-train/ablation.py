@@ -186,7 +186,8 @@ def after_accuracy(evals: list[dict]) -> float:
 
 def accuracy_at(evals: list[dict], tag: str) -> float:
     """Held-out accuracy of a run's evaluation tagged `tag` ("before RL", "after RL")."""
-    return accuracy(next(r for r in evals if r["tag"] == tag))
+    sets = next(r for r in evals if r["tag"] == tag)["sets"]  # one entry per data source, plus "all" when several
+    return (sets.get("all") or next(iter(sets.values())))["avg@1"]
 
 
 def before_accuracy(runs) -> float:
@@ -196,11 +197,6 @@ def before_accuracy(runs) -> float:
     for (arm, seed), (_, evals) in sorted(runs.items(), key=lambda item: item[0][0] != "baseline"):
         by_seed.setdefault(seed, accuracy_at(evals, "before RL"))
     return sum(by_seed.values()) / len(by_seed)
-
-
-def accuracy(evaluation: dict) -> float:
-    sets = evaluation["sets"]  # one entry per data source, plus "all" when there are several
-    return (sets.get("all") or next(iter(sets.values())))["avg@1"]
 
 
 def last_reward(rows: list[dict], n: int = 5) -> float:

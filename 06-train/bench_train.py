@@ -37,6 +37,9 @@ import time
 
 import torch
 
+from grpo import (GRPOConfig, build_batch, group_advantages, grpo_step, load_policy, make_optimizer, sleep_sampler,
+                  sync_weights, token_logprobs)
+
 
 # Config numbers of the lab's target models (their config.json), for random-init models of the same shape.
 SHAPES = {
@@ -46,11 +49,9 @@ SHAPES = {
     "qwen2.5-math-7b": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
                             num_key_value_heads=4, vocab_size=152064, max_position_embeddings=4096,
                             rope_theta=10000.0, rms_norm_eps=1e-6, tie_word_embeddings=False),
-    # the base model SimpleTIR starts from: Qwen2.5-Math-7B's shape with a 131,072-token context
-    "qwen2.5-7b": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
-                       num_key_value_heads=4, vocab_size=152064, max_position_embeddings=131072,
-                       rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=False),
 }
+# the base model SimpleTIR starts from: Qwen2.5-Math-7B's shape with a 131,072-token context
+SHAPES["qwen2.5-7b"] = dict(SHAPES["qwen2.5-math-7b"], max_position_embeddings=131072, rope_theta=1000000.0)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -76,7 +77,6 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def run(args, model_path: str) -> None:
-    from grpo import grpo_step, load_policy, make_optimizer, sleep_sampler, sync_weights
     from rollout import make_llm
 
     on_cuda = torch.cuda.is_available()
@@ -105,9 +105,9 @@ def run(args, model_path: str) -> None:
     # sampler and trainer at the same weights, since no update has happened yet
     first = grpo_step(model, optimizer, trajectories, cfg)
     reset_peak_memory()
-    before = current_memory()
+    before = memory()
     times = timed_steps(model, optimizer, trajectories, cfg, args.steps)
-    peak = peak_memory()
+    peak = memory(peak=True)
     step_s = statistics.median(times)
     # The same steps without skipping: forward and backward also on rows whose advantage is zero.
     no_skip_s = statistics.median(timed_steps(model, optimizer, trajectories,
@@ -135,34 +135,33 @@ def run(args, model_path: str) -> None:
                "model_tokens_per_s": round(model_tokens / step_s), "skip_with_s": round(step_s, 3),
                "skip_without_s": round(no_skip_s, 3), "skip_saves_percent": round(100 * (1 - step_s / no_skip_s)),
                "peak_mib": round(peak / 2**20), "peak_above_before_mib": round(max(peak - before, 0) / 2**20)}
-    if llm is None:
-        return save_results(args, figures)
-
-    print(f"mismatch, same wts  : mean |dlogp| {first['mismatch_abs']:.3e}, max {first['mismatch_max']:.3e},"
-          f" KL {first['mismatch_kl']:.2e} (vLLM's recorded log-probs vs the trainer's, before any update)")
-    sync_times = []
-    for i in range(args.syncs):
-        if i and on_cuda:
-            asleep = sleep_sampler(llm)  # the loop's cycle: sleep, (update), sync
-        t = time.perf_counter()
-        sync_weights(model, llm)
-        synchronize()
-        sync_times.append(time.perf_counter() - t)
-    print(f"vLLM engine start   : {engine_s:.1f} s")
-    print(f"sync_weights        : {statistics.median(sync_times) * 1e3:.1f} ms (median of {args.syncs};"
-          f" {'includes waking the slept engine' if asleep else 'engine was awake'})")
-    fresh = sampled_trajectories(llm, args.group_size, args.group_size, args.prompt_len, args.response_len, seed=1)
-    gap = sampler_trainer_gap(model, fresh, cfg)
-    print(f"mismatch after sync : mean |dlogp| {gap[0]:.3e}, max {gap[1]:.3e} (new samples after {2 * args.steps + 1} GRPO steps and the sync)")
-    figures.update({"mismatch_mean": float(f"{first['mismatch_abs']:.3e}"), "mismatch_max": float(f"{first['mismatch_max']:.3e}"),
-                    "engine_start_s": round(engine_s, 1), "sync_ms": round(statistics.median(sync_times) * 1e3, 1),
-                    "mismatch_after_sync_mean": float(f"{gap[0]:.3e}"), "mismatch_after_sync_max": float(f"{gap[1]:.3e}")})
-    save_results(args, figures)
-
-
-def save_results(args, figures: dict) -> None:
-    """With --results NAME: the figures of this run into docs/results/NAME.json, with the command that measured them."""
-    if args.results:
+    if llm is not None:
+        print(f"mismatch, same wts  : mean |dlogp| {first['mismatch_abs']:.3e}, max {first['mismatch_max']:.3e},"
+              f" KL {first['mismatch_kl']:.2e} (vLLM's recorded log-probs vs the trainer's, before any update)")
+        sync_times = []
+        for i in range(args.syncs):
+            if i and on_cuda:
+                asleep = sleep_sampler(llm)  # the loop's cycle: sleep, (update), sync
+            t = time.perf_counter()
+            sync_weights(model, llm)
+            synchronize()
+            sync_times.append(time.perf_counter() - t)
+        print(f"vLLM engine start   : {engine_s:.1f} s")
+        print(f"sync_weights        : {statistics.median(sync_times) * 1e3:.1f} ms (median of {args.syncs};"
+              f" {'includes waking the slept engine' if asleep else 'engine was awake'})")
+        fresh = build_batch(sampled_trajectories(llm, args.group_size, args.group_size, args.prompt_len, args.response_len,
+                                                 seed=1))
+        with torch.no_grad():  # |vLLM log-prob - trainer log-prob| over model tokens
+            trainer = token_logprobs(model, fresh, cfg.temperature, cfg.micro_batch_size).cpu()
+        diff = (trainer - fresh.sampler_logprobs)[fresh.loss_mask.bool()].abs()
+        gap = float(diff.mean()), float(diff.max())
+        print(f"mismatch after sync : mean |dlogp| {gap[0]:.3e}, max {gap[1]:.3e} (new samples after {2 * args.steps + 1}"
+              " GRPO steps and the sync)")
+        figures.update({"mismatch_mean": float(f"{first['mismatch_abs']:.3e}"),
+                        "mismatch_max": float(f"{first['mismatch_max']:.3e}"), "engine_start_s": round(engine_s, 1),
+                        "sync_ms": round(statistics.median(sync_times) * 1e3, 1),
+                        "mismatch_after_sync_mean": float(f"{gap[0]:.3e}"), "mismatch_after_sync_max": float(f"{gap[1]:.3e}")})
+    if args.results:  # the figures of this run into docs/results/NAME.json, with the command that measured them
         from results import save
 
         print(f"wrote {save(args.results, 'make bench-train ARGS=' + shlex.quote(shlex.join(sys.argv[1:])), figures)}")
@@ -172,32 +171,27 @@ def run_shape(args) -> None:
     """The trainer alone on a random-init model of a named shape: throughput and the memory budget, measured."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from grpo import grpo_step, make_optimizer
-
     on_cuda = torch.cuda.is_available()
     device = torch.device("cuda" if on_cuda else "cpu")
     cfg = step_config(args)
     config = Qwen2Config(**SHAPES[args.shape], attn_implementation="sdpa")
     reset_peak_memory()
-    base = current_memory()
+    base = memory()
     with device:  # initialise on the device: random init of 1.5B parameters on a CPU takes minutes
         torch.manual_seed(0)
         model = Qwen2ForCausalLM(config).float()
     n_params = sum(p.numel() for p in model.parameters())
-    weights = current_memory() - base
+    weights = memory() - base
     trajectories = synthetic_trajectories(args.sequences, args.group_size, args.prompt_len, args.response_len,
                                           config.vocab_size)
     all_tokens, model_tokens = token_counts(trajectories)
     optimizer = make_optimizer(model, cfg)
 
-    t = time.perf_counter()
-    grpo_step(model, optimizer, trajectories, cfg)  # warm-up: creates AdamW's moments
-    synchronize()
-    warmup_s = time.perf_counter() - t
-    state = current_memory() - base  # weights + AdamW moments (gradients are freed after each update)
+    (warmup_s,) = timed_steps(model, optimizer, trajectories, cfg, 1)  # warm-up: creates AdamW's moments
+    state = memory() - base  # weights + AdamW moments (gradients are freed after each update)
     reset_peak_memory()
     times = timed_steps(model, optimizer, trajectories, cfg, args.steps)
-    peak = peak_memory() - base
+    peak = memory(peak=True) - base
     step_s = statistics.median(times)
     gib = 2**30
 
@@ -223,8 +217,6 @@ def run_shape(args) -> None:
 
 def step_config(args):
     """The GRPO step both measurements time: the flags' batch shape, a small learning rate."""
-    from grpo import GRPOConfig
-
     return GRPOConfig(lr=1e-6, num_minibatches=args.num_minibatches, micro_batch_size=args.micro_batch_size,
                       gradient_checkpointing=args.gradient_checkpointing)
 
@@ -236,20 +228,15 @@ def token_counts(trajectories) -> tuple[int, int]:
 
 def sampled_trajectories(llm, n: int, group_size: int, prompt_len: int, response_len: int, seed: int = 0,
                          degenerate_frac: float = 0.0):
-    """n responses from vLLM to random prompts, group_size per prompt, ±1 rewards (the first
-    `degenerate_frac` of groups all -1); a tenth of each response is then marked as an
-    observation span (mask 0), as the rollout marks interpreter output."""
+    """n responses of vLLM to random prompts, group_size per prompt, rewarded and masked as synthetic ones are."""
     from vllm import SamplingParams
-
-    from grpo import group_advantages
 
     g = torch.Generator().manual_seed(seed)
     high = min(llm.get_tokenizer().vocab_size, llm.llm_engine.vllm_config.model_config.get_vocab_size())
     prompts = [torch.randint(0, high, (prompt_len,), generator=g).tolist() for _ in range(-(-n // group_size))]
     params = SamplingParams(n=group_size, max_tokens=response_len, temperature=1.0, logprobs=0, ignore_eos=True, seed=seed)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    rewards = _rewards(len(prompts) * group_size, group_size, degenerate_frac, g)
-    advantages, _ = group_advantages(rewards, group_size)
+    rewards, advantages = _rewards(len(prompts) * group_size, group_size, degenerate_frac, g)
     out = []
     for i, (prompt, request) in enumerate(zip(prompts, outputs)):
         for j, sample in enumerate(request.outputs):
@@ -259,27 +246,11 @@ def sampled_trajectories(llm, n: int, group_size: int, prompt_len: int, response
     return out[:n]
 
 
-def sampler_trainer_gap(model, trajectories, cfg) -> tuple[float, float]:
-    """Mean and max |vLLM log-prob - trainer log-prob| over model tokens."""
-    from grpo import build_batch, token_logprobs
-
-    batch = build_batch(trajectories)
-    with torch.no_grad():
-        trainer = token_logprobs(model, batch, cfg.temperature, cfg.micro_batch_size).cpu()
-    mask = batch.loss_mask.bool()
-    diff = (trainer - batch.sampler_logprobs)[mask].abs()
-    return float(diff.mean()), float(diff.max())
-
-
 def synthetic_trajectories(n: int, group_size: int, prompt_len: int, response_len: int, vocab: int, seed: int = 0,
                            degenerate_frac: float = 0.0):
-    """Random trajectories with ±1 rewards in groups (the first `degenerate_frac` of groups all -1);
-    a tenth of each response is an observation span."""
-    from grpo import group_advantages
-
+    """Random trajectories with ±1 rewards in groups (`_rewards`), a tenth of each response an observation span."""
     g = torch.Generator().manual_seed(seed)
-    rewards = _rewards(n, group_size, degenerate_frac, g)
-    advantages, _ = group_advantages(rewards, group_size) if n % group_size == 0 else (rewards, 0)
+    rewards, advantages = _rewards(n, group_size, degenerate_frac, g)
     out = []
     for i in range(n):
         tokens = torch.randint(0, vocab, (response_len,), generator=g).tolist()
@@ -301,21 +272,21 @@ def _trajectory(k: int, group_size: int, prompt: list[int], ids: list[int], logp
                       advantage=float(advantages[k]))
 
 
-def _rewards(n: int, group_size: int, degenerate_frac: float, g: torch.Generator) -> list[float]:
-    """±1 at random, except the first `degenerate_frac` of groups, which are all -1 (nothing to compare)."""
+def _rewards(n: int, group_size: int, degenerate_frac: float, g: torch.Generator) -> tuple[list[float], list[float]]:
+    """±1 at random, except the first `degenerate_frac` of groups, which are all -1 (nothing to compare); and their
+    advantages (the rewards themselves where n is not whole groups)."""
     rewards = (torch.randint(0, 2, (n,), generator=g) * 2 - 1).tolist()
     flat = round(degenerate_frac * (n // group_size)) * group_size
     rewards[:flat] = [-1] * flat
     if 0 < degenerate_frac < 1:  # a random group can be degenerate by chance: make the others informative
         for start in range(flat, n - group_size + 1, group_size):
             rewards[start], rewards[start + 1] = 1, -1
-    return [float(r) for r in rewards]
+    rewards = [float(r) for r in rewards]
+    return rewards, group_advantages(rewards, group_size)[0] if n % group_size == 0 else rewards
 
 
 def timed_steps(model, optimizer, trajectories, cfg, steps: int) -> list[float]:
     """Wall seconds of `steps` GRPO steps, each waited for on the device."""
-    from grpo import grpo_step
-
     times = []
     for _ in range(steps):
         t = time.perf_counter()
@@ -338,15 +309,11 @@ def reset_peak_memory() -> None:
             f.write("5")
 
 
-def current_memory() -> int:
-    return torch.cuda.memory_allocated() if torch.cuda.is_available() else _proc_status_bytes("VmRSS")
-
-
-def peak_memory() -> int:
-    return torch.cuda.max_memory_allocated() if torch.cuda.is_available() else _proc_status_bytes("VmHWM")
-
-
-def _proc_status_bytes(key: str) -> int:
+def memory(peak: bool = False) -> int:
+    """Bytes allocated by torch on the GPU, else the process's resident size; `peak`: the most since the reset."""
+    if torch.cuda.is_available():
+        return torch.cuda.max_memory_allocated() if peak else torch.cuda.memory_allocated()
+    key = "VmHWM" if peak else "VmRSS"
     with open("/proc/self/status") as f:
         for line in f:
             if line.startswith(key + ":"):

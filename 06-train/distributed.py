@@ -8,27 +8,17 @@ Without torchrun, `setup()` returns a world of one and every method below is
 the identity: the loop in chapter 05 reads the same either way.
 
 Each rank owns one device, its own vLLM engine and its own trainer replica
-(DDP) or shard (FSDP2). Decisions, and why:
+(DDP) or shard (FSDP2). Decisions, and why (the page tells each at length):
 
-1. Whole groups on one rank. An advantage needs only its group's rewards, so
-   rollout, reward and advantage run on every rank with no communication.
-2. Problems are dealt so that every rank's k-th mini-batch is a slice of the
-   single-process k-th mini-batch (`shard`): the N-rank run then takes the same
-   optimizer steps, on the same trajectories, as one process on the whole batch.
-3. The loss denominator is global. Token-mean divides by the mini-batch's model
-   tokens on all ranks together (an all-reduce); DDP and FSDP then average
-   gradients over ranks, so each rank divides by global / N (`global_normalizer`).
-   Dividing by the local count instead would weight a token on a rank with
-   short answers more than one on a rank with long answers.
-4. The engines are vLLM's "external launcher" kind: vLLM joins the process
-   group torchrun made instead of making its own, and each engine (tensor
-   parallel 1) samples independently.
-5. Rank 0 alone writes files; metrics are combined from every rank's
-   (`reduce_metrics`, by `combine_metrics`' rules); every rank evaluates its
-   `share` of the held-out problems and rank 0 summarises them all.
-6. A rank that fails exits non-zero; torchrun then stops the others and prints
-   the failed rank's traceback (`record` writes it for torchrun), so a failure
-   ends the run instead of leaving the other ranks blocked in a collective.
+1. Whole groups on one rank: an advantage needs only its group's rewards, so no communication.
+2. Every rank's k-th mini-batch is a slice of the single-process k-th one (`shard`): the same optimizer steps.
+3. The loss denominator is global (`global_normalizer`): a rank's own count would weigh a token on a rank
+   with short answers more than one on a rank with long answers.
+4. The engines are vLLM's "external launcher" kind: each joins torchrun's process group and samples alone.
+5. Rank 0 alone writes files; metrics are combined from every rank's (`reduce_metrics`); every rank
+   evaluates its `share` of the held-out problems.
+6. A rank that fails exits non-zero (`record` keeps its traceback for torchrun), and torchrun stops the
+   others: no rank is left blocked in a collective.
 """
 from __future__ import annotations
 
@@ -54,39 +44,24 @@ def unwrap(model):
     return getattr(model, "module", model)
 
 
-def is_data_parallel(model) -> bool:
-    """Wrapped in DDP or sharded by FSDP2."""
-    return unwrap(model) is not model or any(hasattr(p, "full_tensor") for p in model.parameters())
-
-
 def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
     """The whole tensor from an FSDP2 shard (a DTensor: a collective, every rank must call it)."""
     return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
 
 
 def gradient_sync(model, sync: bool):
-    """DDP: average gradients across ranks on the mini-batch's last micro-batch only; wrap its forward.
-
-    Earlier micro-batches accumulate locally: one exchange per optimizer step
-    instead of one per micro-batch. DDP decides at the forward whether the
-    backward exchanges (its reducer is armed there), so the context must hold
-    the forward; around the backward alone it changes nothing. FSDP2 reduce-scatters after every backward
-    on purpose: skipping it would hold an unsharded float32 gradient (28 GiB for
-    a 7B model) on every GPU. A plain model has nothing to exchange.
-    """
+    """DDP: average gradients across ranks on the mini-batch's last micro-batch only (one exchange per optimizer
+    step); wrap its forward, where DDP arms the exchange. FSDP2 reduce-scatters after every backward on purpose:
+    skipping it would hold an unsharded float32 gradient (28 GiB at 7B) on every GPU."""
     return model.no_sync() if hasattr(model, "no_sync") and not sync else nullcontext()
 
 
 def pad_to_every_rank(model, passes: list, filler, at_least: int = 1) -> list:
-    """The passes this rank runs: its own in one process; under DDP or FSDP2 as many as the rank that
-    needs the most, and `at_least` (one all-reduce), the missing ones `filler`.
-
-    The gradient exchange happens inside the backward passes, and FSDP2 gathers each
-    layer's weights in every forward, so every rank must run as many as the others;
-    a rank with fewer runs passes that add nothing (grpo_step).
-    """
-    if not is_data_parallel(model):
-        return passes
+    """The passes this rank runs: its own in one process; under DDP or FSDP2 as many as the rank that needs the
+    most, and `at_least` (one all-reduce), the missing ones `filler`: the gradient exchange happens inside the
+    backward passes, and FSDP2 gathers each layer's weights in every forward."""
+    if unwrap(model) is model and not any(hasattr(p, "full_tensor") for p in model.parameters()):
+        return passes  # neither wrapped in DDP nor sharded by FSDP2
     most = torch.tensor([len(passes)], dtype=torch.int64)  # gloo carries CPU tensors, also on GPU nodes
     dist.all_reduce(most, op=dist.ReduceOp.MAX)
     return passes + [filler] * (max(int(most), at_least) - len(passes))
@@ -119,10 +94,7 @@ class DataParallel:
         self.strategy = strategy  # "ddp" or "fsdp"
         self.loaded_weights = None  # load_policy: whether this rank read the weights (False: built on meta)
         self._weights_for_wrap = None  # load_policy under FSDP2: rank 0's full state dict ({} elsewhere) for wrap
-        if torch.cuda.is_available():
-            self.device = torch.device("cuda", local_rank)
-        else:
-            self.device = torch.device("cpu")
+        self.device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
 
     @property
     def is_main(self) -> bool:
@@ -135,13 +107,9 @@ class DataParallel:
     # ----------------------------------------------------------------- the batch
 
     def shard(self, items: list, num_minibatches: int) -> list:
-        """This rank's share of a step's problems (decision 2).
-
-        The problems are cut into `num_minibatches` consecutive chunks, as
-        grpo_step cuts the trajectories; each chunk is cut again into one
-        consecutive slice per rank. With 8 problems, 2 mini-batches, 2 ranks:
-        rank 0 gets [0, 1, 4, 5] and rank 1 [2, 3, 6, 7].
-        """
+        """This rank's share of a step's problems (decision 2): `num_minibatches` consecutive chunks, as grpo_step
+        cuts the trajectories, each cut into one slice per rank. With 8 problems, 2 mini-batches, 2 ranks: rank 0
+        gets [0, 1, 4, 5] and rank 1 [2, 3, 6, 7]."""
         if not self.distributed:
             return items
         if len(items) % (num_minibatches * self.world_size):
@@ -170,15 +138,10 @@ class DataParallel:
     # ----------------------------------------------------------------- the model
 
     def load_policy(self, model_path):
-        """The trainer's float32 policy, for `wrap` next; under FSDP2 only rank 0 reads the weights.
-
-        FSDP2 over several ranks: rank 0 loads the float32 weights on the CPU and
-        the others build the model from its config on the meta device (no memory);
-        `wrap` then shards it and broadcasts rank 0's weights into every rank's shard.
-        Every rank loading would hold 30.5 GB of host memory per rank at 7B, 244 GB
-        on an 8-GPU node at once. DDP and one process load on every rank, as before:
-        DDP's wrap broadcasts rank 0's replica anyway. `loaded_weights` says which.
-        """
+        """The trainer's float32 policy, for `wrap` next. FSDP2 over several ranks: only rank 0 reads the weights (on
+        the CPU), the others build the model on the meta device, and `wrap` fills their shards from rank 0's: every
+        rank loading would hold 244 GB of host memory on an 8-GPU node at 7B. DDP loads on every rank (its wrap
+        broadcasts rank 0's replica anyway). `loaded_weights` says which."""
         sharded = self.strategy == "fsdp" and self.distributed
         self.loaded_weights = not sharded or self.is_main
         if not sharded:
@@ -228,21 +191,15 @@ class DataParallel:
 
         ids = [self.local_rank] if self.device.type == "cuda" else None
         # gradients live in DDP's all-reduce buckets instead of beside them: one copy, not two (6.2 GB at 1.5B),
-        # as long as zero_grad keeps them (set_to_none=False, `gradients_to_none`): freed, the next no_sync
-        # backward allocates them again, and the sync backward copies them into the buckets
+        # as long as zero_grad keeps them (`gradients_to_none`)
         return DistributedDataParallel(model, device_ids=ids, gradient_as_bucket_view=True)
 
     unwrap = staticmethod(unwrap)
 
     def checkpoint_parts(self, model, optimizer, staging):
-        """(model, optimizer) to hand to save_checkpoint on rank 0; every rank must call it.
-
-        DDP: every replica is the same, rank 0's is saved as is. FSDP2: the model's
-        shards are gathered into a full state dict in rank 0's host memory (the
-        Hugging Face folder vLLM and eval.py load), while each rank writes its own
-        shard of the optimizer state into `staging` with torch.distributed.checkpoint
-        (AdamW's moments are twice the model: 61 GB at 7B never meet on one rank).
-        """
+        """(model, optimizer) to hand to save_checkpoint on rank 0; every rank must call it. FSDP2: the model is
+        gathered into rank 0's host memory (the Hugging Face folder vLLM and eval.py load), while each rank writes its
+        shard of the optimizer state into `staging` (AdamW's moments, 61 GB at 7B, never meet on one rank)."""
         if self.strategy != "fsdp" or not self.distributed:
             return self.unwrap(model), optimizer
         import shutil
@@ -269,11 +226,7 @@ class DataParallel:
 
     def reduce_metrics(self, metrics: dict) -> dict:
         """One metrics dict for the whole step from every rank's; see `combine_metrics` for the rules."""
-        if not self.distributed:
-            return metrics
-        gathered = [None] * self.world_size
-        dist.all_gather_object(gathered, metrics)
-        return combine_metrics(gathered)
+        return combine_metrics(self.gather([metrics])) if self.distributed else metrics
 
     def gather(self, items: list) -> list:
         """Every rank's list, concatenated in rank order (on every rank)."""
@@ -293,11 +246,7 @@ class DataParallel:
         """Every rank's results, one per index of its `share`, back in the items' order (on every rank)."""
         if len(results) != len(indices):
             raise ValueError(f"gather_in_order: {len(results)} results for {len(indices)} indices")
-        pairs = list(zip(indices, results))
-        if self.distributed:
-            gathered = [None] * self.world_size
-            dist.all_gather_object(gathered, pairs)
-            pairs = [pair for part in gathered for pair in part]
+        pairs = self.gather(list(zip(indices, results)))
         return [result for _, result in sorted(pairs, key=lambda pair: pair[0])]
 
     def broadcast(self, value):
@@ -314,10 +263,7 @@ class DataParallel:
 
     @contextmanager
     def main_first(self):
-        """Rank 0 runs the block (writes a file, trains the cold-start model); then the others do.
-
-        The others' run of the block then finds rank 0's result on disk.
-        """
+        """Rank 0 runs the block (writes a file, trains the cold-start model); then the others, which find its result."""
         if not self.is_main:
             self.barrier()
         yield
@@ -334,11 +280,8 @@ class DataParallel:
 
 
 def setup(strategy: str = "ddp") -> DataParallel:
-    """Join torchrun's world if this process was started by it; otherwise a world of one.
-
-    NCCL on GPUs (one per rank, by LOCAL_RANK), gloo on CPU. vLLM joins the same
-    group later; it requires the group to exist before the engine is built.
-    """
+    """Join torchrun's world if this process was started by it; otherwise a world of one. NCCL on GPUs (one per
+    rank, by LOCAL_RANK), gloo on CPU; vLLM joins the group later, and requires it to exist first."""
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy must be {' or '.join(STRATEGIES)}, got {strategy!r}")
     if "RANK" not in os.environ or int(os.environ.get("WORLD_SIZE", "1")) == 1:
@@ -357,28 +300,17 @@ def setup(strategy: str = "ddp") -> DataParallel:
 
 
 def cores_per_rank() -> int:
-    """This rank's share of the node's cores: what its sandbox may run at once (math code is CPU-bound).
-
-    torchrun's LOCAL_WORLD_SIZE ranks share one node; each taking every core
-    would start 8 x 224 warm slots on a 224-core, 8-GPU node.
-    """
+    """This rank's share of the node's cores: what its sandbox may run at once (math code is CPU-bound). Each of
+    torchrun's LOCAL_WORLD_SIZE ranks taking every core would start 8 x 224 warm slots on a 224-core, 8-GPU node."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     return max(1, cores // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
 
 
 def combine_metrics(per_rank: list[dict]) -> dict:
-    """Combine per-rank metric dicts into the whole step's, exactly where the rule allows.
-
-    - counts add: trajectories, tokens, sequences, degenerate_groups, generated_tokens, rows_skipped;
-    - timings (`*_s`) take the slowest rank: the step waits for it;
-    - maxima take the max: mismatch_max, ratio_max, peak_memory_gb;
-    - per-token means weigh each rank by its model tokens: entropy, mismatch_*, clip_*, informative_frac,
-      tis_masked_frac; ratio_mean and approx_kl by the tokens its update computed on (rows skipped are not);
-    - outcome means weigh each rank by its trajectories; code_pass_ratio by its tool calls,
-      code_ratio_correct / _incorrect by its correct / incorrect trajectories, error_then_* by its failed calls,
-      tis_masked_seq_frac by its sequences;
-    - the rest (loss, grad_norm, optimizer_steps, ...): as is when equal on every rank, else the plain mean;
-    - lists (problem ids) are concatenated; anything else is rank 0's.
+    """Combine per-rank metric dicts into the whole step's, exactly where the rule allows: counts add; timings
+    (`*_s`: the step waits for the slowest rank) and maxima take the max; a mean weighs each rank by what it is
+    over (`weight`); the rest (loss, grad_norm, ...) is kept when equal on every rank, else the plain mean; lists
+    (problem ids) are concatenated; anything else is rank 0's.
     """
     if len(per_rank) == 1:
         return dict(per_rank[0])
@@ -418,9 +350,7 @@ def combine_metrics(per_rank: list[dict]) -> dict:
             out[key] = first
         elif key in sums:
             out[key] = float(sum(values))
-        elif key.endswith("_s"):
-            out[key] = max(values)
-        elif key in maxima:
+        elif key.endswith("_s") or key in maxima:
             out[key] = max(values)
         elif key in per_token or key in outcome:
             pairs = [(v, weight(m, key)) for v, m in zip(values, per_rank) if not math.isnan(v) and weight(m, key) > 0]
@@ -454,8 +384,6 @@ class _OptimizerShards:
 
     def move_into(self, folder) -> None:
         """Rank 0, inside save_checkpoint: the shards every rank wrote become the checkpoint's optimizer folder."""
-        import os
-
         os.replace(self.staging, folder)
 
     def load_shards(self, folder) -> None:

@@ -41,7 +41,9 @@ def main(argv: list[str] | None = None) -> Path:
     args = parse_args(argv)
     cfg = chained_config(args.flags)  # refused here, in one line, before any model loads
     out = Path(args.out)
-    claim(out, recipe(cfg, args))
+    # the recipe, what makes the folder's base and runs what they are: every Config field and the flags (not seeds
+    # or arms, which only add runs)
+    claim(out, {"preset": PRESET, "config": dataclasses.asdict(cfg), "flags": args.flags})
     runs = [(arm, seed) for seed in args.seeds for arm in args.arms]
     clock = Clock(cfg, len(runs))
 
@@ -73,12 +75,6 @@ def chained_config(flags: list[str]):
     cfg = make_config(PRESET, overrides)
     check_config(cfg, resuming=False)
     return cfg
-
-
-def recipe(cfg, args) -> dict:
-    """What makes the folder's base and runs what they are: every Config field and the steps (not seeds or arms,
-    which only add runs)."""
-    return {"preset": PRESET, "config": dataclasses.asdict(cfg), "flags": args.flags}
 
 
 def claim(out: Path, wanted: dict) -> None:

@@ -1,14 +1,9 @@
 """Every loss a run may choose beside grpo.py's PPO-clip with token-mean; the story is docs/06-beyond-torl.md.
 
-The one place the objective and the aggregation are chosen
-(`objective_aggregation`, `aggregate`, `loss_denominator`), and the objectives
-the field adopted after DAPO. GSPO (Zheng et al., 2025) clips one ratio per sequence, the geometric mean of
-its tokens' ratios, so its clip band is about a thousand times narrower than
-PPO's. CISPO (MiniMax-M1, 2025) clips the importance weight instead of the
-term and detaches it, so no token loses its gradient to the clip. Both take
-the arguments of `grpo.clipped_policy_loss` and return (loss, stats) alike;
-`objective_problems` refuses, in one line each, the settings that would
-silently train something else.
+The one place the objective and the aggregation are chosen (`objective_aggregation`, `aggregate`,
+`loss_denominator`), and the objectives the field adopted after DAPO: GSPO (Zheng et al., 2025) and CISPO
+(MiniMax-M1, 2025), which take the arguments of `grpo.clipped_policy_loss` and return (loss, stats) alike.
+`objective_problems` refuses, in one line each, the settings that would silently train something else.
 """
 from __future__ import annotations
 

@@ -24,13 +24,9 @@ TIS_MODES = ("truncate", "token-mask", "sequence-mask")
 
 def tis_weights(old_logprobs: torch.Tensor, batch, cap: float, mode: str = "truncate"
                 ) -> tuple[torch.Tensor | None, dict[str, float]]:
-    """Importance weights for the sampler/trainer gap, one per token in the loss, and their metrics.
-
-    The sample came from the sampler, the gradient is for the trainer's policy;
-    the weight corrects for that and is never differentiated. "truncate":
-    min(pi_old / pi_sampler, cap). The masks (`masked_importance_weights`) give 1
-    or 0. `cap` 0: off (None, no metrics).
-    """
+    """Importance weights for the sampler/trainer gap, one per token in the loss, and their metrics: the sample
+    came from the sampler, the gradient is for the trainer's policy. "truncate": min(pi_old / pi_sampler, cap);
+    the masks (`masked_importance_weights`) give 1 or 0. `cap` 0: off (None, no metrics)."""
     if cap <= 0:
         return None, {}
     mask = batch.loss_mask.bool()
@@ -46,11 +42,7 @@ def tis_weights(old_logprobs: torch.Tensor, batch, cap: float, mode: str = "trun
 def masked_importance_weights(log_ratio: torch.Tensor, mask: torch.Tensor, cap: float, mode: str
                               ) -> tuple[torch.Tensor, dict[str, float]]:
     """Weight 0 outside the band [1/cap, cap], 1 inside: per token ("token-mask", IcePop's rule) or per
-    sequence on its geometric-mean ratio ("sequence-mask"). A masked token still counts in the denominator.
-
-    tis_masked_frac: share of tokens in the loss with weight 0; tis_masked_seq_frac: share of
-    sequences in the loss with at least one (all of them, with sequence-mask).
-    """
+    sequence on its geometric-mean ratio ("sequence-mask"). A masked token still counts in the denominator."""
     band = math.log(cap)
     if mode == "token-mask":
         outside = log_ratio.abs() > band
@@ -74,12 +66,7 @@ def update_gives_pi_old(cfg) -> bool:
 
 
 class UpdateRun:
-    """One `grpo_step`'s options and safeguards, each a call the step makes at its edge.
-
-    It holds the batch as scored (`exclude`d rows out of the loss), which rows have
-    gradient, pi_old (from a pass of its own, or the update's forward), the
-    importance weights, and the metrics' tally.
-    """
+    """One `grpo_step`'s options and safeguards (the module's list), each a call the step makes at its edge."""
 
     def __init__(self, model, batch, trajectories, cfg, exclude) -> None:
         self.model, self.batch, self.cfg, self.tally = model, batch, cfg, UpdateTally()
@@ -115,17 +102,10 @@ class UpdateRun:
         self.step_metrics["informative_frac"] = informative / max(self.loss_tokens, 1)
 
     def passes(self, rows: torch.Tensor) -> list[tuple[torch.Tensor, bool, bool]]:
-        """A mini-batch's forward/backward passes, as (rows, counts, last).
-
-        Rows without gradient are skipped (GRPOConfig.skip_zero_advantage): a skipped row
-        adds 0 to the gradient but still counts in the denominator (grpo_step's denominator
-        counts every row), so the update is the same. Under DDP or FSDP2 every rank must run
-        as many passes as the others, the gradient exchange happens inside them: the ranks
-        agree on the most any needs (`pad_to_every_rank`), and a rank with fewer adds
-        passes that do not count (counts False: the mini-batch's shortest row, its loss
-        times 0, a gradient of exactly 0). One process: no padding, and none at all when
-        every row is skipped.
-        """
+        """A mini-batch's forward/backward passes, as (rows, counts, last). Rows without gradient are skipped
+        (GRPOConfig.skip_zero_advantage) yet count in grpo_step's denominator, so the update is the same. Under
+        DDP or FSDP2 the passes are padded to every rank's number (`pad_to_every_rank`) with ones that do not
+        count: the mini-batch's shortest row, its loss times 0. One process: none when every row is skipped."""
         run = rows
         if self.cfg.skip_zero_advantage:
             run = rows[self.has_gradient[rows]]

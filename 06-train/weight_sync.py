@@ -14,19 +14,8 @@ from distributed import full_tensor, unwrap
 
 
 def sync_weights(model, llm) -> int:
-    """Copy the trainer's weights into the running vLLM engine, in memory; return the new version.
-
-    The engine must run in this process (`make_llm` in chapter 03 arranges it):
-    the weights are handed over as tensors, no checkpoint is written. Steps:
-    wake the engine's weights if `sleep_sampler` put it to sleep; run vLLM's
-    in-place reload with the trainer's (Hugging Face named) parameters, which
-    also redoes any kernel-specific repacking; wake the KV cache; reset the
-    prefix cache (its blocks hold keys and values of the old weights); bump
-    `llm.weight_version`. The float32 trainer weights are cast to the engine's
-    dtype (bf16 on a GPU) before they are handed over. If the loader fails on
-    one rank, that rank still joins the gathers the others wait in, and every
-    rank raises.
-    """
+    """Copy the trainer's weights into the running vLLM engine, as tensors (no checkpoint is written); return the
+    new version. vLLM's in-place reload also redoes any kernel-specific repacking."""
     from vllm.v1.engine.core_client import InprocClient
 
     if not isinstance(llm.llm_engine.engine_core, InprocClient):
@@ -49,7 +38,7 @@ def sync_weights(model, llm) -> int:
         gc.collect()
         torch.cuda.empty_cache()  # hand the trainer's cached blocks back before vLLM maps its KV cache
         llm.wake_up(tags=["kv_cache"])
-    if not llm.reset_prefix_cache():
+    if not llm.reset_prefix_cache():  # its blocks hold keys and values of the old weights
         raise RuntimeError("vLLM refused to reset its prefix cache: requests are still running")
     llm.weight_version = getattr(llm, "weight_version", 0) + 1  # rollout stamps this on trajectories
     return llm.weight_version
@@ -77,13 +66,9 @@ def any_rank_failed(failed: bool) -> bool:
 
 
 def sleep_sampler(llm, level: int = 1) -> bool:
-    """On CUDA, put vLLM to sleep for the update; returns whether it slept.
-
-    Sleep frees the KV cache (most of vLLM's memory) for the trainer's
-    activations and optimizer state; level 1 also moves vLLM's weights to host
-    memory (a 1.5B model: 3 GB). `sync_weights` wakes it. On CPU, vLLM has no
-    sleep mode and this does nothing.
-    """
+    """On CUDA, put vLLM to sleep for the update: its KV cache (most of its memory) is freed for the trainer, and
+    level 1 moves its weights to host memory (3 GB at 1.5B); `sync_weights` wakes it. Returns whether it slept: on
+    CPU, vLLM has no sleep mode."""
     config = llm.llm_engine.vllm_config.model_config
     if not (torch.cuda.is_available() and config.enable_sleep_mode):
         return False
