@@ -172,8 +172,7 @@ def parse_bool(text: str) -> bool:
 
 def check_config(cfg, resuming: bool) -> None:
     """Refuse, with one line, a Config that would fail later or silently do the wrong thing."""
-    problems = config_problems(cfg, first_only=True)
-    if problems:
+    if problems := config_problems(cfg, first_only=True):
         raise SystemExit(f"error: {problems[0]}")
 
 
@@ -199,7 +198,12 @@ def config_problems(cfg, world: int | None = None, first_only: bool = False) -> 
                     else "run `make run-01` to prepare data")
             problems.append(f"{name} '{path}' does not exist ({hint})")
         elif Path(path).exists():
-            problems += [p for p in [data_problem(name, path)] if p]
+            from prepare_data import DataError, load_problems
+
+            try:
+                load_problems(path)
+            except DataError as e:  # 01-data's loader says what is wrong, in one line
+                problems.append(f"{name}: {e}")
     if cfg.cold_start not in COLD_STARTS:
         problems.append(f"cold_start must be {_one_of(COLD_STARTS)}, got '{cfg.cold_start}'")
     elif cfg.cold_start == "scratch" and cfg.model:
@@ -355,27 +359,13 @@ def model_problem(model: str) -> str | None:
             "answers, or pass a local model folder" if why else None)
 
 
-def data_problem(name: str, path: str) -> str | None:
-    """What 01-data's loader says is wrong with a data file, in one line; None if it reads."""
-    from prepare_data import DataError, load_problems
-
-    try:
-        load_problems(path)
-    except DataError as e:
-        return f"{name}: {e}"
-    return None
-
-
 def _one_of(choices: tuple[str, ...]) -> str:
     return ", ".join(choices[:-1]) + " or " + choices[-1]
 
 
 def position_limit(model: str) -> int | None:
-    """The longest context `model` was built for (max_position_embeddings), or None when unknown.
-
-    Read from the model's folder or the local hub cache only, never the network.
-    With RoPE scaling the usable window is longer and vLLM judges it itself.
-    """
+    """The longest context `model` was built for (max_position_embeddings), read from disk only; None when
+    unknown, or with RoPE scaling (its window is longer, and vLLM judges it itself)."""
     from transformers import AutoConfig
 
     try:
