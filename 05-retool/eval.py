@@ -43,10 +43,9 @@ def evaluate(llm, problems: list[dict], sandbox, samples_path: Path | None = Non
     Under torchrun (`dp`, 06's DataParallel) each rank samples its share and rank 0 puts the samples back
     in the problems' order: the result and the samples file equal one process's. Other ranks get None.
     """
-    if dp is None:
-        from distributed import DataParallel
+    from distributed import DataParallel
 
-        dp = DataParallel()  # a world of one
+    dp = dp or DataParallel()  # a world of one unless torchrun started several ranks
     indices, share = dp.share(problems)
     settings, samples = sample_scored(llm, share, sandbox, indices=indices, **settings)
     k = settings["k"]  # the samples come k per problem, in the share's order
