@@ -142,13 +142,9 @@ def drawn_traces(problems: list[dict], args, rng: random.Random) -> list[dict]:
 
 
 def make_traces(problems: list[dict], tool_fraction: float, rng: random.Random, template: str,
-                code_for=None) -> list[dict]:
-    """One trace per problem; tool traces get their observation from the real sandbox.
-
-    `code_for(question)` gives the Python a tool trace runs; the default reads
-    the toy task's "What is A * B?". Answers must be integers (a direct trace
-    boxes a guess of the same length).
-    """
+                code_for) -> list[dict]:
+    """One trace per problem, a tool trace's code `code_for(question)` and its observation from the real sandbox.
+    Answers must be integers (a direct trace boxes a guess of the same length)."""
     traces = draw_traces(problems, tool_fraction, rng, template, code_for)
     tool_jobs = [t for t in traces if t["tool"]]
     # The traces' code is one print: a warm interpreter without numpy and sympy forks in about half the time.
@@ -161,9 +157,8 @@ def make_traces(problems: list[dict], tool_fraction: float, rng: random.Random, 
 
 
 def draw_traces(problems: list[dict], tool_fraction: float, rng: random.Random, template: str,
-                code_for=None) -> list[dict]:
+                code_for) -> list[dict]:
     """The traces without their observations: which problems get a tool trace, its code, a direct trace's guess."""
-    code_for = code_for or toy_code
     traces = []
     for p in problems:
         prompt = render_prompt(p["question"], template)
@@ -201,15 +196,11 @@ def traces_problem(train_file: str, tool_fraction: float, template: str, seed: i
     return None
 
 
-def toy_code(question: str) -> str:
-    a, b = (int(x) for x in question.removeprefix("What is ").removesuffix("?").split(" * "))
-    return f"print({a} * {b})"
-
-
 def trace_code(question: str) -> str:
     """The code a tool trace runs, for the toy task's questions and for 01-data's word problems."""
     if question.startswith("What is "):
-        return toy_code(question)
+        a, b = (int(x) for x in question.removeprefix("What is ").removesuffix("?").split(" * "))
+        return f"print({a} * {b})"
     from word_problems import solution_code
 
     return solution_code(question)
