@@ -15,6 +15,8 @@ import shutil
 from contextlib import contextmanager
 from pathlib import Path
 
+from tqdm import tqdm
+
 from checkpoints import (append_jsonl, capture_rng, has_eval_row, latest_checkpoint, load_optimizer, save_checkpoint,
                          stop_with_checkpoint, truncate_jsonl)
 from configuration import settings_changed
@@ -90,8 +92,6 @@ class RunRecord:
         self.finished_step, self.finished_rng = step, capture_rng()
         self.trackers.log(row)
         if dp.is_main:
-            from tqdm import tqdm
-
             self.bar.set_postfix(reward=f"{row['reward_mean']:+.2f}", code=f"{row['code_ratio']:.2f}", refresh=False)
             tqdm.write(step_line(row))
         STOPPER.release()  # the step is recorded: a stop that waited for it happens now
@@ -117,8 +117,6 @@ class RunRecord:
                               max_response_tokens=cfg.eval_max_response_tokens, tool_budget=cfg.tool_budget,
                               temperature=cfg.eval_temperature, seed=cfg.seed, scorer=cfg.scorer)
             if dp.is_main:
-                from tqdm import tqdm
-
                 row = {"step": step, "tag": tag + (" (text only)" if mode == "text" else ""), **result}
                 tqdm.write(f"eval {row['tag']}: {summary_line(result)}")  # on a line of its own, not after the RL bar
                 append_jsonl(self.eval_path, row)
