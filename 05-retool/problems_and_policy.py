@@ -28,11 +28,10 @@ def load_data(cfg, dp=None) -> tuple[list[dict], list[dict]]:
     from prepare_data import load_problems, write_jsonl
 
     for name, make in generated_tasks().items():  # what `make run-01` or the task's own script writes
-        files = {str(Path(f"data/{name}_train.jsonl")), str(Path(f"data/{name}_test.jsonl"))}
-        if {cfg.train_file, cfg.eval_file} <= files and not all(Path(f).exists() for f in files):
-            train_rows, test_rows = make()
-            write_jsonl(train_rows, Path(f"data/{name}_train.jsonl"))
-            write_jsonl(test_rows, Path(f"data/{name}_test.jsonl"))
+        paths = [Path(f"data/{name}_{part}.jsonl") for part in ("train", "test")]
+        if {cfg.train_file, cfg.eval_file} <= {str(p) for p in paths} and not all(p.exists() for p in paths):
+            for rows, path in zip(make(), paths):
+                write_jsonl(rows, path)
     loaded = []
     for path in (cfg.train_file, cfg.eval_file):
         rows, dropped = load_problems(path)
@@ -154,6 +153,7 @@ def cold_started_model(cfg, run_dir: Path) -> str:
     """
     import cold_start
     from lab_cli import caches_kept
+    from smollm2 import default_cache_dir
 
     argvs, base = cold_start_argvs(cfg), run_dir / "base"
     keep = cfg.cold_start_cache and caches_kept()  # not where the cache folder cannot be written (lab_cli.py)
@@ -173,7 +173,7 @@ def cold_started_model(cfg, run_dir: Path) -> str:
         previous = out
         if (out / "cold_start.json").exists():
             continue
-        cached = cold_start_cache() / key if keep else None
+        cached = default_cache_dir() / "cold-start" / key if keep else None  # the lab's cache folder, never in git
         if cached is not None and (cached / "cold_start.json").exists():
             shutil.copytree(cached, out, dirs_exist_ok=True)
             print(f"cold start: the base made before from the same inputs, {cached} (--cold-start-cache false trains anew)")
@@ -228,13 +228,6 @@ def further_schedules(text: str) -> list[tuple[int, int, bool]]:
             raise ValueError(f"'{item}' is not STEPS:TOOL_ONLY_STEPS[:drills] with 0 <= TOOL_ONLY_STEPS <= STEPS")
         schedules.append((steps, tool_only, len(parts) == 3))
     return schedules
-
-
-def cold_start_cache() -> Path:
-    """Where cold-started bases are kept between runs: the lab's cache folder (smollm2.py's), never in git."""
-    from smollm2 import default_cache_dir
-
-    return default_cache_dir() / "cold-start"
 
 
 def cold_start_key(argv: list[str], train_file: str, source: str | None, before: str = "") -> str:
