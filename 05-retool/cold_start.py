@@ -78,8 +78,7 @@ def build_base_policy(args) -> Path:
     traces = drawn_traces(problems, args, rng)
     print(f"cold start: {len(traces)} traces, {sum(t['tool'] for t in traces)} with a tool call")
 
-    # 2. The model: a pretrained one as it is (--model), or a tiny random-init Qwen2
-    # whose tokenizer is trained on the traces' text.
+    # 2. The model: a pretrained one as it is (--model), or a tiny random-init Qwen2, its tokenizer trained on the traces.
     if args.model:
         source = args.model
     else:
@@ -96,10 +95,9 @@ def build_base_policy(args) -> Path:
         freeze_all_but_top(model, args.train_layers)
     examples = [tokenize_trace(t, tokenizer) for t in traces]
 
-    # 3. Supervised learning on model tokens only: first on tool traces alone, so the
-    # model learns the tool's grammar (copy the factors into code, the output into
-    # the box), then on the mix, which sets how often it reaches for the tool. On the
-    # chained task the first part trains on drills: every move, no decision.
+    # 3. Supervised learning on model tokens only: first on tool traces alone, so the model learns the tool's grammar
+    # (copy the factors into code, the output into the box), then on the mix, which sets how often it reaches for
+    # the tool. On the chained task the first part trains on drills: every move, no decision.
     tool_examples = [tokenize_trace({"segments": t["drill"]}, tokenizer) if "drill" in t else e
                      for e, t in zip(examples, traces) if t["tool"]]
     if args.drills_in_mix and any("drill" in t for t in traces):  # the moves kept while the decisions are learned
@@ -174,11 +172,8 @@ def draw_traces(problems: list[dict], tool_fraction: float, rng: random.Random, 
 def traces_problem(train_file: str, tool_fraction: float, template: str, seed: int, batch_size: int,
                    tool_only_steps: int) -> str | None:
     """Why the cold start cannot use `train_file`, in one line (found in a second, before any model); None if it can.
-
-    The same draw as `build_base_policy`, without the sandbox: a question the
-    traces cannot write code for, an answer that is not an integer, or fewer
-    traces than one batch.
-    """
+    The same draw as `build_base_policy`, without the sandbox: a question the traces cannot write code for, an
+    answer that is not an integer, or fewer traces than one batch."""
     problems, rng, traces = read_problems(train_file), random.Random(seed), []
     instead = "or pass --cold-start none --model MODEL to start RL from a model as it is"
     code_for = chained_first_call if is_chained_task(problems) else trace_code  # a chained trace opens with that call
@@ -231,11 +226,10 @@ def is_chained_task(problems: list[dict]) -> bool:
 def chained_traces(problems: list[dict], tool_fraction: float, rng: random.Random, template: str) -> list[dict]:
     """Traces of the chained task: a direct guess, or calls of the taught shape run one by one in the real sandbox.
 
-    A tool trace copies the reading as written into its first call; at each point
-    where a further call is possible it makes it with FURTHER_CALL_RATE, whether
-    or not it pays, else it boxes the last result (a guess after an error). Its
-    "drill" makes every call, with each decision to call untrained: the moves are
-    shown in full, how often each pays is left to RL (docs/06-experiments.md).
+    A tool trace copies the reading as written into its first call; at each point where a further call is possible
+    it makes it with FURTHER_CALL_RATE, whether or not it pays, else it boxes the last result (a guess after an
+    error). Its "drill" makes every call, with each decision to call untrained: the moves are shown in full, how
+    often each pays is left to RL (docs/06-experiments.md).
     """
     traces = []
     with Sandbox(SandboxConfig(preload=())) as sandbox:
@@ -260,10 +254,9 @@ def chained_traces(problems: list[dict], tool_fraction: float, rng: random.Rando
 def freeze_all_but_top(model, layers: int) -> int:
     """Train only the top `layers` decoder layers and the final norm; returns the number of trainable weights.
 
-    On a CPU the backward pass and AdamW's state cost in proportion to what is
-    trained; frozen lower layers also keep no activations for backward. The
-    embedding stays frozen: tied to the output projection, it is a fifth of a
-    small model's weights and would drag every token of the vocabulary along.
+    On a CPU the backward pass and AdamW's state cost in proportion to what is trained; frozen lower layers also
+    keep no activations for backward. The embedding stays frozen: tied to the output projection, it is a fifth of
+    a small model's weights and would drag every token of the vocabulary along.
     """
     blocks = model.model.layers
     if not 0 < layers <= len(blocks):
@@ -287,11 +280,9 @@ def guess(product: int, rng: random.Random) -> int:
 
 
 def tokenize_trace(trace: dict, tokenizer) -> tuple[list[int], list[int]]:
-    """Token ids and a loss mask: each segment tokenized on its own, as a rollout appends them.
-
-    A "move" segment is the model's, less its first token: which text begins
-    there (a call or an answer) is the decision, and a drill does not teach it.
-    """
+    """Token ids and a loss mask: each segment tokenized on its own, as a rollout appends them. A "move" segment is
+    the model's, less its first token: which text begins there (a call or an answer) is the decision, and a drill
+    does not teach it."""
     ids, mask = [], []
     for kind, text in trace["segments"]:
         segment_ids = encode_plain(tokenizer, text) if kind == "observation" else tokenizer(text, add_special_tokens=False)["input_ids"]
@@ -334,11 +325,9 @@ def train(model, examples, tool_examples, pad_id: int, args) -> list[float]:
 def batch_loss_backward(model, batch, pad_id: int, shared: int) -> float:
     """Backpropagate the batch's mean token loss; return it.
 
-    The batch runs in two parts, cut where padding each part to its own longest
-    trace wastes least: a tool trace is about twice as long as a direct one
-    after the shared opening, and one width for both wasted a third of a mixed
-    step. Each part's loss is weighted by its share of the tokens, so the
-    gradient is the whole batch's (a test compares them).
+    The batch runs in two parts, cut where padding each part to its own longest trace wastes least: a tool trace
+    is about twice as long as a direct one after the shared opening, and one width for both wasted a third of a
+    mixed step. Each part's loss is weighted by its share of the tokens, so the gradient is the whole batch's.
     """
     import torch
 
@@ -360,12 +349,9 @@ def batch_loss_backward(model, batch, pad_id: int, shared: int) -> float:
 
 
 def trace_loss(model, input_ids, loss_mask, shared: int = 0):
-    """Mean negative log-likelihood of the model's tokens (loss_mask 1).
-
-    Every trace opens with the template's same words: the first `shared` tokens
-    run once and their keys and values serve the whole batch. The same loss and
-    gradient as the whole batch run in full, in about half the time on the toy task.
-    """
+    """Mean negative log-likelihood of the model's tokens (loss_mask 1). Every trace opens with the template's
+    same words: the first `shared` tokens run once and their keys and values serve the whole batch. The same loss
+    and gradient as the whole batch run in full, in about half the time on the toy task."""
     import torch
 
     prompt_cache = None
