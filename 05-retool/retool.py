@@ -197,11 +197,9 @@ def start_sandbox(cfg: Config):
 
 
 def start_sampler(cfg: Config, model_path: str, state: dict | None, dp=None):
-    """The vLLM engine over `model_path`, then the random state: the checkpoint's, or fresh from the seed.
-
-    In that order because vLLM's engine seeds the global generators when it starts. Under torchrun
-    (`dp`, 06's DataParallel) each rank's engine gets a seed of its own and joins torchrun's world.
-    """
+    """The vLLM engine over `model_path`, then the random state (the checkpoint's, or fresh from the seed): in that
+    order because vLLM's engine seeds the global generators when it starts. Under torchrun (`dp`, 06's
+    DataParallel) each rank's engine gets a seed of its own and joins torchrun's world."""
     import numpy as np
     import torch
 

@@ -98,10 +98,8 @@ class RunRecord:
         return row
 
     def evaluate_if_due(self, step: int, llm, sandbox, problems: list[dict], resumed: bool = False) -> None:
-        """The held-out evaluation at `step` when one is due: before RL, every eval_every steps, after RL.
-
-        `resumed`: at the resume point, only if a stop lost it (eval.jsonl has no row).
-        """
+        """The held-out evaluation at `step` when one is due: before RL, every eval_every steps, after RL;
+        `resumed`: at the resume point, only if a stop lost it (eval.jsonl has no row)."""
         cfg, dp = self.cfg, self.dp
         final = step == cfg.steps
         due = step == 0 or final or (cfg.eval_every > 0 and step % cfg.eval_every == 0)
