@@ -1,10 +1,12 @@
 """What a run starts from: its problems and its first policy.
 
-Key decisions: the generated tasks are written on first use (what `make run-01` writes), so the demos run
-without a data step; ToRL's long prompts are dropped at load, not cut; the first policy follows Config.cold_start,
-one explicit setting: "scratch" trains a tiny model in the run folder, "finetune" fine-tunes the given model on
-tool traces there (both cold_start.py), "none" takes the model as given (SmolLM2's hub id found locally by
-smollm2.py). The story: docs/05-retool.md.
+Key decisions: the generated tasks are written on first use (what `make run-01`
+writes), so the demos run without a data step; ToRL's long prompts are dropped
+at load, not cut; the first policy follows Config.cold_start, one explicit
+setting: "scratch" trains a tiny model in the run folder, "finetune" fine-tunes
+the given model on tool traces there (both cold_start.py), "none" takes the
+model as given (SmolLM2's hub id found locally by smollm2.py).
+The story: docs/05-retool.md.
 """
 from __future__ import annotations
 
