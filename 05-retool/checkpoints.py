@@ -87,11 +87,9 @@ def latest_checkpoint(run_dir: Path) -> dict | None:
 
 
 def load_optimizer(state: dict, optimizer) -> None:
-    """The checkpoint's optimizer state, memory-mapped onto the CPU; `load_state_dict` moves it to the weights' device.
-
-    On the GPU at once, AdamW's moments (twice the model in float32) would briefly be there twice; memory-mapped,
-    ranks that take rank 0's state (FSDP2) read nothing and ranks on one node share the page cache.
-    """
+    """The checkpoint's optimizer state, memory-mapped onto the CPU; `load_state_dict` moves it to the weights'
+    device. On the GPU at once, AdamW's moments (twice the model in float32) would briefly be there twice;
+    memory-mapped, ranks that take rank 0's state (FSDP2) read nothing and ranks on one node share the page cache."""
     import torch
 
     shards = Path(state["path"]) / "optimizer"

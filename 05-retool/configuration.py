@@ -109,9 +109,7 @@ def make_config(preset: str, overrides: dict) -> Config:
 def parse_with_field_flags(parser: argparse.ArgumentParser, config_class, argv, presets: dict | None = None
                            ) -> tuple[argparse.Namespace, dict]:
     """Add a flag per field of `config_class` to `parser`, parse `argv`: (args, the fields given on the line).
-
-    Each flag's help is its field's comment and its default the chosen preset's value (`--preset` in argv).
-    """
+    Each flag's help is its field's comment and its default the chosen preset's value (`--preset` in argv)."""
     chosen = argparse.ArgumentParser(add_help=False)
     chosen.add_argument("--preset", default="cpu-demo")
     preset = (presets or {}).get(chosen.parse_known_args(argv)[0].preset, {})
@@ -177,12 +175,9 @@ def check_config(cfg, resuming: bool) -> None:
 
 
 def config_problems(cfg, world: int | None = None, first_only: bool = False) -> list[str]:
-    """Everything wrong with a Config that can be seen without a model, one line each.
-
-    `world`: the ranks to plan for (default: torchrun's WORLD_SIZE, else 1). With
-    `first_only`, the checks that import torch (two seconds) are skipped once a
-    cheaper one has found a problem, so that most refusals take well under one.
-    """
+    """Everything wrong with a Config that can be seen without a model, one line each. `world`: the ranks to plan
+    for (default: torchrun's WORLD_SIZE, else 1). With `first_only`, the checks that import torch (two seconds)
+    are skipped once a cheaper one has found a problem, so that most refusals take well under one."""
     from problems_and_policy import COLD_STARTS, further_schedules
     from reward import SCORERS
     from rollout import OBSERVATION_STYLES, SCHEDULES, TEMPLATES

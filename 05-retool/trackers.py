@@ -41,11 +41,8 @@ def missing_package(log: str) -> str | None:
 
 
 def open_trackers(log: str, run_dir: Path, config: dict, start_step: int = 0) -> "Trackers":
-    """The trackers named in `log`, ready to receive rows; `start_step` > 0 when resuming.
-
-    A resumed run redoes the steps after its checkpoint: TensorBoard drops the
-    events it had from them (purge_step), W&B resumes the same run id.
-    """
+    """The trackers named in `log`, ready to receive rows; `start_step` > 0 when resuming: the run redoes the steps
+    after its checkpoint, so TensorBoard drops the events it had from them (purge_step), W&B resumes the same id."""
     if missing := missing_package(log):  # the start's check (config_problems), for any other caller
         raise SystemExit(f"error: {missing}")
     writers = []  # (write(scalars, step), close) per tracker
