@@ -176,7 +176,10 @@ def traces_problem(train_file: str, tool_fraction: float, template: str, seed: i
     answer that is not an integer, or fewer traces than one batch."""
     problems, rng, traces = read_problems(train_file), random.Random(seed), []
     instead = "or pass --cold-start none --model MODEL to start RL from a model as it is"
-    code_for = chained_first_call if is_chained_task(problems) else trace_code  # a chained trace opens with that call
+    from chained_problems import parse, step_call
+
+    # a chained trace opens with its first step on the reading as written
+    code_for = (lambda question: step_call(question, 0, parse(question)[0])) if is_chained_task(problems) else trace_code
     for number, problem in enumerate(problems, 1):
         try:
             traces += draw_traces([problem], tool_fraction, rng, template, code_for=code_for)
@@ -204,13 +207,6 @@ def trace_code(question: str) -> str:
 # The chained task (01-data/chained_problems.py): the share of the points where a further call is possible (after
 # an error, the fix; after a result with a step left, the next step) at which a tool trace makes it.
 FURTHER_CALL_RATE = 0.25
-
-
-def chained_first_call(question: str) -> str:
-    """The first call of a chained problem's tool trace: its first step on the reading as written."""
-    from chained_problems import parse, step_call
-
-    return step_call(question, 0, parse(question)[0])
 
 
 def is_chained_task(problems: list[dict]) -> bool:
