@@ -35,7 +35,6 @@ import math
 import os
 import random
 import sys
-import time
 from pathlib import Path
 
 try:  # the lab's folders are on the path only in its own Python (the venv's tool_rl_lab.pth)
@@ -460,10 +459,4 @@ def multiple_of_64(text: str) -> int:
 
 
 if __name__ == "__main__":
-    start = time.time()
-    try:
-        run_script(main)
-    except KeyboardInterrupt:
-        sys.exit(print("cold start stopped: run the same command again to go on from its last partial checkpoint",
-                       file=sys.stderr) or 130)
-    print(f"cold start took {time.time() - start:.0f} s")
+    run_script(main)  # Ctrl-C: "stopped by SIGINT (Ctrl-C)", exit 130; the same command goes on from partial.pt
