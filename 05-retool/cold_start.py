@@ -220,12 +220,10 @@ def is_chained_task(problems: list[dict]) -> bool:
 
 def chained_traces(problems: list[dict], tool_fraction: float, rng: random.Random, template: str) -> list[dict]:
     """Traces of the chained task: a direct guess, or calls of the taught shape run one by one in the real sandbox.
-
     A tool trace copies the reading as written into its first call; at each point where a further call is possible
     it makes it with FURTHER_CALL_RATE, whether or not it pays, else it boxes the last result (a guess after an
     error). Its "drill" makes every call, with each decision to call untrained: the moves are shown in full, how
-    often each pays is left to RL (docs/06-experiments.md).
-    """
+    often each pays is left to RL (docs/06-experiments.md)."""
     traces = []
     with Sandbox(SandboxConfig(preload=())) as sandbox:
         for p in problems:
@@ -248,11 +246,9 @@ def chained_traces(problems: list[dict], tool_fraction: float, rng: random.Rando
 
 def freeze_all_but_top(model, layers: int) -> int:
     """Train only the top `layers` decoder layers and the final norm; returns the number of trainable weights.
-
     On a CPU the backward pass and AdamW's state cost in proportion to what is trained; frozen lower layers also
     keep no activations for backward. The embedding stays frozen: tied to the output projection, it is a fifth of
-    a small model's weights and would drag every token of the vocabulary along.
-    """
+    a small model's weights and would drag every token of the vocabulary along."""
     blocks = model.model.layers
     if not 0 < layers <= len(blocks):
         raise ValueError(f"train_layers must be 1..{len(blocks)}, got {layers}")
@@ -318,12 +314,10 @@ def train(model, examples, tool_examples, pad_id: int, args) -> list[float]:
 
 
 def batch_loss_backward(model, batch, pad_id: int, shared: int) -> float:
-    """Backpropagate the batch's mean token loss; return it.
-
-    The batch runs in two parts, cut where padding each part to its own longest trace wastes least: a tool trace
-    is about twice as long as a direct one after the shared opening, and one width for both wasted a third of a
-    mixed step. Each part's loss is weighted by its share of the tokens, so the gradient is the whole batch's.
-    """
+    """Backpropagate the batch's mean token loss; return it. The batch runs in two parts, cut where padding each
+    part to its own longest trace wastes least: a tool trace is about twice as long as a direct one after the
+    shared opening, and one width for both wasted a third of a mixed step. Each part's loss is weighted by its
+    share of the tokens, so the gradient is the whole batch's."""
     import torch
 
     batch = sorted(batch, key=lambda example: len(example[0]))
