@@ -34,12 +34,9 @@ def groups_of(trajectories, results, group_size: int) -> list[list[tuple]]:
 
 
 def informative_groups(groups, more, want: int, max_rounds: int):
-    """DAPO's dynamic sampling: keep groups whose rewards differ until `want` are held.
-
-    `groups` are the step's own; `more(r)` samples and scores extra round r
-    (1..max_rounds) and returns its groups. Returns (groups, problems drawn,
-    extra rounds). If the bound is hit first, degenerate groups fill the step
-    in the order they were drawn, so a step always has `want` groups.
+    """DAPO's dynamic sampling: keep groups whose rewards differ until `want` are held; (groups, problems drawn,
+    extra rounds). `groups` are the step's own; `more(r)` gives extra round r's (1..max_rounds). If the bound is
+    hit first, degenerate groups fill the step in the order they were drawn, so a step always has `want` groups.
 
         rewards per group  [+1 +1] [-1 +1] [-1 -1]   want 2, more() gives [[+1 -1]]
         kept               [-1 +1] [+1 -1]           drawn 4 problems, 1 extra round
@@ -78,13 +75,9 @@ def excluded_from_loss(trajectories, tokenizer, mask_truncated: bool, filter_voi
 
 
 def void_turns(t, tokenizer) -> int:
-    """Model turns that hold neither a complete ```python block nor a \\boxed{} answer (SimpleTIR's void turns).
-
-    A turn is the model's text between observations. The first turn of
-    "```python\\nprint(1)\\n```\\n```output" holds a complete block; "Let me think"
-    cut by the budget holds neither; "```python\\nprint(" followed by ```output
-    holds an unclosed block: void.
-    """
+    """Model turns (the model's text between observations) that hold neither a complete ```python block nor a
+    \\boxed{} answer (SimpleTIR's void turns). "```python\\nprint(1)\\n```\\n```output" holds a complete block;
+    "Let me think" cut by the budget holds neither; "```python\\nprint(" then ```output, an unclosed block: void."""
     from reward import extract_last_boxed
     from rollout import STOP, extract_code
 

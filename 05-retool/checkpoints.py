@@ -22,6 +22,7 @@ from stopping import STOPPER, StopRequested
 def save_checkpoint(run_dir: Path, step: int, model, optimizer, tokenizer, keep: int, rng: dict | None = None) -> Path:
     """Hugging Face weights + tokenizer + optimizer + RNG state (`rng`, default the current one), written to a
     `.tmp` folder, every file flushed, then renamed: a kill or a power cut leaves no complete-looking half."""
+    import torch
     from transformers.utils import logging as transformers_logging
 
     transformers_logging.disable_progress_bar()  # a "Writing model shards" bar per checkpoint would bury the step lines
@@ -29,7 +30,20 @@ def save_checkpoint(run_dir: Path, step: int, model, optimizer, tokenizer, keep:
     final = root / f"step-{step:06d}"
     tmp = root / f".step-{step:06d}.tmp"
     try:
-        _write_checkpoint(tmp, step, model, optimizer, tokenizer, rng)
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        if hasattr(optimizer, "move_into"):  # FSDP2: every rank has written its shard (distributed.py)
+            optimizer.move_into(tmp / "optimizer")
+        else:
+            torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+        torch.save(rng if rng is not None else capture_rng(), tmp / "rng.pt")
+        (tmp / "state.json").write_text(json.dumps({"step": step}))
+        for path in sorted(tmp.rglob("*")):
+            if path.is_file():
+                _fsync(path)
+        _fsync(tmp)
     except Exception as e:  # a full or failing disk (torch and safetensors raise their own types for it)
         shutil.rmtree(tmp, ignore_errors=True)  # the half-written folder goes; the last good checkpoint stays
         last = latest_checkpoint(run_dir)
@@ -47,26 +61,6 @@ def save_checkpoint(run_dir: Path, step: int, model, optimizer, tokenizer, keep:
     for old in sorted(root.glob("step-*"))[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     return final
-
-
-def _write_checkpoint(tmp: Path, step: int, model, optimizer, tokenizer, rng: dict | None) -> None:
-    """Every file of a checkpoint into `tmp`, each flushed to disk."""
-    import torch
-
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    if hasattr(optimizer, "move_into"):  # FSDP2: every rank has written its shard (distributed.py)
-        optimizer.move_into(tmp / "optimizer")
-    else:
-        torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
-    torch.save(rng if rng is not None else capture_rng(), tmp / "rng.pt")
-    (tmp / "state.json").write_text(json.dumps({"step": step}))
-    for path in sorted(tmp.rglob("*")):
-        if path.is_file():
-            _fsync(path)
-    _fsync(tmp)
 
 
 def _fsync(path: Path) -> None:
@@ -87,11 +81,9 @@ def latest_checkpoint(run_dir: Path) -> dict | None:
 
 
 def load_optimizer(state: dict, optimizer) -> None:
-    """The checkpoint's optimizer state, memory-mapped onto the CPU; `load_state_dict` moves it to the weights' device.
-
-    On the GPU at once, AdamW's moments (twice the model in float32) would briefly be there twice; memory-mapped,
-    ranks that take rank 0's state (FSDP2) read nothing and ranks on one node share the page cache.
-    """
+    """The checkpoint's optimizer state, memory-mapped onto the CPU; `load_state_dict` moves it to the weights'
+    device. On the GPU at once, AdamW's moments (twice the model in float32) would briefly be there twice;
+    memory-mapped, ranks that take rank 0's state (FSDP2) read nothing and ranks on one node share the page cache."""
     import torch
 
     shards = Path(state["path"]) / "optimizer"

@@ -35,7 +35,6 @@ import math
 import os
 import random
 import sys
-import time
 from pathlib import Path
 
 try:  # the lab's folders are on the path only in its own Python (the venv's tool_rl_lab.pth)
@@ -78,8 +77,7 @@ def build_base_policy(args) -> Path:
     traces = drawn_traces(problems, args, rng)
     print(f"cold start: {len(traces)} traces, {sum(t['tool'] for t in traces)} with a tool call")
 
-    # 2. The model: a pretrained one as it is (--model), or a tiny random-init Qwen2
-    # whose tokenizer is trained on the traces' text.
+    # 2. The model: a pretrained one as it is (--model), or a tiny random-init Qwen2, its tokenizer trained on the traces.
     if args.model:
         source = args.model
     else:
@@ -96,10 +94,9 @@ def build_base_policy(args) -> Path:
         freeze_all_but_top(model, args.train_layers)
     examples = [tokenize_trace(t, tokenizer) for t in traces]
 
-    # 3. Supervised learning on model tokens only: first on tool traces alone, so the
-    # model learns the tool's grammar (copy the factors into code, the output into
-    # the box), then on the mix, which sets how often it reaches for the tool. On the
-    # chained task the first part trains on drills: every move, no decision.
+    # 3. Supervised learning on model tokens only: first on tool traces alone, so the model learns the tool's grammar
+    # (copy the factors into code, the output into the box), then on the mix, which sets how often it reaches for
+    # the tool. On the chained task the first part trains on drills: every move, no decision.
     tool_examples = [tokenize_trace({"segments": t["drill"]}, tokenizer) if "drill" in t else e
                      for e, t in zip(examples, traces) if t["tool"]]
     if args.drills_in_mix and any("drill" in t for t in traces):  # the moves kept while the decisions are learned
@@ -142,13 +139,9 @@ def drawn_traces(problems: list[dict], args, rng: random.Random) -> list[dict]:
 
 
 def make_traces(problems: list[dict], tool_fraction: float, rng: random.Random, template: str,
-                code_for=None) -> list[dict]:
-    """One trace per problem; tool traces get their observation from the real sandbox.
-
-    `code_for(question)` gives the Python a tool trace runs; the default reads
-    the toy task's "What is A * B?". Answers must be integers (a direct trace
-    boxes a guess of the same length).
-    """
+                code_for) -> list[dict]:
+    """One trace per problem, a tool trace's code `code_for(question)` and its observation from the real sandbox.
+    Answers must be integers (a direct trace boxes a guess of the same length)."""
     traces = draw_traces(problems, tool_fraction, rng, template, code_for)
     tool_jobs = [t for t in traces if t["tool"]]
     # The traces' code is one print: a warm interpreter without numpy and sympy forks in about half the time.
@@ -161,9 +154,8 @@ def make_traces(problems: list[dict], tool_fraction: float, rng: random.Random, 
 
 
 def draw_traces(problems: list[dict], tool_fraction: float, rng: random.Random, template: str,
-                code_for=None) -> list[dict]:
+                code_for) -> list[dict]:
     """The traces without their observations: which problems get a tool trace, its code, a direct trace's guess."""
-    code_for = code_for or toy_code
     traces = []
     for p in problems:
         prompt = render_prompt(p["question"], template)
@@ -179,14 +171,14 @@ def draw_traces(problems: list[dict], tool_fraction: float, rng: random.Random, 
 def traces_problem(train_file: str, tool_fraction: float, template: str, seed: int, batch_size: int,
                    tool_only_steps: int) -> str | None:
     """Why the cold start cannot use `train_file`, in one line (found in a second, before any model); None if it can.
-
-    The same draw as `build_base_policy`, without the sandbox: a question the
-    traces cannot write code for, an answer that is not an integer, or fewer
-    traces than one batch.
-    """
+    The same draw as `build_base_policy`, without the sandbox: a question the traces cannot write code for, an
+    answer that is not an integer, or fewer traces than one batch."""
     problems, rng, traces = read_problems(train_file), random.Random(seed), []
     instead = "or pass --cold-start none --model MODEL to start RL from a model as it is"
-    code_for = chained_first_call if is_chained_task(problems) else trace_code  # a chained trace opens with that call
+    from chained_problems import parse, step_call
+
+    # a chained trace opens with its first step on the reading as written
+    code_for = (lambda question: step_call(question, 0, parse(question)[0])) if is_chained_task(problems) else trace_code
     for number, problem in enumerate(problems, 1):
         try:
             traces += draw_traces([problem], tool_fraction, rng, template, code_for=code_for)
@@ -201,15 +193,11 @@ def traces_problem(train_file: str, tool_fraction: float, template: str, seed: i
     return None
 
 
-def toy_code(question: str) -> str:
-    a, b = (int(x) for x in question.removeprefix("What is ").removesuffix("?").split(" * "))
-    return f"print({a} * {b})"
-
-
 def trace_code(question: str) -> str:
     """The code a tool trace runs, for the toy task's questions and for 01-data's word problems."""
     if question.startswith("What is "):
-        return toy_code(question)
+        a, b = (int(x) for x in question.removeprefix("What is ").removesuffix("?").split(" * "))
+        return f"print({a} * {b})"
     from word_problems import solution_code
 
     return solution_code(question)
@@ -218,13 +206,6 @@ def trace_code(question: str) -> str:
 # The chained task (01-data/chained_problems.py): the share of the points where a further call is possible (after
 # an error, the fix; after a result with a step left, the next step) at which a tool trace makes it.
 FURTHER_CALL_RATE = 0.25
-
-
-def chained_first_call(question: str) -> str:
-    """The first call of a chained problem's tool trace: its first step on the reading as written."""
-    from chained_problems import parse, step_call
-
-    return step_call(question, 0, parse(question)[0])
 
 
 def is_chained_task(problems: list[dict]) -> bool:
@@ -239,13 +220,10 @@ def is_chained_task(problems: list[dict]) -> bool:
 
 def chained_traces(problems: list[dict], tool_fraction: float, rng: random.Random, template: str) -> list[dict]:
     """Traces of the chained task: a direct guess, or calls of the taught shape run one by one in the real sandbox.
-
-    A tool trace copies the reading as written into its first call; at each point
-    where a further call is possible it makes it with FURTHER_CALL_RATE, whether
-    or not it pays, else it boxes the last result (a guess after an error). Its
-    "drill" makes every call, with each decision to call untrained: the moves are
-    shown in full, how often each pays is left to RL (docs/06-experiments.md).
-    """
+    A tool trace copies the reading as written into its first call; at each point where a further call is possible
+    it makes it with FURTHER_CALL_RATE, whether or not it pays, else it boxes the last result (a guess after an
+    error). Its "drill" makes every call, with each decision to call untrained: the moves are shown in full, how
+    often each pays is left to RL (docs/06-experiments.md)."""
     traces = []
     with Sandbox(SandboxConfig(preload=())) as sandbox:
         for p in problems:
@@ -268,12 +246,9 @@ def chained_traces(problems: list[dict], tool_fraction: float, rng: random.Rando
 
 def freeze_all_but_top(model, layers: int) -> int:
     """Train only the top `layers` decoder layers and the final norm; returns the number of trainable weights.
-
-    On a CPU the backward pass and AdamW's state cost in proportion to what is
-    trained; frozen lower layers also keep no activations for backward. The
-    embedding stays frozen: tied to the output projection, it is a fifth of a
-    small model's weights and would drag every token of the vocabulary along.
-    """
+    On a CPU the backward pass and AdamW's state cost in proportion to what is trained; frozen lower layers also
+    keep no activations for backward. The embedding stays frozen: tied to the output projection, it is a fifth of
+    a small model's weights and would drag every token of the vocabulary along."""
     blocks = model.model.layers
     if not 0 < layers <= len(blocks):
         raise ValueError(f"train_layers must be 1..{len(blocks)}, got {layers}")
@@ -296,11 +271,9 @@ def guess(product: int, rng: random.Random) -> int:
 
 
 def tokenize_trace(trace: dict, tokenizer) -> tuple[list[int], list[int]]:
-    """Token ids and a loss mask: each segment tokenized on its own, as a rollout appends them.
-
-    A "move" segment is the model's, less its first token: which text begins
-    there (a call or an answer) is the decision, and a drill does not teach it.
-    """
+    """Token ids and a loss mask: each segment tokenized on its own, as a rollout appends them. A "move" segment is
+    the model's, less its first token: which text begins there (a call or an answer) is the decision, and a drill
+    does not teach it."""
     ids, mask = [], []
     for kind, text in trace["segments"]:
         segment_ids = encode_plain(tokenizer, text) if kind == "observation" else tokenizer(text, add_special_tokens=False)["input_ids"]
@@ -341,14 +314,10 @@ def train(model, examples, tool_examples, pad_id: int, args) -> list[float]:
 
 
 def batch_loss_backward(model, batch, pad_id: int, shared: int) -> float:
-    """Backpropagate the batch's mean token loss; return it.
-
-    The batch runs in two parts, cut where padding each part to its own longest
-    trace wastes least: a tool trace is about twice as long as a direct one
-    after the shared opening, and one width for both wasted a third of a mixed
-    step. Each part's loss is weighted by its share of the tokens, so the
-    gradient is the whole batch's (a test compares them).
-    """
+    """Backpropagate the batch's mean token loss; return it. The batch runs in two parts, cut where padding each
+    part to its own longest trace wastes least: a tool trace is about twice as long as a direct one after the
+    shared opening, and one width for both wasted a third of a mixed step. Each part's loss is weighted by its
+    share of the tokens, so the gradient is the whole batch's."""
     import torch
 
     batch = sorted(batch, key=lambda example: len(example[0]))
@@ -369,12 +338,9 @@ def batch_loss_backward(model, batch, pad_id: int, shared: int) -> float:
 
 
 def trace_loss(model, input_ids, loss_mask, shared: int = 0):
-    """Mean negative log-likelihood of the model's tokens (loss_mask 1).
-
-    Every trace opens with the template's same words: the first `shared` tokens
-    run once and their keys and values serve the whole batch. The same loss and
-    gradient as the whole batch run in full, in about half the time on the toy task.
-    """
+    """Mean negative log-likelihood of the model's tokens (loss_mask 1). Every trace opens with the template's
+    same words: the first `shared` tokens run once and their keys and values serve the whole batch. The same loss
+    and gradient as the whole batch run in full, in about half the time on the toy task."""
     import torch
 
     prompt_cache = None
@@ -487,10 +453,4 @@ def multiple_of_64(text: str) -> int:
 
 
 if __name__ == "__main__":
-    start = time.time()
-    try:
-        run_script(main)
-    except KeyboardInterrupt:
-        sys.exit(print("cold start stopped: run the same command again to go on from its last partial checkpoint",
-                       file=sys.stderr) or 130)
-    print(f"cold start took {time.time() - start:.0f} s")
+    run_script(main)  # Ctrl-C: "stopped by SIGINT (Ctrl-C)", exit 130; the same command goes on from partial.pt

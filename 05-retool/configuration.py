@@ -109,9 +109,7 @@ def make_config(preset: str, overrides: dict) -> Config:
 def parse_with_field_flags(parser: argparse.ArgumentParser, config_class, argv, presets: dict | None = None
                            ) -> tuple[argparse.Namespace, dict]:
     """Add a flag per field of `config_class` to `parser`, parse `argv`: (args, the fields given on the line).
-
-    Each flag's help is its field's comment and its default the chosen preset's value (`--preset` in argv).
-    """
+    Each flag's help is its field's comment and its default the chosen preset's value (`--preset` in argv)."""
     chosen = argparse.ArgumentParser(add_help=False)
     chosen.add_argument("--preset", default="cpu-demo")
     preset = (presets or {}).get(chosen.parse_known_args(argv)[0].preset, {})
@@ -172,18 +170,14 @@ def parse_bool(text: str) -> bool:
 
 def check_config(cfg, resuming: bool) -> None:
     """Refuse, with one line, a Config that would fail later or silently do the wrong thing."""
-    problems = config_problems(cfg, first_only=True)
-    if problems:
+    if problems := config_problems(cfg, first_only=True):
         raise SystemExit(f"error: {problems[0]}")
 
 
 def config_problems(cfg, world: int | None = None, first_only: bool = False) -> list[str]:
-    """Everything wrong with a Config that can be seen without a model, one line each.
-
-    `world`: the ranks to plan for (default: torchrun's WORLD_SIZE, else 1). With
-    `first_only`, the checks that import torch (two seconds) are skipped once a
-    cheaper one has found a problem, so that most refusals take well under one.
-    """
+    """Everything wrong with a Config that can be seen without a model, one line each. `world`: the ranks to plan
+    for (default: torchrun's WORLD_SIZE, else 1). With `first_only`, the checks that import torch (two seconds)
+    are skipped once a cheaper one has found a problem, so that most refusals take well under one."""
     from problems_and_policy import COLD_STARTS, further_schedules
     from reward import SCORERS
     from rollout import OBSERVATION_STYLES, SCHEDULES, TEMPLATES
@@ -199,7 +193,12 @@ def config_problems(cfg, world: int | None = None, first_only: bool = False) -> 
                     else "run `make run-01` to prepare data")
             problems.append(f"{name} '{path}' does not exist ({hint})")
         elif Path(path).exists():
-            problems += [p for p in [data_problem(name, path)] if p]
+            from prepare_data import DataError, load_problems
+
+            try:
+                load_problems(path)
+            except DataError as e:  # 01-data's loader says what is wrong, in one line
+                problems.append(f"{name}: {e}")
     if cfg.cold_start not in COLD_STARTS:
         problems.append(f"cold_start must be {_one_of(COLD_STARTS)}, got '{cfg.cold_start}'")
     elif cfg.cold_start == "scratch" and cfg.model:
@@ -355,27 +354,13 @@ def model_problem(model: str) -> str | None:
             "answers, or pass a local model folder" if why else None)
 
 
-def data_problem(name: str, path: str) -> str | None:
-    """What 01-data's loader says is wrong with a data file, in one line; None if it reads."""
-    from prepare_data import DataError, load_problems
-
-    try:
-        load_problems(path)
-    except DataError as e:
-        return f"{name}: {e}"
-    return None
-
-
 def _one_of(choices: tuple[str, ...]) -> str:
     return ", ".join(choices[:-1]) + " or " + choices[-1]
 
 
 def position_limit(model: str) -> int | None:
-    """The longest context `model` was built for (max_position_embeddings), or None when unknown.
-
-    Read from the model's folder or the local hub cache only, never the network.
-    With RoPE scaling the usable window is longer and vLLM judges it itself.
-    """
+    """The longest context `model` was built for (max_position_embeddings), read from disk only; None when
+    unknown, or with RoPE scaling (its window is longer, and vLLM judges it itself)."""
     from transformers import AutoConfig
 
     try:

@@ -127,7 +127,15 @@ def dry_run(cfg, preset: str, args, start_sandbox) -> int:
         print(f"  refused: {line}")
     print(f"  configuration: {'ok' if not problems else f'{len(problems)} problem(s) above'}")
     counts = _data_counts(cfg)
-    problems += _sandbox_check(cfg, start_sandbox)
+    t0 = time.perf_counter()
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):  # the run's own start line; the plan says it indented below
+            start_sandbox(cfg).close()
+        print(f"  sandbox: ok ({cfg.sandbox_backend}, {cfg.sandbox_isolation}; started and one call in "
+              f"{time.perf_counter() - t0:.1f} s)")
+    except SystemExit as refusal:
+        print(f"  refused: {str(refusal.code).removeprefix('error: ')}")
+        problems.append(str(refusal.code))
     if problem := driver_problem():
         print(f"  refused: {problem}")
         problems.append(problem)
@@ -162,13 +170,11 @@ def check_memory_plan(cfg) -> None:
 def cost_plan(cfg, shape: dict, gpus: int, gpu: str = "H100", decode_rate: float = 0.0,
               train_mfu: float = TRAIN_MFU, response_tokens: int = 0, call_s: float = TOOL_CALL_S,
               kv_tokens: int = 0, eval_rows: int = 0) -> CostPlan:
-    """A step's tokens, FLOPs and seconds on `gpus` GPUs, and the GPU-hours of `cfg.steps` steps.
-
-    Decode is bound by memory (weights and KV cache read once a step); every rank is planned at the
-    budget, so the plan is the slowest rank's. The update is 6N a token, plus 2N for the old log-probs
-    unless the update's forward gives them and 2N for checkpointing's recompute. Not counted: prompt
-    prefill, the weight sync. The model: docs/05-torl.md, "The cost before the run".
-    """
+    """A step's tokens, FLOPs and seconds on `gpus` GPUs, and the GPU-hours of `cfg.steps` steps. Decode is bound
+    by memory (weights and KV cache read once a step); every rank is planned at the budget, so the plan is the
+    slowest rank's. The update is 6N a token, plus 2N for the old log-probs unless the update's forward gives them
+    and 2N for checkpointing's recompute. Not counted: prompt prefill, the weight sync. The model: docs/05-torl.md,
+    "The cost before the run"."""
     from update_options import update_gives_pi_old
 
     n, peak = shape["parameters"], PEAK_TFLOPS[gpu] * 1e12
@@ -386,19 +392,6 @@ def rows_evaluated(cfg, eval_file_rows: int) -> int:
     if cfg.eval_problems and eval_file_rows:
         return min(cfg.eval_problems, eval_file_rows)
     return cfg.eval_problems or (eval_file_rows if cfg.eval_every else 0)
-
-
-def _sandbox_check(cfg, start_sandbox) -> list[str]:
-    t0 = time.perf_counter()
-    try:
-        with contextlib.redirect_stdout(io.StringIO()):  # the run's own start line; the plan says it indented below
-            start_sandbox(cfg).close()
-    except SystemExit as refusal:
-        print(f"  refused: {str(refusal.code).removeprefix('error: ')}")
-        return [str(refusal.code)]
-    print(f"  sandbox: ok ({cfg.sandbox_backend}, {cfg.sandbox_isolation}; started and one call in "
-          f"{time.perf_counter() - t0:.1f} s)")
-    return []
 
 
 MIN_DRIVER = 580  # the Makefile's MIN_DRIVER: libcudart.so.13, which the CUDA 13 wheels load, needs it

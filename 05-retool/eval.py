@@ -39,14 +39,11 @@ PAPER_SET_SIZE = {"aime24": 30, "aime25": 30, "math500": 500}
 
 def evaluate(llm, problems: list[dict], sandbox, samples_path: Path | None = None, dp=None, **settings) -> dict | None:
     """Sample k responses per problem, score them, and summarise per source and overall (`settings`: sample_scored's).
+    Under torchrun (`dp`) each rank samples its share and rank 0 puts the samples back in the problems' order:
+    the result and the samples file equal one process's. Other ranks get None."""
+    from distributed import DataParallel
 
-    Under torchrun (`dp`, 06's DataParallel) each rank samples its share and rank 0 puts the samples back
-    in the problems' order: the result and the samples file equal one process's. Other ranks get None.
-    """
-    if dp is None:
-        from distributed import DataParallel
-
-        dp = DataParallel()  # a world of one
+    dp = dp or DataParallel()  # a world of one unless torchrun started several ranks
     indices, share = dp.share(problems)
     settings, samples = sample_scored(llm, share, sandbox, indices=indices, **settings)
     k = settings["k"]  # the samples come k per problem, in the share's order
@@ -71,12 +68,10 @@ def sample_scored(llm, problems: list[dict], sandbox, k: int = 1, mode: str = "t
                   max_response_tokens: int = 3072, tool_budget: int = 1, temperature: float = 0.0,
                   seed: int | None = 0, rollout_overrides: dict | None = None, scorer: str = "lab",
                   indices: list[int] | None = None) -> tuple[dict, list[dict]]:
-    """The evaluation's settings and its samples, k per problem in the problems' order, scored.
-
-    `temperature` 0 is greedy (then k must be 1). `rollout_overrides`: further RolloutConfig fields (tests
-    force tool calls with it). `indices`: each problem's place in the whole set when these are a share of it
-    (a rank's): the seeds follow it, so a share samples as the whole would.
-    """
+    """The evaluation's settings and its samples, k per problem in the problems' order, scored. `temperature` 0 is
+    greedy (then k must be 1). `rollout_overrides`: further RolloutConfig fields (tests force tool calls with it).
+    `indices`: each problem's place in the whole set when these are a share of it (a rank's): the seeds follow it,
+    so a share samples as the whole would."""
     from reward import score_batch
     from rollout import RolloutConfig, rollout
 

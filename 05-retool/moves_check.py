@@ -90,11 +90,11 @@ def check_moves(model_dir: str, problems: list[dict], template: str = "torl") ->
 CHECK_PROBLEMS = 64  # fresh held-out-frame problems the cold start checks its base on
 
 
-def check_base(model_dir, template: str, seed: int, n: int | None = None) -> dict:
-    """check_moves on `n` fresh problems in the held-out frames (not the evaluation's: another seed); says the result."""
+def check_base(model_dir, template: str, seed: int) -> dict:
+    """check_moves on CHECK_PROBLEMS fresh held-out-frame problems (another seed than the evaluation's); said."""
     from chained_problems import make_chained_problems
 
-    n = n or CHECK_PROBLEMS
+    n = CHECK_PROBLEMS
     shares = check_moves(str(model_dir), make_chained_problems(0, n, seed=seed + 1000)[1], template)
     said = ", ".join(f"{move} {shares[move]:.2f}" for move in MOVES)
     print(f"cold start: moves of the chained task, teacher-forced on {n} held-out problems: {said} "

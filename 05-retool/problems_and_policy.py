@@ -1,12 +1,11 @@
 """What a run starts from: its problems and its first policy.
 
-Key decisions: the toy task and the word problems are written on first use
-(what `make run-01` writes), so the demos run without a data step; ToRL's
-long prompts are dropped at load, not cut; the first policy follows
-Config.cold_start, one explicit setting: "scratch" trains a tiny model in the
-run folder, "finetune" fine-tunes the given model on tool traces there (both
-cold_start.py), "none" takes the model as given (SmolLM2's hub id found
-locally by smollm2.py).
+Key decisions: the generated tasks are written on first use (what `make run-01`
+writes), so the demos run without a data step; ToRL's long prompts are dropped
+at load, not cut; the first policy follows Config.cold_start, one explicit
+setting: "scratch" trains a tiny model in the run folder, "finetune" fine-tunes
+the given model on tool traces there (both cold_start.py), "none" takes the
+model as given (SmolLM2's hub id found locally by smollm2.py).
 The story: docs/05-retool.md.
 """
 from __future__ import annotations
@@ -17,22 +16,22 @@ from pathlib import Path
 
 
 def load_data(cfg, dp=None) -> tuple[list[dict], list[dict]]:
-    """Training and evaluation problems in 01-data's schema; says what 01-data's filter dropped.
-
-    A generated task (toy, word, chained) is written first if its files are missing; under torchrun
-    rank 0 writes it and the others then read it.
-    """
+    """Training and evaluation problems in 01-data's schema; says what 01-data's filter dropped. A generated task
+    is written first if its files are missing (under torchrun by rank 0, the others then read it)."""
     if dp is not None:
         with dp.main_first():
             return load_data(cfg)
-    from prepare_data import load_problems, write_jsonl
+    from chained_problems import SIZES, make_chained_problems
+    from prepare_data import load_problems, make_toy_task, write_jsonl
+    from word_problems import make_word_problems
 
-    for name, make in generated_tasks().items():  # what `make run-01` or the task's own script writes
-        files = {str(Path(f"data/{name}_train.jsonl")), str(Path(f"data/{name}_test.jsonl"))}
-        if {cfg.train_file, cfg.eval_file} <= files and not all(Path(f).exists() for f in files):
-            train_rows, test_rows = make()
-            write_jsonl(train_rows, Path(f"data/{name}_train.jsonl"))
-            write_jsonl(test_rows, Path(f"data/{name}_test.jsonl"))
+    tasks = {"toy": lambda: make_toy_task(2000, 200, seed=0), "word": lambda: make_word_problems(2000, 200, seed=0),
+             "chained": lambda: make_chained_problems(*SIZES, seed=0)}  # (training rows, held-out rows)
+    for name, make in tasks.items():  # what `make run-01` or the task's own script writes
+        paths = [Path(f"data/{name}_{part}.jsonl") for part in ("train", "test")]
+        if {cfg.train_file, cfg.eval_file} <= {str(p) for p in paths} and not all(p.exists() for p in paths):
+            for rows, path in zip(make(), paths):
+                write_jsonl(rows, path)
     loaded = []
     for path in (cfg.train_file, cfg.eval_file):
         rows, dropped = load_problems(path)
@@ -42,23 +41,10 @@ def load_data(cfg, dp=None) -> tuple[list[dict], list[dict]]:
     return loaded[0], loaded[1]
 
 
-def generated_tasks() -> dict:
-    """The tasks made on the spot when their files are missing: name -> () -> (training rows, held-out rows)."""
-    from chained_problems import SIZES, make_chained_problems
-    from prepare_data import make_toy_task
-    from word_problems import make_word_problems
-
-    return {"toy": lambda: make_toy_task(2000, 200, seed=0), "word": lambda: make_word_problems(2000, 200, seed=0),
-            "chained": lambda: make_chained_problems(*SIZES, seed=0)}
-
-
 def fit_prompts(train: list[dict], evaluation: list[dict], model_path: str, cfg) -> list[dict]:
     """The training problems to use: those over cfg.max_prompt_tokens dropped (if set); then every prompt must fit.
-
-    A prompt that leaves no room for the response budget in the sampler's
-    context would fail at its first step (or evaluation): refused here, at
-    load, naming the flag that drops such prompts.
-    """
+    One that leaves no room for the response budget would fail at its first step (or evaluation): refused here,
+    naming the flag that drops such prompts."""
     if cfg.max_prompt_tokens:
         train = drop_long_prompts(train, model_path, cfg)
     evaluation = evaluation[: cfg.eval_problems] if cfg.eval_problems else evaluation
@@ -87,12 +73,8 @@ def prompt_lengths(problems: list[dict], model_path: str, template: str) -> list
 
 
 def drop_long_prompts(problems: list[dict], model_path: str, cfg) -> list[dict]:
-    """The problems whose rendered prompt has at most `cfg.max_prompt_tokens` tokens; prints how many were dropped.
-
-    ToRL's loader does the same before training (its limit: 400 - 10 tokens of
-    the tir_base_0309 prompt), so no prompt is ever cut and the response budget
-    is the same for every problem.
-    """
+    """The problems whose rendered prompt has at most `cfg.max_prompt_tokens` tokens; says how many were dropped.
+    As ToRL's loader (400 - 10 tokens of tir_base_0309): no prompt is cut, every problem has the same budget."""
     lengths = prompt_lengths(problems, model_path, cfg.template)
     kept = [p for p, length in zip(problems, lengths) if length <= cfg.max_prompt_tokens]
     print(f"{cfg.train_file}: kept {len(kept)} of {len(problems)} problems; dropped {len(problems) - len(kept)} "
@@ -146,14 +128,11 @@ def local_model(model: str) -> str:
 
 def cold_started_model(cfg, run_dir: Path) -> str:
     """The folder RUN_DIR/base: cold_start.py once per schedule of the Config (cold_start_argvs), each from the
-    last one's weights; the earlier ones in RUN_DIR/base-schedules/N. A schedule already done is kept.
-
-    With cold_start_cache, a schedule made before from the same inputs (every setting
-    cold_start.py receives, the training file, the code that builds the traces
-    and the model, the schedules before it) is copied from the cache instead of trained again.
-    """
+    last one's weights; the earlier ones in RUN_DIR/base-schedules/N. A schedule already done is kept; with
+    cold_start_cache, one made before from the same inputs (cold_start_key) is copied, not trained again."""
     import cold_start
     from lab_cli import caches_kept
+    from smollm2 import default_cache_dir
 
     argvs, base = cold_start_argvs(cfg), run_dir / "base"
     keep = cfg.cold_start_cache and caches_kept()  # not where the cache folder cannot be written (lab_cli.py)
@@ -173,7 +152,7 @@ def cold_started_model(cfg, run_dir: Path) -> str:
         previous = out
         if (out / "cold_start.json").exists():
             continue
-        cached = cold_start_cache() / key if keep else None
+        cached = default_cache_dir() / "cold-start" / key if keep else None  # the lab's cache folder, never in git
         if cached is not None and (cached / "cold_start.json").exists():
             shutil.copytree(cached, out, dirs_exist_ok=True)
             print(f"cold start: the base made before from the same inputs, {cached} (--cold-start-cache false trains anew)")
@@ -191,12 +170,9 @@ def cold_started_model(cfg, run_dir: Path) -> str:
 
 
 def cold_start_argvs(cfg) -> list[list[str]]:
-    """cold_start.py's flags for each schedule of the base, without --out (and, after the first, its --model).
-
-    The first is the Config's cold_start_* settings; each of cold_start_schedules
-    is a cold start of its own from the weights before it, as a separate command
-    would run it (docs/06-experiments.md: the chained preset's base takes three).
-    """
+    """cold_start.py's flags for each schedule of the base, without --out (and, after the first, its --model):
+    the Config's cold_start_* settings, then each of cold_start_schedules, a cold start of its own from the
+    weights before it, as a separate command would run it (docs/06-experiments.md: the chained base takes three)."""
     first = {"--train-file": cfg.train_file, "--steps": cfg.cold_start_steps,
              "--tool-fraction": cfg.cold_start_tool_fraction, "--template": cfg.template, "--seed": cfg.seed,
              "--tool-only-steps": cfg.cold_start_tool_only_steps, "--lr": cfg.cold_start_lr,
@@ -230,21 +206,12 @@ def further_schedules(text: str) -> list[tuple[int, int, bool]]:
     return schedules
 
 
-def cold_start_cache() -> Path:
-    """Where cold-started bases are kept between runs: the lab's cache folder (smollm2.py's), never in git."""
-    from smollm2 import default_cache_dir
-
-    return default_cache_dir() / "cold-start"
-
-
-def cold_start_key(argv: list[str], train_file: str, source: str | None, before: str = "") -> str:
-    """A digest of everything that determines a cold-started base: a change to any of it is a new base.
-
-    The settings (argv without the output folder), the training problems, the
-    code that writes the traces (the chained task's calls too) and builds or loads the model, the template
-    table, the pretrained model's files (names and sizes) when one is tuned, and the key of
-    the schedule `before` this one, whose weights it starts from.
-    """
+def cold_start_key(argv: list[str], train_file: str, source: str | None, before: str) -> str:
+    """A digest of everything that determines a cold-started base, so that a change to any of it is a new base:
+    the settings (argv, without --out yet), the training problems, the code that writes the traces (the chained
+    task's calls too) and builds or loads the model, the template table, the pretrained model's files (names and
+    sizes) when one is tuned, and the key of the schedule `before` this one ("" for the first), whose weights it
+    starts from."""
     import hashlib
 
     import torch
@@ -252,13 +219,11 @@ def cold_start_key(argv: list[str], train_file: str, source: str | None, before:
 
     here, root = Path(__file__).resolve().parent, Path(__file__).resolve().parent.parent
     digest = hashlib.sha256()
-    settings = [a for i, a in enumerate(argv) if a != "--out" and (i == 0 or argv[i - 1] != "--out")]
-    digest.update(repr((settings, torch.__version__, transformers.__version__)).encode())
+    digest.update(repr((argv, torch.__version__, transformers.__version__)).encode())
     for path in (Path(train_file), here / "cold_start.py", here / "tool_traces.py", root / "tiny_model.py", root / "01-data" / "chained_problems.py",
                  root / "03-rollout" / "prompt_templates.py", root / "03-rollout" / "rollout.py"):
         digest.update(path.read_bytes())
     if source:
         digest.update(repr(sorted((p.name, p.stat().st_size) for p in Path(source).iterdir())).encode())
-    if before:
-        digest.update(before.encode())
+    digest.update(before.encode())  # b"" for the first schedule: no change to the digest
     return digest.hexdigest()[:16]

@@ -197,11 +197,9 @@ def start_sandbox(cfg: Config):
 
 
 def start_sampler(cfg: Config, model_path: str, state: dict | None, dp=None):
-    """The vLLM engine over `model_path`, then the random state: the checkpoint's, or fresh from the seed.
-
-    In that order because vLLM's engine seeds the global generators when it starts. Under torchrun
-    (`dp`, 06's DataParallel) each rank's engine gets a seed of its own and joins torchrun's world.
-    """
+    """The vLLM engine over `model_path`, then the random state (the checkpoint's, or fresh from the seed): in that
+    order because vLLM's engine seeds the global generators when it starts. Under torchrun (`dp`, 06's
+    DataParallel) each rank's engine gets a seed of its own and joins torchrun's world."""
     import numpy as np
     import torch
 
@@ -246,8 +244,7 @@ def main(argv: list[str] | None = None) -> Path:
                              "on a CPU run the demo: make run-05 (--preset cpu-demo)")
         cfg = make_config(args.preset, overrides)
         run_dir = Path(args.run_dir or f"runs/{args.preset}-{time.strftime('%Y%m%d-%H%M%S')}")
-    if not args.resume:  # first: the cheapest check, and the one that protects a folder's records
-        check_new_run_dir(run_dir, overwrite=args.overwrite)
+        check_new_run_dir(run_dir, overwrite=args.overwrite)  # first: the cheapest check, and it protects records
     check_config(cfg, resuming=bool(args.resume))
     check_memory_plan(cfg)  # on CUDA: a plan that cannot fit the GPUs is refused before anything loads
     if cfg.trainer_threads:  # before torch's thread pool starts: it reads this once; vLLM's engine then leaves it

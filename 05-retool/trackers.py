@@ -41,21 +41,15 @@ def missing_package(log: str) -> str | None:
 
 
 def open_trackers(log: str, run_dir: Path, config: dict, start_step: int = 0) -> "Trackers":
-    """The trackers named in `log`, ready to receive rows; `start_step` > 0 when resuming.
-
-    A resumed run redoes the steps after its checkpoint: TensorBoard drops the
-    events it had from them (purge_step), W&B resumes the same run id.
-    """
+    """The trackers named in `log`, ready to receive rows; `start_step` > 0 when resuming: the run redoes the steps
+    after its checkpoint, so TensorBoard drops the events it had from them (purge_step), W&B resumes the same id."""
+    if missing := missing_package(log):  # the start's check (config_problems), for any other caller
+        raise SystemExit(f"error: {missing}")
     writers = []  # (write(scalars, step), close) per tracker
     for name in parse_log(log):
-        try:
-            if name == "tensorboard":
-                from torch.utils.tensorboard import SummaryWriter
-            else:
-                import wandb
-        except ImportError:
-            raise SystemExit(f"error: --log {name} needs {INSTALL.format(name)}") from None
         if name == "tensorboard":
+            from torch.utils.tensorboard import SummaryWriter
+
             board = SummaryWriter(str(run_dir / "tensorboard"), purge_step=start_step + 1)
 
             def write(scalars: dict, step: int, board=board) -> None:
@@ -65,6 +59,8 @@ def open_trackers(log: str, run_dir: Path, config: dict, start_step: int = 0) ->
 
             writers.append((write, board.close))
         else:
+            import wandb
+
             mode = os.environ.get("WANDB_MODE") or ("online" if _wandb_reachable(wandb) else "offline")
             run = wandb.init(project=os.environ.get("WANDB_PROJECT", "tool-rl-lab"), name=run_dir.name,
                              id=_run_id(run_dir), resume="allow", dir=str(run_dir), config=config, mode=mode)
