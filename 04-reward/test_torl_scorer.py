@@ -22,7 +22,7 @@ from torl_scorer import (
 )
 
 REWARD_PY = Path(__file__).resolve().parent / "reward.py"
-CHECK = " Check: " + "substituting back, both sides agree. " * 10  # 370 characters after the box
+CHECK = " Check: " + "substituting back, both sides agree. " * 10  # 378 characters after the box
 
 # (rule, response, reference, ToRL's reward, the lab's reward)
 CASES = [

@@ -4,13 +4,14 @@
     .venv/bin/python 05-retool/run_figures.py runs/cpu-demo 05-cpu-demo --run-command 'make run-05 ARGS="--run-dir runs/cpu-demo"'
 
 writes docs/results/05-cpu-demo.json, whose command is the two lines above joined: the run, then this read
-of it. The page that quotes the run is rewritten with `python results.py`. What each figure means:
+of it, each as it can be typed again. The page that quotes the run is rewritten with `python results.py`. What each figure means:
 docs/05-retool.md (the demo) and docs/06-train.md (its metrics).
 """
 from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import statistics
 import sys
 from pathlib import Path
@@ -110,7 +111,8 @@ def main() -> int:
                         help="also the means over these stretches of steps (reward, degenerate groups, informative_frac, "
                         "grad_norm, update_s)")
     args = parser.parse_args()
-    command = f"{args.run_command}; .venv/bin/python 05-retool/run_figures.py {args.run_dir} {args.name}"
+    command = (f"{args.run_command}; .venv/bin/python 05-retool/run_figures.py {args.run_dir} {args.name} "
+               f"--run-command {shlex.quote(args.run_command)}")
     if args.stretches:
         command += " --stretches " + " ".join(f"{first}-{last}" for first, last in args.stretches)
     print(f"wrote {save(args.name, command, figures(args.run_dir, args.stretches))}")
