@@ -82,8 +82,7 @@ def keep_caches_writable(tmp: str) -> None:
     """An unwritable cache folder (XDG_CACHE_HOME=/proc, a read-only home) becomes none: one notice, not a traceback.
     The lab's, Hugging Face's and vLLM's caches live under it; they then go in `tmp` and are gone at exit."""
     cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    why = cannot_write(cache)
-    if why:
+    if why := cannot_write(cache):
         print(f"note: the cache folder {cache} cannot be written ({why}): this run keeps no cache", file=sys.stderr)
         os.environ["XDG_CACHE_HOME"] = os.path.join(tmp, "cache")
         _cache["kept"] = False

@@ -58,8 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     refuse_chapter_folder()
     out = Path(args.out)
-    why = cannot_write(out)  # before any data set is read or made
-    if why:
+    if why := cannot_write(out):  # before any data set is read or made
         print(f"error: --out {out}: cannot write there ({why}); choose a folder on a writable disk", file=sys.stderr)
         return 2
     jobs = []  # (kind, source, named: asked for by its own flag, so it must load)
