@@ -46,12 +46,9 @@ def comma_list(text: str) -> tuple[str, ...]:
 
 def private_tmp(prefix: str = "tool-rl-lab-") -> str:
     """A temporary folder of this process's own, made the default for it and its children; stale ones removed.
-
-    vLLM and the sandbox leave files in the temporary folder (vllm_dist_*,
-    sandbox-server-*) that a killed run never removes. Under a folder named
-    for its process they can be found: at every start, the folders of
-    processes that no longer exist are removed, and this one goes at exit.
-    """
+    vLLM and the sandbox leave files there (vllm_dist_*, sandbox-server-*) that a killed run never removes; in a
+    folder named for its process they can be found: at every start, the folders of processes that no longer exist
+    are removed, and this one goes at exit."""
     import getpass
     import shutil
 
@@ -83,13 +80,9 @@ _cache = {"kept": True}
 
 def keep_caches_writable(tmp: str) -> None:
     """An unwritable cache folder (XDG_CACHE_HOME=/proc, a read-only home) becomes none: one notice, not a traceback.
-
-    The lab's, Hugging Face's and vLLM's caches live under it; they then go in
-    this process's temporary folder and are gone at exit.
-    """
+    The lab's, Hugging Face's and vLLM's caches live under it; they then go in `tmp` and are gone at exit."""
     cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    why = cannot_write(cache)
-    if why:
+    if why := cannot_write(cache):
         print(f"note: the cache folder {cache} cannot be written ({why}): this run keeps no cache", file=sys.stderr)
         os.environ["XDG_CACHE_HOME"] = os.path.join(tmp, "cache")
         _cache["kept"] = False
@@ -102,9 +95,7 @@ def caches_kept() -> bool:
 
 def cannot_write(folder) -> str | None:
     """Why nothing can be written in `folder` (or, if it does not exist yet, its nearest existing parent); None if it can.
-
-    A real file is made and removed: permission bits say nothing of a read-only disk or of /proc.
-    """
+    A real file is made and removed: permission bits say nothing of a read-only disk or of /proc."""
     existing = os.path.abspath(folder)
     while not os.path.exists(existing):
         existing = os.path.dirname(existing)
@@ -130,11 +121,9 @@ def refuse_chapter_folder() -> None:
 
 
 def run_script(main) -> None:
-    """Run a script's `main`: a one-line refusal (SystemExit with a message) exits 2, as a usage error does.
-
-    A numeric exit (a stop's 128 + signal, a count of failures) passes through unchanged.
-    A run that ended (done, or stopped by a signal) exits as soon as its exit handlers ran.
-    """
+    """Run a script's `main`: a one-line refusal (SystemExit with a message) exits 2, as a usage error does; a numeric
+    exit (a stop's 128 + signal, a count of failures) passes through unchanged. A run that ended (done, or stopped by
+    a signal) exits as soon as its exit handlers ran."""
     quiet_console()
     try:
         main()
@@ -152,12 +141,10 @@ def run_script(main) -> None:
 
 
 def quiet_console() -> None:
-    """Before any library loads: the lab's lines, one bar per phase and errors, not the libraries' chatter.
-
-    Hugging Face's bars (a model's load and save: a second each) and torch's C++ warnings (vLLM's CPU
-    worker's NUMA note) are off unless their variables say otherwise; written to a file or a pipe,
-    stdout goes out line by line, so the lab's lines and the bars' lines (`progress`) keep their order.
-    """
+    """Before any library loads: the lab's lines, one bar per phase and errors, not the libraries' chatter. Hugging
+    Face's bars (a model's load and save: a second each) and torch's C++ warnings (vLLM's CPU worker's NUMA note) are
+    off unless their variables say otherwise; written to a file or a pipe, stdout goes out line by line, so the lab's
+    lines and the bars' lines (`progress`) keep their order."""
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     if not sys.stdout.isatty() and hasattr(sys.stdout, "reconfigure"):  # a real stream, not a test's capture
@@ -191,12 +178,9 @@ class _Lines:
 
 
 def exit_now(code: int) -> None:
-    """Exit after the exit handlers, without the interpreter's own teardown.
-
-    Everything a run keeps is written and closed by then. What is left is
-    freeing, one by one, the million objects torch and vLLM hold: 3 s of the
-    5 a process with an engine took to exit on two cores, for nothing.
-    """
+    """Exit after the exit handlers, without the interpreter's own teardown. Everything a run keeps is written and
+    closed by then; what is left is freeing, one by one, the million objects torch and vLLM hold: 3 s of the 5 a
+    process with an engine took to exit on two cores, for nothing."""
     import threading
 
     threading._shutdown()  # what the interpreter does first at exit: join the threads that are not daemons

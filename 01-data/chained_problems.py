@@ -58,10 +58,8 @@ TEST_FRAMES = [(TRAIN_FRAMES[i][0], TRAIN_FRAMES[(i + 2) % len(TRAIN_FRAMES)][1]
 
 def make_chained_problems(n_train: int, n_test: int, seed: int = 0) -> tuple[list[dict], list[dict]]:
     """`n_train` problems in the training frames and `n_test` in the held-out ones; deterministic under `seed`.
-
-    The held-out problems are drawn first, from a generator of their own, so they do
-    not depend on `n_train`; no training problem shares their numbers (reading and operands).
-    """
+    The held-out problems are drawn first, from a generator of their own, so they do not depend on `n_train`; no
+    training problem shares their numbers (reading and operands)."""
     used = set()  # the numbers drawn so far: the held-out problems' are left out of training
     test = _make(TEST_FRAMES, n_test, random.Random(f"{seed}-heldout"), "chained-heldout", used)
     return _make(TRAIN_FRAMES, n_train, random.Random(seed), "chained", used), test
@@ -95,14 +93,10 @@ def without_leading_zeros(code: str) -> str:
 def scripted_calls(question: str, run: Callable[[str], str | None], decide: Callable[[str], bool],
                    budget: int = 4) -> tuple[list[str], str | None]:
     """A scripted policy of taught-shape calls: (the programs it ran, the number it boxes, None if it gives up).
-
-    `run(code)` gives what the program printed (stripped), or None when it
-    raised. The first call copies the reading as written. After an error,
-    `decide("fix")` says whether to run the fix; after a result with a step
-    left, `decide("chain")` whether to call again on that printed number (else
-    the result is boxed). `decide` always True is the multi-call solution;
-    always False, the single-call policy.
-    """
+    `run(code)` gives what the program printed (stripped), or None when it raised. The first call copies the reading
+    as written. After an error, `decide("fix")` says whether to run the fix; after a result with a step left,
+    `decide("chain")` whether to call again on that printed number (else the result is boxed). `decide` always True
+    is the multi-call solution; always False, the single-call policy."""
     reading, steps = parse(question)
     code, step, calls = step_call(question, 0, reading), 0, []
     while len(calls) < budget:

@@ -30,10 +30,9 @@ try:  # the lab's folders are on the path only in its own Python (the venv's too
 except ModuleNotFoundError:
     sys.exit(f"error: {sys.executable} is not the lab's Python: run .venv/bin/python {sys.argv[0]}, or make")
 
-# Named sources. The default training set is DeepScaleR's 40k problems (AIME,
-# AMC, Omni-MATH, STILL): competition math with short final answers, one of the
-# pools ToRL drew its 28k training questions from. AIME 2024 and 2025 are the
-# evaluation sets ToRL reports.
+# Named sources. The default training set is DeepScaleR's 40k problems (AIME, AMC, Omni-MATH, STILL): competition
+# math with short final answers, one of the pools ToRL drew its 28k training questions from. AIME 2024 and 2025 are
+# the evaluation sets ToRL reports.
 NAMED_SOURCES = {
     "deepscaler": {"path": "agentica-org/DeepScaleR-Preview-Dataset", "split": "train"},
     "math500": {"path": "HuggingFaceH4/MATH-500", "split": "test"},
@@ -59,8 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     refuse_chapter_folder()
     out = Path(args.out)
-    why = cannot_write(out)  # before any data set is read or made
-    if why:
+    if why := cannot_write(out):  # before any data set is read or made
         print(f"error: --out {out}: cannot write there ({why}); choose a folder on a writable disk", file=sys.stderr)
         return 2
     jobs = []  # (kind, source, named: asked for by its own flag, so it must load)
@@ -205,9 +203,8 @@ def make_toy_task(n_train: int, n_test: int, seed: int = 0, digits: int = 3) -> 
         if misses > 100_000:  # every distinct problem of this size is drawn: asking for more would never end
             raise DataError(f"toy task: {digits}-digit factors give fewer than {n_train + n_test} distinct problems")
         a, b = rng.randint(lo, hi), rng.randint(lo, hi)
-        # Every product has 2 * digits digits (no 5-digit 3x3 products): answers of
-        # one length keep the tiny demo model's job (copy the tool's output into the
-        # box) the same on every problem.
+        # Every product has 2 * digits digits (no 5-digit 3x3 products): answers of one length keep the tiny demo
+        # model's job (copy the tool's output into the box) the same on every problem.
         if (a, b) in seen or len(str(a * b)) != 2 * digits:
             misses += 1
             continue
@@ -280,10 +277,8 @@ _hub_probe: dict[str, str | None] = {}  # "unreachable_because": _probe_hub's an
 
 def hub_unreachable() -> str | None:
     """Why the hub cannot be reached, asked once per process; None when it answers or HF_HUB_OFFLINE is set.
-
-    Without it each data set would spend its own retries (about 24 s) finding out.
-    With HF_HUB_OFFLINE=1 no network is tried at all: `datasets` reads its cache.
-    """
+    Without it each data set would spend its own retries (about 24 s) finding out. With HF_HUB_OFFLINE=1 no network
+    is tried at all: `datasets` reads its cache."""
     if "unreachable_because" not in _hub_probe:
         _hub_probe["unreachable_because"] = _probe_hub()
     return _hub_probe["unreachable_because"]
@@ -325,8 +320,7 @@ def write_jsonl(rows: list[dict], path: Path) -> None:
 
 def read_problems(path: str | os.PathLike) -> list[dict]:
     """Read a file this module wrote (or any file in its schema) back as rows."""
-    rows, _ = load_problems(str(path))
-    return rows
+    return load_problems(str(path))[0]
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):

@@ -44,10 +44,8 @@ TEST_TEMPLATES = [
 
 def make_word_problems(n_train: int, n_test: int, seed: int = 0) -> tuple[list[dict], list[dict]]:
     """`n_train` problems from the training phrasings and `n_test` from the held-out ones; deterministic under `seed`.
-
-    Numbers have 3 or 4 digits; a difference is always positive (the first
-    number is the larger), so every answer is a positive integer.
-    """
+    Numbers have 3 or 4 digits; a difference is always positive (the first number is the larger), so every answer is
+    a positive integer."""
     rng = random.Random(seed)
     return _make(TRAIN_TEMPLATES, n_train, rng, "word"), _make(TEST_TEMPLATES, n_test, rng, "word-heldout")
 

@@ -104,10 +104,8 @@ def build_cases(answers: list[str]) -> list[dict]:
 
 def tally(cases: list[dict], workers: int = 2) -> dict[str, dict]:
     """Per kind: rows, how many each scorer counts right, the disagreements each way, and a first example.
-
-    "unparsed" counts the lab-only wins where math-verify's parse of an unwrapped,
-    normalised side (what ToRL checks) came back empty.
-    """
+    "unparsed" counts the lab-only wins where math-verify's parse of an unwrapped, normalised side (what ToRL checks)
+    came back empty."""
     from reward import score_batch
 
     texts, refs = [c["response"] for c in cases], [c["reference"] for c in cases]

@@ -66,11 +66,8 @@ def score_batch(
     texts: list[str], references: list[str], workers: int = 2, timeout: float = DEFAULT_TIMEOUT_S,
     scorer: str = "lab",
 ) -> list[RewardResult]:
-    """Score many responses in `workers` processes; results come back in input order.
-
-    Each answer gets the same time bound as in `score_answer`, so one
-    pathological answer delays only its own worker.
-    """
+    """Score many responses in `workers` processes; results come back in input order. Each answer gets the same
+    time bound as in `score_answer`, so one pathological answer delays only its own worker."""
     if len(texts) != len(references):
         raise ValueError(f"score_batch: {len(texts)} texts but {len(references)} references")
     answers = [extract_answer(t, scorer) for t in texts]
@@ -92,11 +89,9 @@ def score_batch(
 
 def total_reward(result: RewardResult, execution_pass: bool, exec_error_penalty: float = 0.0) -> float:
     """ToRL's R = R_answer + R_exec: subtract `exec_error_penalty` when the trajectory did not pass.
-
-    `execution_pass` is ToRL's flag (chapter 03's Trajectory.execution_pass): its last
-    tool call passed; without a call it has not. Off by default (0.0), as in ToRL's launch
-    script: punishing errors also punishes exploration, and the paper found no gain from it.
-    """
+    `execution_pass` is ToRL's flag (chapter 03's Trajectory.execution_pass): its last tool call passed; without a
+    call it has not. Off by default (0.0), as in ToRL's launch script: punishing errors also punishes exploration,
+    and the paper found no gain from it."""
     return result.reward - (exec_error_penalty if not execution_pass else 0.0)
 
 
@@ -138,11 +133,8 @@ def _result(answer: str, correct: bool) -> RewardResult:
 
 
 def is_equivalent(answer: str, reference: str) -> bool:
-    """math-verify's verdict, with its signal timeouts off (the caller bounds time).
-
-    Both sides are wrapped in `$...$` so that bare LaTeX such as `\\frac{1}{2}`
-    and plain text such as `0.5` are both read as math.
-    """
+    """math-verify's verdict, with its signal timeouts off (the caller bounds time). Both sides are wrapped in
+    `$...$` so that bare LaTeX such as `\\frac{1}{2}` and plain text such as `0.5` are both read as math."""
     from math_verify import parse, verify
 
     try:
@@ -157,14 +149,11 @@ _CHECKS = {"lab": is_equivalent, "torl": torl_equivalent}  # what a worker runs 
 
 
 class _Verifier:
-    """One worker process that runs a scorer's check, replaced when it overruns its deadline.
-
-    Its own interpreter running this file (`reward.py --serve-fd`): spawned, it would
-    re-import the caller's main script (a learner's script without an `if __name__`
-    guard would run again in every worker); forked, it would copy the parent's threads
-    (vLLM, tqdm) in a broken state. The first call pays the start-up (importing
-    math-verify, about half a second); later calls cost a socket round trip.
-    """
+    """One worker process that runs a scorer's check, replaced when it overruns its deadline. Its own interpreter
+    running this file (`reward.py --serve-fd`): spawned, it would re-import the caller's main script (a learner's
+    script without an `if __name__` guard would run again in every worker); forked, it would copy the parent's
+    threads (vLLM, tqdm) in a broken state. The first call pays the start-up (importing math-verify, about half a
+    second); later calls cost a socket round trip."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -193,8 +182,8 @@ class _Verifier:
         finally:
             theirs.close()
         self._conn = Connection(ours.detach())
-        # Wait for the warm-up outside any answer's deadline: a slow start on a busy
-        # machine must not turn into a wrong verdict.
+        # Wait for the warm-up outside any answer's deadline: a slow start on a busy machine must not turn into a
+        # wrong verdict.
         if not self._conn.poll(_STARTUP_TIMEOUT_S):
             self._stop()
             raise RuntimeError(f"reward: the math-verify worker did not start within {_STARTUP_TIMEOUT_S:.0f} s")
@@ -212,8 +201,7 @@ def _serve(fd: int) -> None:
     """The worker's loop: (scorer, answer, reference) in, verdict out, until the parent closes the socket."""
     import logging
 
-    # Ctrl-C reaches the whole process group; the parent decides what to do, and the
-    # worker ends when the parent closes its end.
+    # Ctrl-C reaches the whole process group; the parent decides what to do, and the worker ends when it closes its end.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     # math-verify warns, once per process, that its own timeouts are off: they are meant to be.
     logging.getLogger("math_verify").setLevel(logging.ERROR)
@@ -232,8 +220,8 @@ def _serve(fd: int) -> None:
         conn.send(verdict)
 
 
-# Worker processes live as long as this process: a training loop scores every step,
-# and starting a worker (importing math-verify) costs about half a second.
+# Worker processes live as long as this process: a training loop scores every step, and starting a worker (importing
+# math-verify) costs about half a second.
 _workers: list[_Verifier] = []
 _workers_lock = threading.Lock()
 
@@ -276,10 +264,8 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _read_rows(path: str) -> list[dict]:
-    """The rows of a JSONL file, each with string `response` and `reference`.
-
-    A bad file or row ends the program with one line `error: FILE:LINE: ...`, exit status 2.
-    """
+    """The rows of a JSONL file, each with string `response` and `reference`. A bad file or row ends the program
+    with one line `error: FILE:LINE: ...`, exit status 2."""
     def refuse(where: str, message: str):
         print(f"error: {where}: {message}", file=sys.stderr)
         sys.exit(2)

@@ -43,8 +43,8 @@ def last_complete_box(response: str) -> str | None:
     return boxes[-1] if boxes else None
 
 
-# Lewkowycz et al. 2022 ("Solving Quantitative Reasoning Problems with Language
-# Models", Minerva), appendix D: the published normaliser's data, applied in order.
+# Lewkowycz et al. 2022 ("Solving Quantitative Reasoning Problems with Language Models", Minerva), appendix D: the
+# published normaliser's data, applied in order.
 MINERVA_SUBSTITUTIONS = [
     ("an ", ""), ("a ", ""), (".$", "$"), ("\\$", ""), ("\\ ", ""), (" ", ""),
     ("mbox", "text"), (",\\text{and}", ","), ("\\text{and}", ","), ("\\text{m}", "\\text{}"),
@@ -83,11 +83,9 @@ def _drop_math_delimiters(text: str) -> str:
 
 
 def normalize_final_answer(answer: str) -> str:
-    r"""Minerva's normaliser as ToRL runs it: `"\\dfrac12 \\text{ cm}"` -> `"\\frac{1}{2}"`.
-
-    Minerva's first step, keeping what follows the last `=`, ToRL leaves out. Its
-    `$...$` extraction is left out here too: every `$` is gone by then.
-    """
+    r"""Minerva's normaliser as ToRL runs it: `"\\dfrac12 \\text{ cm}"` -> `"\\frac{1}{2}"`. Minerva's first step,
+    keeping what follows the last `=`, ToRL leaves out. Its `$...$` extraction is left out here too: every `$` is gone
+    by then."""
     answer = _drop_math_delimiters(answer.strip())
     for before, after in SUBSTITUTIONS:
         answer = answer.replace(before, after)

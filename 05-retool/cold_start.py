@@ -47,7 +47,6 @@ from sandbox import Sandbox, SandboxConfig
 from tool_traces import DIRECT_OPENING, TOOL_CLOSING, TOOL_OPENING, call_segments, sandboxed_calls
 
 
-
 def main(argv: list[str] | None = None) -> Path:
     args = parse_args(argv)
     import torch  # after the flags: a mistaken one is refused before torch's two seconds of import

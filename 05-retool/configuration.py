@@ -119,11 +119,9 @@ def parse_with_field_flags(parser: argparse.ArgumentParser, config_class, argv, 
         flag = field_flag(f.name)
         default = preset.get(f.name, f.default)
         text = f"{meaning.get(f.name, '')} [default: {default!r}]".strip().replace("%", "%%")
-        if f.type in ("bool", bool):
-            fields.add_argument(flag, type=parse_bool, metavar="BOOL", default=argparse.SUPPRESS, help=text)
-        else:
-            kind = {"int": int, "float": float}.get(str(f.type), str)
-            fields.add_argument(flag, type=kind, default=argparse.SUPPRESS, help=text)
+        kind = {"bool": parse_bool, "int": int, "float": float}.get(str(f.type), str)
+        fields.add_argument(flag, type=kind, metavar="BOOL" if kind is parse_bool else None, default=argparse.SUPPRESS,
+                            help=text)
     parser.error = lambda message: sys.exit(f"error: {message} (see --help)")  # one line, not a usage dump
     args = parser.parse_args(argv)
     names = {f.name for f in dataclasses.fields(config_class)}
@@ -221,14 +219,12 @@ def config_problems(cfg, world: int | None = None, first_only: bool = False) -> 
                         f"do not fit in max_model_len ({cfg.max_model_len})")
     if cfg.eval_max_response_tokens >= cfg.max_model_len:
         problems.append(f"eval_max_response_tokens ({cfg.eval_max_response_tokens}) does not fit in max_model_len ({cfg.max_model_len})")
-    if cfg.scorer not in SCORERS:
-        problems.append(f"scorer must be {_one_of(SCORERS)}, got '{cfg.scorer}'")
+    for name, choices in (("scorer", SCORERS), ("observation_style", OBSERVATION_STYLES), ("dtype", DTYPES),
+                          ("rollout_schedule", SCHEDULES)):
+        if getattr(cfg, name) not in choices:
+            problems.append(f"{name} must be {_one_of(choices)}, got '{getattr(cfg, name)}'")
     if cfg.template not in TEMPLATES:
         problems.append(f"template '{cfg.template}' is not one of {', '.join(TEMPLATES)}")
-    if cfg.observation_style not in OBSERVATION_STYLES:
-        problems.append(f"observation_style must be {_one_of(OBSERVATION_STYLES)}, got '{cfg.observation_style}'")
-    if cfg.dtype not in DTYPES:
-        problems.append(f"dtype must be {_one_of(DTYPES)}, got '{cfg.dtype}'")
     if cfg.sandbox_concurrency < 0:  # 0 is a choice here (a rank's share of the cores), not SandboxConfig's error
         problems.append(f"sandbox_concurrency must be 0 (a rank's share of the cores) or more, got {cfg.sandbox_concurrency}")
     try:
@@ -254,7 +250,7 @@ def config_problems(cfg, world: int | None = None, first_only: bool = False) -> 
                  "eval_k", "max_response_tokens", "eval_max_response_tokens", "max_model_len"):
         if getattr(cfg, name) < 1:
             problems.append(f"{name} must be at least 1, got {getattr(cfg, name)}")
-    for name in ("eval_problems", "eval_every", "max_prompt_tokens"):
+    for name in ("eval_problems", "eval_every", "max_prompt_tokens", "tool_budget"):
         if getattr(cfg, name) < 0:
             problems.append(f"{name} must be 0 or more, got {getattr(cfg, name)}")
     if cfg.eval_temperature == 0 and cfg.eval_k > 1:
@@ -269,13 +265,9 @@ def config_problems(cfg, world: int | None = None, first_only: bool = False) -> 
         problems.append("aggregation token-sum is Dr. GRPO's objective, which drops the std scaling: set --scale-advantages false")
     if cfg.tis_cap and not cfg.tis_cap >= 1:
         problems.append(f"tis_cap {cfg.tis_cap}: a cap below 1 shrinks every token, use 0 (off) or at least 1 (2 is common)")
-    if cfg.tool_budget < 0:
-        problems.append(f"tool_budget must be 0 or more, got {cfg.tool_budget}")
-    elif cfg.tool_budget == 0 and cfg.template not in TEXT_TEMPLATES:
+    if cfg.tool_budget == 0 and cfg.template not in TEXT_TEMPLATES:
         problems.append(f"tool_budget 0 with template '{cfg.template}', which asks for programs: no code block would "
                         f"ever run; pass --tool-budget 1 or more, or a text-only template ({_one_of(TEXT_TEMPLATES)})")
-    if cfg.rollout_schedule not in SCHEDULES:
-        problems.append(f"rollout_schedule must be {_one_of(SCHEDULES)}, got '{cfg.rollout_schedule}'")
     if cfg.dynamic_sampling and cfg.dynamic_sampling_rounds < 1:
         problems.append(f"dynamic_sampling_rounds must be at least 1, got {cfg.dynamic_sampling_rounds}")
     if not 0 < cfg.lr < 1:

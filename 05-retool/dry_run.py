@@ -172,9 +172,8 @@ def cost_plan(cfg, shape: dict, gpus: int, gpu: str = "H100", decode_rate: float
               kv_tokens: int = 0, eval_rows: int = 0) -> CostPlan:
     """A step's tokens, FLOPs and seconds on `gpus` GPUs, and the GPU-hours of `cfg.steps` steps. Decode is bound
     by memory (weights and KV cache read once a step); every rank is planned at the budget, so the plan is the
-    slowest rank's. The update is 6N a token, plus 2N for the old log-probs unless the update's forward gives them
-    and 2N for checkpointing's recompute. Not counted: prompt prefill, the weight sync. The model: docs/05-torl.md,
-    "The cost before the run"."""
+    slowest rank's; the update's FLOPs a token are CostPlan.flops_per_update_token's. Not counted: prompt prefill,
+    the weight sync. The model: docs/05-torl.md, "The cost before the run"."""
     from update_options import update_gives_pi_old
 
     n, peak = shape["parameters"], PEAK_TFLOPS[gpu] * 1e12

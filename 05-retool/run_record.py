@@ -93,7 +93,12 @@ class RunRecord:
         self.trackers.log(row)
         if dp.is_main:
             self.bar.set_postfix(reward=f"{row['reward_mean']:+.2f}", code=f"{row['code_ratio']:.2f}", refresh=False)
-            tqdm.write(step_line(row))
+            tqdm.write(f"step {step:4d} | reward {row['reward_mean']:+.3f} acc {row['accuracy']:.3f} "
+                       f"code {row['code_ratio']:.2f} pass {row['code_pass_ratio']:.2f} "
+                       f"len {row['response_length']:.0f} | clip {row['clip_low_frac'] + row['clip_high_frac']:.3f} "
+                       f"ent {row.get('entropy', float('nan')):.3f} gnorm {row['grad_norm']:.3f} "
+                       f"mismatch {row['mismatch_abs']:.4f} | {row['rollout_s']:.1f}s rollout "
+                       f"{row['update_s']:.1f}s update")
         STOPPER.release()  # the step is recorded: a stop that waited for it happens now
         return row
 
@@ -220,12 +225,3 @@ def self_correction(trajectories, correct) -> dict:
                 then_ok.append(following is not None and following.ok)
                 then_correct.append(right)
     return {"error_then_call_ok": mean(then_ok), "error_then_correct": mean(then_correct), "errors": float(len(then_ok))}
-
-
-def step_line(row: dict) -> str:
-    """The console's line for a step, from its metrics.jsonl row."""
-    return (f"step {row['step']:4d} | reward {row['reward_mean']:+.3f} acc {row['accuracy']:.3f} "
-            f"code {row['code_ratio']:.2f} pass {row['code_pass_ratio']:.2f} len {row['response_length']:.0f} "
-            f"| clip {row['clip_low_frac'] + row['clip_high_frac']:.3f} ent {row.get('entropy', float('nan')):.3f} "
-            f"gnorm {row['grad_norm']:.3f} "
-            f"mismatch {row['mismatch_abs']:.4f} | {row['rollout_s']:.1f}s rollout {row['update_s']:.1f}s update")
