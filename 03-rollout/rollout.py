@@ -30,7 +30,7 @@ from typing import Any
 from overlapped_schedule import run_overlapped
 from prompt_templates import TEMPLATES, render_prompt  # rollout.TEMPLATES and rollout.render_prompt too
 from trajectory import ToolCall, Trajectory, load_trajectories, save_trajectories  # rollout.Trajectory etc. too
-from vllm_engine import check_logprobs_mode, check_on_policy, make_llm, weight_version  # rollout.make_llm etc. too
+from vllm_engine import check_logprobs_mode, check_on_policy, make_llm  # rollout.make_llm etc. too
 
 # The model asks for the tool's answer by writing this; it is vLLM's stop string.
 STOP = "```output"
@@ -54,7 +54,7 @@ def rollout(llm, problems: list[dict], sandbox, cfg: RolloutConfig | None = None
     check_logprobs_mode(llm)
     started = time.perf_counter()
     tokenizer = llm.get_tokenizer()
-    version, model = weight_version(llm), str(llm.model_config.model)
+    version, model = getattr(llm, "weight_version", 0), str(llm.model_config.model)  # chapter 06's sync bumps it
     in_flight: list[_InFlight] = []  # group_size per problem, in the order they are returned
     for position, problem in enumerate(problems):
         problem_index = position if indices is None else indices[position]

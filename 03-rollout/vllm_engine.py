@@ -100,8 +100,3 @@ def check_on_policy(cfg) -> None:
         what = f"top_p={cfg.top_p}" if cfg.top_p != 1.0 else f"extra_sampling {reshaping}"
         raise ValueError(f"RolloutConfig: {what} reshapes the sampled distribution, which the trainer "
                          f"does not reproduce; train with top_p=1.0 and no such filter (temperature is fine)")
-
-
-def weight_version(llm) -> int:
-    """The version of the policy weights the engine holds; chapter 06's weight sync bumps it."""
-    return getattr(llm, "weight_version", 0)
