@@ -16,9 +16,7 @@ Key decisions (docs/03 gives the reasons and compares each with ToRL's code):
    make_llm, check_on_policy).
 5. Unseeded unless RolloutConfig.seed is set: seeded requests take vLLM's slower path.
 
-Here: rollout() with the rounds schedule, the config, one trajectory's bookkeeping,
-ToRL's protocol. Beside it, the files 03-rollout/README.md lists (the overlapped
-schedule, the records, the engine, the command line this file runs).
+Beside this file, the ones 03-rollout/README.md lists: the overlapped schedule, the records, the engine, the CLI.
 """
 from __future__ import annotations
 
