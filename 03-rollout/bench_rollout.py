@@ -32,7 +32,6 @@ FORCED_CODE_TURN = r"```python\nprint\([1-9][0-9]{0,2} \* [1-9][0-9]{0,2}\)\n```
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # the figures, not the engine's log
     from prepare_data import make_toy_task
     from rollout import SCHEDULES, RolloutConfig, make_llm
     from sandbox import Sandbox, SandboxConfig

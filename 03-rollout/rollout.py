@@ -16,9 +16,7 @@ Key decisions (docs/03 gives the reasons and compares each with ToRL's code):
    make_llm, check_on_policy).
 5. Unseeded unless RolloutConfig.seed is set: seeded requests take vLLM's slower path.
 
-Here: rollout() with the rounds schedule, the config, one trajectory's bookkeeping,
-ToRL's protocol. Beside it, the files 03-rollout/README.md lists (the overlapped
-schedule, the records, the engine, the command line this file runs).
+Beside this file, the ones 03-rollout/README.md lists: the overlapped schedule, the records, the engine, the CLI.
 """
 from __future__ import annotations
 
@@ -30,7 +28,7 @@ from typing import Any
 from overlapped_schedule import run_overlapped
 from prompt_templates import TEMPLATES, render_prompt  # rollout.TEMPLATES and rollout.render_prompt too
 from trajectory import ToolCall, Trajectory, load_trajectories, save_trajectories  # rollout.Trajectory etc. too
-from vllm_engine import check_logprobs_mode, check_on_policy, make_llm, weight_version  # rollout.make_llm etc. too
+from vllm_engine import check_logprobs_mode, check_on_policy, make_llm  # rollout.make_llm etc. too
 
 # The model asks for the tool's answer by writing this; it is vLLM's stop string.
 STOP = "```output"
@@ -54,7 +52,7 @@ def rollout(llm, problems: list[dict], sandbox, cfg: RolloutConfig | None = None
     check_logprobs_mode(llm)
     started = time.perf_counter()
     tokenizer = llm.get_tokenizer()
-    version, model = weight_version(llm), str(llm.model_config.model)
+    version, model = getattr(llm, "weight_version", 0), str(llm.model_config.model)  # chapter 06's sync bumps it
     in_flight: list[_InFlight] = []  # group_size per problem, in the order they are returned
     for position, problem in enumerate(problems):
         problem_index = position if indices is None else indices[position]

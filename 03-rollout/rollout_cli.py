@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -99,7 +98,6 @@ def _cmd_view(args) -> str:
 
 
 def _cmd_demo(args) -> None:
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # the trajectories, not the engine's log
     from tiny_model import temp_tiny_model
 
     llm = make_llm(str(temp_tiny_model()) if args.model is None else args.model, dtype="float32", max_model_len=2048)

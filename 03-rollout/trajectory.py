@@ -1,9 +1,4 @@
-"""The records chapter 03's rollout returns, and their JSONL file. The story: docs/03-rollout.md.
-
-A Trajectory is what the trainer reads (token ids, log-probs, loss mask) and the
-reward reads (text); a ToolCall is one execution and where its observation
-tokens sit. Both are importable from `rollout` too.
-"""
+"""The records chapter 03's rollout returns, and their JSONL file. The story: docs/03-rollout.md."""
 from __future__ import annotations
 
 import json

@@ -1,10 +1,7 @@
-"""Seeing a trajectory: a standalone HTML page and a text drawing, one box per token.
+"""Seeing a trajectory: a standalone HTML page and a text drawing, one box per token. The story: docs/03-rollout.md.
 
-Chapter 03's records are lists of token ids; a learner trusts them only after
-seeing where each token came from. Prompt tokens are grey, model tokens (loss
-mask 1) blue, observation tokens (loss mask 0) orange. Used by
-`rollout.py view`, `rollout.py demo` and chapter 05's `last_step.html`.
-The story: docs/03-rollout.md.
+Chapter 03's records are lists of token ids; a learner trusts them only after seeing where each token
+came from: prompt tokens grey, model tokens (loss mask 1) blue, observation tokens (loss mask 0) orange.
 """
 from __future__ import annotations
 

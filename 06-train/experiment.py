@@ -213,7 +213,4 @@ def parse_args(argv):
 if __name__ == "__main__":
     from lab_cli import run_script
 
-    try:
-        run_script(main)
-    except KeyboardInterrupt:
-        sys.exit(print("\nrun-06 stopped: the same command goes on where it stopped", file=sys.stderr) or 130)
+    run_script(main)  # Ctrl-C: "stopped by SIGINT (Ctrl-C)", exit 130; the same command goes on where it stopped

@@ -358,11 +358,6 @@ def _set_gradient_checkpointing(model, on: bool) -> None:
         model.gradient_checkpointing_disable()
 
 
-__all__ = [
-    "GRPOConfig", "OBJECTIVES", "Batch", "group_advantages", "grpo_step", "clipped_policy_loss", "sync_weights",
-    "sleep_sampler", "make_optimizer", "load_policy", "build_batch", "token_logprobs",
-]
-
 if __name__ == "__main__":  # the advantage examples, printed
     import argparse
 

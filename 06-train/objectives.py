@@ -93,14 +93,9 @@ def loss_denominator(loss_mask: torch.Tensor, aggregation: str, max_response_tok
 
 def aggregate(token_terms: torch.Tensor, mask: torch.Tensor, aggregation: str, normalizer: float | None = None
               ) -> torch.Tensor:
-    """The loss from per-token terms (zero off the mask): token-mean, sequence-mean or token-sum.
-
-    "token-mean": sum / model tokens. "sequence-mean": each sequence's mean over
-    its model tokens, then the mean over sequences that have any. "token-sum"
-    (Dr. GRPO): sum / `normalizer`, which it requires (response budget x
-    sequences). Otherwise `normalizer` replaces the denominator, so the
-    micro-batches of one mini-batch add up to the mini-batch's loss.
-    """
+    """The loss from per-token terms (zero off the mask): token-mean, sequence-mean (each sequence's mean over its
+    model tokens, then the mean over those that have any) or token-sum (Dr. GRPO, which requires `normalizer`).
+    A given `normalizer` is the denominator, so the micro-batches of one mini-batch add up to the mini-batch's loss."""
     if aggregation == "token-sum":
         if normalizer is None:
             raise ValueError("token-sum needs normalizer = response budget x number of sequences")

@@ -4,9 +4,7 @@ Each changes one thing: a token weight (truncated or masked importance
 sampling), rows kept out of the loss (`exclude`), rows not run (zero
 advantage; under torchrun, padded to the same passes on every rank), pi_old
 from the update's own forward, and whether AdamW steps (all rows skipped,
-non-finite gradient).
-The loss's aggregations beside token-mean are objectives.py's. Why each exists:
-docs/06-train.md and docs/06-beyond-torl.md.
+non-finite gradient). Why each exists: docs/06-train.md and docs/06-beyond-torl.md.
 """
 from __future__ import annotations
 

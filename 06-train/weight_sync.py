@@ -1,9 +1,4 @@
-"""The trainer's new weights into the running vLLM engine, in memory; see docs/06-scaling.md, "The weight sync".
-
-`sleep_sampler` frees vLLM's GPU memory for the update (CUDA only), `sync_weights`
-copies the weights in, wakes the engine, resets its prefix cache and bumps
-`llm.weight_version`. The engine must run in this process (chapter 03's `make_llm`).
-"""
+"""The trainer's new weights into the running vLLM engine, in memory; see docs/06-scaling.md, "The weight sync"."""
 from __future__ import annotations
 
 import gc
