@@ -633,38 +633,28 @@ SOCKET_COOKIES = {"SO_COOKIE": 57, "SO_NETNS_COOKIE": 71}
 _SOL_SOCKET = 1
 # Denied only where no cgroup counts memory: memory held outside every process's pages
 NO_CGROUP_DENIED = ("memfd_create", "memfd_secret", "shmget", "msgget", "semget")
-_TABLES = {  # system call numbers: asm/unistd_64.h (x86_64) and asm-generic/unistd.h (aarch64)
-    "x86_64": dict(
-        keyctl=250, add_key=248, request_key=249, ptrace=101, process_vm_readv=310, process_vm_writev=311,
-        kcmp=312, pidfd_getfd=438, mount=165, umount2=166, pivot_root=155, chroot=161, open_tree=428,
-        move_mount=429, fsopen=430, fsconfig=431, fsmount=432, fspick=433, mount_setattr=442,
-        open_by_handle_at=304, name_to_handle_at=303, unshare=272, setns=308, bpf=321, perf_event_open=298,
-        userfaultfd=323, io_uring_setup=425, io_uring_enter=426, io_uring_register=427, kexec_load=246,
-        kexec_file_load=320, init_module=175, finit_module=313, delete_module=176, reboot=169, swapon=167,
-        swapoff=168, acct=163, syslog=103, settimeofday=164, clock_settime=227, clock_adjtime=305,
-        adjtimex=159, quotactl=179, lookup_dcookie=212, fanotify_init=300, vhangup=153, clone=56, clone3=435,
-        flock=73, inotify_init=253, inotify_init1=294, inotify_add_watch=254, inotify_rm_watch=255, fcntl=72,
-        socket=41, socketpair=53, getsockopt=55, vmsplice=278, memfd_create=319, memfd_secret=447, shmget=29, msgget=68, semget=64, ioprio_set=251, migrate_pages=256,
-        move_pages=279, prlimit64=302, setpriority=141, sched_setaffinity=203, sched_setscheduler=144,
-        sched_setparam=142, sched_setattr=314, kill=62, tkill=200, tgkill=234, rt_sigqueueinfo=129,
-        rt_tgsigqueueinfo=297, pidfd_send_signal=424,
-    ),
-    "aarch64": dict(
-        keyctl=219, add_key=217, request_key=218, ptrace=117, process_vm_readv=270, process_vm_writev=271,
-        kcmp=272, pidfd_getfd=438, mount=40, umount2=39, pivot_root=41, chroot=51, open_tree=428,
-        move_mount=429, fsopen=430, fsconfig=431, fsmount=432, fspick=433, mount_setattr=442,
-        open_by_handle_at=265, name_to_handle_at=264, unshare=97, setns=268, bpf=280, perf_event_open=241,
-        userfaultfd=282, io_uring_setup=425, io_uring_enter=426, io_uring_register=427, kexec_load=104,
-        kexec_file_load=294, init_module=105, finit_module=273, delete_module=106, reboot=142, swapon=224,
-        swapoff=225, acct=89, syslog=116, settimeofday=170, clock_settime=112, clock_adjtime=266,
-        adjtimex=171, quotactl=60, lookup_dcookie=18, fanotify_init=262, vhangup=58, clone=220, clone3=435,
-        flock=32, inotify_init1=26, inotify_add_watch=27, inotify_rm_watch=28, fcntl=25,  # (no inotify_init)
-        socket=198, socketpair=199, getsockopt=209, vmsplice=75, memfd_create=279, memfd_secret=447, shmget=194, msgget=186, semget=190, ioprio_set=30, migrate_pages=238,
-        move_pages=239, prlimit64=261, setpriority=140, sched_setaffinity=122, sched_setscheduler=119,
-        sched_setparam=118, sched_setattr=274, kill=129, tkill=130, tgkill=131, rt_sigqueueinfo=138,
-        rt_tgsigqueueinfo=240, pidfd_send_signal=424,
-    ),
-}
+# System call numbers, name=(x86_64, aarch64): asm/unistd_64.h and asm-generic/unistd.h (aarch64 has no inotify_init)
+_NUMBERS = dict(
+    keyctl=(250, 219), add_key=(248, 217), request_key=(249, 218), ptrace=(101, 117), process_vm_readv=(310, 270),
+    process_vm_writev=(311, 271), kcmp=(312, 272), pidfd_getfd=(438, 438), mount=(165, 40), umount2=(166, 39),
+    pivot_root=(155, 41), chroot=(161, 51), open_tree=(428, 428), move_mount=(429, 429), fsopen=(430, 430),
+    fsconfig=(431, 431), fsmount=(432, 432), fspick=(433, 433), mount_setattr=(442, 442), open_by_handle_at=(304, 265),
+    name_to_handle_at=(303, 264), unshare=(272, 97), setns=(308, 268), bpf=(321, 280), perf_event_open=(298, 241),
+    userfaultfd=(323, 282), io_uring_setup=(425, 425), io_uring_enter=(426, 426), io_uring_register=(427, 427),
+    kexec_load=(246, 104), kexec_file_load=(320, 294), init_module=(175, 105), finit_module=(313, 273),
+    delete_module=(176, 106), reboot=(169, 142), swapon=(167, 224), swapoff=(168, 225), acct=(163, 89),
+    syslog=(103, 116), settimeofday=(164, 170), clock_settime=(227, 112), clock_adjtime=(305, 266),
+    adjtimex=(159, 171), quotactl=(179, 60), lookup_dcookie=(212, 18), fanotify_init=(300, 262), vhangup=(153, 58),
+    clone=(56, 220), clone3=(435, 435), flock=(73, 32), inotify_init=(253, None), inotify_init1=(294, 26),
+    inotify_add_watch=(254, 27), inotify_rm_watch=(255, 28), fcntl=(72, 25), socket=(41, 198), socketpair=(53, 199),
+    getsockopt=(55, 209), vmsplice=(278, 75), memfd_create=(319, 279), memfd_secret=(447, 447), shmget=(29, 194),
+    msgget=(68, 186), semget=(64, 190), ioprio_set=(251, 30), migrate_pages=(256, 238), move_pages=(279, 239),
+    prlimit64=(302, 261), setpriority=(141, 140), sched_setaffinity=(203, 122), sched_setscheduler=(144, 119),
+    sched_setparam=(142, 118), sched_setattr=(314, 274), kill=(62, 129), tkill=(200, 130), tgkill=(234, 131),
+    rt_sigqueueinfo=(129, 138), rt_tgsigqueueinfo=(297, 240), pidfd_send_signal=(424, 424),
+)
+_TABLES = {machine: {name: pair[i] for name, pair in _NUMBERS.items() if pair[i] is not None}
+           for i, machine in enumerate(("x86_64", "aarch64"))}
 _AUDIT_ARCH = {"x86_64": 0xC000003E, "aarch64": 0xC00000B7}
 SYSCALLS = _TABLES.get(platform.machine(), {})
 NAMESPACE_FLAGS = CLONE_NEWNS | CLONE_NEWCGROUP | CLONE_NEWUTS | CLONE_NEWIPC | CLONE_NEWUSER | CLONE_NEWPID | CLONE_NEWNET
