@@ -143,8 +143,8 @@ def drop_privileges(uid: int | None) -> None:
         os.setgroups([])
         os.setgid(uid)
         os.setuid(uid)
-    _prctl(38, 1)  # PR_SET_NO_NEW_PRIVS: setuid binaries cannot give root back
-    _prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: if the supervisor dies, so does the code
+    prctl(38, 1)  # PR_SET_NO_NEW_PRIVS: setuid binaries cannot give root back
+    prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: if the supervisor dies, so does the code
 
 
 def install_seccomp(program: bytes) -> None:
@@ -158,8 +158,7 @@ def install_seccomp(program: bytes) -> None:
 
     buffer = ctypes.create_string_buffer(program, len(program))
     fprog = SockFprog(len(program) // 8, ctypes.cast(buffer, ctypes.c_void_p))
-    if _prctl(22, 2, ctypes.byref(fprog)) != 0:
-        raise OSError(ctypes.get_errno(), f"prctl(PR_SET_SECCOMP): {os.strerror(ctypes.get_errno())}")  # needs no_new_privs
+    prctl(22, 2, ctypes.byref(fprog), "prctl(PR_SET_SECCOMP)")  # needs no_new_privs
 
 
 def run_code(source: str, workdir: str) -> int:
@@ -377,9 +376,11 @@ def _set_limit(kind: int, value: int) -> None:
     resource.setrlimit(kind, (value, value))
 
 
-def _prctl(option: int, value: int, pointer=None) -> int:
+def prctl(option: int, value: int, pointer=None, what: str = "prctl") -> None:
+    """prctl(2), which Python does not wrap; OSError naming `what` where the kernel refuses. confinement.py's too."""
     third = pointer if pointer is not None else ctypes.c_ulong(0)
-    return ctypes.CDLL(None, use_errno=True).prctl(ctypes.c_int(option), ctypes.c_ulong(value), third, ctypes.c_ulong(0), ctypes.c_ulong(0))
+    if ctypes.CDLL(None, use_errno=True).prctl(ctypes.c_int(option), ctypes.c_ulong(value), third, ctypes.c_ulong(0), ctypes.c_ulong(0)):
+        raise OSError(ctypes.get_errno(), f"{what}: {os.strerror(ctypes.get_errno())}")
 
 
 def _exec(source: str) -> int:
