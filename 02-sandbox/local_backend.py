@@ -181,7 +181,7 @@ class _Server:
             try:
                 data = json.dumps(request).encode()
                 conn.sendall(struct.pack(">I", len(data)) + data)
-                return runner.read_answer(lambda size: _recv_exactly(conn, size))
+                return runner.read_answer(lambda size: runner.read_exactly(conn.recv, size))
             except socket.timeout:
                 return runner.failure(f"SandboxError: no answer from the supervisor within {timeout:.0f} s")
             except (EOFError, ConnectionResetError):
@@ -192,16 +192,6 @@ class _Server:
 
     def stop(self) -> None:
         self._finalizer()
-
-
-def _recv_exactly(conn: socket.socket, size: int) -> bytes:
-    chunks = bytearray()
-    while len(chunks) < size:
-        chunk = conn.recv(min(size - len(chunks), 1 << 20))
-        if not chunk:
-            raise EOFError
-        chunks += chunk
-    return bytes(chunks)
 
 
 def _stop_server(proc: subprocess.Popen, folder: str, folder_fd: int, log, cgroups: list[str]) -> None:

@@ -12,6 +12,7 @@ import argparse
 import atexit
 import builtins
 import ctypes
+import functools
 import io
 import json
 import linecache
@@ -90,7 +91,8 @@ def take_request(request_fd: int, files: CallFiles) -> dict:
     os.close(files.limits_r)
     os.dup2(files.out, 1)  # first: anything that fails from here on is reported in the answer
     os.dup2(files.err, 2)
-    request = json.loads(_read_exactly(request_fd, struct.unpack(">I", _read_exactly(request_fd, 4))[0]))  # length-prefixed
+    receive = functools.partial(os.read, request_fd)
+    request = json.loads(read_exactly(receive, struct.unpack(">I", read_exactly(receive, 4))[0]))  # length-prefixed
     os.write(files.limits_w, _LIMITS.pack(float(request["timeout"]), int(request["max_output_bytes"]), int(request["memory_mb"])))
     return request
 
@@ -271,10 +273,11 @@ def _write_all(fd: int, data: bytes) -> int:
     return len(data)
 
 
-def _read_exactly(fd: int, size: int) -> bytes:
+def read_exactly(receive, size: int) -> bytes:
+    """size bytes from receive(n) (os.read on a descriptor, recv on a socket), which may return fewer."""
     chunks = bytearray()
     while len(chunks) < size:
-        chunk = os.read(fd, min(size - len(chunks), 1 << 20))
+        chunk = receive(min(size - len(chunks), 1 << 20))
         if not chunk:
             raise EOFError(f"the request ended after {len(chunks)} of {size} bytes")
         chunks += chunk
