@@ -246,7 +246,7 @@ class Server:
                     if incoming.phase == "drain":
                         self._close(selector, incoming)
                     else:
-                        self._refuse(selector, incoming, 408, f"the request did not arrive whole within {self.request_seconds:g} s")
+                        self._refuse(incoming, 408, f"the request did not arrive whole within {self.request_seconds:g} s")
             for incoming in list(self._sending.values()):
                 self._close(selector, incoming)
         self.listener.close()
@@ -299,12 +299,12 @@ class Server:
             end = incoming.data.find(b"\r\n\r\n")
             if end < 0:
                 if len(incoming.data) > MAX_HEAD_BYTES:
-                    self._refuse(selector, incoming, 431, f"the request line and headers take more than {MAX_HEAD_BYTES} bytes")
+                    self._refuse(incoming, 431, f"the request line and headers take more than {MAX_HEAD_BYTES} bytes")
                 return
             head, incoming.data = bytes(incoming.data[:end + 2]), incoming.data[end + 4:]
             refusal = self._read_head(incoming, head)
             if refusal:
-                return self._refuse(selector, incoming, *refusal)
+                return self._refuse(incoming, *refusal)
             if incoming.phase == "answer":  # GET: nothing more to read
                 return self._hand_over(selector, incoming)
         if len(incoming.data) >= incoming.length:
@@ -430,7 +430,7 @@ class Server:
             return 422, {"detail": problem}
         return 200, run_code(self.sandbox, body, self.max_run_timeout)
 
-    def _refuse(self, selector, incoming: _Incoming, status: int, detail: str) -> None:
+    def _refuse(self, incoming: _Incoming, status: int, detail: str) -> None:
         """Answer from the accept loop, without waiting on the client, then read and drop what it still
         sends for DRAIN_SECONDS: closing with unread data resets the connection, and it could lose the answer."""
         sent = _send_now(incoming.conn, _http_answer(status, {"detail": detail}))
