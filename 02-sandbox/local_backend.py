@@ -64,10 +64,10 @@ class LocalBackend:
     def execute(self, request: dict) -> dict:
         server = self._ready_server()
         try:
-            return server.call(request, request["timeout"] + runner.ANSWER_GRACE)
+            return server.call(request)
         except (ConnectionRefusedError, FileNotFoundError):
             # The server died (killed from outside): start a new one and try once more.
-            return self._ready_server(replace=server).call(request, request["timeout"] + runner.ANSWER_GRACE)
+            return self._ready_server(replace=server).call(request)
 
     def isolation(self) -> str:
         return self._ready_server().isolation
@@ -162,8 +162,7 @@ class _Server:
         self.cgroups.extend(hello["cgroups"])
         probe = runner.failure("")
         try:
-            request = self._make_request(_PROBE.format(preload=list(self._cfg.preload)))
-            probe = self.call(request, request["timeout"] + runner.ANSWER_GRACE)
+            probe = self.call(self._make_request(_PROBE.format(preload=list(self._cfg.preload))))
         except OSError as e:
             probe["error"] = str(e)
         if probe["stdout"] != "ready\n":
@@ -174,7 +173,8 @@ class _Server:
                               f"the interpreter's files, {self._cfg.python})")
         self.isolation = hello["isolation"]
 
-    def call(self, request: dict, timeout: float) -> dict:
+    def call(self, request: dict) -> dict:
+        timeout = request["timeout"] + runner.ANSWER_GRACE
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
             conn.settimeout(timeout)
             conn.connect(self.socket_path)
