@@ -162,7 +162,6 @@ def build_root() -> dict[str, int]:
     Returns O_PATH descriptors of interpreter folders that lie inside a scratch dir (a venv
     under /tmp), which every call's fresh scratch must bind back.
     """
-    mount(None, "/", None, MS_REC | MS_PRIVATE)  # nothing mounted here reaches the host
     system = [p for p in SYSTEM_LIBRARIES if os.path.isdir(p) and not os.path.islink(p)]
     # A system Python's own folders (/usr/lib/python3.11) come with the system libraries.
     binds = [p for p in interpreter_paths() if not any(p == d or _inside(p, d) for d in system)] + system
