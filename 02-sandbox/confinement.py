@@ -8,6 +8,7 @@ than it promised.
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import platform
@@ -15,6 +16,7 @@ import struct
 import sys
 import sysconfig
 import tempfile
+from pathlib import Path
 
 import runner
 
@@ -342,6 +344,14 @@ class Cgroups:
 
     def prepare(self, name: str) -> CallGroup:
         return CallGroup(self, name)
+
+
+def remove_groups(paths: list[str]) -> None:
+    """A server's groups, each with the call groups left in it; one that still holds a process stays."""
+    for group in paths:
+        for path in sorted(Path(group).glob("call-*")) + [Path(group)]:
+            with contextlib.suppress(OSError):
+                path.rmdir()
 
 
 class CallGroup:

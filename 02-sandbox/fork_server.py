@@ -194,17 +194,7 @@ def _remove_groups(cgroups, slot_pids: list[int]) -> None:
     deadline = time.monotonic() + 2.0
     while any(_alive(pid) for pid in slot_pids) and time.monotonic() < deadline:
         time.sleep(0.01)
-    for fd, path in zip(cgroups.bases, cgroups.paths):
-        for name in os.listdir(f"/proc/self/fd/{fd}"):
-            if name.startswith("call-"):
-                try:
-                    os.rmdir(name, dir_fd=fd)
-                except OSError:
-                    pass
-        try:
-            os.rmdir(path)
-        except OSError:
-            pass  # a call still running: the caller removes it later (local_backend._stop_server)
+    confinement.remove_groups(cgroups.paths)  # a call still running keeps its group: the caller removes it later
 
 
 def _alive(pid: int) -> bool:

@@ -23,6 +23,7 @@ import threading
 import weakref
 from pathlib import Path
 
+import confinement
 import runner
 
 HERE = Path(__file__).resolve().parent
@@ -205,7 +206,4 @@ def _stop_server(proc: subprocess.Popen, folder: str, folder_fd: int, log, cgrou
     log.close()
     os.close(folder_fd)
     shutil.rmtree(folder, ignore_errors=True)
-    for group in cgroups:  # left by a server that was killed, or a call still ending: empty once its processes die
-        for path in sorted(Path(group).glob("call-*")) + [Path(group)]:
-            with contextlib.suppress(OSError):
-                path.rmdir()
+    confinement.remove_groups(cgroups)  # left by a server that was killed, or a call still ending: empty once its processes die
