@@ -15,7 +15,6 @@ import os
 import queue
 import socket
 import struct
-import threading
 import time
 import warnings
 from pathlib import Path
@@ -55,8 +54,6 @@ class DockerBackend:
         self._closed = False
         self._want = cfg.docker_warm if cfg.docker_warm is not None else cfg.concurrency
         self._chores = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="sandbox-docker")
-        self._pending: set[concurrent.futures.Future] = set()
-        self._pending_lock = threading.Lock()
         for _ in range(self._want):
             self._chore(self._start_warm)
 
@@ -82,12 +79,9 @@ class DockerBackend:
 
     def close(self) -> None:
         self._closed = True
-        with self._pending_lock:
-            pending = list(self._pending)
-        concurrent.futures.wait(pending)
+        self._chores.shutdown(wait=True)  # every chore done: a container started meanwhile is in the queue, or removed
         while not self._warm.empty():
             self._remove(self._warm.get_nowait()[0])
-        self._chores.shutdown(wait=True)
 
     def _take(self) -> str:
         """A warm container, or a new one; never one whose runner is about to give up waiting."""
@@ -172,14 +166,9 @@ class DockerBackend:
     def _chore(self, fn, *args) -> None:
         if self._closed and fn is self._start_warm:
             return
-        future = self._chores.submit(fn, *args)
-        with self._pending_lock:
-            self._pending.add(future)
-        future.add_done_callback(self._chore_done)
+        self._chores.submit(fn, *args).add_done_callback(self._chore_done)
 
     def _chore_done(self, future) -> None:
-        with self._pending_lock:
-            self._pending.discard(future)
         if future.exception() is not None and not self._closed:
             warnings.warn(f"sandbox docker chore failed: {future.exception()}", RuntimeWarning)
 
