@@ -206,11 +206,9 @@ class Service:
 
 class AsUser:
     """The fork server run by another user (not root: isolation "userns"), through a worker of that user.
-
     The worker (`runuser -u USER -- PYTHON`) reads the sandbox's modules from a folder USER
     may read, runs each batch of codes with one Sandbox of this config and sends back what
-    each call printed and its latency. Its CPU is in the meter's cgroup like every child's.
-    """
+    each call printed and its latency. Its CPU is in the meter's cgroup like every child's."""
 
     WORKER = (
         "import json, sys\nsys.path.insert(0, sys.argv[1])\nfrom sandbox import Sandbox, SandboxConfig\n"

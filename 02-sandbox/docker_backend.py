@@ -175,9 +175,7 @@ class DockerBackend:
 
 class _AttachStream:
     """Demultiplexes an attach stream (frames of an 8-byte header: stream, size; then the payload).
-
-    read_exactly reads the runner's stdout; its stderr is kept to explain a missing answer.
-    """
+    read_exactly reads the runner's stdout; its stderr is kept to explain a missing answer."""
 
     def __init__(self, sock: socket.socket) -> None:
         self._sock = sock

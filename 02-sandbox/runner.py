@@ -70,10 +70,8 @@ class CallFiles:
 
 def exit_after(body, *args) -> NoReturn:
     """In the forked code's process: run body(*args), then exit with the status it returns.
-
     Whatever it raises is printed on the call's stderr and exits 1: the process never
-    goes back to the code of the slot it was forked from.
-    """
+    goes back to the code of the slot it was forked from."""
     status = 1
     try:
         status = body(*args)
@@ -151,10 +149,8 @@ def drop_privileges(uid: int | None) -> None:
 
 def install_seccomp(program: bytes) -> None:
     """Install a seccomp filter (confinement.seccomp_program's) on this process and all it starts.
-
     Here, not in confinement.py, because runner.py travels alone into every container, where
-    the filter stacks on Docker's profile: a call is allowed only if both allow it.
-    """
+    the filter stacks on Docker's profile: a call is allowed only if both allow it."""
     class SockFprog(ctypes.Structure):
         _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
 
@@ -174,13 +170,10 @@ def run_code(source: str, workdir: str) -> int:
 def collect(pid: int, files: CallFiles, answer_fd: int, limiter=None, may_copy: bool = False) -> None:
     """The supervisor's side: wait for the code's process up to the time limit, kill every
     process the call left, and send the answer.
-
     limiter: the call's cgroup (confinement.CallGroup) or the slot's confinement.MemoryWatch,
     which says whether the call was OOM-killed; None in plain isolation and in a container.
-
     may_copy: the output may pass through this process's memory where sendfile is
-    refused; only a single-use container may.
-    """
+    refused; only a single-use container may."""
     os.close(files.limits_w)
     ready, _, _ = select.select([files.limits_r], [], [], REQUEST_GRACE)  # sent once the code's process read the request
     limits = os.read(files.limits_r, _LIMITS.size) if ready else b""
@@ -209,11 +202,9 @@ def collect(pid: int, files: CallFiles, answer_fd: int, limiter=None, may_copy: 
 
 def _wait_for(user: int, timeout: float | None, over_memory=None, tick: float | None = None) -> tuple[int, bool]:
     """(wait status, timed out): wait for the code's process up to the time limit, then kill it.
-
     It sleeps in sigtimedwait for SIGCHLD, never in a signal handler: a signal the code
     sends its supervisor (which it may, where both are the caller's uid) wakes it at
-    most. over_memory(), if given, is asked every `tick` seconds: True kills the call.
-    """
+    most. over_memory(), if given, is asked every `tick` seconds: True kills the call."""
     deadline = None if timeout is None else time.monotonic() + timeout
     signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGCHLD])  # from here on, an exit is noted, not lost
     try:
@@ -240,10 +231,8 @@ def _wait_for(user: int, timeout: float | None, over_memory=None, tick: float | 
 
 def _send_answer(fd: int, status: int, timed_out: bool, oom_killed: bool, out: int, err: int, cap: int, may_copy: bool) -> None:
     """A header (sizes, exit status), then head and tail of each stream, at most `cap` bytes each.
-
     sendfile copies from the memory file to the socket inside the kernel: the output
-    never enters this process's memory (but with may_copy, where sendfile is refused).
-    """
+    never enters this process's memory (but with may_copy, where sendfile is refused)."""
     header = {"returncode": os.waitstatus_to_exitcode(status), "timed_out": timed_out, "oom_killed": oom_killed}
     pieces = []
     for name, stream in (("stdout", out), ("stderr", err)):
@@ -286,10 +275,8 @@ def read_exactly(receive, size: int) -> bytes:
 
 def read_answer(read_exactly) -> dict:
     """The caller's side of _send_answer: header, then head and tail of each stream, decoded.
-
     read_exactly(n) returns exactly n bytes. Invalid UTF-8 is replaced, never raised; a
-    stream over the cap comes back as head, a line saying how much was cut, and tail.
-    """
+    stream over the cap comes back as head, a line saying how much was cut, and tail."""
     header = json.loads(read_exactly(struct.unpack(">I", read_exactly(4))[0]))
     answer = {"returncode": header["returncode"], "timed_out": header["timed_out"],
               "oom_killed": header["oom_killed"], "truncated": False}
@@ -311,11 +298,9 @@ def failure(reason: str) -> dict:
 
 def _kill_the_rest() -> None:
     """Kill every process the code left behind (daemons, setsid, double forks) and reap it.
-
     A PID namespace's init (a slot, or a container's runner) kills them all with
     kill(-1). Without one, this supervisor is a child subreaper: every orphan of the
-    code is re-parented to it, so killing its children until none is left is enough.
-    """
+    code is re-parented to it, so killing its children until none is left is enough."""
     if os.getpid() == 1:
         _kill_quietly(-1)
         try:
@@ -448,11 +433,9 @@ def _io_text(fd: int, mode: str):
 
 def container_main(options: dict) -> None:
     """Warm imports, wait for one request on stdin, answer on stdout.
-
     The steps of sandbox.serve_call and code_process, less those Docker provides
     (namespaces, root file system, cgroup, uid, seccomp profile). options["seccomp"]
-    (hex): the local backend's filter, on top of Docker's profile (why: docker_backend.py).
-    """
+    (hex): the local backend's filter, on top of Docker's profile (why: docker_backend.py)."""
     preload(options["preload"])
     ready, _, _ = select.select([0], [], [], IDLE_EXIT)
     if not ready:

@@ -84,7 +84,6 @@ def run_code(sandbox: Sandbox, body: dict, max_run_timeout: float = MAX_RUN_TIME
 
 def to_response(result: ExecResult) -> dict:
     """An ExecResult in SandboxFusion's shape.
-
     stderr is the code's own; the line the sandbox adds when it stopped the code
     (timeout, a signal) goes to `message`, where SandboxFusion puts its own reasons.
         ok                   -> Success, run_result Finished, return_code 0
@@ -363,7 +362,6 @@ class Server:
 
     def _cross_site(self, headers) -> str:
         """Without a token, why a request may come from a web page rather than a local client ('' if not).
-
         A page the user opens can POST to 127.0.0.1 (a "simple" text/plain request needs no
         preflight), and a page under a name that resolves to 127.0.0.1 (DNS rebinding) even
         reads the answer. Its browser names the page's site in Origin and the name it used in
