@@ -142,10 +142,10 @@ class _Server:
         # Stops the server when the Sandbox is dropped without close(), or at exit.
         self._finalizer = weakref.finalize(self, _stop_server, self._proc, self.folder, self._folder_fd, self._log, self.cgroups)
 
-    def wait_ready(self, timeout: float = 120.0) -> None:
+    def wait_ready(self) -> None:
         if self.isolation:
             return
-        ready, _, _ = select.select([self._proc.stdout], [], [], timeout)
+        ready, _, _ = select.select([self._proc.stdout], [], [], 120.0)  # seconds for the imports and the first slots
         line = self._proc.stdout.readline() if ready else b""
         if not line:
             tail = f"exit status {self._proc.poll()}"  # or the log's last line, read before stop() removes it

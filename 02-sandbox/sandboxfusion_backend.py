@@ -248,7 +248,7 @@ def unreachable(cfg) -> list[str]:
     return SandboxFusionBackend(cfg, RuntimeError)._unanswered()
 
 
-def to_answer(response, url: str, cap: int = 64 * 1024) -> dict:
+def to_answer(response, url: str, cap: int) -> dict:
     """A RunCodeResponse as the answer dict Sandbox turns into an ExecResult (runner.read_answer's keys).
     Success/Failed with run_result Finished -> its return_code; TimeLimitExceeded -> timed out;
     SandboxError, no run_result, or fields of the wrong type or size -> a failed call whose
