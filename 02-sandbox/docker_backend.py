@@ -96,14 +96,14 @@ class DockerBackend:
 
     def _start(self):
         """Create and start one container whose runner waits for a request on stdin."""
-        cfg = self._cfg
-        api = self._client.api
+        cfg, api = self._cfg, self._client.api
+        # The code's own cap is RLIMIT_AS (memory_mb), as in the local backend; the
+        # container adds room for the runner (about 64 MB) and its tmpfs, and no swap.
+        memory = f"{cfg.memory_mb + 4 * cfg.max_file_mb + 64}m"
         host_config = api.create_host_config(
             network_mode="none",
-            # The code's own cap is RLIMIT_AS (memory_mb), as in the local backend; the
-            # container adds room for the runner (about 64 MB) and its tmpfs, and no swap.
-            mem_limit=f"{cfg.memory_mb + 4 * cfg.max_file_mb + 64}m",
-            memswap_limit=f"{cfg.memory_mb + 4 * cfg.max_file_mb + 64}m",
+            mem_limit=memory,
+            memswap_limit=memory,
             pids_limit=cfg.max_processes + 8,  # the runner's own processes on top of the code's
             nano_cpus=int(cfg.docker_cpus * 1e9),
             read_only=True,
