@@ -59,8 +59,7 @@ def preload(modules: list[str]) -> None:
 
 
 class CallFiles:
-    """One call's files: stdout and stderr as memory files, and the pipe on which the code's
-    process sends its supervisor three numbers (the time limit, the output cap, the memory cap)."""
+    """One call's files: stdout and stderr as memory files, and the pipe that takes _LIMITS to the supervisor."""
 
     def __init__(self) -> None:
         self.out = os.memfd_create("stdout")
