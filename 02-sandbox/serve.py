@@ -67,7 +67,7 @@ MIN_TOKEN_CHARS = 16
 LANGUAGES = ("python", "python3")
 
 
-def run_code(sandbox: Sandbox, body: dict, max_run_timeout: float = MAX_RUN_TIMEOUT) -> dict:
+def run_code(sandbox: Sandbox, body: dict, max_run_timeout: float) -> dict:
     """One /run_code request (already checked by request_problem) -> SandboxFusion's RunCodeResponse."""
     if body["language"] not in LANGUAGES:
         return _sandbox_error(f"language {body['language']!r} is not supported by this server: only python runs here")
