@@ -19,7 +19,6 @@ import socket
 import struct
 import sys
 import time
-import traceback
 
 import confinement
 import runner
@@ -81,11 +80,11 @@ def _serve_slots(options: dict, mode: str, listener: socket.socket, cgroups, pro
         if own_pid_ns is not None:
             confinement.unshare(confinement.CLONE_NEWPID)  # only the next child enters it, as its PID 1
         pid = os.fork()
-        if pid == 0:
+        if pid == 0:  # the slot; with namespaces, as PID 1: the kernel tears them down when it exits
             for fd in (alive_w, leaving_r, report_r):
                 os.close(fd)
-            _slot(Slot(listener, alive_r, token, uid, mode, options["max_file_mb"], cgroups, program),
-                  leaving_w, report_w, slot_calls, enter_slot, serve_call)
+            slot = Slot(listener, alive_r, token, uid, mode, options["max_file_mb"], cgroups, program)
+            runner.exit_after(_slot, slot, leaving_w, report_w, slot_calls, enter_slot, serve_call)
         os.close(report_w)
         if own_pid_ns is not None:
             confinement.setns(own_pid_ns, confinement.CLONE_NEWPID)
@@ -157,32 +156,25 @@ class Slot:
                 return conn
 
 
-def _slot(slot: Slot, leaving: int, report: int, slot_calls: int, enter_slot, serve_call) -> None:
-    """One supervisor: set up isolation once, report, then serve calls one at a time."""
-    status = 1
+def _slot(slot: Slot, leaving: int, report: int, slot_calls: int, enter_slot, serve_call) -> int:
+    """One supervisor: set up isolation once, report, then serve calls one at a time; its exit status."""
     try:
-        try:
-            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-            signal.signal(signal.SIGINT, signal.SIG_DFL)  # as PID 1 with no handler: deaf to the code's signals
-            devnull = os.open(os.devnull, os.O_RDWR)
-            os.dup2(devnull, 0)  # the server's pipe from the caller stays with the server
-            os.close(devnull)
-            enter_slot(slot)
-        except BaseException as e:
-            os.write(report, f"{type(e).__name__}: {e}".encode())
-            raise
-        finally:
-            os.close(report)
-        for call_index in range(slot_calls):
-            if not serve_call(slot, call_index):  # the server is gone
-                status = 0
-                return
-        os.write(leaving, struct.pack("q", slot.token))
-        status = 0
-    except BaseException:
-        traceback.print_exc()
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.SIG_DFL)  # as PID 1 with no handler: deaf to the code's signals
+        devnull = os.open(os.devnull, os.O_RDWR)
+        os.dup2(devnull, 0)  # the server's pipe from the caller stays with the server
+        os.close(devnull)
+        enter_slot(slot)
+    except BaseException as e:
+        os.write(report, f"{type(e).__name__}: {e}".encode())
+        raise
     finally:
-        os._exit(status)  # as PID 1: the kernel tears the namespaces down
+        os.close(report)
+    for call_index in range(slot_calls):
+        if not serve_call(slot, call_index):  # the server is gone
+            return 0
+    os.write(leaving, struct.pack("q", slot.token))
+    return 0
 
 
 def _remove_groups(cgroups, slot_pids: list[int]) -> None:

@@ -68,9 +68,9 @@ class CallFiles:
 
 
 def exit_after(body, *args) -> NoReturn:
-    """In the forked code's process: run body(*args), then exit with the status it returns.
-    Whatever it raises is printed on the call's stderr and exits 1: the process never
-    goes back to the code of the slot it was forked from."""
+    """In a forked process (the code's, or a slot): run body(*args), then exit with the status it returns.
+    Whatever it raises is printed on stderr and exits 1: the process never goes back to the
+    code it was forked from."""
     status = 1
     try:
         status = body(*args)
