@@ -135,8 +135,7 @@ class DockerBackend:
                 self._remove(container)
 
     def _exchange(self, container: str, request: dict, timeout: float) -> dict:
-        api = self._client.api
-        sock = api.attach_socket(container, params={"stdin": 1, "stdout": 1, "stderr": 1, "stream": 1})
+        sock = self._client.api.attach_socket(container, params={"stdin": 1, "stdout": 1, "stderr": 1, "stream": 1})
         raw = getattr(sock, "_sock", sock)
         stream = _AttachStream(raw)
         try:
