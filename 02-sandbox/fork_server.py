@@ -17,7 +17,6 @@ import select
 import signal
 import socket
 import struct
-import sys
 import time
 
 import confinement
@@ -123,8 +122,7 @@ def _serve_slots(options: dict, mode: str, listener: socket.socket, cgroups, pro
 
 
 def _hello(**fields) -> None:
-    sys.stdout.write(json.dumps(fields) + "\n")
-    sys.stdout.flush()
+    print(json.dumps(fields), flush=True)
 
 
 class Slot:
