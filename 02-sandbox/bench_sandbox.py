@@ -48,11 +48,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from runner import clean_env  # noqa: E402
 from sandbox import ExecResult, Sandbox, SandboxConfig, SandboxError  # noqa: E402
 
-WORKLOADS = {
-    "print(1+1)": "print(1+1)",
-    "sympy factorint": "import sympy; print(sympy.factorint(2**64-1))",
+WORKLOADS = {  # name: (code, what it prints)
+    "print(1+1)": ("print(1+1)", "2\n"),
+    "sympy factorint": ("import sympy; print(sympy.factorint(2**64-1))", "{3: 1, 5: 1, 17: 1, 257: 1, 641: 1, 65537: 1, 6700417: 1}\n"),
 }
-EXPECTED = {"print(1+1)": "2\n", "sympy factorint": "{3: 1, 5: 1, 17: 1, 257: 1, 641: 1, 65537: 1, 6700417: 1}\n"}
 
 
 def main() -> int:
@@ -94,7 +93,7 @@ def main() -> int:
     print(f"{'workload':<17} {'design':<16} {'calls':>6} {'wrong':>6} {'calls/s':>9} {'p50 ms':>8} {'p99 ms':>8} {'cpu ms':>7}")
     speedups, wrong_results, http_share = {}, {}, {}
     figures = {"concurrency": args.concurrency, "rounds": args.rounds, "load_average_before": round(os.getloadavg()[0], 1)}
-    for name, code in WORKLOADS.items():
+    for name, (code, expected) in WORKLOADS.items():
         rates = {}
         active = {design: runner for design, runner in designs.items() if getattr(runner, "can_run", lambda _: True)(code)}
         for design, runner in active.items():
@@ -108,7 +107,7 @@ def main() -> int:
                 start, cpu_start = time.perf_counter(), meter.read()
                 results = runner.run_many([code] * n)
                 wall, cpu = time.perf_counter() - start, meter.read() - cpu_start
-                wrong = sum(not r.ok or r.stdout != EXPECTED[name] for r in results)  # e.g. starved past the timeout
+                wrong = sum(not r.ok or r.stdout != expected for r in results)  # e.g. starved past the timeout
                 latencies, total, errors, cpu_total = samples[design]
                 samples[design] = (latencies + [r.latency for r in results], total + wall, errors + wrong, cpu_total + cpu)
         for design, (latencies, total, errors, cpu_total) in samples.items():
@@ -116,12 +115,12 @@ def main() -> int:
             rates[design] = (len(latencies) - errors) / total  # correct results per second
             wrong_results[design] = wrong_results.get(design, 0) + errors
             cpu_ms = "n/a" if not meter.works or design == "docker" else f"{1000 * cpu_total / len(latencies):.1f}"
+            p50_ms, p99_ms = (1000 * percentile(latencies, q) for q in (50, 99))
             print(f"{name:<17} {design:<16} {len(latencies):>6} {errors:>6} {rates[design]:>9.1f} "
-                  f"{1000 * percentile(latencies, 50):>8.1f} {1000 * percentile(latencies, 99):>8.1f} {cpu_ms:>7}")
+                  f"{p50_ms:>8.1f} {p99_ms:>8.1f} {cpu_ms:>7}")
             row = name.split("(")[0].split()[0] + "_" + re.sub(r"\W+", "_", design).strip("_")  # print_fork_server
             figures.update({f"{row}_calls_per_s": round(rates[design], 1), f"{row}_wrong": errors,
-                            f"{row}_p50_ms": round(1000 * percentile(latencies, 50), 1),
-                            f"{row}_p99_ms": round(1000 * percentile(latencies, 99), 1)})
+                            f"{row}_p50_ms": round(p50_ms, 1), f"{row}_p99_ms": round(p99_ms, 1)})
             if cpu_ms != "n/a":
                 figures[f"{row}_cpu_ms"] = float(cpu_ms)
         speedups[name] = rates["fork server"] / rates["fresh python -c"]
@@ -206,11 +205,9 @@ class Service:
 
 class AsUser:
     """The fork server run by another user (not root: isolation "userns"), through a worker of that user.
-
     The worker (`runuser -u USER -- PYTHON`) reads the sandbox's modules from a folder USER
     may read, runs each batch of codes with one Sandbox of this config and sends back what
-    each call printed and its latency. Its CPU is in the meter's cgroup like every child's.
-    """
+    each call printed and its latency. Its CPU is in the meter's cgroup like every child's."""
 
     WORKER = (
         "import json, sys\nsys.path.insert(0, sys.argv[1])\nfrom sandbox import Sandbox, SandboxConfig\n"

@@ -8,6 +8,7 @@ than it promised.
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import platform
@@ -15,6 +16,7 @@ import struct
 import sys
 import sysconfig
 import tempfile
+from pathlib import Path
 
 import runner
 
@@ -53,8 +55,7 @@ def umount(target: str) -> None:
     _check(_LIBC.umount2(target.encode(), ctypes.c_int(MNT_DETACH)), f"umount {target}")
 
 
-def prctl(option: int, value: int) -> None:
-    _check(runner._prctl(option, value), "prctl")
+prctl = runner.prctl  # runner.py's, which travels alone into every container
 
 
 # --------------------------------------------------------------------------------------
@@ -66,14 +67,12 @@ CALL_UID = 65534  # the code's uid inside its own user namespace ("nobody"); out
 
 def enter_user_namespace() -> None:
     """The fork server, when not root: a user namespace where it is uid 0, mapped to the caller's uid.
-
     There it may make PID, mount, network and IPC namespaces, mount and pivot, over
     namespaces of its own only; outside it is still the caller, with no more rights.
     It goes on as PID 1 of a PID namespace of that user namespace (a fork; this process
     waits for it and exits with it), because the server must come back to its own PID
     namespace after forking each slot into a new one, which it may only in one it owns.
-    Raises OSError naming what the kernel refused (the sandbox then refuses to start).
-    """
+    Raises OSError naming what the kernel refused (the sandbox then refuses to start)."""
     uid, gid = os.geteuid(), os.getegid()
     try:
         unshare(CLONE_NEWUSER | CLONE_NEWPID)
@@ -95,12 +94,10 @@ def enter_user_namespace() -> None:
 
 def enter_call_namespaces(userns: bool) -> None:
     """In the code's process, after it joined its cgroup: namespaces of the call's own.
-
     A cgroup namespace, so that /proc/self/cgroup shows "/" and not the host's paths.
     userns: a user namespace of the call's own, where the code is CALL_UID (mapped to the
     slot's uid 0, the caller outside) with no capability: it holds no right over the slot's
-    namespaces, and the kernel counts RLIMIT_NPROC per user namespace, so per call.
-    """
+    namespaces, and the kernel counts RLIMIT_NPROC per user namespace, so per call."""
     unshare(CLONE_NEWCGROUP)
     if not userns:
         return
@@ -134,10 +131,8 @@ _ETC = {  # a minimal /etc: who is who, and the loader's cache so that native li
 
 def interpreter_paths() -> list[str]:
     """The interpreter's files: its executable, shared library, standard library and site-packages.
-
     A virtual environment's prefix comes whole (it holds nothing else); a system prefix
-    such as /usr only through its Python folders, which the system libraries cover anyway.
-    """
+    such as /usr only through its Python folders, which the system libraries cover anyway."""
     paths = {os.path.realpath(sys.executable)}
     for scheme_vars in ({}, {"base": sys.base_prefix, "platbase": sys.base_exec_prefix}):
         found = sysconfig.get_paths(vars=scheme_vars)
@@ -155,15 +150,12 @@ def interpreter_paths() -> list[str]:
 
 def build_root() -> dict[str, int]:
     """Once per slot, in its new mount namespace: pivot into a root that holds only the allow list.
-
     The root is a small tmpfs, read-only once built: the interpreter's files, the system
     libraries, a minimal /etc, three devices, the slot's /proc (mount_proc, called first)
     and mount points for the scratch dirs. Everything else on the
     machine (the lab, other folders, /dev/fuse, /sys) does not exist for the code.
     Returns O_PATH descriptors of interpreter folders that lie inside a scratch dir (a venv
-    under /tmp), which every call's fresh scratch must bind back.
-    """
-    mount(None, "/", None, MS_REC | MS_PRIVATE)  # nothing mounted here reaches the host
+    under /tmp), which every call's fresh scratch must bind back."""
     system = [p for p in SYSTEM_LIBRARIES if os.path.isdir(p) and not os.path.islink(p)]
     # A system Python's own folders (/usr/lib/python3.11) come with the system libraries.
     binds = [p for p in interpreter_paths() if not any(p == d or _inside(p, d) for d in system)] + system
@@ -220,15 +212,13 @@ def build_root() -> dict[str, int]:
 
 def mount_proc() -> tuple[int, int]:
     """A /proc of the slot's own PID namespace; hidepid=2: the code sees only its own processes.
-
     Mounted over the machine's /proc, in the slot's own mount namespace, before build_root
     binds it into the new root: in a user namespace the kernel allows a new proc only
     where the machine's is visible. Returns descriptors of the namespace's PID counter
     (for reset_pids) and of a second proc of the same namespace without hidepid, which
     only the slot holds: hidepid=2 hides a process that made itself non-dumpable from
     the slot too (it would need CAP_SYS_PTRACE on the machine), and the slot's memory
-    watch must see every process of the call.
-    """
+    watch must see every process of the call."""
     mount(None, "/", None, MS_REC | MS_PRIVATE)  # nothing mounted here reaches the host
     try:
         mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
@@ -242,9 +232,7 @@ def mount_proc() -> tuple[int, int]:
 
 def reset_pids(last_pid: int) -> None:
     """Per call, once the last call's processes are reaped: the next PID is 2 again, whatever the last call forked.
-
-    A PID is otherwise a counter one call can advance and the next can read (os.getpid()).
-    """
+    A PID is otherwise a counter one call can advance and the next can read (os.getpid())."""
     os.pwrite(last_pid, b"1", 0)
 
 
@@ -253,12 +241,10 @@ _MOUNTED_SCRATCH: list[str] = []  # this slot's scratch mounts, in the order the
 
 def fresh_scratch(max_file_mb: int, interpreter_in_scratch: dict[str, int], uid: int | None) -> str:
     """Per call: one empty tmpfs behind every scratch dir (the previous call's detached), a work dir for uid.
-
     One tmpfs, not one per dir, so that all the code's files together hold at most
     4 x max_file_mb, in at most SCRATCH_INODES files and folders. It is mounted on /tmp,
     each scratch dir gets a folder of it bound over it, /tmp's last: the tmpfs's own
-    root stays hidden under /tmp.
-    """
+    root stays hidden under /tmp."""
     while _MOUNTED_SCRATCH:
         umount(_MOUNTED_SCRATCH.pop())
     below = SCRATCH_DIRS[0]
@@ -315,11 +301,9 @@ def call_uid(token: int) -> int:
 
 class Cgroups:
     """A group per call under a group of this server's own, in cgroup v1 (memory + pids) or v2.
-
     Created with descriptors opened before pivot_root, so that slots, whose root holds no
     /sys, can still make and remove groups. The code's process joins its call's group
-    itself, as root, before it drops its privileges (join()).
-    """
+    itself, as root, before it drops its privileges (join())."""
 
     def __init__(self, name: str) -> None:
         self.version, self.paths = _find_cgroups()
@@ -344,6 +328,14 @@ class Cgroups:
 
     def prepare(self, name: str) -> CallGroup:
         return CallGroup(self, name)
+
+
+def remove_groups(paths: list[str]) -> None:
+    """A server's groups, each with the call groups left in it; one that still holds a process stays."""
+    for group in paths:
+        for path in sorted(Path(group).glob("call-*")) + [Path(group)]:
+            with contextlib.suppress(OSError):
+                path.rmdir()
 
 
 class CallGroup:
@@ -401,7 +393,6 @@ class CallGroup:
 
 class MemoryWatch:
     """Where no cgroup can be had (not root, no delegated cgroup v2): the slot samples the call's memory.
-
     RLIMIT_AS caps each process, not the call: a call of N processes could map N times
     memory_mb. Every TICK seconds of the wait, the slot sums the call's processes' share
     of their pages (_PROPORTIONAL: a page shared is split), less once the slot's own share,
@@ -409,8 +400,7 @@ class MemoryWatch:
     and kills the call past memory_mb; in a /proc where no process can hide (mount_proc).
     Kernel memory that no process's pages show is denied or bounded instead: memfds, System V
     IPC and sockets that queue by the filter (seccomp_program(cgroup=False)); POSIX message
-    queues and locked memory by their rlimits (runner.set_rlimits); files by the scratch tmpfs.
-    """
+    queues and locked memory by their rlimits (runner.set_rlimits); files by the scratch tmpfs."""
 
     TICK = 0.01
 
@@ -424,12 +414,10 @@ class MemoryWatch:
 
     def over(self, memory_mb: int) -> bool:
         """Does the call hold more than memory_mb? Once it does, it stays "OOM-killed".
-
         A process's resident and swapped pages bound its proportional share from above:
         only when their sum passes the cap are the dearer smaps_rollup files read (about
         0.5 ms a process with sympy loaded, against 10 us for status). A process that made
-        itself non-dumpable refuses the slot its smaps_rollup: it counts whole.
-        """
+        itself non-dumpable refuses the slot its smaps_rollup: it counts whole."""
         me = str(os.getpid())
         resident = {pid: _held_kb(self.proc, pid, _RESIDENT) or 0 for pid in os.listdir(self.proc) if pid.isdigit() and pid != me}
         if sum(resident.values()) - self.base_kb > memory_mb * 1024:
@@ -453,10 +441,8 @@ _PROPORTIONAL = ("smaps_rollup", ("Pss_Anon", "Pss_Shmem", "SwapPss"))
 
 def _held_kb(proc: int, pid: str, kind: tuple[str, tuple[str, ...]]) -> int | None:
     """What a process holds in memory (kind's fields), in kB; None once it is gone, or where it is refused.
-
     A thread group whose leader exited goes on in its other threads, and the leader's
-    files then show no memory: one of its threads' shows the group's.
-    """
+    files then show no memory: one of its threads' shows the group's."""
     name, held = kind
     fields = _status(proc, f"{pid}/{name}")
     if fields.get(held[0]) is None:
@@ -511,9 +497,7 @@ def _write(dir_fd: int | None, name: str, text: str, optional: bool = False) -> 
 
 def _find_cgroups() -> tuple[int, list[str]]:
     """(version, [folders to create groups in]): v1 memory and pids, else v2 with both controllers.
-
-    Raises OSError saying why neither works here (the sandbox then refuses to start).
-    """
+    Raises OSError saying why neither works here (the sandbox then refuses to start)."""
     mounts: dict[str, tuple[str, str]] = {}  # controller or "v2" -> (mount point, root of the mount)
     with open("/proc/self/mountinfo") as f:
         for line in f:
@@ -633,38 +617,28 @@ SOCKET_COOKIES = {"SO_COOKIE": 57, "SO_NETNS_COOKIE": 71}
 _SOL_SOCKET = 1
 # Denied only where no cgroup counts memory: memory held outside every process's pages
 NO_CGROUP_DENIED = ("memfd_create", "memfd_secret", "shmget", "msgget", "semget")
-_TABLES = {  # system call numbers: asm/unistd_64.h (x86_64) and asm-generic/unistd.h (aarch64)
-    "x86_64": dict(
-        keyctl=250, add_key=248, request_key=249, ptrace=101, process_vm_readv=310, process_vm_writev=311,
-        kcmp=312, pidfd_getfd=438, mount=165, umount2=166, pivot_root=155, chroot=161, open_tree=428,
-        move_mount=429, fsopen=430, fsconfig=431, fsmount=432, fspick=433, mount_setattr=442,
-        open_by_handle_at=304, name_to_handle_at=303, unshare=272, setns=308, bpf=321, perf_event_open=298,
-        userfaultfd=323, io_uring_setup=425, io_uring_enter=426, io_uring_register=427, kexec_load=246,
-        kexec_file_load=320, init_module=175, finit_module=313, delete_module=176, reboot=169, swapon=167,
-        swapoff=168, acct=163, syslog=103, settimeofday=164, clock_settime=227, clock_adjtime=305,
-        adjtimex=159, quotactl=179, lookup_dcookie=212, fanotify_init=300, vhangup=153, clone=56, clone3=435,
-        flock=73, inotify_init=253, inotify_init1=294, inotify_add_watch=254, inotify_rm_watch=255, fcntl=72,
-        socket=41, socketpair=53, getsockopt=55, vmsplice=278, memfd_create=319, memfd_secret=447, shmget=29, msgget=68, semget=64, ioprio_set=251, migrate_pages=256,
-        move_pages=279, prlimit64=302, setpriority=141, sched_setaffinity=203, sched_setscheduler=144,
-        sched_setparam=142, sched_setattr=314, kill=62, tkill=200, tgkill=234, rt_sigqueueinfo=129,
-        rt_tgsigqueueinfo=297, pidfd_send_signal=424,
-    ),
-    "aarch64": dict(
-        keyctl=219, add_key=217, request_key=218, ptrace=117, process_vm_readv=270, process_vm_writev=271,
-        kcmp=272, pidfd_getfd=438, mount=40, umount2=39, pivot_root=41, chroot=51, open_tree=428,
-        move_mount=429, fsopen=430, fsconfig=431, fsmount=432, fspick=433, mount_setattr=442,
-        open_by_handle_at=265, name_to_handle_at=264, unshare=97, setns=268, bpf=280, perf_event_open=241,
-        userfaultfd=282, io_uring_setup=425, io_uring_enter=426, io_uring_register=427, kexec_load=104,
-        kexec_file_load=294, init_module=105, finit_module=273, delete_module=106, reboot=142, swapon=224,
-        swapoff=225, acct=89, syslog=116, settimeofday=170, clock_settime=112, clock_adjtime=266,
-        adjtimex=171, quotactl=60, lookup_dcookie=18, fanotify_init=262, vhangup=58, clone=220, clone3=435,
-        flock=32, inotify_init1=26, inotify_add_watch=27, inotify_rm_watch=28, fcntl=25,  # (no inotify_init)
-        socket=198, socketpair=199, getsockopt=209, vmsplice=75, memfd_create=279, memfd_secret=447, shmget=194, msgget=186, semget=190, ioprio_set=30, migrate_pages=238,
-        move_pages=239, prlimit64=261, setpriority=140, sched_setaffinity=122, sched_setscheduler=119,
-        sched_setparam=118, sched_setattr=274, kill=129, tkill=130, tgkill=131, rt_sigqueueinfo=138,
-        rt_tgsigqueueinfo=240, pidfd_send_signal=424,
-    ),
-}
+# System call numbers, name=(x86_64, aarch64): asm/unistd_64.h and asm-generic/unistd.h (aarch64 has no inotify_init)
+_NUMBERS = dict(
+    keyctl=(250, 219), add_key=(248, 217), request_key=(249, 218), ptrace=(101, 117), process_vm_readv=(310, 270),
+    process_vm_writev=(311, 271), kcmp=(312, 272), pidfd_getfd=(438, 438), mount=(165, 40), umount2=(166, 39),
+    pivot_root=(155, 41), chroot=(161, 51), open_tree=(428, 428), move_mount=(429, 429), fsopen=(430, 430),
+    fsconfig=(431, 431), fsmount=(432, 432), fspick=(433, 433), mount_setattr=(442, 442), open_by_handle_at=(304, 265),
+    name_to_handle_at=(303, 264), unshare=(272, 97), setns=(308, 268), bpf=(321, 280), perf_event_open=(298, 241),
+    userfaultfd=(323, 282), io_uring_setup=(425, 425), io_uring_enter=(426, 426), io_uring_register=(427, 427),
+    kexec_load=(246, 104), kexec_file_load=(320, 294), init_module=(175, 105), finit_module=(313, 273),
+    delete_module=(176, 106), reboot=(169, 142), swapon=(167, 224), swapoff=(168, 225), acct=(163, 89),
+    syslog=(103, 116), settimeofday=(164, 170), clock_settime=(227, 112), clock_adjtime=(305, 266),
+    adjtimex=(159, 171), quotactl=(179, 60), lookup_dcookie=(212, 18), fanotify_init=(300, 262), vhangup=(153, 58),
+    clone=(56, 220), clone3=(435, 435), flock=(73, 32), inotify_init=(253, None), inotify_init1=(294, 26),
+    inotify_add_watch=(254, 27), inotify_rm_watch=(255, 28), fcntl=(72, 25), socket=(41, 198), socketpair=(53, 199),
+    getsockopt=(55, 209), vmsplice=(278, 75), memfd_create=(319, 279), memfd_secret=(447, 447), shmget=(29, 194),
+    msgget=(68, 186), semget=(64, 190), ioprio_set=(251, 30), migrate_pages=(256, 238), move_pages=(279, 239),
+    prlimit64=(302, 261), setpriority=(141, 140), sched_setaffinity=(203, 122), sched_setscheduler=(144, 119),
+    sched_setparam=(142, 118), sched_setattr=(314, 274), kill=(62, 129), tkill=(200, 130), tgkill=(234, 131),
+    rt_sigqueueinfo=(129, 138), rt_tgsigqueueinfo=(297, 240), pidfd_send_signal=(424, 424),
+)
+_TABLES = {machine: {name: pair[i] for name, pair in _NUMBERS.items() if pair[i] is not None}
+           for i, machine in enumerate(("x86_64", "aarch64"))}
 _AUDIT_ARCH = {"x86_64": 0xC000003E, "aarch64": 0xC00000B7}
 SYSCALLS = _TABLES.get(platform.machine(), {})
 NAMESPACE_FLAGS = CLONE_NEWNS | CLONE_NEWCGROUP | CLONE_NEWUTS | CLONE_NEWIPC | CLONE_NEWUSER | CLONE_NEWPID | CLONE_NEWNET
@@ -677,12 +651,10 @@ _NR, _ARCH, _ARGS = 0, 4, (16, 24, 32)  # offsets in struct seccomp_data (argume
 
 def seccomp_program(cgroup: bool = True) -> bytes:
     """The filter, one BPF instruction (code, jump if true, jump if false, constant) per line.
-
     A jump skips that many instructions. Every denied call gets a test and a return:
     "is it number N? then fail with EPERM"; the calls after them are judged by an
     argument, as the tables above say. cgroup=False (no cgroup counts the call's memory)
-    also denies NO_CGROUP_DENIED.
-    """
+    also denies NO_CGROUP_DENIED."""
     machine = platform.machine()
     if machine not in _TABLES:
         raise OSError(_ENOSYS, f"no seccomp system-call table for {machine} (known: {sorted(_TABLES)})")
@@ -723,10 +695,8 @@ def seccomp_program(cgroup: bool = True) -> bytes:
 
 def _by_argument(number: int, argument: int, tests: list[tuple[int, int, int]], otherwise: int) -> list[tuple]:
     """Instructions for "is it call `number`? then return by the value of an argument; else go on".
-
     tests: (jump code, constant, what to return if it holds), tried in order; otherwise:
-    what to return when none holds.
-    """
+    what to return when none holds."""
     body = [(_LD_ABS, 0, 0, argument)]
     for code, constant, result in tests:
         body += [(code, 0, 1, constant), (_RET, 0, 0, result)]

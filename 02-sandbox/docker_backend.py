@@ -15,7 +15,6 @@ import os
 import queue
 import socket
 import struct
-import threading
 import time
 import warnings
 from pathlib import Path
@@ -55,8 +54,6 @@ class DockerBackend:
         self._closed = False
         self._want = cfg.docker_warm if cfg.docker_warm is not None else cfg.concurrency
         self._chores = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="sandbox-docker")
-        self._pending: set[concurrent.futures.Future] = set()
-        self._pending_lock = threading.Lock()
         for _ in range(self._want):
             self._chore(self._start_warm)
 
@@ -82,12 +79,9 @@ class DockerBackend:
 
     def close(self) -> None:
         self._closed = True
-        with self._pending_lock:
-            pending = list(self._pending)
-        concurrent.futures.wait(pending)
+        self._chores.shutdown(wait=True)  # every chore done: a container started meanwhile is in the queue, or removed
         while not self._warm.empty():
             self._remove(self._warm.get_nowait()[0])
-        self._chores.shutdown(wait=True)
 
     def _take(self) -> str:
         """A warm container, or a new one; never one whose runner is about to give up waiting."""
@@ -102,14 +96,14 @@ class DockerBackend:
 
     def _start(self):
         """Create and start one container whose runner waits for a request on stdin."""
-        cfg = self._cfg
-        api = self._client.api
+        cfg, api = self._cfg, self._client.api
+        # The code's own cap is RLIMIT_AS (memory_mb), as in the local backend; the
+        # container adds room for the runner (about 64 MB) and its tmpfs, and no swap.
+        memory = f"{cfg.memory_mb + 4 * cfg.max_file_mb + 64}m"
         host_config = api.create_host_config(
             network_mode="none",
-            # The code's own cap is RLIMIT_AS (memory_mb), as in the local backend; the
-            # container adds room for the runner (about 64 MB) and its tmpfs, and no swap.
-            mem_limit=f"{cfg.memory_mb + 4 * cfg.max_file_mb + 64}m",
-            memswap_limit=f"{cfg.memory_mb + 4 * cfg.max_file_mb + 64}m",
+            mem_limit=memory,
+            memswap_limit=memory,
             pids_limit=cfg.max_processes + 8,  # the runner's own processes on top of the code's
             nano_cpus=int(cfg.docker_cpus * 1e9),
             read_only=True,
@@ -141,8 +135,7 @@ class DockerBackend:
                 self._remove(container)
 
     def _exchange(self, container: str, request: dict, timeout: float) -> dict:
-        api = self._client.api
-        sock = api.attach_socket(container, params={"stdin": 1, "stdout": 1, "stderr": 1, "stream": 1})
+        sock = self._client.api.attach_socket(container, params={"stdin": 1, "stdout": 1, "stderr": 1, "stream": 1})
         raw = getattr(sock, "_sock", sock)
         stream = _AttachStream(raw)
         try:
@@ -172,23 +165,16 @@ class DockerBackend:
     def _chore(self, fn, *args) -> None:
         if self._closed and fn is self._start_warm:
             return
-        future = self._chores.submit(fn, *args)
-        with self._pending_lock:
-            self._pending.add(future)
-        future.add_done_callback(self._chore_done)
+        self._chores.submit(fn, *args).add_done_callback(self._chore_done)
 
     def _chore_done(self, future) -> None:
-        with self._pending_lock:
-            self._pending.discard(future)
         if future.exception() is not None and not self._closed:
             warnings.warn(f"sandbox docker chore failed: {future.exception()}", RuntimeWarning)
 
 
 class _AttachStream:
     """Demultiplexes an attach stream (frames of an 8-byte header: stream, size; then the payload).
-
-    read_exactly reads the runner's stdout; its stderr is kept to explain a missing answer.
-    """
+    read_exactly reads the runner's stdout; its stderr is kept to explain a missing answer."""
 
     def __init__(self, sock: socket.socket) -> None:
         self._sock = sock

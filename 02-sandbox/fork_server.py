@@ -17,9 +17,7 @@ import select
 import signal
 import socket
 import struct
-import sys
 import time
-import traceback
 
 import confinement
 import runner
@@ -27,11 +25,9 @@ import runner
 
 def serve(options: dict, enter_slot, serve_call) -> None:
     """Run until the caller closes our stdin. The first stdout line says what isolation we got, or why none.
-
     enter_slot(slot) and serve_call(slot, call_index) -> bool: the containment sequence each
     slot runs (sandbox.py's, handed over by the bootstrap: the core imports its machinery,
-    never the other way round).
-    """
+    never the other way round)."""
     runner.preload(options["preload"])
     mode = options["isolation"]
     if mode == "namespaces" and os.geteuid() != 0:
@@ -83,11 +79,11 @@ def _serve_slots(options: dict, mode: str, listener: socket.socket, cgroups, pro
         if own_pid_ns is not None:
             confinement.unshare(confinement.CLONE_NEWPID)  # only the next child enters it, as its PID 1
         pid = os.fork()
-        if pid == 0:
+        if pid == 0:  # the slot; with namespaces, as PID 1: the kernel tears them down when it exits
             for fd in (alive_w, leaving_r, report_r):
                 os.close(fd)
-            _slot(Slot(listener, alive_r, token, uid, mode, options["max_file_mb"], cgroups, program),
-                  leaving_w, report_w, slot_calls, enter_slot, serve_call)
+            slot = Slot(listener, alive_r, token, uid, mode, options["max_file_mb"], cgroups, program)
+            runner.exit_after(_slot, slot, leaving_w, report_w, slot_calls, enter_slot, serve_call)
         os.close(report_w)
         if own_pid_ns is not None:
             confinement.setns(own_pid_ns, confinement.CLONE_NEWPID)
@@ -126,8 +122,7 @@ def _serve_slots(options: dict, mode: str, listener: socket.socket, cgroups, pro
 
 
 def _hello(**fields) -> None:
-    sys.stdout.write(json.dumps(fields) + "\n")
-    sys.stdout.flush()
+    print(json.dumps(fields), flush=True)
 
 
 class Slot:
@@ -159,32 +154,25 @@ class Slot:
                 return conn
 
 
-def _slot(slot: Slot, leaving: int, report: int, slot_calls: int, enter_slot, serve_call) -> None:
-    """One supervisor: set up isolation once, report, then serve calls one at a time."""
-    status = 1
+def _slot(slot: Slot, leaving: int, report: int, slot_calls: int, enter_slot, serve_call) -> int:
+    """One supervisor: set up isolation once, report, then serve calls one at a time; its exit status."""
     try:
-        try:
-            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-            signal.signal(signal.SIGINT, signal.SIG_DFL)  # as PID 1 with no handler: deaf to the code's signals
-            devnull = os.open(os.devnull, os.O_RDWR)
-            os.dup2(devnull, 0)  # the server's pipe from the caller stays with the server
-            os.close(devnull)
-            enter_slot(slot)
-        except BaseException as e:
-            os.write(report, f"{type(e).__name__}: {e}".encode())
-            raise
-        finally:
-            os.close(report)
-        for call_index in range(slot_calls):
-            if not serve_call(slot, call_index):  # the server is gone
-                status = 0
-                return
-        os.write(leaving, struct.pack("q", slot.token))
-        status = 0
-    except BaseException:
-        traceback.print_exc()
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.SIG_DFL)  # as PID 1 with no handler: deaf to the code's signals
+        devnull = os.open(os.devnull, os.O_RDWR)
+        os.dup2(devnull, 0)  # the server's pipe from the caller stays with the server
+        os.close(devnull)
+        enter_slot(slot)
+    except BaseException as e:
+        os.write(report, f"{type(e).__name__}: {e}".encode())
+        raise
     finally:
-        os._exit(status)  # as PID 1: the kernel tears the namespaces down
+        os.close(report)
+    for call_index in range(slot_calls):
+        if not serve_call(slot, call_index):  # the server is gone
+            return 0
+    os.write(leaving, struct.pack("q", slot.token))
+    return 0
 
 
 def _remove_groups(cgroups, slot_pids: list[int]) -> None:
@@ -194,17 +182,7 @@ def _remove_groups(cgroups, slot_pids: list[int]) -> None:
     deadline = time.monotonic() + 2.0
     while any(_alive(pid) for pid in slot_pids) and time.monotonic() < deadline:
         time.sleep(0.01)
-    for fd, path in zip(cgroups.bases, cgroups.paths):
-        for name in os.listdir(f"/proc/self/fd/{fd}"):
-            if name.startswith("call-"):
-                try:
-                    os.rmdir(name, dir_fd=fd)
-                except OSError:
-                    pass
-        try:
-            os.rmdir(path)
-        except OSError:
-            pass  # a call still running: the caller removes it later (local_backend._stop_server)
+    confinement.remove_groups(cgroups.paths)  # a call still running keeps its group: the caller removes it later
 
 
 def _alive(pid: int) -> bool:

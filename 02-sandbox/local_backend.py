@@ -23,6 +23,7 @@ import threading
 import weakref
 from pathlib import Path
 
+import confinement
 import runner
 
 HERE = Path(__file__).resolve().parent
@@ -64,10 +65,10 @@ class LocalBackend:
     def execute(self, request: dict) -> dict:
         server = self._ready_server()
         try:
-            return server.call(request, request["timeout"] + runner.ANSWER_GRACE)
+            return server.call(request)
         except (ConnectionRefusedError, FileNotFoundError):
             # The server died (killed from outside): start a new one and try once more.
-            return self._ready_server(replace=server).call(request, request["timeout"] + runner.ANSWER_GRACE)
+            return self._ready_server(replace=server).call(request)
 
     def isolation(self) -> str:
         return self._ready_server().isolation
@@ -141,10 +142,10 @@ class _Server:
         # Stops the server when the Sandbox is dropped without close(), or at exit.
         self._finalizer = weakref.finalize(self, _stop_server, self._proc, self.folder, self._folder_fd, self._log, self.cgroups)
 
-    def wait_ready(self, timeout: float = 120.0) -> None:
+    def wait_ready(self) -> None:
         if self.isolation:
             return
-        ready, _, _ = select.select([self._proc.stdout], [], [], timeout)
+        ready, _, _ = select.select([self._proc.stdout], [], [], 120.0)  # seconds for the imports and the first slots
         line = self._proc.stdout.readline() if ready else b""
         if not line:
             tail = f"exit status {self._proc.poll()}"  # or the log's last line, read before stop() removes it
@@ -162,8 +163,7 @@ class _Server:
         self.cgroups.extend(hello["cgroups"])
         probe = runner.failure("")
         try:
-            request = self._make_request(_PROBE.format(preload=list(self._cfg.preload)))
-            probe = self.call(request, request["timeout"] + runner.ANSWER_GRACE)
+            probe = self.call(self._make_request(_PROBE.format(preload=list(self._cfg.preload))))
         except OSError as e:
             probe["error"] = str(e)
         if probe["stdout"] != "ready\n":
@@ -174,14 +174,15 @@ class _Server:
                               f"the interpreter's files, {self._cfg.python})")
         self.isolation = hello["isolation"]
 
-    def call(self, request: dict, timeout: float) -> dict:
+    def call(self, request: dict) -> dict:
+        timeout = request["timeout"] + runner.ANSWER_GRACE
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
             conn.settimeout(timeout)
             conn.connect(self.socket_path)
             try:
                 data = json.dumps(request).encode()
                 conn.sendall(struct.pack(">I", len(data)) + data)
-                return runner.read_answer(lambda size: _recv_exactly(conn, size))
+                return runner.read_answer(lambda size: runner.read_exactly(conn.recv, size))
             except socket.timeout:
                 return runner.failure(f"SandboxError: no answer from the supervisor within {timeout:.0f} s")
             except (EOFError, ConnectionResetError):
@@ -192,16 +193,6 @@ class _Server:
 
     def stop(self) -> None:
         self._finalizer()
-
-
-def _recv_exactly(conn: socket.socket, size: int) -> bytes:
-    chunks = bytearray()
-    while len(chunks) < size:
-        chunk = conn.recv(min(size - len(chunks), 1 << 20))
-        if not chunk:
-            raise EOFError
-        chunks += chunk
-    return bytes(chunks)
 
 
 def _stop_server(proc: subprocess.Popen, folder: str, folder_fd: int, log, cgroups: list[str]) -> None:
@@ -215,7 +206,4 @@ def _stop_server(proc: subprocess.Popen, folder: str, folder_fd: int, log, cgrou
     log.close()
     os.close(folder_fd)
     shutil.rmtree(folder, ignore_errors=True)
-    for group in cgroups:  # left by a server that was killed, or a call still ending: empty once its processes die
-        for path in sorted(Path(group).glob("call-*")) + [Path(group)]:
-            with contextlib.suppress(OSError):
-                path.rmdir()
+    confinement.remove_groups(cgroups)  # left by a server that was killed, or a call still ending: empty once its processes die

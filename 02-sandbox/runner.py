@@ -12,6 +12,7 @@ import argparse
 import atexit
 import builtins
 import ctypes
+import functools
 import io
 import json
 import linecache
@@ -58,8 +59,7 @@ def preload(modules: list[str]) -> None:
 
 
 class CallFiles:
-    """One call's files: stdout and stderr as memory files, and the pipe on which the code's
-    process sends its supervisor three numbers (the time limit, the output cap, the memory cap)."""
+    """One call's files: stdout and stderr as memory files, and the pipe that takes _LIMITS to the supervisor."""
 
     def __init__(self) -> None:
         self.out = os.memfd_create("stdout")
@@ -68,11 +68,9 @@ class CallFiles:
 
 
 def exit_after(body, *args) -> NoReturn:
-    """In the forked code's process: run body(*args), then exit with the status it returns.
-
-    Whatever it raises is printed on the call's stderr and exits 1: the process never
-    goes back to the code of the slot it was forked from.
-    """
+    """In a forked process (the code's, or a slot): run body(*args), then exit with the status it returns.
+    Whatever it raises is printed on stderr and exits 1: the process never goes back to the
+    code it was forked from."""
     status = 1
     try:
         status = body(*args)
@@ -90,7 +88,8 @@ def take_request(request_fd: int, files: CallFiles) -> dict:
     os.close(files.limits_r)
     os.dup2(files.out, 1)  # first: anything that fails from here on is reported in the answer
     os.dup2(files.err, 2)
-    request = json.loads(_read_exactly(request_fd, struct.unpack(">I", _read_exactly(request_fd, 4))[0]))  # length-prefixed
+    receive = functools.partial(os.read, request_fd)
+    request = json.loads(read_exactly(receive, struct.unpack(">I", read_exactly(receive, 4))[0]))  # length-prefixed
     os.write(files.limits_w, _LIMITS.pack(float(request["timeout"]), int(request["max_output_bytes"]), int(request["memory_mb"])))
     return request
 
@@ -143,23 +142,20 @@ def drop_privileges(uid: int | None) -> None:
         os.setgroups([])
         os.setgid(uid)
         os.setuid(uid)
-    _prctl(38, 1)  # PR_SET_NO_NEW_PRIVS: setuid binaries cannot give root back
-    _prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: if the supervisor dies, so does the code
+    prctl(38, 1)  # PR_SET_NO_NEW_PRIVS: setuid binaries cannot give root back
+    prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: if the supervisor dies, so does the code
 
 
 def install_seccomp(program: bytes) -> None:
     """Install a seccomp filter (confinement.seccomp_program's) on this process and all it starts.
-
     Here, not in confinement.py, because runner.py travels alone into every container, where
-    the filter stacks on Docker's profile: a call is allowed only if both allow it.
-    """
+    the filter stacks on Docker's profile: a call is allowed only if both allow it."""
     class SockFprog(ctypes.Structure):
         _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
 
     buffer = ctypes.create_string_buffer(program, len(program))
     fprog = SockFprog(len(program) // 8, ctypes.cast(buffer, ctypes.c_void_p))
-    if _prctl(22, 2, ctypes.byref(fprog)) != 0:
-        raise OSError(ctypes.get_errno(), f"prctl(PR_SET_SECCOMP): {os.strerror(ctypes.get_errno())}")  # needs no_new_privs
+    prctl(22, 2, ctypes.byref(fprog), "prctl(PR_SET_SECCOMP)")  # needs no_new_privs
 
 
 def run_code(source: str, workdir: str) -> int:
@@ -173,13 +169,10 @@ def run_code(source: str, workdir: str) -> int:
 def collect(pid: int, files: CallFiles, answer_fd: int, limiter=None, may_copy: bool = False) -> None:
     """The supervisor's side: wait for the code's process up to the time limit, kill every
     process the call left, and send the answer.
-
     limiter: the call's cgroup (confinement.CallGroup) or the slot's confinement.MemoryWatch,
     which says whether the call was OOM-killed; None in plain isolation and in a container.
-
     may_copy: the output may pass through this process's memory where sendfile is
-    refused; only a single-use container may.
-    """
+    refused; only a single-use container may."""
     os.close(files.limits_w)
     ready, _, _ = select.select([files.limits_r], [], [], REQUEST_GRACE)  # sent once the code's process read the request
     limits = os.read(files.limits_r, _LIMITS.size) if ready else b""
@@ -208,11 +201,9 @@ def collect(pid: int, files: CallFiles, answer_fd: int, limiter=None, may_copy: 
 
 def _wait_for(user: int, timeout: float | None, over_memory=None, tick: float | None = None) -> tuple[int, bool]:
     """(wait status, timed out): wait for the code's process up to the time limit, then kill it.
-
     It sleeps in sigtimedwait for SIGCHLD, never in a signal handler: a signal the code
     sends its supervisor (which it may, where both are the caller's uid) wakes it at
-    most. over_memory(), if given, is asked every `tick` seconds: True kills the call.
-    """
+    most. over_memory(), if given, is asked every `tick` seconds: True kills the call."""
     deadline = None if timeout is None else time.monotonic() + timeout
     signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGCHLD])  # from here on, an exit is noted, not lost
     try:
@@ -239,10 +230,8 @@ def _wait_for(user: int, timeout: float | None, over_memory=None, tick: float | 
 
 def _send_answer(fd: int, status: int, timed_out: bool, oom_killed: bool, out: int, err: int, cap: int, may_copy: bool) -> None:
     """A header (sizes, exit status), then head and tail of each stream, at most `cap` bytes each.
-
     sendfile copies from the memory file to the socket inside the kernel: the output
-    never enters this process's memory (but with may_copy, where sendfile is refused).
-    """
+    never enters this process's memory (but with may_copy, where sendfile is refused)."""
     header = {"returncode": os.waitstatus_to_exitcode(status), "timed_out": timed_out, "oom_killed": oom_killed}
     pieces = []
     for name, stream in (("stdout", out), ("stderr", err)):
@@ -272,10 +261,11 @@ def _write_all(fd: int, data: bytes) -> int:
     return len(data)
 
 
-def _read_exactly(fd: int, size: int) -> bytes:
+def read_exactly(receive, size: int) -> bytes:
+    """size bytes from receive(n) (os.read on a descriptor, recv on a socket), which may return fewer."""
     chunks = bytearray()
     while len(chunks) < size:
-        chunk = os.read(fd, min(size - len(chunks), 1 << 20))
+        chunk = receive(min(size - len(chunks), 1 << 20))
         if not chunk:
             raise EOFError(f"the request ended after {len(chunks)} of {size} bytes")
         chunks += chunk
@@ -284,10 +274,8 @@ def _read_exactly(fd: int, size: int) -> bytes:
 
 def read_answer(read_exactly) -> dict:
     """The caller's side of _send_answer: header, then head and tail of each stream, decoded.
-
     read_exactly(n) returns exactly n bytes. Invalid UTF-8 is replaced, never raised; a
-    stream over the cap comes back as head, a line saying how much was cut, and tail.
-    """
+    stream over the cap comes back as head, a line saying how much was cut, and tail."""
     header = json.loads(read_exactly(struct.unpack(">I", read_exactly(4))[0]))
     answer = {"returncode": header["returncode"], "timed_out": header["timed_out"],
               "oom_killed": header["oom_killed"], "truncated": False}
@@ -309,11 +297,9 @@ def failure(reason: str) -> dict:
 
 def _kill_the_rest() -> None:
     """Kill every process the code left behind (daemons, setsid, double forks) and reap it.
-
     A PID namespace's init (a slot, or a container's runner) kills them all with
     kill(-1). Without one, this supervisor is a child subreaper: every orphan of the
-    code is re-parented to it, so killing its children until none is left is enough.
-    """
+    code is re-parented to it, so killing its children until none is left is enough."""
     if os.getpid() == 1:
         _kill_quietly(-1)
         try:
@@ -377,9 +363,11 @@ def _set_limit(kind: int, value: int) -> None:
     resource.setrlimit(kind, (value, value))
 
 
-def _prctl(option: int, value: int, pointer=None) -> int:
+def prctl(option: int, value: int, pointer=None, what: str = "prctl") -> None:
+    """prctl(2), which Python does not wrap; OSError naming `what` where the kernel refuses. confinement.py's too."""
     third = pointer if pointer is not None else ctypes.c_ulong(0)
-    return ctypes.CDLL(None, use_errno=True).prctl(ctypes.c_int(option), ctypes.c_ulong(value), third, ctypes.c_ulong(0), ctypes.c_ulong(0))
+    if ctypes.CDLL(None, use_errno=True).prctl(ctypes.c_int(option), ctypes.c_ulong(value), third, ctypes.c_ulong(0), ctypes.c_ulong(0)):
+        raise OSError(ctypes.get_errno(), f"{what}: {os.strerror(ctypes.get_errno())}")
 
 
 def _exec(source: str) -> int:
@@ -444,11 +432,9 @@ def _io_text(fd: int, mode: str):
 
 def container_main(options: dict) -> None:
     """Warm imports, wait for one request on stdin, answer on stdout.
-
     The steps of sandbox.serve_call and code_process, less those Docker provides
     (namespaces, root file system, cgroup, uid, seccomp profile). options["seccomp"]
-    (hex): the local backend's filter, on top of Docker's profile (why: docker_backend.py).
-    """
+    (hex): the local backend's filter, on top of Docker's profile (why: docker_backend.py)."""
     preload(options["preload"])
     ready, _, _ = select.select([0], [], [], IDLE_EXIT)
     if not ready:

@@ -121,10 +121,8 @@ class SandboxError(RuntimeError):
 
 class Sandbox:
     """Runs code in fresh, contained processes. Thread-safe; also a context manager.
-
     A backend has four methods: execute(request) -> answer dict, ready() (waits until
-    calls can run), isolation() ("namespaces", "userns", "plain", "container" or "remote") and close().
-    """
+    calls can run), isolation() ("namespaces", "userns", "plain", "container" or "remote") and close()."""
 
     def __init__(self, config: SandboxConfig | None = None) -> None:
         self.config = config or SandboxConfig()
@@ -144,9 +142,7 @@ class Sandbox:
 
     def run(self, code: str, timeout: float | None = None) -> ExecResult:
         """Run one program and return what it did; never raises for anything the code does.
-
-        timeout: this call's wall-clock limit in seconds, instead of the config's.
-        """
+        timeout: this call's wall-clock limit in seconds, instead of the config's."""
         if not isinstance(code, str):
             raise TypeError(f"code must be a str, got {type(code).__name__}")
         request = _request(code, self.config)
@@ -182,7 +178,6 @@ class Sandbox:
 
 def format_observation(result: ExecResult, style: str = "short", max_chars: int | None = None) -> str:
     """The text the model reads after its code block, in the lab's two renderings.
-
     short (max 256 characters): stdout on success, else only the last line of the
     error. The last line names the exception and its message, which is what the
     model needs to fix its code; the frames above it are long, mostly about
@@ -191,8 +186,7 @@ def format_observation(result: ExecResult, style: str = "short", max_chars: int 
         NameError traceback                    -> "NameError: name 'a' is not defined"
         timeout                                -> "TimeoutError: execution exceeded the 10 s time limit"
     full (max 2048 characters): stdout on success, else stdout then stderr, keeping
-    the tail so that the error itself is never cut.
-    """
+    the tail so that the error itself is never cut."""
     if style == "short":
         limit = 256 if max_chars is None else max_chars
         text = result.stdout if result.ok else _last_line(result)
@@ -285,10 +279,8 @@ def enter_slot(slot) -> None:
 
 def serve_call(slot, call_index: int) -> bool:
     """One call, every step in order; False when the server went away before a call came.
-
     slot: a fork_server.Slot (mode, the calls' uid, cgroups, seccomp program, listener).
-    call_index: how many calls this slot served before; it names the call's cgroup.
-    """
+    call_index: how many calls this slot served before; it names the call's cgroup."""
     # Prepared before the call arrives, so that none of it is in the call's latency:
     if slot.mode != "plain":
         confinement.unshare(confinement.CLONE_NEWNET | confinement.CLONE_NEWIPC)  # namespaces: no network, no earlier IPC

@@ -67,7 +67,7 @@ MIN_TOKEN_CHARS = 16
 LANGUAGES = ("python", "python3")
 
 
-def run_code(sandbox: Sandbox, body: dict, max_run_timeout: float = MAX_RUN_TIMEOUT) -> dict:
+def run_code(sandbox: Sandbox, body: dict, max_run_timeout: float) -> dict:
     """One /run_code request (already checked by request_problem) -> SandboxFusion's RunCodeResponse."""
     if body["language"] not in LANGUAGES:
         return _sandbox_error(f"language {body['language']!r} is not supported by this server: only python runs here")
@@ -84,7 +84,6 @@ def run_code(sandbox: Sandbox, body: dict, max_run_timeout: float = MAX_RUN_TIME
 
 def to_response(result: ExecResult) -> dict:
     """An ExecResult in SandboxFusion's shape.
-
     stderr is the code's own; the line the sandbox adds when it stopped the code
     (timeout, a signal) goes to `message`, where SandboxFusion puts its own reasons.
         ok                   -> Success, run_result Finished, return_code 0
@@ -246,7 +245,7 @@ class Server:
                     if incoming.phase == "drain":
                         self._close(selector, incoming)
                     else:
-                        self._refuse(selector, incoming, 408, f"the request did not arrive whole within {self.request_seconds:g} s")
+                        self._refuse(incoming, 408, f"the request did not arrive whole within {self.request_seconds:g} s")
             for incoming in list(self._sending.values()):
                 self._close(selector, incoming)
         self.listener.close()
@@ -299,12 +298,12 @@ class Server:
             end = incoming.data.find(b"\r\n\r\n")
             if end < 0:
                 if len(incoming.data) > MAX_HEAD_BYTES:
-                    self._refuse(selector, incoming, 431, f"the request line and headers take more than {MAX_HEAD_BYTES} bytes")
+                    self._refuse(incoming, 431, f"the request line and headers take more than {MAX_HEAD_BYTES} bytes")
                 return
             head, incoming.data = bytes(incoming.data[:end + 2]), incoming.data[end + 4:]
             refusal = self._read_head(incoming, head)
             if refusal:
-                return self._refuse(selector, incoming, *refusal)
+                return self._refuse(incoming, *refusal)
             if incoming.phase == "answer":  # GET: nothing more to read
                 return self._hand_over(selector, incoming)
         if len(incoming.data) >= incoming.length:
@@ -363,7 +362,6 @@ class Server:
 
     def _cross_site(self, headers) -> str:
         """Without a token, why a request may come from a web page rather than a local client ('' if not).
-
         A page the user opens can POST to 127.0.0.1 (a "simple" text/plain request needs no
         preflight), and a page under a name that resolves to 127.0.0.1 (DNS rebinding) even
         reads the answer. Its browser names the page's site in Origin and the name it used in
@@ -430,7 +428,7 @@ class Server:
             return 422, {"detail": problem}
         return 200, run_code(self.sandbox, body, self.max_run_timeout)
 
-    def _refuse(self, selector, incoming: _Incoming, status: int, detail: str) -> None:
+    def _refuse(self, incoming: _Incoming, status: int, detail: str) -> None:
         """Answer from the accept loop, without waiting on the client, then read and drop what it still
         sends for DRAIN_SECONDS: closing with unread data resets the connection, and it could lose the answer."""
         sent = _send_now(incoming.conn, _http_answer(status, {"detail": detail}))

@@ -556,7 +556,6 @@ def test_closing_the_sandbox_stops_its_fork_server():
 
 def test_a_malformed_request_is_answered_with_the_reason_and_the_slot_serves_on():
     """The code's process reads the request itself; when that fails, the answer carries why on its stderr."""
-    import local_backend
     import runner
 
     needs_root()
@@ -566,7 +565,7 @@ def test_a_malformed_request_is_answered_with_the_reason_and_the_slot_serves_on(
             conn.settimeout(TIMEOUT + runner.ANSWER_GRACE)
             conn.connect(sb._backend._server.socket_path)
             conn.sendall(struct.pack(">I", 8) + b"not json")
-            answer = runner.read_answer(lambda size: local_backend._recv_exactly(conn, size))
+            answer = runner.read_answer(lambda size: runner.read_exactly(conn.recv, size))
         assert answer["returncode"] == 1 and "JSONDecodeError" in answer["stderr"], answer
         assert_still_answers(sb)
 
