@@ -166,7 +166,7 @@ def parse_bool(text: str) -> bool:
     raise argparse.ArgumentTypeError(f"'{text}' is not a boolean")
 
 
-def check_config(cfg, resuming: bool) -> None:
+def check_config(cfg) -> None:
     """Refuse, with one line, a Config that would fail later or silently do the wrong thing."""
     if problems := config_problems(cfg, first_only=True):
         raise SystemExit(f"error: {problems[0]}")

@@ -245,7 +245,7 @@ def main(argv: list[str] | None = None) -> Path:
         cfg = make_config(args.preset, overrides)
         run_dir = Path(args.run_dir or f"runs/{args.preset}-{time.strftime('%Y%m%d-%H%M%S')}")
         check_new_run_dir(run_dir, overwrite=args.overwrite)  # first: the cheapest check, and it protects records
-    check_config(cfg, resuming=bool(args.resume))
+    check_config(cfg)
     check_memory_plan(cfg)  # on CUDA: a plan that cannot fit the GPUs is refused before anything loads
     if cfg.trainer_threads:  # before torch's thread pool starts: it reads this once; vLLM's engine then leaves it
         os.environ["OMP_NUM_THREADS"] = str(trainer_threads(cfg))

@@ -75,7 +75,7 @@ def test_training_rollouts_are_unseeded_unless_asked():
 )
 def test_bad_configuration_fails_at_start_with_one_line(change, message):
     with pytest.raises(SystemExit) as e:
-        check_config(Config(**change), resuming=False)
+        check_config(Config(**change))
     assert message in str(e.value) and "\n" not in str(e.value)
 
 
@@ -227,7 +227,7 @@ def test_torl_preset_is_torl_script(tmp_path, monkeypatch):
     monkeypatch.setattr(prepare_data, "hub_unreachable", lambda: None)  # as on a machine that reaches the hub
     data = tmp_path / "problems.jsonl"
     write_jsonl(make_toy_task(4, 0)[0], data)
-    check_config(dataclass_replace(cfg, train_file=str(data), eval_file=str(data)), resuming=False)
+    check_config(dataclass_replace(cfg, train_file=str(data), eval_file=str(data)))
 
 
 def dataclass_replace(cfg, **change):
@@ -383,7 +383,7 @@ def test_checkpoint_files_reach_the_disk_before_the_folder_is_renamed(tiny_model
 
 def test_a_model_too_short_for_max_model_len_is_one_line_naming_both_numbers(tiny_model_path):
     with pytest.raises(SystemExit) as e:
-        check_config(Config(model=str(tiny_model_path), cold_start="none", max_model_len=8192), resuming=False)
+        check_config(Config(model=str(tiny_model_path), cold_start="none", max_model_len=8192))
     assert "max_model_len 8192 is above the position limit" in str(e.value) and "4096 tokens" in str(e.value)
     assert "\n" not in str(e.value)
     import eval as evaluation
@@ -436,7 +436,7 @@ def test_summary_puts_the_papers_numbers_beside_the_measured_ones():
 
 def test_unknown_logger_is_a_one_line_error():
     with pytest.raises(SystemExit, match="log 'mlflow' is not one of tensorboard, wandb"):
-        check_config(Config(log="tensorboard,mlflow"), resuming=False)
+        check_config(Config(log="tensorboard,mlflow"))
 
 
 @pytest.mark.parametrize("name,module", [("tensorboard", "torch.utils.tensorboard"), ("wandb", "wandb")])
@@ -446,7 +446,7 @@ def test_a_missing_logger_package_says_how_to_install_it_before_anything_loads(n
     monkeypatch.setitem(sys.modules, module, None)  # import fails as if not installed
     monkeypatch.setitem(sys.modules, name, None)
     with pytest.raises(SystemExit) as e:
-        check_config(Config(log=name), resuming=False)  # at start, before the model and the engine
+        check_config(Config(log=name))  # at start, before the model and the engine
     assert f"--log {name} needs the {name} package" in str(e.value) and "pip install" in str(e.value)
     assert "\n" not in str(e.value)
     with pytest.raises(SystemExit) as e:

@@ -159,7 +159,7 @@ def test_the_smollm2_preset_is_a_valid_configuration_that_cold_starts_the_hub_mo
     from problems_and_policy import needs_cold_start
 
     cfg = make_config("smollm2", {})
-    check_config(cfg, resuming=False)
+    check_config(cfg)
     assert cfg.model == smollm2.HUB_ID and needs_cold_start(cfg)
     assert not needs_cold_start(make_config("smollm2", {"cold_start": "none"}))
     assert cfg.template == "smollm2-chat" and "word_test" in cfg.eval_file

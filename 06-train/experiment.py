@@ -73,7 +73,7 @@ def chained_config(flags: list[str]):
     parser.add_argument("--preset", choices=[PRESET], default=PRESET)
     _, overrides = parse_with_field_flags(parser, Config, ["--preset", PRESET, *flags], PRESETS)
     cfg = make_config(PRESET, overrides)
-    check_config(cfg, resuming=False)
+    check_config(cfg)
     return cfg
 
 

@@ -662,7 +662,7 @@ def test_bad_option_combinations_fail_with_one_line(change, message):
     from retool import Config
 
     with pytest.raises(SystemExit) as e:
-        check_config(Config(**change), resuming=False)
+        check_config(Config(**change))
     assert message in str(e.value) and "\n" not in str(e.value)
 
 
@@ -986,7 +986,7 @@ def test_objective_settings_that_would_train_something_else_are_refused_in_one_l
     from retool import Config
 
     with pytest.raises(SystemExit) as e:
-        check_config(Config(**change), resuming=False)
+        check_config(Config(**change))
     assert message in str(e.value) and "\n" not in str(e.value)
     with pytest.raises(ValueError, match=re.escape(message)):  # grpo_step refuses the same, in the same words
         sgd_step(policy, random_trajectories(1), **change)
