@@ -131,8 +131,8 @@ def grpo_step(model, optimizer, trajectories, cfg: GRPOConfig, exclude=None, glo
     # run.scored: the batch with `exclude`d rows' loss mask zeroed, so they neither train nor count; run.batch
     # keeps them for pi_old and the mismatch metrics.
     for rows in run.scored.minibatches(cfg.num_minibatches):
-        # Token-mean's denominator: the mini-batch's tokens in the loss, every row's (those skipped next too,
-        # so skipping changes nothing). Under torchrun, every rank's count over N: DDP and FSDP average the
+        # Token-mean's denominator: the mini-batch's tokens in the loss (excluded rows' not; those skipped next
+        # yes, so skipping changes nothing). Under torchrun, every rank's count over N: DDP and FSDP average the
         # ranks' gradients, and the whole batch's loss is then one token-mean (distributed.py).
         mask = run.scored.loss_mask[rows]
         count = max(float(mask.sum()), 1.0) if aggregation == "token-mean" else \
