@@ -128,22 +128,29 @@ def grpo_step(model, optimizer, trajectories, cfg: GRPOConfig, exclude=None, glo
 
     # PPO-clip with token-mean (clipped_policy_loss), unless the run chose another: objectives.py.
     objective, aggregation = OBJECTIVES[cfg.objective], objective_aggregation(cfg)
+    # run.scored: the batch with `exclude`d rows' loss mask zeroed, so they neither train nor count; run.batch
+    # keeps them for pi_old and the mismatch metrics.
     for rows in run.scored.minibatches(cfg.num_minibatches):
-        # Token-mean's denominator: the mini-batch's tokens in the loss, every row's (those skipped next too,
-        # so skipping changes nothing). Under torchrun, every rank's count over N: DDP and FSDP average the
+        # Token-mean's denominator: the mini-batch's tokens in the loss (excluded rows' not; those skipped next
+        # yes, so skipping changes nothing). Under torchrun, every rank's count over N: DDP and FSDP average the
         # ranks' gradients, and the whole batch's loss is then one token-mean (distributed.py).
         mask = run.scored.loss_mask[rows]
         count = max(float(mask.sum()), 1.0) if aggregation == "token-mean" else \
             loss_denominator(mask, aggregation, cfg.max_response_tokens)
         normalizer = count if global_normalizer is None else global_normalizer(count)
+        # gradients_to_none: True (free them) unless under DDP, whose gradients are views of its buckets.
         optimizer.zero_grad(set_to_none=gradients_to_none(model))
+        # The micro-batches, zero-advantage rows left out. `counts` is False only for a padding pass that keeps
+        # torchrun's ranks in step (part 2): in one process it is always True. `last`: the mini-batch's last pass,
+        # where DDP exchanges gradients; in one process gradient_sync does nothing.
         for micro_rows, counts, last in run.passes(rows):
             micro = run.scored.select(micro_rows)
             with gradient_sync(model, sync=last):  # DDP: one exchange per update
                 logprobs, entropy = _target_logprobs(model, micro.input_ids, micro.attention_mask, cfg.temperature,
                                                      with_entropy=run.one_forward)
             device = logprobs.device
-            # pi_old of these rows: from the pass above, or this forward's own log-probs, detached.
+            # pi_old of these rows: from the pass above, or, with one mini-batch and no TIS (run.one_forward, the
+            # torl-* presets), this forward's own log-probs, detached: the weights have not moved yet.
             loss, stats = objective(
                 logprobs, run.old_logprobs(micro_rows, logprobs, entropy), micro.advantages.to(device),
                 micro.loss_mask.to(device), cfg.eps_low, cfg.eps_high, aggregation, normalizer=normalizer,
@@ -326,6 +333,7 @@ def _old_logprobs_and_entropy(model, batch: Batch, cfg: GRPOConfig, needed: torc
     every_row = next(batch.minibatches(1))  # longest first, so each chunk pads little
     chunks = list(every_row[needed[every_row]].split(cfg.micro_batch_size)) if needed.any() else []
     # FSDP2 gathers weights in every forward: as many as the other ranks, the extra ones on the shortest row
+    # (in one process: just these chunks)
     for chunk in pad_to_every_rank(model, chunks, every_row[-1:], at_least=0):
         micro = batch.select(chunk)
         lp, ent = _target_logprobs(model, micro.input_ids, micro.attention_mask, cfg.temperature, with_entropy=True)
