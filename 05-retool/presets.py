@@ -94,9 +94,9 @@ PRESETS["torl-7b"] = dict(
     gpu_memory_utilization=0.6,  # 48 GB: 15.2 of bf16 weights, about 31 of KV cache (57 KB a token; --dry-run)
 )
 # SimpleTIR-7B (ltzheng/SimpleTIR: its README's 7B training command over train.sh's defaults and recipe/simpletir/):
-# Qwen2.5-7B, multi-turn code, several nodes. Its micro-batch of 2 x 12,096 tokens needs the trainer sharded over 13
-# or more 80 GB GPUs: refused on one node of 8, planned on two (--dry-run --plan-nodes 2; docs/05-torl.md,
-# "SimpleTIR-7B", names each difference kept).
+# Qwen2.5-7B, multi-turn code. Two sequences a micro-batch would hold 58.9 GB of logits, which no plan of one or two
+# nodes fits; at one (below) it fits one node of 8, and two nodes halve its time (--dry-run --plan-nodes 2;
+# docs/05-torl.md, "SimpleTIR-7B", names each difference kept).
 PRESETS["simpletir-7b"] = dict(
     PRESETS["torl-7b"],
     model="Qwen/Qwen2.5-7B",  # MODEL_NAME=Qwen2.5-7B: the base model, not the Math one; RL from it, no cold start
@@ -113,7 +113,7 @@ PRESETS["simpletir-7b"] = dict(
     eps_high=0.28,  # clip_ratio 0.2_0.28 (clip_ratio_c 3.0, the dual clip of negative advantages, is not kept)
     num_minibatches=4,  # ppo_mini_batch_size=128 of 512 prompts: four updates a step
     # ppo_max_token_len_per_gpu=24000 (use_dynamic_bsz) packs two sequences at their longest; verl never holds their
-    # whole logits at once, the lab does: one sequence (29 GB of logits) keeps the update inside 80 GB on 2 nodes
+    # whole logits at once, the lab does: one sequence (29 GB of logits) keeps the update inside 80 GB
     micro_batch_size=1,
     eval_every=10,  # trainer.test_freq
     eval_k=16,  # val_kwargs.n=16 at temperature 1.0 (every problem; SimpleTIR samples 50 of each set)
