@@ -973,7 +973,7 @@ PIPES = ("import os, time\n"  # 40 processes, each filling 120 pipes and keeping
          "            held += os.write(w, b'x' * 4096)\n"
          "    except BlockingIOError:\n"
          "        os.close(w)\n"
-         "print('held', held >> 10, flush=True)\n"
+         "os.write(1, b'held %d\\n' % (held >> 10))\n"  # one write a line: print's pieces from 40 processes interleave
          "time.sleep(2)\n")
 REFUSED = ("import ctypes, errno, os\n"  # POSIX message queues (RLIMIT_MSGQUEUE 0), pages gifted to a pipe, io_uring
            "libc = ctypes.CDLL(None, use_errno=True)\n"
