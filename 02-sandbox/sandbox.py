@@ -306,7 +306,7 @@ def serve_call(slot, call_index: int) -> bool:
         return True
     finally:
         if limiter is not None:
-            limiter.remove()  # the call's cgroup goes (its namespaces already went with its last process)
+            limiter.remove()  # the call's cgroup goes (its namespaces go when the slot enters fresh ones)
         if slot.mode == "plain":  # in namespaces the tmpfs goes with the next call or the slot
             shutil.rmtree(workdir, ignore_errors=True)
 
