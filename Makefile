@@ -41,7 +41,7 @@ NPROC ?= $(or $(filter-out 0,$(shell if [ -n "$${CUDA_VISIBLE_DEVICES+set}" ]; t
 endif
 NPROC ?= 1
 
-.PHONY: setup smollm2 test docs-results run-01 run-05 run-06 eval-05 bench-sandbox bench-rollout bench-train bench-06 clean
+.PHONY: setup smollm2 test docs-results run-01 run-05 run-06 eval-05 bench-sandbox bench-reward bench-rollout bench-train bench-06 clean
 setup: $(STAMP)
 
 $(STAMP): requirements/common.txt requirements/$(DEVICE).txt
@@ -111,6 +111,9 @@ eval-05: $(STAMP)
 
 bench-sandbox: $(STAMP)
 	$(PY) 02-sandbox/bench_sandbox.py $(ARGS)
+
+bench-reward: $(STAMP)
+	$(PY) 04-reward/bench_reward.py $(ARGS)
 
 bench-rollout: $(STAMP)
 	$(PY) 03-rollout/bench_rollout.py $(ARGS)

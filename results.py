@@ -13,6 +13,7 @@ and its file differ, or one file is quoted on two pages or on none.
 """
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import re
@@ -48,6 +49,13 @@ def check(name: str, figures: dict) -> None:
         if not re.fullmatch(r"\w+", key) or not isinstance(value, (int, float, str)) or isinstance(value, bool) \
                 or (isinstance(value, str) and len(value) > 40):
             raise ValueError(f"results {name}: figure {key}={value!r}: keys are words, values numbers or short strings")
+
+
+def name_argument(text: str) -> str:
+    """An argparse type for `--results NAME`: a bad name is refused before anything is measured."""
+    if not NAME.fullmatch(text):
+        raise argparse.ArgumentTypeError(f"{text!r}: a name (docs/results/NAME.json), letters, digits, '-' and '_'")
+    return text
 
 
 def load(name: str) -> dict:

@@ -168,7 +168,7 @@ def test_the_page_states_the_window_the_deadline_and_the_penalty_of_the_code():
          f"Only `text[-{window}:]` is read", f"`\\boxed{{42}}` followed by {window} more characters",
          f'`"{box}" + "x"*{window - len(box)}` is read whole', f"{window} characters of text are {window} characters")
     says("04-reward.md", f"stopped after {DEFAULT_TIMEOUT_S:g} s", f"a deadline of {DEFAULT_TIMEOUT_S:g} s per answer",
-         f"(killed at the deadline) | {DEFAULT_TIMEOUT_S:.1f} s |")
+         f"(killed at the {DEFAULT_TIMEOUT_S:g} s deadline) |")
     assert inspect.signature(total_reward).parameters["exec_error_penalty"].default == 0.0
     says("04-reward.md", "## The execution-error penalty, off by default")
 

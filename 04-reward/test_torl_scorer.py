@@ -165,3 +165,17 @@ def test_measured_disagreements_by_kind():
 
 def test_the_page_states_the_depth_and_window_of_the_code():
     says("04-torl-scorer.md", f"nests braces up to {BOX_DEPTH} levels", f"the last {ANSWER_WINDOW_CHARS} characters")
+
+
+def test_compare_scorers_results_hold_every_count_the_page_quotes(tmp_path, monkeypatch):
+    """--results writes one figure per count the table prints, named as docs/04-torl-scorer.md quotes them."""
+    import compare_scorers
+    import results
+
+    page = (results.ROOT / "docs" / "04-torl-scorer.md").read_text(encoding="utf-8")
+    quoted = {m[2] for m in results.QUOTE.finditer(page)} | {k for m in results.BLOCK.finditer(page) for k in m[2].split()}
+    monkeypatch.setattr(results, "RESULTS", tmp_path)
+    compare_scorers.main(["--results", "demo"])  # the built-in answers make every kind the page shows
+    written = results.load("demo")
+    assert written["command"] == ".venv/bin/python 04-reward/compare_scorers.py --results demo"
+    assert len(quoted) > 100 and quoted <= set(written["figures"]), quoted - set(written["figures"])

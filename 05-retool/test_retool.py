@@ -873,8 +873,8 @@ def test_plot_redraws_says_where_and_refuses_the_flags_it_would_ignore(tmp_path,
 
 def test_every_script_answers_help_with_help(tmp_path, preloaded_python):
     scripts = ["results.py", "01-data/prepare_data.py", "01-data/word_problems.py", "02-sandbox/sandbox.py", "02-sandbox/bench_sandbox.py",
-               "03-rollout/rollout.py", "03-rollout/bench_rollout.py", "04-reward/reward.py", "05-retool/retool.py",
-               "05-retool/eval.py", "05-retool/cold_start.py", "05-retool/run_figures.py", "06-train/grpo.py", "06-train/show_metrics.py",
+               "03-rollout/rollout.py", "03-rollout/bench_rollout.py", "04-reward/reward.py", "04-reward/bench_reward.py",
+               "05-retool/retool.py", "05-retool/eval.py", "05-retool/cold_start.py", "05-retool/run_figures.py", "06-train/grpo.py", "06-train/show_metrics.py",
                "06-train/ablation.py", "06-train/bench_train.py"]
     # One interpreter runs each script as __main__ with --help, as a shell would (a process each costs 14 starts).
     check = tmp_path / "help_of_each.py"

@@ -343,15 +343,9 @@ def parse_args(argv):
     p.add_argument("--no-sync", action="store_true", help="do not build vLLM; skip the sync timing")
     p.add_argument("--syncs", type=int, default=3, help="timed weight syncs (default 3)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.3, help="vLLM's share of the GPU (default 0.3)")
-    p.add_argument("--results", metavar="NAME", type=results_name,
+    p.add_argument("--results", metavar="NAME", type=results.name_argument,
                    help="also write the figures to docs/results/NAME.json, for the docs (the tiny model's run)")
     return p.parse_args(argv)
-
-
-def results_name(text: str) -> str:
-    if not results.NAME.fullmatch(text):
-        raise argparse.ArgumentTypeError(f"{text!r}: a name (docs/results/NAME.json), letters, digits, '-' and '_'")
-    return text
 
 
 if __name__ == "__main__":  # vLLM may spawn processes: keep the guard
