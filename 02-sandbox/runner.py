@@ -69,8 +69,7 @@ class CallFiles:
 
 def exit_after(body, *args) -> NoReturn:
     """In a forked process (the code's, or a slot): run body(*args), then exit with the status it returns.
-    Whatever it raises is printed on stderr and exits 1: the process never goes back to the
-    code it was forked from."""
+    Whatever it raises is printed on stderr and exits 1: the process never goes back to the code it was forked from."""
     status = 1
     try:
         status = body(*args)
