@@ -20,9 +20,7 @@ from pathlib import Path
 
 import runner
 
-# --------------------------------------------------------------------------------------
-# Linux calls Python 3.11 does not wrap (os.unshare and os.setns arrived in 3.12)
-# --------------------------------------------------------------------------------------
+# -------------------------------------- Linux calls Python 3.11 does not wrap (os.unshare and os.setns arrived in 3.12)
 
 CLONE_NEWNS, CLONE_NEWCGROUP, CLONE_NEWUTS, CLONE_NEWIPC = 0x00020000, 0x02000000, 0x04000000, 0x08000000
 CLONE_NEWUSER, CLONE_NEWPID, CLONE_NEWNET = 0x10000000, 0x20000000, 0x40000000
@@ -58,9 +56,7 @@ def umount(target: str) -> None:
 prctl = runner.prctl  # runner.py's, which travels alone into every container
 
 
-# --------------------------------------------------------------------------------------
-# User namespaces: the same containment for a caller who is not root
-# --------------------------------------------------------------------------------------
+# --------------------------------------------------- User namespaces: the same containment for a caller who is not root
 
 CALL_UID = 65534  # the code's uid inside its own user namespace ("nobody"); outside, the caller's uid
 
@@ -108,9 +104,7 @@ def enter_call_namespaces(userns: bool) -> None:
     _check(_LIBC.capset(header, (ctypes.c_uint32 * 6)()), "capset")  # effective, permitted, inheritable: none
 
 
-# --------------------------------------------------------------------------------------
-# The file system: a fresh root that holds only what Python needs
-# --------------------------------------------------------------------------------------
+# ------------------------------------------------------ The file system: a fresh root that holds only what Python needs
 
 SYSTEM_LIBRARIES = ("/lib", "/lib64", "/lib32", "/libx32", "/usr/lib", "/usr/lib64", "/usr/lib32", "/usr/libx32")
 DEVICES = ("/dev/null", "/dev/zero", "/dev/urandom")
@@ -289,9 +283,7 @@ def call_uid(token: int) -> int:
     return 65534
 
 
-# --------------------------------------------------------------------------------------
-# Cgroups: every page the call touches (heap, memfds, tmpfs, page cache) is charged to it
-# --------------------------------------------------------------------------------------
+# ------------------------------ Cgroups: every page the call touches (heap, memfds, tmpfs, page cache) is charged to it
 
 
 class Cgroups:
@@ -554,9 +546,7 @@ def _find_cgroups() -> tuple[int, list[str]]:
                       "e.g. systemd-run --scope -p Delegate=yes") from None
 
 
-# --------------------------------------------------------------------------------------
-# Seccomp: a small BPF program, installed through prctl in the code's own process
-# --------------------------------------------------------------------------------------
+# -------------------------------------- Seccomp: a small BPF program, installed through prctl in the code's own process
 
 # System calls math code never needs, with Docker's default profile as the reference.
 # The reason each is denied is in docs/02-isolation.md; they fail with EPERM.
