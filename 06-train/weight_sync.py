@@ -58,14 +58,14 @@ def any_rank_failed(failed: bool) -> bool:
     return bool(flag.item())
 
 
-def sleep_sampler(llm, level: int = 1) -> bool:
+def sleep_sampler(llm) -> bool:
     """On CUDA, put vLLM to sleep for the update: its KV cache (most of its memory) is freed for the trainer, and
     level 1 moves its weights to host memory (3 GB at 1.5B); `sync_weights` wakes it. Returns whether it slept: on
     CPU, vLLM has no sleep mode."""
     config = llm.llm_engine.vllm_config.model_config
     if not (torch.cuda.is_available() and config.enable_sleep_mode):
         return False
-    llm.sleep(level=level)
+    llm.sleep(level=1)
     return True
 
 
