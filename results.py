@@ -75,9 +75,7 @@ def names() -> list[str]:
 
 def block(name: str, keys: list[str], folder: str = "results") -> str:
     """A block's content: the command that measured it, then its figures (all, or `keys`) as a table.
-
-    `folder` is docs/results as the page links it: "results" from docs/, "../results" from docs/appendix/.
-    """
+    `folder` is docs/results as the page links it: "results" from docs/, "../results" from docs/appendix/."""
     result = load(name)
     figures = result["figures"]
     missing = [key for key in keys if key not in figures]

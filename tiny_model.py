@@ -41,12 +41,9 @@ def build_tiny_model(out_dir: str | os.PathLike, corpus: list[str] | None = None
                      hidden_size: int = 128, num_layers: int = 2, num_heads: int = 2, num_kv_heads: int = 1,
                      intermediate_size: int = 256, max_position_embeddings: int = 4096, seed: int = 0) -> Path:
     """Write a random-init Qwen2 model and its tokenizer to `out_dir`; return the folder.
-
-    The folder holds config.json, model.safetensors, tokenizer.json and
-    tokenizer_config.json, written by `save_pretrained`, so
-    `AutoModelForCausalLM.from_pretrained(path)` and `vllm.LLM(path)` both load it.
-    The same seed and corpus give the same weights and the same vocabulary.
-    """
+    The folder holds config.json, model.safetensors, tokenizer.json and tokenizer_config.json, written by
+    `save_pretrained`, so `AutoModelForCausalLM.from_pretrained(path)` and `vllm.LLM(path)` both load it. The same seed
+    and corpus give the same weights and the same vocabulary."""
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
@@ -78,11 +75,8 @@ def temp_tiny_model() -> Path:
 
 def train_tokenizer(corpus: list[str], vocab_size: int = 512):
     """Train a byte-level BPE on `corpus` and wrap it as a transformers tokenizer.
-
-    Byte-level means every string round-trips: what the BPE never saw is spelled
-    byte by byte. Digits are split one per token (as in Qwen's tokenizer), so a
-    number's tokens do not depend on which merges the corpus happened to teach.
-    """
+    Byte-level means every string round-trips: what the BPE never saw is spelled byte by byte. Digits are split one per
+    token (as in Qwen's tokenizer), so a number's tokens do not depend on which merges the corpus happened to teach."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 

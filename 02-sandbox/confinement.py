@@ -20,9 +20,7 @@ from pathlib import Path
 
 import runner
 
-# --------------------------------------------------------------------------------------
-# Linux calls Python 3.11 does not wrap (os.unshare and os.setns arrived in 3.12)
-# --------------------------------------------------------------------------------------
+# -------------------------------------- Linux calls Python 3.11 does not wrap (os.unshare and os.setns arrived in 3.12)
 
 CLONE_NEWNS, CLONE_NEWCGROUP, CLONE_NEWUTS, CLONE_NEWIPC = 0x00020000, 0x02000000, 0x04000000, 0x08000000
 CLONE_NEWUSER, CLONE_NEWPID, CLONE_NEWNET = 0x10000000, 0x20000000, 0x40000000
@@ -58,21 +56,18 @@ def umount(target: str) -> None:
 prctl = runner.prctl  # runner.py's, which travels alone into every container
 
 
-# --------------------------------------------------------------------------------------
-# User namespaces: the same containment for a caller who is not root
-# --------------------------------------------------------------------------------------
+# --------------------------------------------------- User namespaces: the same containment for a caller who is not root
 
 CALL_UID = 65534  # the code's uid inside its own user namespace ("nobody"); outside, the caller's uid
 
 
 def enter_user_namespace() -> None:
     """The fork server, when not root: a user namespace where it is uid 0, mapped to the caller's uid.
-    There it may make PID, mount, network and IPC namespaces, mount and pivot, over
-    namespaces of its own only; outside it is still the caller, with no more rights.
-    It goes on as PID 1 of a PID namespace of that user namespace (a fork; this process
-    waits for it and exits with it), because the server must come back to its own PID
-    namespace after forking each slot into a new one, which it may only in one it owns.
-    Raises OSError naming what the kernel refused (the sandbox then refuses to start)."""
+    There it may make PID, mount, network and IPC namespaces, mount and pivot, over namespaces of its own only; outside
+    it is still the caller, with no more rights. It goes on as PID 1 of a PID namespace of that user namespace (a fork;
+    this process waits for it and exits with it), because the server must come back to its own PID namespace after
+    forking each slot into a new one, which it may only in one it owns. Raises OSError naming what the kernel refused
+    (the sandbox then refuses to start)."""
     uid, gid = os.geteuid(), os.getegid()
     try:
         unshare(CLONE_NEWUSER | CLONE_NEWPID)
@@ -109,9 +104,7 @@ def enter_call_namespaces(userns: bool) -> None:
     _check(_LIBC.capset(header, (ctypes.c_uint32 * 6)()), "capset")  # effective, permitted, inheritable: none
 
 
-# --------------------------------------------------------------------------------------
-# The file system: a fresh root that holds only what Python needs
-# --------------------------------------------------------------------------------------
+# ------------------------------------------------------ The file system: a fresh root that holds only what Python needs
 
 SYSTEM_LIBRARIES = ("/lib", "/lib64", "/lib32", "/libx32", "/usr/lib", "/usr/lib64", "/usr/lib32", "/usr/libx32")
 DEVICES = ("/dev/null", "/dev/zero", "/dev/urandom")
@@ -150,12 +143,11 @@ def interpreter_paths() -> list[str]:
 
 def build_root() -> dict[str, int]:
     """Once per slot, in its new mount namespace: pivot into a root that holds only the allow list.
-    The root is a small tmpfs, read-only once built: the interpreter's files, the system
-    libraries, a minimal /etc, three devices, the slot's /proc (mount_proc, called first)
-    and mount points for the scratch dirs. Everything else on the
-    machine (the lab, other folders, /dev/fuse, /sys) does not exist for the code.
-    Returns O_PATH descriptors of interpreter folders that lie inside a scratch dir (a venv
-    under /tmp), which every call's fresh scratch must bind back."""
+    The root is a small tmpfs, read-only once built: the interpreter's files, the system libraries, a minimal /etc,
+    three devices, the slot's /proc (mount_proc, called first) and mount points for the scratch dirs. Everything else on
+    the machine (the lab, other folders, /dev/fuse, /sys) does not exist for the code. Returns O_PATH descriptors of
+    interpreter folders that lie inside a scratch dir (a venv under /tmp), which every call's fresh scratch must bind
+    back."""
     system = [p for p in SYSTEM_LIBRARIES if os.path.isdir(p) and not os.path.islink(p)]
     # A system Python's own folders (/usr/lib/python3.11) come with the system libraries.
     binds = [p for p in interpreter_paths() if not any(p == d or _inside(p, d) for d in system)] + system
@@ -212,13 +204,11 @@ def build_root() -> dict[str, int]:
 
 def mount_proc() -> tuple[int, int]:
     """A /proc of the slot's own PID namespace; hidepid=2: the code sees only its own processes.
-    Mounted over the machine's /proc, in the slot's own mount namespace, before build_root
-    binds it into the new root: in a user namespace the kernel allows a new proc only
-    where the machine's is visible. Returns descriptors of the namespace's PID counter
-    (for reset_pids) and of a second proc of the same namespace without hidepid, which
-    only the slot holds: hidepid=2 hides a process that made itself non-dumpable from
-    the slot too (it would need CAP_SYS_PTRACE on the machine), and the slot's memory
-    watch must see every process of the call."""
+    Mounted over the machine's /proc, in the slot's own mount namespace, before build_root binds it into the new root:
+    in a user namespace the kernel allows a new proc only where the machine's is visible. Returns descriptors of the
+    namespace's PID counter (for reset_pids) and of a second proc of the same namespace without hidepid, which only the
+    slot holds: hidepid=2 hides a process that made itself non-dumpable from the slot too (it would need CAP_SYS_PTRACE
+    on the machine), and the slot's memory watch must see every process of the call."""
     mount(None, "/", None, MS_REC | MS_PRIVATE)  # nothing mounted here reaches the host
     try:
         mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
@@ -241,10 +231,9 @@ _MOUNTED_SCRATCH: list[str] = []  # this slot's scratch mounts, in the order the
 
 def fresh_scratch(max_file_mb: int, interpreter_in_scratch: dict[str, int], uid: int | None) -> str:
     """Per call: one empty tmpfs behind every scratch dir (the previous call's detached), a work dir for uid.
-    One tmpfs, not one per dir, so that all the code's files together hold at most
-    4 x max_file_mb, in at most SCRATCH_INODES files and folders. It is mounted on /tmp,
-    each scratch dir gets a folder of it bound over it, /tmp's last: the tmpfs's own
-    root stays hidden under /tmp."""
+    One tmpfs, not one per dir, so that all the code's files together hold at most 4 x max_file_mb, in at most
+    SCRATCH_INODES files and folders. It is mounted on /tmp, each scratch dir gets a folder of it bound over it, /tmp's
+    last: the tmpfs's own root stays hidden under /tmp."""
     while _MOUNTED_SCRATCH:
         umount(_MOUNTED_SCRATCH.pop())
     below = SCRATCH_DIRS[0]
@@ -294,9 +283,7 @@ def call_uid(token: int) -> int:
     return 65534
 
 
-# --------------------------------------------------------------------------------------
-# Cgroups: every page the call touches (heap, memfds, tmpfs, page cache) is charged to it
-# --------------------------------------------------------------------------------------
+# ------------------------------ Cgroups: every page the call touches (heap, memfds, tmpfs, page cache) is charged to it
 
 
 class Cgroups:
@@ -393,14 +380,13 @@ class CallGroup:
 
 class MemoryWatch:
     """Where no cgroup can be had (not root, no delegated cgroup v2): the slot samples the call's memory.
-    RLIMIT_AS caps each process, not the call: a call of N processes could map N times
-    memory_mb. Every TICK seconds of the wait, the slot sums the call's processes' share
-    of their pages (_PROPORTIONAL: a page shared is split), less once the slot's own share,
-    which every fork of it starts with (one that exec'd shares nothing: it counts whole),
-    and kills the call past memory_mb; in a /proc where no process can hide (mount_proc).
-    Kernel memory that no process's pages show is denied or bounded instead: memfds, System V
-    IPC and sockets that queue by the filter (seccomp_program(cgroup=False)); POSIX message
-    queues and locked memory by their rlimits (runner.set_rlimits); files by the scratch tmpfs."""
+    RLIMIT_AS caps each process, not the call: a call of N processes could map N times memory_mb. Every TICK seconds of
+    the wait, the slot sums the call's processes' share of their pages (_PROPORTIONAL: a page shared is split), less
+    once the slot's own share, which every fork of it starts with (one that exec'd shares nothing: it counts whole), and
+    kills the call past memory_mb; in a /proc where no process can hide (mount_proc). Kernel memory that no process's
+    pages show is denied or bounded instead: memfds, System V IPC and sockets that queue by the filter
+    (seccomp_program(cgroup=False)); POSIX message queues and locked memory by their rlimits (runner.set_rlimits); files
+    by the scratch tmpfs."""
 
     TICK = 0.01
 
@@ -414,10 +400,9 @@ class MemoryWatch:
 
     def over(self, memory_mb: int) -> bool:
         """Does the call hold more than memory_mb? Once it does, it stays "OOM-killed".
-        A process's resident and swapped pages bound its proportional share from above:
-        only when their sum passes the cap are the dearer smaps_rollup files read (about
-        0.5 ms a process with sympy loaded, against 10 us for status). A process that made
-        itself non-dumpable refuses the slot its smaps_rollup: it counts whole."""
+        A process's resident and swapped pages bound its proportional share from above: only when their sum passes the
+        cap are the dearer smaps_rollup files read (about 0.5 ms a process with sympy loaded, against 10 us for status).
+        A process that made itself non-dumpable refuses the slot its smaps_rollup: it counts whole."""
         me = str(os.getpid())
         resident = {pid: _held_kb(self.proc, pid, _RESIDENT) or 0 for pid in os.listdir(self.proc) if pid.isdigit() and pid != me}
         if sum(resident.values()) - self.base_kb > memory_mb * 1024:
@@ -540,9 +525,8 @@ def _find_cgroups() -> tuple[int, list[str]]:
         raise OSError(e.errno, f"cgroup v2 at {path} is not readable: {e.strerror}") from None
     if not {"memory", "pids"} <= set(available):
         raise OSError(2, f"cgroup v2 at {path} offers {available}, without memory and pids")
-    # A cgroup that holds processes (ours holds the caller) cannot hand controllers to
-    # children, except the root: our groups go under the nearest cgroup that already
-    # does, ours or an ancestor, or under the root, which we may enable.
+    # A cgroup that holds processes (ours holds the caller) cannot hand controllers to children, except the root: our
+    # groups go under the nearest cgroup that already does, ours or an ancestor, or under the root, which we may enable.
     candidate = path
     while True:
         with open(f"{candidate}/cgroup.subtree_control") as f:
@@ -562,9 +546,7 @@ def _find_cgroups() -> tuple[int, list[str]]:
                       "e.g. systemd-run --scope -p Delegate=yes") from None
 
 
-# --------------------------------------------------------------------------------------
-# Seccomp: a small BPF program, installed through prctl in the code's own process
-# --------------------------------------------------------------------------------------
+# -------------------------------------- Seccomp: a small BPF program, installed through prctl in the code's own process
 
 # System calls math code never needs, with Docker's default profile as the reference.
 # The reason each is denied is in docs/02-isolation.md; they fail with EPERM.
@@ -651,10 +633,9 @@ _NR, _ARCH, _ARGS = 0, 4, (16, 24, 32)  # offsets in struct seccomp_data (argume
 
 def seccomp_program(cgroup: bool = True) -> bytes:
     """The filter, one BPF instruction (code, jump if true, jump if false, constant) per line.
-    A jump skips that many instructions. Every denied call gets a test and a return:
-    "is it number N? then fail with EPERM"; the calls after them are judged by an
-    argument, as the tables above say. cgroup=False (no cgroup counts the call's memory)
-    also denies NO_CGROUP_DENIED."""
+    A jump skips that many instructions. Every denied call gets a test and a return: "is it number N? then fail with
+    EPERM"; the calls after them are judged by an argument, as the tables above say. cgroup=False (no cgroup counts the
+    call's memory) also denies NO_CGROUP_DENIED."""
     machine = platform.machine()
     if machine not in _TABLES:
         raise OSError(_ENOSYS, f"no seccomp system-call table for {machine} (known: {sorted(_TABLES)})")

@@ -25,9 +25,8 @@ import runner
 
 def serve(options: dict, enter_slot, serve_call) -> None:
     """Run until the caller closes our stdin. The first stdout line says what isolation we got, or why none.
-    enter_slot(slot) and serve_call(slot, call_index) -> bool: the containment sequence each
-    slot runs (sandbox.py's, handed over by the bootstrap: the core imports its machinery,
-    never the other way round)."""
+    enter_slot(slot) and serve_call(slot, call_index) -> bool: the containment sequence each slot runs (sandbox.py's,
+    handed over by the bootstrap: the core imports its machinery, never the other way round)."""
     runner.preload(options["preload"])
     mode = options["isolation"]
     if mode == "namespaces" and os.geteuid() != 0:

@@ -53,9 +53,7 @@ def preload(modules: list[str]) -> None:
             pass  # a missing optional library is imported (and fails) in the code, as usual
 
 
-# --------------------------------------------------------------------------------------
-# The steps of a call, in the order sandbox.serve_call takes them
-# --------------------------------------------------------------------------------------
+# ------------------------------------------------------ The steps of a call, in the order sandbox.serve_call takes them
 
 
 class CallFiles:
@@ -69,8 +67,7 @@ class CallFiles:
 
 def exit_after(body, *args) -> NoReturn:
     """In a forked process (the code's, or a slot): run body(*args), then exit with the status it returns.
-    Whatever it raises is printed on stderr and exits 1: the process never goes back to the
-    code it was forked from."""
+    Whatever it raises is printed on stderr and exits 1: the process never goes back to the code it was forked from."""
     status = 1
     try:
         status = body(*args)
@@ -194,9 +191,7 @@ def collect(pid: int, files: CallFiles, answer_fd: int, limiter=None, may_copy: 
         os.close(files.err)
 
 
-# --------------------------------------------------------------------------------------
-# The detail of the supervisor's side
-# --------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------- The detail of the supervisor's side
 
 
 def _wait_for(user: int, timeout: float | None, over_memory=None, tick: float | None = None) -> tuple[int, bool]:
@@ -351,9 +346,7 @@ def _kill_quietly(pid: int) -> None:
         pass
 
 
-# --------------------------------------------------------------------------------------
-# The detail of the code's side
-# --------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------------- The detail of the code's side
 
 
 def _set_limit(kind: int, value: int) -> None:
@@ -425,9 +418,7 @@ def _io_text(fd: int, mode: str):
     return io.TextIOWrapper(raw, encoding="utf-8", errors="backslashreplace", write_through=True)
 
 
-# --------------------------------------------------------------------------------------
-# Inside a container: one call, then the container is removed
-# --------------------------------------------------------------------------------------
+# ---------------------------------------------------------- Inside a container: one call, then the container is removed
 
 
 def container_main(options: dict) -> None:

@@ -131,13 +131,11 @@ class SandboxFusionBackend:
 
 def exchange(url: str, method: str, body: bytes, headers: dict, deadline: float, limit: int) -> tuple[int, bytes]:
     """One HTTP/1.1 request and its final answer, (status, body), all of it by `deadline`.
-    urllib's timeout counts each receive, so a server trickling a byte at a time, or
-    sending `100 Continue` without end, holds a call for ever; and urllib follows
-    redirects, sending the token wherever one points. Here every step waits only for
-    what is left of the one deadline (TimeoutError), interim 1xx answers are skipped
-    within it, nothing is followed, no proxy is used, and past `limit` bytes received
-    the answer is refused. A connection that closes before the answer is whole raises
-    Dropped; a refused one ConnectionRefusedError."""
+    urllib's timeout counts each receive, so a server trickling a byte at a time, or sending `100 Continue` without end,
+    holds a call for ever; and urllib follows redirects, sending the token wherever one points. Here every step waits
+    only for what is left of the one deadline (TimeoutError), interim 1xx answers are skipped within it, nothing is
+    followed, no proxy is used, and past `limit` bytes received the answer is refused. A connection that closes before
+    the answer is whole raises Dropped; a refused one ConnectionRefusedError."""
     parts = urllib.parse.urlsplit(url)
     host, port = parts.hostname or "", parts.port or (443 if parts.scheme == "https" else 80)
     sock = socket.create_connection((host, port), timeout=_left(deadline))
@@ -250,11 +248,10 @@ def unreachable(cfg) -> list[str]:
 
 def to_answer(response, url: str, cap: int) -> dict:
     """A RunCodeResponse as the answer dict Sandbox turns into an ExecResult (runner.read_answer's keys).
-    Success/Failed with run_result Finished -> its return_code; TimeLimitExceeded -> timed out;
-    SandboxError, no run_result, or fields of the wrong type or size -> a failed call whose
-    stderr says why. A non-empty `message` on a failed call is the reason line (the lab's
-    server puts it there). Each stream keeps at most `cap` bytes, head and tail, as the
-    local sandbox's do."""
+    Success/Failed with run_result Finished -> its return_code; TimeLimitExceeded -> timed out; SandboxError, no
+    run_result, or fields of the wrong type or size -> a failed call whose stderr says why. A non-empty `message` on a
+    failed call is the reason line (the lab's server puts it there). Each stream keeps at most `cap` bytes, head and
+    tail, as the local sandbox's do."""
     response = response if isinstance(response, dict) else {}
     run, status, message = response.get("run_result"), response.get("status"), response.get("message")
     message = message if isinstance(message, str) else None

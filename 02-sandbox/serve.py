@@ -184,9 +184,7 @@ def request_problem(body) -> str:
     return ""
 
 
-# --------------------------------------------------------------------------------------
-# HTTP: one thread reads every request under a total deadline; a pool of threads answers them
-# --------------------------------------------------------------------------------------
+# -------------------------- HTTP: one thread reads every request under a total deadline; a pool of threads answers them
 
 
 class Server:

@@ -127,10 +127,8 @@ def measure(llm, problems: list[dict], sandbox, cfg, repeats: int, name: str, pl
 
 class SleepingTool:
     """A stand-in for the sandbox, in this bench only: it answers the forced code blocks by reading them.
-
-    It sleeps as long as the code's `time.sleep` asks, in the calling thread, and prints what
-    `print(a * b)` or `print(n)` would: no process and no CPU, the rollout's cost without the sandbox's.
-    """
+    It sleeps as long as the code's `time.sleep` asks, in the calling thread, and prints what `print(a * b)` or
+    `print(n)` would: no process and no CPU, the rollout's cost without the sandbox's."""
 
     def run(self, code: str, timeout: float | None = None):
         from sandbox import ExecResult
@@ -164,11 +162,8 @@ def ratio(runs: dict[str, list[dict]], kind: str, sandbox_too: bool) -> str:
 
 def heavy_tail(shortest: int, classes: int) -> str:
     """A regex whose first token picks a length class: `shortest` * 2**k digits, half as likely per doubling.
-
-    A random model picks among the allowed marker letters about uniformly, so class
-    k is chosen with probability about 2**-(k+1) (the last two classes share the
-    rest), and the digits that follow are one token each.
-    """
+    A random model picks among the allowed marker letters about uniformly, so class k is chosen with probability about
+    2**-(k+1) (the last two classes share the rest), and the digits that follow are one token each."""
     letters = iter(string.ascii_letters)  # 2**(classes-1) of them: 32 for 6 classes
     parts = []
     for k in range(classes):
@@ -184,10 +179,8 @@ def tool_call_regex(sleep: float) -> str:
 
 def bare_generate(llm, problems: list[dict], cfg, lengths: list[int], grammar: bool) -> dict:
     """One generate call on the same prompts: one request per sample, its length fixed, no stop string.
-
-    Without `grammar` EOS is ignored and `max_tokens` fixes the length; with it, a
-    regex of length-1 digits is followed by the EOS the grammar forces.
-    """
+    Without `grammar` EOS is ignored and `max_tokens` fixes the length; with it, a regex of length-1 digits is followed
+    by the EOS the grammar forces."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
     from vllm.sampling_params import StructuredOutputsParams

@@ -16,13 +16,10 @@ _REQUEST_IDS = itertools.count()  # unique in the process: the engine may be sha
 
 def run_overlapped(engine, in_flight: list, run_code: Callable, spent: dict) -> None:
     """Sample every trajectory in `in_flight` to its end, each on its own: no trajectory waits for another.
-
-    The engine steps continuously (vLLM's in-process `llm.llm_engine`: `add_request`,
-    `step`); a turn that stops on ```output hands its code to `run_code` in a sandbox
-    thread at once, and its continuation joins the running batch when the result is
-    back. The loop blocks only when nothing is left to decode; `spent["sandbox_s"]`
-    counts that wait and `spent["steps"]` the engine steps.
-    """
+    The engine steps continuously (vLLM's in-process `llm.llm_engine`: `add_request`, `step`); a turn that stops on
+    ```output hands its code to `run_code` in a sandbox thread at once, and its continuation joins the running batch
+    when the result is back. The loop blocks only when nothing is left to decode; `spent["sandbox_s"]` counts that wait
+    and `spent["steps"]` the engine steps."""
     from vllm.inputs import tokens_input
     from vllm.sampling_params import RequestOutputKind
 

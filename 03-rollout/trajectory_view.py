@@ -12,12 +12,9 @@ import html
 def render_html(trajectories: list, tokenizer, rewards: list | None = None, title: str = "rollouts",
                 total: int | None = None) -> str:
     """A standalone page: per trajectory its summary, its tool calls and every token as a box, coloured as above.
-
-    Neighbouring boxes alternate shade so that token boundaries show; hovering a
-    box shows its position, id, mask and log-prob.
-    `rewards` are chapter 04's RewardResults, one per trajectory (None: show the
-    stored reward only). `total`: how many there were, when the page shows fewer.
-    """
+    Neighbouring boxes alternate shade so that token boundaries show; hovering a box shows its position, id, mask and
+    log-prob. `rewards` are chapter 04's RewardResults, one per trajectory (None: show the stored reward only). `total`:
+    how many there were, when the page shows fewer."""
     shown = len(trajectories)
     count = f"{shown} of {total}" if total is not None and total != shown else f"{shown}"
     scored = rewards or [None] * shown
@@ -71,11 +68,8 @@ def _box(kind: str, pos: int, tok: int, piece: str, logprob: float | None) -> st
 
 def token_pieces(tokenizer, ids: list[int]) -> list[str]:
     """The text each token adds, so that the pieces join into the decoded text.
-
-    A byte-level BPE token may hold half of a character; its piece is then empty
-    and the next token's piece carries the whole character. Tokenizers that are
-    not byte-level fall back to decoding each token on its own.
-    """
+    A byte-level BPE token may hold half of a character; its piece is then empty and the next token's piece carries the
+    whole character. Tokenizers that are not byte-level fall back to decoding each token on its own."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None or type(backend.decoder).__name__ != "ByteLevel":
         return [tokenizer.decode([i]) for i in ids]
@@ -108,11 +102,8 @@ def draw_tokens(t, tokenizer) -> str:
 
 def _byte_level_alphabet() -> dict[str, int]:
     """Inverse of byte-level BPE's byte-to-character map (GPT-2's convention).
-
-    Printable Latin-1 bytes stand for themselves; the other 68 bytes are shifted
-    to code points 256 and up, in byte order, so that no token holds a control
-    character or a space.
-    """
+    Printable Latin-1 bytes stand for themselves; the other 68 bytes are shifted to code points 256 and up, in byte
+    order, so that no token holds a control character or a space."""
     keep = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
     shifted = [b for b in range(256) if b not in keep]
     return {chr(b): b for b in keep} | {chr(256 + i): b for i, b in enumerate(shifted)}

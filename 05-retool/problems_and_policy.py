@@ -208,10 +208,9 @@ def further_schedules(text: str) -> list[tuple[int, int, bool]]:
 
 def cold_start_key(argv: list[str], train_file: str, source: str | None, before: str) -> str:
     """A digest of everything that determines a cold-started base, so that a change to any of it is a new base:
-    the settings (argv, without --out yet), the training problems, the code that writes the traces (the chained
-    task's calls too) and builds or loads the model, the template table, the pretrained model's files (names and
-    sizes) when one is tuned, and the key of the schedule `before` this one ("" for the first), whose weights it
-    starts from."""
+    the settings (argv, without --out yet), the training problems, the code that writes the traces (the chained task's
+    calls too) and builds or loads the model, the template table, the pretrained model's files (names and sizes) when
+    one is tuned, and the key of the schedule `before` this one ("" for the first), whose weights it starts from."""
     import hashlib
 
     import torch

@@ -305,10 +305,9 @@ def cores_per_rank() -> int:
 
 def combine_metrics(per_rank: list[dict]) -> dict:
     """Combine per-rank metric dicts into the whole step's, exactly where the rule allows: counts add; timings
-    (`*_s`: the step waits for the slowest rank) and maxima take the max; a mean weighs each rank by what it is
-    over (`weight`); the rest (loss, grad_norm, ...) is kept when equal on every rank, else the plain mean; lists
-    (problem ids) are concatenated; anything else is rank 0's.
-    """
+    (`*_s`: the step waits for the slowest rank) and maxima take the max; a mean weighs each rank by what it is over
+    (`weight`); the rest (loss, grad_norm, ...) is kept when equal on every rank, else the plain mean; lists (problem
+    ids) are concatenated; anything else is rank 0's."""
     if len(per_rank) == 1:
         return dict(per_rank[0])
     sums = {"trajectories", "tokens", "sequences", "degenerate_groups", "errors", "generated_tokens", "rows_skipped",

@@ -19,16 +19,12 @@ AGGREGATIONS = ("token-mean", "sequence-mean", "token-sum")
 def gspo_loss(logprobs, old_logprobs, advantages, loss_mask, eps_low: float = 3e-4, eps_high: float = 4e-4,
               aggregation: str = "sequence-mean", normalizer: float | None = None, token_weights=None):
     """GSPO: -min(s_i A_i, clip(s_i, 1-eps_low, 1+eps_high) A_i) per sequence, mean over sequences.
-
-    s_i = exp(mean over the sequence's model tokens of log pi - log pi_old): its
-    gradient reaches every model token, s_i / |y_i| each (GSPO-token's gradient).
-    `aggregation` must be "sequence-mean" (the objective's own); `normalizer`
-    replaces the sequence count, as in `aggregate`. `token_weights` ([B, T], no
-    gradient) weigh a sequence by their mean over its model tokens: with
-    sequence-mask that is its 0 or 1. Example, A = +1, eps_high 4e-4: token
-    ratios 1.001 and 0.999 give s = 0.9999995 and the full gradient; 1.001 and
-    1.001 give s = 1.001, clipped: no gradient for either token.
-    """
+    s_i = exp(mean over the sequence's model tokens of log pi - log pi_old): its gradient reaches every model token,
+    s_i / |y_i| each (GSPO-token's gradient). `aggregation` must be "sequence-mean" (the objective's own); `normalizer`
+    replaces the sequence count, as in `aggregate`. `token_weights` ([B, T], no gradient) weigh a sequence by their mean
+    over its model tokens: with sequence-mask that is its 0 or 1. Example, A = +1, eps_high 4e-4: token ratios 1.001 and
+    0.999 give s = 0.9999995 and the full gradient; 1.001 and 1.001 give s = 1.001, clipped: no gradient for either
+    token."""
     if aggregation != "sequence-mean":
         raise ValueError(f"gspo averages over sequences: aggregation {aggregation!r} does not apply")
     mask = loss_mask.bool()
@@ -53,13 +49,10 @@ def gspo_loss(logprobs, old_logprobs, advantages, loss_mask, eps_low: float = 3e
 def cispo_loss(logprobs, old_logprobs, advantages, loss_mask, eps_low: float = 0.2, eps_high: float = 0.28,
                aggregation: str = "token-mean", normalizer: float | None = None, token_weights=None):
     """CISPO: -detach(clip(r, 1-eps_low, 1+eps_high)) * A * log pi per model token, aggregated as `aggregation` says.
-
-    The clip bounds the weight, not the term: every model token keeps the
-    gradient clip(r) * A * grad log pi. Example, A = +1: r = 1.5 gives weight
-    1.28 and gradient 1.28 * grad log pi where PPO-clip gives none. The loss's
-    value is not PPO's (it holds log pi, not r); its gradient at r = 1 is.
-    clip_low_frac / clip_high_frac: tokens (with a non-zero advantage) whose weight was clipped.
-    """
+    The clip bounds the weight, not the term: every model token keeps the gradient clip(r) * A * grad log pi. Example,
+    A = +1: r = 1.5 gives weight 1.28 and gradient 1.28 * grad log pi where PPO-clip gives none. The loss's value is not
+    PPO's (it holds log pi, not r); its gradient at r = 1 is. clip_low_frac / clip_high_frac: tokens (with a non-zero
+    advantage) whose weight was clipped."""
     if advantages.dim() == 1:
         advantages = advantages.unsqueeze(-1)
     mask = loss_mask.bool()

@@ -41,10 +41,8 @@ def sync_weights(model, llm) -> int:
 
 def engine_weights(model, dtype):
     """(Hugging Face name, full tensor in the engine's dtype) per parameter, lazily, as vLLM's loader asks.
-
-    Each shard is cast before it is gathered (FSDP2's `full_tensor` is a collective):
-    the gather then moves bf16 on a GPU, half the bytes of float32.
-    """
+    Each shard is cast before it is gathered (FSDP2's `full_tensor` is a collective): the gather then moves bf16 on a
+    GPU, half the bytes of float32."""
     return ((name, full_tensor(param.detach().to(dtype))) for name, param in unwrap(model).named_parameters())
 
 
@@ -60,23 +58,22 @@ def any_rank_failed(failed: bool) -> bool:
     return bool(flag.item())
 
 
-def sleep_sampler(llm, level: int = 1) -> bool:
+def sleep_sampler(llm) -> bool:
     """On CUDA, put vLLM to sleep for the update: its KV cache (most of its memory) is freed for the trainer, and
     level 1 moves its weights to host memory (3 GB at 1.5B); `sync_weights` wakes it. Returns whether it slept: on
     CPU, vLLM has no sleep mode."""
     config = llm.llm_engine.vllm_config.model_config
     if not (torch.cuda.is_available() and config.enable_sleep_mode):
         return False
-    llm.sleep(level=level)
+    llm.sleep(level=1)
     return True
 
 
 def reload_weights_in_worker(worker, weights) -> None:
     """Runs inside vLLM's worker (in this process): in-place reload, then the CPU fix-up."""
     worker.reload_weights(weights_iterator=weights, is_checkpoint_format=True)
-    # vLLM's CPU backend keeps a pre-packed copy of the output projection for its
-    # matmul kernel. A tied lm_head (Qwen's small models) receives no weights of
-    # its own during a reload, so that copy would keep the old embedding matrix:
+    # vLLM's CPU backend keeps a pre-packed copy of the output projection for its matmul kernel. A tied lm_head (Qwen's
+    # small models) receives no weights of its own during a reload, so that copy would keep the old embedding matrix:
     # repack it. On a GPU there is no such copy (lm_head *is* the embedding tensor).
     lm_head = getattr(worker.model_runner.get_model(), "lm_head", None)
     if lm_head is not None and hasattr(lm_head, "cpu_linear"):
