@@ -1663,7 +1663,7 @@ def test_the_page_states_the_defaults_and_constants_of_the_code():
     says(name, f"| `max_processes` | {cfg.max_processes} |", f"{cfg.max_processes} processes leave room for a thread pool")
     says(name, f"A slot retires after {local_backend.SLOT_CALLS} calls (`local_backend.SLOT_CALLS`)")
     says("02-isolation.md", f"removes itself after {runner.IDLE_EXIT / 60:g} minutes")
-    says(name, f"the work dir is `{confinement.WORKDIR}`",
+    says("02-isolation.md", f"the work dir is `{confinement.WORKDIR}`",
          "| " + ", ".join(f"`{path}`" for path in confinement.SCRATCH_DIRS) + " | fresh size-capped tmpfs per call",
          ", ".join(f"`{os.path.basename(device)}`" for device in confinement.DEVICES) + " (bound)",
          ", ".join(f"`{file}`" for file in confinement._ETC) + " written by the sandbox")
