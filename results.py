@@ -17,6 +17,7 @@ import argparse
 import json
 import os
 import re
+import shlex
 import sys
 from pathlib import Path
 
@@ -56,6 +57,16 @@ def name_argument(text: str) -> str:
     if not NAME.fullmatch(text):
         raise argparse.ArgumentTypeError(f"{text!r}: a name (docs/results/NAME.json), letters, digits, '-' and '_'")
     return text
+
+
+def figure_key(words: str) -> str:
+    """A figure's name from words: lower case, each run of other characters one `_` ("$ inside the box" -> inside_the_box)."""
+    return re.sub(r"\W+", "_", words).strip("_").lower()
+
+
+def make_command(target: str, args: list[str]) -> str:
+    """`make TARGET ARGS='...'`: how a bench's results file records the run, so that it can be typed again."""
+    return f"make {target} ARGS={shlex.quote(shlex.join(args))}"
 
 
 def load(name: str) -> dict:

@@ -27,6 +27,8 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+from results import name_argument, save  # noqa: E402  (the lab's root, whichever Python runs this)
 BURST = ("import os, time\n"  # every process the call may have, each touching what its address space allows, at once
          "start_r, start_w = os.pipe()\n"
          "for _ in range({processes} - 1):\n"
@@ -67,7 +69,8 @@ def main() -> int:
     parser.add_argument("--memory-mb", type=int, default=256, help="the call's cap (default: %(default)s)")
     parser.add_argument("--processes", type=int, default=64, help="max_processes, all used by the burst (default: %(default)s)")
     parser.add_argument("--tries", type=int, default=10, help="bursts, one call each (default: %(default)s)")
-    parser.add_argument("--results", metavar="NAME", help="also write the figures to docs/results/NAME.json")
+    parser.add_argument("--results", metavar="NAME", type=name_argument,
+                        help="also write the figures to docs/results/NAME.json")
     args = parser.parse_args()
     if os.geteuid() != 0:
         parser.error("run it as root: it starts the sandbox as --user and watches the machine's memory from outside")
@@ -117,9 +120,6 @@ def main() -> int:
     print(f"  above the cap for at most {max(held_s) * 1000:.0f} ms (median {statistics.median(held_s) * 1000:.0f} ms)")
     print(f"  calls killed with MemoryError: {killed} of {args.tries}")
     if args.results:
-        sys.path.insert(0, str(HERE.parent))
-        from results import save
-
         figures = {"cap_mb": args.memory_mb, "processes": args.processes, "tries": args.tries, "killed": killed,
                    "drop_max_mb": round(max(drops)), "drop_median_mb": round(statistics.median(drops)),
                    "over_cap_max_ms": round(max(held_s) * 1000), "over_cap_median_ms": round(statistics.median(held_s) * 1000)}

@@ -34,9 +34,7 @@ import concurrent.futures
 import contextlib
 import json
 import os
-import re
 import resource
-import shlex
 import shutil
 import subprocess
 import sys
@@ -47,6 +45,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from runner import clean_env  # noqa: E402
 from sandbox import ExecResult, Sandbox, SandboxConfig, SandboxError  # noqa: E402
+from results import figure_key, make_command, name_argument, save  # noqa: E402
 
 WORKLOADS = {  # name: (code, what it prints)
     "print(1+1)": ("print(1+1)", "2\n"),
@@ -65,12 +64,11 @@ def main() -> int:
                         help="as root: also measure the fork server run by USER (not root: isolation userns) with "
                         "--user-python; repeat for several users; workloads that Python cannot import are skipped")
     parser.add_argument("--user-python", default="/usr/bin/python3", help="a Python every user may run (default: %(default)s)")
-    parser.add_argument("--results", metavar="NAME", help="also write the figures to docs/results/NAME.json, for the docs")
+    parser.add_argument("--results", metavar="NAME", type=name_argument,
+                        help="also write the figures to docs/results/NAME.json, for the docs")
     args = parser.parse_args()
     if args.calls < 1 or args.rounds < 1 or args.concurrency < 1:
         parser.error("--calls, --rounds and --concurrency must be positive")
-    if args.results is not None and not re.fullmatch(r"[\w-]+", args.results):
-        parser.error(f"--results {args.results!r}: a name (docs/results/NAME.json), letters, digits, '-' and '_'")
 
     meter = CpuMeter()  # before any child starts: children inherit the cgroup
     config = SandboxConfig(concurrency=args.concurrency)
@@ -118,7 +116,7 @@ def main() -> int:
             p50_ms, p99_ms = (1000 * percentile(latencies, q) for q in (50, 99))
             print(f"{name:<17} {design:<16} {len(latencies):>6} {errors:>6} {rates[design]:>9.1f} "
                   f"{p50_ms:>8.1f} {p99_ms:>8.1f} {cpu_ms:>7}")
-            row = name.split("(")[0].split()[0] + "_" + re.sub(r"\W+", "_", design).strip("_")  # print_fork_server
+            row = name.split("(")[0].split()[0] + "_" + figure_key(design)  # print_fork_server
             figures.update({f"{row}_calls_per_s": round(rates[design], 1), f"{row}_wrong": errors,
                             f"{row}_p50_ms": round(p50_ms, 1), f"{row}_p99_ms": round(p99_ms, 1)})
             if cpu_ms != "n/a":
@@ -137,14 +135,11 @@ def main() -> int:
     print("the HTTP service's calls/s as a share of the fork server's: "
           + ", ".join(f"{name} {100 * share:.0f}%" for name, share in http_share.items()))
     if args.results:
-        from results import save
-
         figures.update(load_average_after=round(os.getloadavg()[0], 1),
                        print_speedup=round(speedups["print(1+1)"], 1), sympy_speedup=round(speedups["sympy factorint"], 1),
                        print_service_share_percent=round(100 * http_share["print(1+1)"]),
                        sympy_service_share_percent=round(100 * http_share["sympy factorint"]))
-        command = " ".join(["make bench-sandbox", f"ARGS={shlex.quote(shlex.join(sys.argv[1:]))}"])
-        print(f"wrote {save(args.results, command, figures)}")
+        print(f"wrote {save(args.results, make_command('bench-sandbox', sys.argv[1:]), figures)}")
     return 0 if sympy_ok and print_ok else 1
 
 

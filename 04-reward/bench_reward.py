@@ -13,14 +13,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import shlex
 import statistics
 import sys
 import time
 
 import reward
 from lab_cli import at_least, one_line_errors
-from results import name_argument, save
+from results import make_command, name_argument, save
 
 BATCH = [f"so \\boxed{{\\frac{{{i}}}{{4}}}}" for i in range(400)], [str(i / 4) for i in range(400)]
 TOWER = "\\boxed{9^{9^{9^{9}}}}"  # 9^(9^(9^9)): math-verify would compute it for ever
@@ -60,7 +59,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{what:<22} {best:>8} {median:>8}")
         figures.update({f"best_{what}": best, f"median_{what}": median})
     if args.results:
-        command = "make bench-reward ARGS=" + shlex.quote(shlex.join(sys.argv[1:] if argv is None else argv))
+        command = make_command("bench-reward", sys.argv[1:] if argv is None else argv)
         print(f"wrote {save(args.results, command, figures)}")
 
 

@@ -142,14 +142,15 @@ def _unparsed(answer: str, reference: str) -> bool:
 
 def main(argv: list[str] | None = None) -> None:
     from lab_cli import at_least, one_line_errors
-    from results import name_argument, save
+    from results import figure_key, name_argument, save
 
     p = one_line_errors(argparse.ArgumentParser(description="Count where the lab's scorer and ToRL's disagree, by kind."))
     p.add_argument("--answers", metavar="SOURCE", help="take the references from a data set chapter 01 reads "
                    "(a .jsonl/.parquet file, ToRL's schema included); default: a built-in handful")
     p.add_argument("--dump", metavar="FILE", help="also write the cases as JSONL (input for reward.py --jsonl)")
     p.add_argument("--workers", type=at_least(1), default=2)
-    p.add_argument("--results", metavar="NAME", type=name_argument, help="also write the counts to docs/results/NAME.json, for the docs")
+    p.add_argument("--results", metavar="NAME", type=name_argument,
+                   help="also write the counts to docs/results/NAME.json, for the docs")
     args = p.parse_args(argv)
     answers = SAMPLE_ANSWERS
     if args.answers:
@@ -176,14 +177,10 @@ def main(argv: list[str] | None = None) -> None:
     if args.results:
         figures = {"references": len(answers), "responses": len(cases), "scored_differently": total}
         for kind, row in table.items():  # "$ inside the box" -> inside_the_box_rows, inside_the_box_lab_only, ...
-            figures.update({f"{key(kind)}_{key(column)}": row[column] for column in row if column != "example"})
-        command = shlex.join([".venv/bin/python", "04-reward/compare_scorers.py", *(sys.argv[1:] if argv is None else argv)])
+            figures.update({f"{figure_key(kind)}_{figure_key(column)}": row[column] for column in row if column != "example"})
+        command = shlex.join([".venv/bin/python", "04-reward/compare_scorers.py",
+                              *(sys.argv[1:] if argv is None else argv)])
         print(f"wrote {save(args.results, command, figures)}")
-
-
-def key(words: str) -> str:
-    """A figure's name from a kind or a column: lower case, each run of other characters one `_`."""
-    return re.sub(r"\W+", "_", words).strip("_").lower()
 
 
 if __name__ == "__main__":

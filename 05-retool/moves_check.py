@@ -27,6 +27,7 @@ import argparse
 import json
 import sys
 
+import results
 from lab_cli import one_line_errors, run_script
 from prompt_templates import render_prompt
 from rollout import encode_plain
@@ -45,8 +46,9 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     p.add_argument("--problems", default="data/chained_test.jsonl", help="chained problems to check on")
     p.add_argument("--n", type=int, default=64, help="problems to check on (default 64)")
     p.add_argument("--template", default="torl", help="prompt template (chapter 03's table)")
-    p.add_argument("--results", metavar="NAME", help="also write the shares to docs/results/NAME.json, "
-                                                     "as base1_call, base1_box, ... in the order given (results.py)")
+    p.add_argument("--results", metavar="NAME", type=results.name_argument,
+                   help="also write the shares to docs/results/NAME.json, as base1_call, base1_box, ... in the order "
+                   "given (results.py)")
     args = p.parse_args(argv)
     from prepare_data import read_jsonl
 
@@ -56,8 +58,6 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         print(f"{model}: {json.dumps(shares)}")
         figures.update({f"base{i}_{move}": shares[move] for move in MOVES + DECISIONS})
     if args.results:
-        import results
-
         results.save(args.results, " ".join(["05-retool/moves_check.py", *(argv if argv is not None else sys.argv[1:])]),
                       figures)
     return figures

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import shlex
 import statistics
 import sys
 import tempfile
@@ -162,7 +161,7 @@ def run(args, model_path: str) -> None:
                         "sync_ms": round(statistics.median(sync_times) * 1e3, 1),
                         "mismatch_after_sync_mean": float(f"{gap[0]:.3e}"), "mismatch_after_sync_max": float(f"{gap[1]:.3e}")})
     if args.results:  # the figures of this run into docs/results/NAME.json, with the command that measured them
-        print(f"wrote {results.save(args.results, 'make bench-train ARGS=' + shlex.quote(shlex.join(sys.argv[1:])), figures)}")
+        print(f"wrote {results.save(args.results, results.make_command('bench-train', sys.argv[1:]), figures)}")
 
 
 def run_shape(args) -> None:
