@@ -41,7 +41,7 @@ NPROC ?= $(or $(filter-out 0,$(shell if [ -n "$${CUDA_VISIBLE_DEVICES+set}" ]; t
 endif
 NPROC ?= 1
 
-.PHONY: setup smollm2 test docs-results run-01 run-05 run-06 eval-05 bench-sandbox bench-reward bench-rollout bench-train bench-06 clean
+.PHONY: setup smollm2 test docs-results run-01 run-05 run-06 base-06 eval-05 bench-sandbox bench-reward bench-rollout bench-train bench-06 clean
 setup: $(STAMP)
 
 $(STAMP): requirements/common.txt requirements/$(DEVICE).txt
@@ -95,12 +95,17 @@ run-01: $(STAMP)
 	$(PY) 01-data/prepare_data.py $(ARGS)
 	$(PY) 01-data/chained_problems.py --out-dir data
 
-# Chapter 06's experiment (06-train/experiment.py): data, the chained task's base, its moves check, RL at
-# C = 1, 2, 4 and a report in runs/experiment-06. SEEDS="0 1 2" ARMS=all: the pages' full runs.
+# Chapter 06's experiment (06-train/experiment.py): data, the released base's moves check, RL at C = 1, 2, 4 and a
+# report in runs/experiment-06. SEEDS="5 6 7" ARMS=all: three seeds, every arm.
 SEEDS ?= 0
 ARMS ?= budget
 run-06: $(STAMP)
 	$(PY) 06-train/experiment.py --seeds $(SEEDS) --arms $(ARMS) $(ARGS)
+
+# The released base's recipe (06-train/make_base.py): the chained task's cold starts, kernels held to one path,
+# then its moves check beside the released base's; ARGS=--release releases it.
+base-06: $(STAMP)
+	$(PY) 06-train/make_base.py $(ARGS)
 
 run-05: $(STAMP) $(if $(filter smollm2,$(PRESET)),$(SMOLLM2_STAMP))
 	$(if $(filter $(PRESET),$(GPU_PRESETS)),@echo "run-05: $(PRESET) on $(NPROC) GPU(s): one process per GPU (NPROC=N to choose)")

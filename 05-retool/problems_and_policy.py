@@ -182,6 +182,8 @@ def cold_start_argvs(cfg) -> list[list[str]]:
             first[flag] = value
     if cfg.cold_start == "finetune":
         first.update({"--train-layers": cfg.train_layers, "--warmup-steps": 10, "--threads": trainer_threads(cfg) or 1})
+    elif cfg.trainer_threads:  # a tiny model's threads only where set: 06-train/make_base.py holds them to one count
+        first["--threads"] = trainer_threads(cfg)
     flags = [first]
     for steps, tool_only_steps, drills in further_schedules(cfg.cold_start_schedules):
         later = {k: v for k, v in first.items() if k not in ("--kv-heads", "--rounds")}  # the model exists by now

@@ -1,17 +1,18 @@
-"""Chapter 06's experiment in one command: the chained task, its base, the moves check, RL at C = 1, 2, 4, a report.
+"""Chapter 06's experiment in one command: from the released base, its moves check, RL at C = 1, 2, 4, a report.
 
     make run-06                                  # one seed: the three budgets, 60 steps each
-    make run-06 SEEDS="0 1 2" ARMS=all           # the pages' full runs: every arm of ablation.py, three seeds
+    make run-06 SEEDS="5 6 7" ARMS=all           # every arm of ablation.py, three seeds
+    make run-06 ARGS="--base runs/base-06/base"  # from a base `make base-06` made instead of the released one
     .venv/bin/python 06-train/experiment.py --seeds 0 --arms budget -- --steps 30   # retool.py's flags after --
 
 Stages, each kept once done, so that Ctrl-C and the same command go on where it stopped:
   1. data: 01-data's chained task, written if missing (05-retool/problems_and_policy.load_data);
-  2. the base: the cpu-chained preset's cold starts (05-retool/presets.py), the very recipe of the pages' base;
-  3. the moves check of its last cold start: RL from a base without the moves is refused;
-  4. the RL runs, one per arm and seed (06-train/ablation.py's run_arm);
-  5. the report: OUT/report.md, each figure beside the page's own, and the pages' plots, in OUT.
-OUT/experiment.json records the recipe; a folder of another recipe is refused, never overwritten. Nothing is
-written under docs/ unless --results NAME asks for it.
+  2. the base: the released one (06-train/base, its files' sha256 checked), and its moves check on this machine: RL
+     from a base without the moves is refused;
+  3. the RL runs, one per arm and seed (06-train/ablation.py's run_arm);
+  4. the report: OUT/report.md, each figure beside the page's own, and the pages' plots, in OUT.
+OUT/experiment.json records the recipe and the base's hash; a folder of another is refused, never overwritten.
+Nothing is written under docs/ unless --results NAME asks for it.
 """
 from __future__ import annotations
 
@@ -28,32 +29,33 @@ from ablation import report as arms_report
 from configuration import Config, check_config, make_config, parse_with_field_flags
 from lab_cli import one_line_errors
 from presets import PRESETS
+from released_base import released_base, sha256
 
 BUDGET_ARMS = ["calls-1", "calls-2", "baseline"]  # C = 1, 2, 4 (findings.BUDGETS)
 PRESET = "cpu-chained"
 PAGE_RESULTS = "06-experiments-h60"  # the page's runs, which the report sets beside these
-# For the time-left estimates, on two idle cores (make bench-06 measures them): a cold-start step, an RL step
+# For the time-left estimates, on two idle cores (make bench-06 measures them): the base's moves check, an RL step
 # (the page's baseline, 4 calls), and a run's start and evaluations.
-SECONDS = {"cold_start_step": 0.45, "rl_step": 4.0, "rl_run_fixed": 45.0}
+SECONDS = {"moves_check": 20.0, "rl_step": 4.0, "rl_run_fixed": 45.0}
 
 
 def main(argv: list[str] | None = None) -> Path:
     args = parse_args(argv)
     cfg = chained_config(args.flags)  # refused here, in one line, before any model loads
+    base = args.base or released_base()  # the released base's files checked against their sha256
     out = Path(args.out)
-    # the recipe, what makes the folder's base and runs what they are: every Config field and the flags (not seeds
+    # the recipe, what makes the folder's runs what they are: every Config field, the flags and the base (not seeds
     # or arms, which only add runs)
-    claim(out, {"preset": PRESET, "config": dataclasses.asdict(cfg), "flags": args.flags})
+    claim(out, {"preset": PRESET, "config": dataclasses.asdict(cfg), "flags": args.flags, "base": base_hash(base)})
     runs = [(arm, seed) for seed in args.seeds for arm in args.arms]
     clock = Clock(cfg, len(runs))
 
-    from problems_and_policy import cold_started_model, load_data
+    from problems_and_policy import load_data
 
     clock.stage("data", f"{cfg.train_file} and {cfg.eval_file}")
     load_data(cfg)
-    clock.stage("base", f"{1 + len(cfg.cold_start_schedules.split())} cold starts into {out / 'base'}")
-    base = cold_started_model(cfg, out)
-    moves_checked(base, args.ignore_moves_check)
+    clock.stage("base", f"the moves check of {base} on this machine")
+    moves_checked(base, moves_here(base, out, cfg), args.ignore_moves_check)
     for number, (arm, seed) in enumerate(runs, 1):
         clock.stage("runs", f"run {number} of {len(runs)}: {arm}, seed {seed}, {cfg.steps} steps", run=number)
         try:
@@ -81,13 +83,12 @@ def claim(out: Path, wanted: dict) -> None:
     """Make OUT this recipe's folder, or find it so; refuse a folder of another recipe, or not an experiment's."""
     record = out / "experiment.json"
     if record.exists():
-        made = json.loads(record.read_text())
-        changed = sorted(k for k in set(made["config"]) | set(wanted["config"])
-                         if made["config"].get(k) != wanted["config"].get(k))
+        made, wanting = recipe(json.loads(record.read_text())), recipe(wanted)
+        changed = sorted(k for k in set(made) | set(wanting) if made.get(k) != wanting.get(k))
         if changed:
             name = changed[0]
-            raise SystemExit(f"error: {out} holds an experiment of another recipe ({name} {made['config'].get(name)!r}, "
-                             f"not {wanted['config'].get(name)!r}): pass another --out, or remove that folder")
+            raise SystemExit(f"error: {out} holds an experiment of another recipe ({name} {made.get(name)!r}, "
+                             f"not {wanting.get(name)!r}): pass another --out, or remove that folder")
         return
     if out.exists() and any(out.iterdir()):
         raise SystemExit(f"error: {out} is not empty and not an experiment's folder (no experiment.json): "
@@ -98,11 +99,37 @@ def claim(out: Path, wanted: dict) -> None:
     tmp.replace(record)
 
 
-def moves_checked(base: str, ignore: bool) -> None:
-    """The moves check of the base's last cold start (cold_start.json): refused in one line if it failed."""
+def recipe(record: dict) -> dict:
+    """What makes a folder's runs what they are, flat: the Config's fields by name, then the rest of the record
+    (flags, the base's hash, kernels), but the commit that first wrote it."""
+    return {**record.get("config", {}), **{k: v for k, v in record.items() if k not in ("config", "commit")}}
+
+
+def base_hash(base: str) -> str:
+    """The sha256 of the base's weights: a folder's runs are of one base."""
+    weights = Path(base) / "model.safetensors"
+    if not weights.is_file():
+        raise SystemExit(f"error: --base {base}: no model.safetensors there (a base of `make base-06` is "
+                         "runs/base-06/base)")
+    return sha256(weights)
+
+
+def moves_here(base: str, out: Path, cfg) -> dict:
+    """The base's moves check on this machine (moves_check.check_base), kept in OUT/moves.json once made."""
+    kept = out / "moves.json"
+    if not kept.exists():
+        from moves_check import check_base
+
+        moves = check_base(base, cfg.template, cfg.seed, said_by="run-06")
+        kept.with_suffix(".tmp").write_text(json.dumps(moves))
+        kept.with_suffix(".tmp").replace(kept)
+    return json.loads(kept.read_text())
+
+
+def moves_checked(base: str, moves: dict, ignore: bool) -> None:
+    """RL from a base that fails the moves check is refused in one line (--ignore-moves-check runs it anyway)."""
     from moves_check import MOVES, MOVES_NEEDED
 
-    moves = json.loads((Path(base) / "cold_start.json").read_text()).get("moves", {})
     said = ", ".join(f"{m} {moves.get(m, 0):.2f}" for m in MOVES)
     if moves.get("passed"):
         print(f"run-06: the base has every move ({said}; each at least {MOVES_NEEDED})")
@@ -117,10 +144,7 @@ class Clock:
     """One line per stage with the time left: estimated from SECONDS, then paced by the runs timed so far."""
 
     def __init__(self, cfg, runs: int):
-        from problems_and_policy import further_schedules
-
-        steps = cfg.cold_start_steps * cfg.cold_start_rounds + sum(s for s, _, _ in further_schedules(cfg.cold_start_schedules))
-        self.left = {"data": 1.0, "base": steps * SECONDS["cold_start_step"],
+        self.left = {"data": 1.0, "base": SECONDS["moves_check"],
                      "runs": runs * (SECONDS["rl_run_fixed"] + cfg.steps * SECONDS["rl_step"]), "report": 5.0}
         self.runs, self.seconds, self.current, self.since = runs, {}, None, time.time()
 
@@ -194,6 +218,7 @@ def parse_args(argv):
     p.add_argument("--seeds", type=int, nargs="+", default=[0], help="RL seeds (default 0; the pages': 0 1 2)")
     p.add_argument("--arms", nargs="+", default=["budget"],
                    help="budget (C = 1, 2, 4: calls-1 calls-2 baseline), all (every arm of ablation.py), or arm names")
+    p.add_argument("--base", help="the base model's folder (default: the released base, 06-train/base)")
     p.add_argument("--ignore-moves-check", action="store_true", help="run RL even from a base that fails the moves check")
     p.add_argument("--results", metavar="NAME", help="also write the figures to docs/results/NAME.json and the plots "
                                                      "to docs/img (the pages' own: only to remake them)")

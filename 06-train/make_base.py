@@ -1,0 +1,131 @@
+"""The recipe of chapter 06's released base in one command: the chained task's cold starts, then the moves check.
+
+    make base-06                       # the recipe into runs/base-06, then how its base differs from the released one
+    make base-06 ARGS="--release"      # ... and release it: 06-train/base/ and docs/results/06-base.json
+
+The cpu-chained preset's cold starts (05-retool/presets.py, the cold_start_* fields) with the kernels held to one
+path: torch's default CPU kernels instead of the ones it picks for the processor (AVX2, AVX-512), MKL's compatible
+path, and two threads whatever the machine's cores. Kernels picked for a processor add floats in its own order, and
+a model at the edge of the task turns a last bit into another base; held to one path, the recipe gives the same
+weights on every x86-64 machine with the lab's package versions, at about 2.5 times the time a step
+(docs/06-experiments.md, "The released base"). A schedule done is kept, and a stopped one goes on from its last
+checkpoint: after Ctrl-C the same command goes on. A folder of another recipe is refused.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import results
+from experiment import chained_config, claim
+from lab_cli import one_line_errors
+from released_base import FILES, FOLDER, RESULTS, sha256, sha256_key
+
+# Read once, when torch and MKL load: the script sets them before either does (see the end of the file).
+KERNELS = {"ATEN_CPU_CAPABILITY": "default", "MKL_CBWR": "COMPATIBLE"}
+THREADS = 2  # a parallel sum splits its work by thread: one count on every machine
+
+
+def main(argv: list[str] | None = None) -> Path:
+    args = parse_args(argv)
+    cfg = dataclasses.replace(chained_config([]), cold_start_cache=False, trainer_threads=THREADS)
+    kernels = {name: os.environ.get(name, "") for name in KERNELS}  # as set for this process (tests leave them)
+    out = Path(args.out)
+    claim(out, {"config": dataclasses.asdict(cfg), "kernels": kernels, "commit": commit()})
+    from moves_check import DECISIONS, MOVES
+    from problems_and_policy import cold_started_model, load_data
+
+    load_data(cfg)
+    print(f"base-06: the recipe's {1 + len(cfg.cold_start_schedules.split())} cold starts into {out / 'base'}, "
+          f"kernels held to one path ({' '.join(f'{k}={v}' for k, v in kernels.items())}, {THREADS} threads)", flush=True)
+    base = Path(cold_started_model(cfg, out))
+    moves = json.loads((base / "cold_start.json").read_text())["moves"]
+    released = results.load(RESULTS)["figures"] if (results.RESULTS / f"{RESULTS}.json").exists() else {}
+    mine = sha256(base / "model.safetensors")
+    same = mine == released.get(sha256_key("model.safetensors"))
+    print(f"base-06: {base}/model.safetensors, sha256 {mine}: "
+          + ("the released base, bit for bit" if same else
+             f"another base than the released one ({released.get(sha256_key('model.safetensors'), 'none yet')})"))
+    for name in MOVES + DECISIONS:
+        print(f"base-06:   {name:6} this base {moves[name]:.3f}   the released base {released.get(f'moves_{name}', float('nan')):.3f}")
+    print(f"base-06: this base {'passes' if moves['passed'] else 'fails'} the moves check")
+    if args.release:
+        release(base, moves, out, argv if argv is not None else sys.argv[1:])
+    return base
+
+
+def release(base: Path, moves: dict, out: Path, argv: list[str]) -> None:
+    """Copy the base's files to 06-train/base (whole or not at all) and write docs/results/06-base.json."""
+    from moves_check import DECISIONS, MOVES
+
+    made = json.loads((out / "experiment.json").read_text())
+    if made["commit"].endswith("-dirty") or not moves["passed"]:
+        raise SystemExit(f"error: {out} was built from uncommitted changes ({made['commit']}): commit, then build "
+                         "again" if moves["passed"] else f"error: {base} fails the moves check: not released")
+    tmp, old = FOLDER.with_name(".base.tmp"), FOLDER.with_name(".base.old")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    for name in FILES:
+        shutil.copyfile(base / name, tmp / name)
+    shutil.rmtree(old, ignore_errors=True)
+    if FOLDER.exists():
+        FOLDER.rename(old)
+    tmp.rename(FOLDER)
+    shutil.rmtree(old, ignore_errors=True)
+    import torch
+    import transformers
+
+    figures = {**{sha256_key(name): sha256(FOLDER / name) for name in FILES},
+               **{f"moves_{name}": moves[name] for name in MOVES + DECISIONS},
+               "size_mb": round(sum((FOLDER / name).stat().st_size for name in FILES) / 2**20, 1),
+               "commit": made["commit"], "threads": THREADS, **{k.lower(): v for k, v in made["kernels"].items()},
+               "machine_kernels": native_kernels(), "cpu": cpu_name()[:40], "torch": torch.__version__,
+               "transformers": transformers.__version__, "python": platform.python_version()}
+    results.save(RESULTS, results.make_command("base-06", argv), figures)
+    print(f"base-06: released into {FOLDER} ({figures['size_mb']} MB) and {results.RESULTS / RESULTS}.json")
+
+
+def commit() -> str:
+    """The commit whose code runs, "-dirty" added if tracked files differ from it ("unknown" outside a git checkout)."""
+    def git(*words):
+        return subprocess.run(["git", *words], cwd=results.ROOT, capture_output=True, text=True).stdout.strip()
+
+    head = git("rev-parse", "HEAD") or "unknown"
+    return head + ("-dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
+
+
+def native_kernels() -> str:
+    """The kernels torch picks on this machine when nothing holds them (AVX2, AVX512, ...)."""
+    env = {k: v for k, v in os.environ.items() if k not in KERNELS}
+    code = "import torch; print(torch.backends.cpu.get_cpu_capability())"
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True).stdout.strip()
+
+
+def cpu_name() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []:
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine()
+
+
+def parse_args(argv):
+    p = one_line_errors(argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
+                                                epilog="\n\n".join(__doc__.split("\n\n")[1:])))
+    p.add_argument("--out", default="runs/base-06", help="the recipe's folder (default runs/base-06)")
+    p.add_argument("--release", action="store_true", help="copy the base to 06-train/base and write "
+                                                          "docs/results/06-base.json (only to release a new base)")
+    return p.parse_args(argv)
+
+
+if __name__ == "__main__":
+    os.environ.update(KERNELS)  # before torch and MKL load: nothing above imported them
+    from lab_cli import run_script
+
+    run_script(main)
