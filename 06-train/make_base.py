@@ -5,7 +5,7 @@
 
 The cpu-chained preset's cold starts (05-retool/presets.py, the cold_start_* fields) with the kernels held to one
 path: torch's default CPU kernels instead of the ones it picks for the processor (AVX2, AVX-512), MKL's compatible
-path, and two threads whatever the machine's cores. Kernels picked for a processor add floats in its own order, and
+path, and one thread whatever the machine's cores. Kernels picked for a processor add floats in its own order, and
 a model at the edge of the task turns a last bit into another base; held to one path, the recipe gives the same
 weights on every x86-64 machine with the lab's package versions, at about 2.5 times the time a step
 (docs/06-experiments.md, "The released base"). A schedule done is kept, and a stopped one goes on from its last
@@ -30,7 +30,7 @@ from released_base import FILES, FOLDER, RESULTS, sha256, sha256_key
 
 # Read once, when torch and MKL load: the script sets them before either does (see the end of the file).
 KERNELS = {"ATEN_CPU_CAPABILITY": "default", "MKL_CBWR": "COMPATIBLE"}
-THREADS = 2  # a parallel sum splits its work by thread: one count on every machine
+THREADS = 1  # a parallel sum splits its work by thread (two threads gave other weights than one): one, everywhere
 
 
 def main(argv: list[str] | None = None) -> Path:
@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> Path:
 
     load_data(cfg)
     print(f"base-06: the recipe's {1 + len(cfg.cold_start_schedules.split())} cold starts into {out / 'base'}, "
-          f"kernels held to one path ({' '.join(f'{k}={v}' for k, v in kernels.items())}, {THREADS} threads)", flush=True)
+          f"kernels held to one path ({' '.join(f'{k}={v}' for k, v in kernels.items())}, {THREADS} thread{'s' * (THREADS > 1)})", flush=True)
     base = Path(cold_started_model(cfg, out))
     moves = json.loads((base / "cold_start.json").read_text())["moves"]
     released = results.load(RESULTS)["figures"] if (results.RESULTS / f"{RESULTS}.json").exists() else {}
