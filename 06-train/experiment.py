@@ -176,7 +176,7 @@ def minutes(seconds: float) -> str:
 
 
 def write_report(out: Path, results_name: str | None) -> Path:
-    """OUT/report.md: the page's table with these runs beside the page's, the findings, the plots (in OUT)."""
+    """OUT/report.md: each finding of these runs beside the page's seeds, the base's moves, the plots (in OUT)."""
     import findings
     import results
 
@@ -185,22 +185,17 @@ def write_report(out: Path, results_name: str | None) -> Path:
     findings.plot_all(runs, out)
     seeds = " / ".join(str(s) for s in sorted({s for _, s in runs}))
     lines = ["# Chapter 06's experiment: these runs beside the page's", "",
-             f"Runs of `{out}`, seeds {seeds}; the page's: docs/06-experiments.md, seeds 0 / 1 / 2 (means).", "",
-             "| C | held-out after RL | the page | gain | the page | s / step | the page |",
-             "| --- | --- | --- | --- | --- | --- | --- |"]
+             f"Runs of `{out}`, seeds {seeds} (their mean); the page's: docs/06-experiments.md, each of its seeds. A "
+             f"share agrees with the page when it lies within the page's seeds widened by {AGREES} on each side.", "",
+             "| figure | these runs | the page's seeds | agrees |", "| --- | --- | --- | --- |"]
     for arm, budget in findings.BUDGETS.items():
-        key = arm.replace("-", "_")
-        if f"{key}_mean_held_out" in mine:
-            lines.append(f"| {budget} | " + " | ".join(
-                f"{mine[f'{key}_mean_{n}']:.2f} | {page[f'{key}_mean_{n}']:.2f}" for n in ("held_out", "gain", "s_per_step"))
-                + " |")
-    lines += ["", "| the baseline (C = 4), mean over seeds | first 5 steps | last 10 | the page: first 5 | last 10 |",
-              "| --- | --- | --- | --- | --- |"]
-    for name in (*findings.SELF_CORRECTION, *findings.CODE_USE):
-        if f"baseline_mean_{name}_first5" in mine:
-            lines.append(f"| {name} | " + " | ".join(f"{figures[f'baseline_mean_{name}_{when}']:.2f}"
-                                                     for figures in (mine, page) for when in ("first5", "last10")) + " |")
-    lines += ["", *(f"![{png}]({png})" for png in findings.PLOTS)]
+        for name, label in (("held_out", "held-out accuracy after RL"), ("gain", "gain over the base")):
+            lines += compared(mine, page, arm, name, f"C = {budget}: {label}")
+    for name in findings.SELF_CORRECTION + findings.CODE_USE:
+        for when, words in (("first5", "first 5 steps"), ("last10", "last 10 steps")):
+            lines += compared(mine, page, "baseline", f"{name}_{when}", f"C = 4: {name}, {words}",
+                              share=name != "response_length")
+    lines += ["", *moves_table(out), "", *(f"![{png}]({png})" for png in findings.PLOTS)]
     if {arm for arm, _ in load_runs(out, ARMS)} - set(findings.BUDGETS):  # docs/06-beyond-torl.md's options too
         lines += ["", "## Every arm", "", arms_report(out, out)]
     report = out / "report.md"
@@ -209,6 +204,34 @@ def write_report(out: Path, results_name: str | None) -> Path:
         results.save(results_name, " ".join(["06-train/experiment.py", *sys.argv[1:]]), mine)
         findings.plot_all(runs, results.ROOT / "docs" / "img")
     return report
+
+
+AGREES = 0.1  # two standard errors of one held-out figure (one sample on each of 100 problems: about 0.05)
+
+
+def compared(mine: dict, page: dict, arm: str, name: str, label: str, share: bool = True) -> list[str]:
+    """A report row: this folder's mean of a figure, the range of the page's seeds, and whether it lies within
+    that range widened by AGREES (a share only); no row where this folder has no such run."""
+    import re
+
+    key = arm.replace("-", "_")
+    if f"{key}_mean_{name}" not in mine:
+        return []
+    value, seeds = mine[f"{key}_mean_{name}"], [v for k, v in page.items() if re.fullmatch(rf"{key}_s\d+_{name}", k)]
+    low, high = min(seeds), max(seeds)
+    agrees = ("yes" if low - AGREES <= value <= high + AGREES else "no") if share else ""
+    return [f"| {label} | {value:.2f} | {low:.2f} to {high:.2f} | {agrees} |"]
+
+
+def moves_table(out: Path) -> list[str]:
+    """The base's moves check on this machine (OUT/moves.json) beside the released base's on the machine that made it."""
+    import results
+    from moves_check import DECISIONS, MOVES
+    from released_base import RESULTS
+
+    here, release = json.loads((out / "moves.json").read_text()), results.load(RESULTS)["figures"]
+    return ["| the base's moves check | on this machine | the released base, where it was made |", "| --- | --- | --- |",
+            *(f"| {name} | {here[name]:.3f} | {release[f'moves_{name}']:.3f} |" for name in MOVES + DECISIONS)]
 
 
 def parse_args(argv):

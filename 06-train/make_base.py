@@ -54,7 +54,8 @@ def main(argv: list[str] | None = None) -> Path:
           + ("the released base, bit for bit" if same else
              f"another base than the released one ({released.get(sha256_key('model.safetensors'), 'none yet')})"))
     for name in MOVES + DECISIONS:
-        print(f"base-06:   {name:6} this base {moves[name]:.3f}   the released base {released.get(f'moves_{name}', float('nan')):.3f}")
+        print(f"base-06:   {name:6} this base {moves[name]:.3f}" + (f"   the released base {released[f'moves_{name}']:.3f}"
+                                                                   if released else ""))
     print(f"base-06: this base {'passes' if moves['passed'] else 'fails'} the moves check")
     if args.release:
         release(base, moves, out, argv if argv is not None else sys.argv[1:])
@@ -63,12 +64,16 @@ def main(argv: list[str] | None = None) -> Path:
 
 def release(base: Path, moves: dict, out: Path, argv: list[str]) -> None:
     """Copy the base's files to 06-train/base (whole or not at all) and write docs/results/06-base.json."""
-    from moves_check import DECISIONS, MOVES
-
     made = json.loads((out / "experiment.json").read_text())
     if made["commit"].endswith("-dirty") or not moves["passed"]:
         raise SystemExit(f"error: {out} was built from uncommitted changes ({made['commit']}): commit, then build "
                          "again" if moves["passed"] else f"error: {base} fails the moves check: not released")
+    write_release(base, moves, made, argv)
+
+
+def write_release(base: Path, moves: dict, made: dict, argv: list[str]) -> None:
+    from moves_check import DECISIONS, MOVES
+
     tmp, old = FOLDER.with_name(".base.tmp"), FOLDER.with_name(".base.old")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()

@@ -3,6 +3,7 @@ import dataclasses
 import json
 import re
 import shlex
+import shutil
 from pathlib import Path
 
 import pytest
@@ -41,7 +42,7 @@ def test_the_chained_preset_is_the_recipe_of_the_pages_base():
     assert page["chained-base-h"][page["chained-base-h"].index("--model") + 1] == "runs/chained-base-f"
     preset = problems_and_policy.cold_start_argvs(make_config("cpu-chained", {}))
     assert [settings(argv) for argv in preset] == [settings(argv) for argv in recipe]
-    assert experiment.chained_config([]) == make_config("cpu-chained", {})  # run-06 builds the preset's base
+    assert experiment.chained_config([]) == make_config("cpu-chained", {})  # make_base.py builds the preset's base
 
 
 def chained_data(folder: Path, train: int = 240, test: int = 40) -> None:
@@ -71,27 +72,46 @@ def test_a_base_of_several_schedules_is_the_chain_of_separate_cold_starts(tmp_pa
 
 
 def test_run_06_end_to_end_at_toy_sizes(tmp_path, monkeypatch, capsys):
+    import moves_check
+
     monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(moves_check, "CHECK_PROBLEMS", 4)
     chained_data(tmp_path)
+    base = problems_and_policy.cold_started_model(make_config("cpu-chained", TOY), Path("toy"))  # lacks the moves
     docs = {p: p.stat().st_mtime_ns for p in (ROOT / "docs").rglob("*")}
-    flags = ["--steps", "2", "--problems-per-step", "2", "--group-size", "2", "--eval-problems", "4",
-             *(f for k, v in TOY.items() for f in (field_flag(k), str(v).lower()))]
-    # A toy base lacks the moves: RL is refused, in one line, after the base.
-    with pytest.raises(SystemExit, match=r"error: the base runs/experiment-06/base fails the moves check \(call "):
-        experiment.main(["--arms", "baseline", "--", *flags])
-    assert sorted(p.name for p in Path("runs/experiment-06").iterdir()) == ["base", "base-schedules", "experiment.json"]
-    report = experiment.main(["--arms", "baseline", "--ignore-moves-check", "--", *flags])
+    flags = ["--steps", "2", "--problems-per-step", "2", "--group-size", "2", "--eval-problems", "4"]
+    # A base without the moves: RL is refused, in one line, after its check on this machine.
+    with pytest.raises(SystemExit, match=r"error: the base toy/base fails the moves check \(call "):
+        experiment.main(["--base", base, "--arms", "baseline", "--", *flags])
+    assert sorted(p.name for p in Path("runs/experiment-06").iterdir()) == ["experiment.json", "moves.json"]
+    report = experiment.main(["--base", base, "--arms", "baseline", "--ignore-moves-check", "--", *flags])
     text = report.read_text()
     assert "| 4 | " in text and "the page" in text and all((report.parent / png).exists() for png in PLOTS)
+    assert "| call | 0.000 | " in text  # the base's moves on this machine, beside the released base's
     run = Path("runs/experiment-06/baseline-s0")
     assert len((run / "metrics.jsonl").read_text().splitlines()) == 2
     stamp = (run / "metrics.jsonl").stat().st_mtime_ns
     capsys.readouterr()
-    experiment.main(["--arms", "baseline", "--ignore-moves-check", "--", *flags])  # again: every stage kept
+    experiment.main(["--base", base, "--arms", "baseline", "--ignore-moves-check", "--", *flags])  # every stage kept
     assert "done already" in capsys.readouterr().out and (run / "metrics.jsonl").stat().st_mtime_ns == stamp
     with pytest.raises(SystemExit, match="holds an experiment of another recipe \\(steps 2, not 3\\)"):
-        experiment.main(["--arms", "baseline", "--", *flags, "--steps", "3"])
+        experiment.main(["--base", base, "--arms", "baseline", "--", *flags, "--steps", "3"])
+    with pytest.raises(SystemExit, match="holds an experiment of another recipe \\(base '"):
+        experiment.main(["--arms", "baseline", "--", *flags])  # the released base: another base, another folder
     assert {p: p.stat().st_mtime_ns for p in (ROOT / "docs").rglob("*")} == docs  # nothing under docs/
+
+
+def test_run_06_starts_from_the_released_base_and_refuses_it_changed(tmp_path, monkeypatch):
+    import released_base
+
+    monkeypatch.chdir(tmp_path)
+    copy = tmp_path / "released"
+    shutil.copytree(released_base.FOLDER, copy)
+    monkeypatch.setattr(released_base, "FOLDER", copy)
+    (copy / "tokenizer.json").write_text("{}")
+    with pytest.raises(SystemExit, match=r"released/tokenizer.json has sha256 .*, not the release's [0-9a-f]{64}"):
+        experiment.main(["--arms", "baseline"])
+    assert not Path("runs").exists()  # refused before anything is written
 
 
 def test_bad_arms_and_flags_are_refused_in_one_line_before_any_model(tmp_path, monkeypatch, capsys):

@@ -1,0 +1,116 @@
+"""Chapter 06's released base: shipped whole, refused when changed, and its recipe one command that holds the kernels."""
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import make_base
+import moves_check
+import problems_and_policy
+import released_base
+import results
+from chained_problems import make_chained_problems
+from configuration import make_config
+from prepare_data import write_jsonl
+
+ROOT = Path(__file__).resolve().parent.parent
+TOY = dict(cold_start_steps=6, cold_start_tool_only_steps=3, cold_start_batch_size=4, cold_start_schedules="4:2 4:1:drills")
+
+
+def test_the_released_base_is_its_files_as_released_and_small():
+    assert released_base.released_base() == str(released_base.FOLDER)
+    figures = results.load(released_base.RESULTS)["figures"]
+    assert sorted(p.name for p in released_base.FOLDER.iterdir()) == sorted(released_base.FILES)
+    assert sum((released_base.FOLDER / name).stat().st_size for name in released_base.FILES) <= 10 * 2**20
+    assert figures["moves_call"] >= moves_check.MOVES_NEEDED and all(
+        figures[f"moves_{move}"] >= moves_check.MOVES_NEEDED for move in moves_check.MOVES)  # it passes the check
+    assert len(figures["commit"]) == 40 and figures["threads"] == make_base.THREADS
+    assert {figures["aten_cpu_capability"], figures["mkl_cbwr"]} == set(make_base.KERNELS.values())
+
+
+@pytest.mark.parametrize("damage, says", [
+    (lambda path: path.write_bytes(path.read_bytes()[:-1000]), "has sha256 "),  # truncated
+    (lambda path: path.write_bytes(path.read_bytes()[:-1] + b"\x00"), "has sha256 "),  # one byte changed
+    (lambda path: path.unlink(), "is missing"),
+])
+def test_a_changed_truncated_or_missing_file_is_refused_in_one_line_naming_it_and_its_hash(tmp_path, monkeypatch, damage, says):
+    copy = tmp_path / "base"
+    shutil.copytree(released_base.FOLDER, copy)
+    monkeypatch.setattr(released_base, "FOLDER", copy)
+    assert released_base.released_base() == str(copy)
+    damage(copy / "model.safetensors")
+    want = results.load(released_base.RESULTS)["figures"]["sha256_model_safetensors"]
+    with pytest.raises(SystemExit) as refused:
+        released_base.released_base()
+    assert str(copy / "model.safetensors") in refused.value.code and says in refused.value.code
+    assert want in refused.value.code and "\n" not in refused.value.code
+
+
+def toy_data(folder: Path) -> None:
+    rows = make_chained_problems(240, 40, seed=0)
+    write_jsonl(rows[0], folder / "data" / "chained_train.jsonl")
+    write_jsonl(rows[1], folder / "data" / "chained_test.jsonl")
+
+
+def test_the_recipe_is_the_presets_cold_starts_at_two_threads_resumed_and_refused_as_another(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    toy_data(tmp_path)
+    monkeypatch.setattr(make_base, "chained_config", lambda flags: make_config("cpu-chained", TOY))
+    monkeypatch.setattr(moves_check, "CHECK_PROBLEMS", 4)
+    base = make_base.main(["--out", "runs/b"])
+    argvs = [json.loads((folder / "cold_start.json").read_text())
+             for folder in (Path("runs/b/base-schedules/1"), Path("runs/b/base-schedules/2"), base)]
+    assert [a["threads"] for a in argvs] == [make_base.THREADS] * 3 and argvs[-1]["drills_in_mix"]
+    said = capsys.readouterr().out
+    assert "another base than the released one" in said and "this base fails the moves check" in said
+    stamp = (base / "model.safetensors").stat().st_mtime_ns
+    make_base.main(["--out", "runs/b"])  # again: every schedule kept
+    assert (base / "model.safetensors").stat().st_mtime_ns == stamp
+    with pytest.raises(SystemExit, match="fails the moves check: not released"):
+        make_base.main(["--out", "runs/b", "--release"])  # a base without the moves is never released
+    monkeypatch.setattr(make_base, "chained_config", lambda flags: make_config("cpu-chained", {**TOY, "seed": 1}))
+    with pytest.raises(SystemExit, match=r"runs/b holds an experiment of another recipe \(seed 0, not 1\)"):
+        make_base.main(["--out", "runs/b"])
+
+
+def test_a_release_writes_the_files_whole_and_the_hashes_that_then_check_them(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    source = Path("made")
+    shutil.copytree(released_base.FOLDER, source)
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "experiment.json").write_text(json.dumps({"commit": "a" * 40, "kernels": make_base.KERNELS}))
+    monkeypatch.setattr(released_base, "FOLDER", tmp_path / "released")
+    monkeypatch.setattr(make_base, "FOLDER", tmp_path / "released")
+    monkeypatch.setattr(results, "RESULTS", tmp_path / "results")
+    moves = {**{name: 0.9 for name in moves_check.MOVES + moves_check.DECISIONS}, "passed": True}
+    make_base.release(source, moves, tmp_path / "out", ["--release"])
+    assert released_base.released_base() == str(tmp_path / "released")
+    figures = results.load(released_base.RESULTS)
+    assert figures["command"] == "make base-06 ARGS=--release" and figures["figures"]["commit"] == "a" * 40
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["made", "out", "released", "results"]  # no temporary left
+    (tmp_path / "out" / "experiment.json").write_text(json.dumps({"commit": "a" * 40 + "-dirty", "kernels": {}}))
+    with pytest.raises(SystemExit, match="built from uncommitted changes"):
+        make_base.release(source, moves, tmp_path / "out", ["--release"])
+
+
+def cold_start_weights(tmp_path: Path, name: str, **env) -> bytes:
+    """Six steps of the recipe's first schedule at toy size, in a process of its own with `env` over the kernels."""
+    out = tmp_path / name
+    argv = problems_and_policy.cold_start_argvs(make_config("cpu-chained", {**TOY, "trainer_threads": 2}))[0]
+    code = "import sys, cold_start; cold_start.main(sys.argv[1:])"
+    subprocess.run([sys.executable, "-c", code, *argv, "--out", str(out), "--hidden-size", "64"],
+                   env={**os.environ, **env}, cwd=tmp_path, check=True, capture_output=True)
+    return (out / "model.safetensors").read_bytes()
+
+
+def test_kernels_held_to_one_path_give_the_same_weights_whatever_instruction_sets_are_allowed(tmp_path, monkeypatch):
+    monkeypatch.setattr(moves_check, "CHECK_PROBLEMS", 4)
+    toy_data(tmp_path)
+    held = cold_start_weights(tmp_path, "held", **make_base.KERNELS)
+    assert cold_start_weights(tmp_path, "held-avx2", **make_base.KERNELS, MKL_ENABLE_INSTRUCTIONS="AVX2",
+                              ONEDNN_MAX_CPU_ISA="AVX2") == held
+    assert cold_start_weights(tmp_path, "machines", ATEN_CPU_CAPABILITY="avx2") != held  # another machine's kernels
