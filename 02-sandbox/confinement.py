@@ -114,9 +114,10 @@ WORKDIR = "/tmp/work"
 # Files of /proc that describe the kernel's keys: the caller's session keyring and every key its uid may
 # view (names and sizes), and each user's key counts. The filter denies the key calls; these it cannot.
 PROC_MASKED = ("/proc/keys", "/proc/key-users")
-# The machine's counters since boot ("processes": forks; "ctxt", "intr": switches and interrupts), which one call moves
-# and the next reads: a copy with every counter 0 is bound over it (its lines kept for what counts CPUs by them).
-PROC_STAT = "/proc/stat"
+# The machine's counters since boot (stat's "processes": forks, "ctxt", "intr"; vmstat's page faults, major ones
+# included), which one call moves and the next reads: a copy of each with every number 0 is bound over it (its lines
+# kept, for what counts CPUs by them).
+PROC_COUNTERS = ("/proc/stat", "/proc/vmstat")
 SHELL = "/bin/sh"  # subprocess(..., shell=True) runs it: bound alone, so a command it names that is not Python fails by name
 SCRATCH_INODES = 16384  # files and folders the scratch tmpfs holds: each is kernel memory too
 _BUILD_AT = "/tmp"  # where the new root is assembled in the slot's own mount namespace, before pivot_root
@@ -205,7 +206,8 @@ def build_root() -> dict[str, int]:
     os.chdir("/")
     for path in PROC_MASKED:  # as Docker masks them: /dev/null bound over each
         mount("/dev/null", path, None, MS_BIND)
-    _bind_counters_at_zero(PROC_STAT)
+    for path in PROC_COUNTERS:
+        _bind_counters_at_zero(path)
     mount(None, "/", None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV)
     return {p: os.open(p, os.O_PATH) for p in binds if any(_inside(p, d) for d in SCRATCH_DIRS)}
 
@@ -241,17 +243,6 @@ def mount_proc() -> tuple[int, int]:
         raise PermissionError(e.errno, f"{e.strerror} (in a user namespace the kernel mounts a new /proc only where "
                               "the machine's is wholly visible, not masked as in many containers)") from None
     return os.open("/proc/sys/kernel/ns_last_pid", os.O_WRONLY), every_process
-
-
-OPTMEM_MAX = 4096  # bytes of option memory a socket may hold in a call's network namespace (the kernel's default: 128 KB)
-
-
-def fresh_namespaces() -> None:
-    """Per call: network and IPC namespaces of its own (no interface up, no IPC object of an earlier call), and in the
-    new network namespace net.core.optmem_max at OPTMEM_MAX. That is the option memory each socket may hold (TCP MD5
-    keys, filters, multicast lists): kernel memory no cgroup counts, which the filter denies too (SOCKET_OPTIONS)."""
-    unshare(CLONE_NEWNET | CLONE_NEWIPC)
-    _write(None, "/proc/sys/net/core/optmem_max", str(OPTMEM_MAX))
 
 
 def reset_pids(last_pid: int) -> None:
@@ -425,9 +416,9 @@ class MemoryWatch:
     the wait, the slot sums what a cgroup would charge the call and kills it past memory_mb, in a /proc where no process
     can hide (mount_proc): each process's share of its pages (_PROPORTIONAL: a page shared is split), less once the
     slot's own share, which every fork of it starts with (one that exec'd shares nothing: it counts whole); and the
-    kernel memory no process's pages show, as _kernel_kb counts it (page tables, kernel stacks, descriptors, mappings,
-    sockets). What it cannot count is denied or bounded instead: memfds, System V IPC, epoll and sockets that queue by
-    the filter (seccomp_program(cgroup=False)); POSIX message queues and locked memory by their rlimits
+    kernel memory no process's pages show, as _kernel_kb counts it (page tables, kernel stacks, descriptors, mappings).
+    What it cannot count is denied or bounded instead: memfds, System V IPC, epoll and sockets by the filter
+    (seccomp_program(cgroup=False) and every mode's); POSIX message queues and locked memory by their rlimits
     (runner.set_rlimits); files by the scratch tmpfs."""
 
     TICK = 0.01
@@ -453,7 +444,7 @@ class MemoryWatch:
             if pid.isdigit() and pid != me:
                 status[pid] = _fields(self.proc, pid, "status", "RssAnon")
         self._count_one(status, until)
-        kernel = _sockets(self.proc) * SOCKET_KB + sum(self._kernel_kb(pid, fields) for pid, fields in status.items())
+        kernel = sum(self._kernel_kb(pid, fields) for pid, fields in status.items())
         resident = {pid: _sum_kb(fields, _RESIDENT[1]) for pid, fields in status.items()}
         if sum(resident.values()) + kernel - self.base_kb > cap_kb:
             total = kernel
@@ -501,7 +492,6 @@ _PROPORTIONAL = ("smaps_rollup", ("Pss_Anon", "Pss_Shmem", "SwapPss"))
 # kB), a kernel stack of 16 kB a thread, and the descriptor table with the files it can hold (0.5 kB a slot of FDSize)
 _KERNEL_KB = {"VmPTE": 1.0, "Threads": 16.0, "FDSize": 0.5}
 VMA_KB = 0.25  # a mapping (VMA): its vm_area_struct and share of the maple tree, about 0.2 kB measured
-SOCKET_KB = 4.0  # a socket with its inode and file, about 4 kB (TCP) measured; counted once per call, not per descriptor
 
 
 def _sum_kb(fields: dict[str, str], names: tuple[str, ...]) -> int:
@@ -526,14 +516,6 @@ def _count_mappings(proc: int, pid: str) -> int | None:
         if count:
             return count
     return None
-
-
-def _sockets(proc: int) -> int:
-    """Sockets in the call's network namespace, which the slot entered for it: "sockets: used N" of its sockstat."""
-    for line in _read(proc, "self/net/sockstat").splitlines():
-        if line.startswith("sockets:"):
-            return int(line.split()[-1])
-    return 0
 
 
 _MAP_COUNT: list[int] = []
@@ -724,25 +706,12 @@ FCNTL_DENIED = {"F_GETLK": 5, "F_SETLK": 6, "F_SETLKW": 7, "F_OFD_GETLK": 36, "F
                 "F_SETLEASE": 1024, "F_GETLEASE": 1025, "F_NOTIFY": 1026,
                 "F_SETSIG": 10,  # a real-time signal per I/O event, queued past RLIMIT_SIGPENDING
                 "F_SETPIPE_SZ": 1031}  # and pipes past their default 16 pages: the user's pipe pages are one count
-# Socket families allowed; any other fails, socketpair too. The call's network namespace has no interface up,
-# so an AF_INET or AF_INET6 socket can queue nothing. AF_UNIX and AF_NETLINK sockets queue kernel memory that
-# no memory cgroup counts (per socket, per unread message, per descriptor in flight), and AF_VSOCK reaches
-# the hypervisor whatever the network namespace.
-SOCKET_FAMILIES = {"AF_INET": 2, "AF_INET6": 10}
-# getsockopt(SOL_SOCKET, ...) options that read a counter of the whole machine: one call sets it, the next reads it
-SOCKET_COOKIES = {"SO_COOKIE": 57, "SO_NETNS_COOKIE": 71}
-_SOL_SOCKET = 1
-# setsockopt options allowed, by level: each sets a flag or a number of the socket itself. Any other fails
-# (ENOPROTOOPT): option memory (TCP MD5 keys, socket filters, multicast groups, IP options, flow labels) is
-# kernel memory no cgroup counts, as much per socket as net.core.optmem_max allows (OPTMEM_MAX, per call).
-SOCKET_OPTIONS = {
-    "SOL_SOCKET": (1, {"SO_REUSEADDR": 2, "SO_BROADCAST": 6, "SO_SNDBUF": 7, "SO_RCVBUF": 8, "SO_KEEPALIVE": 9,
-                       "SO_OOBINLINE": 10, "SO_LINGER": 13, "SO_REUSEPORT": 15, "SO_RCVTIMEO_OLD": 20,
-                       "SO_SNDTIMEO_OLD": 21, "SO_RCVTIMEO_NEW": 66, "SO_SNDTIMEO_NEW": 67}),
-    "IPPROTO_IP": (0, {"IP_TOS": 1, "IP_TTL": 2}),
-    "IPPROTO_TCP": (6, {"TCP_NODELAY": 1, "TCP_KEEPIDLE": 4, "TCP_KEEPINTVL": 5, "TCP_KEEPCNT": 6, "TCP_USER_TIMEOUT": 18}),
-    "IPPROTO_IPV6": (41, {"IPV6_V6ONLY": 26}),
-}
+# No socket may be made: AF_INET and AF_INET6 fail as on a machine without a network (ENETUNREACH), every other
+# family with EAFNOSUPPORT, socketpair too. A socket holds kernel memory no cgroup counts in full (its buffers, and
+# its options: TCP MD5 keys, filters, multicast groups, as much as net.core.optmem_max allows, 128 KB) and moves the
+# machine's counts (the socket cookies, sockstat's TCP "alloc"); AF_UNIX and AF_NETLINK queue memory per message
+# and per descriptor in flight; AF_VSOCK reaches the hypervisor whatever the network namespace. Math code needs none.
+NETWORK_FAMILIES = {"AF_INET": 2, "AF_INET6": 10}
 # preadv2 and pwritev2 with RWF_NOWAIT (EOPNOTSUPP): EAGAIN tells a page the cache lacks from one it holds
 RWF_NOWAIT = 8
 CLONE_PIDFD = 0x1000  # a pidfd from clone: its inode number is a counter of the machine, as from pidfd_open
@@ -763,12 +732,12 @@ _NUMBERS = dict(
     adjtimex=(159, 171), quotactl=(179, 60), lookup_dcookie=(212, 18), fanotify_init=(300, 262), vhangup=(153, 58),
     clone=(56, 220), clone3=(435, 435), flock=(73, 32), inotify_init=(253, None), inotify_init1=(294, 26),
     inotify_add_watch=(254, 27), inotify_rm_watch=(255, 28), fcntl=(72, 25), socket=(41, 198), socketpair=(53, 199),
-    getsockopt=(55, 209), vmsplice=(278, 75), memfd_create=(319, 279), memfd_secret=(447, 447), shmget=(29, 194),
+    vmsplice=(278, 75), memfd_create=(319, 279), memfd_secret=(447, 447), shmget=(29, 194),
     msgget=(68, 186), semget=(64, 190), ioprio_set=(251, 30), migrate_pages=(256, 238), move_pages=(279, 239),
     prlimit64=(302, 261), setpriority=(141, 140), sched_setaffinity=(203, 122), sched_setscheduler=(144, 119),
     sched_setparam=(142, 118), sched_setattr=(314, 274), kill=(62, 129), tkill=(200, 130), tgkill=(234, 131),
     rt_sigqueueinfo=(129, 138), rt_tgsigqueueinfo=(297, 240), pidfd_send_signal=(424, 424), mincore=(27, 232),
-    cachestat=(451, 451), io_setup=(206, 0), pidfd_open=(434, 434), setsockopt=(54, 208), preadv2=(327, 286),
+    cachestat=(451, 451), io_setup=(206, 0), pidfd_open=(434, 434), preadv2=(327, 286),
     pwritev2=(328, 287), epoll_create=(213, None), epoll_create1=(291, 20),
 )
 _TABLES = {machine: {name: pair[i] for name, pair in _NUMBERS.items() if pair[i] is not None}
@@ -778,7 +747,7 @@ SYSCALLS = _TABLES.get(platform.machine(), {})
 NAMESPACE_FLAGS = CLONE_NEWNS | CLONE_NEWCGROUP | CLONE_NEWUTS | CLONE_NEWIPC | CLONE_NEWUSER | CLONE_NEWPID | CLONE_NEWNET
 
 _RET_KILL_PROCESS, _RET_ERRNO, _RET_ALLOW = 0x80000000, 0x00050000, 0x7FFF0000
-_EPERM, _ENOSYS, _ENOPROTOOPT, _EOPNOTSUPP, _EAFNOSUPPORT = 1, 38, 92, 95, 97
+_EPERM, _ENOSYS, _EOPNOTSUPP, _EAFNOSUPPORT, _ENETUNREACH = 1, 38, 95, 97, 101
 _LD_ABS, _JEQ, _JGE, _JSET, _RET = 0x20, 0x15, 0x35, 0x45, 0x06  # BPF_LD|W|ABS, BPF_JMP|{JEQ,JGE,JSET}|K, BPF_RET|K
 _NR, _ARCH, _ARGS = 0, 4, (16, 24, 32)  # offsets in struct seccomp_data (arguments' low 32 bits: little-endian)
 _ARG_FLAGS = 56  # preadv2's and pwritev2's sixth argument, their flags
@@ -808,15 +777,9 @@ def seccomp_program(cgroup: bool = True) -> bytes:
     program += [(_JEQ, 0, 1, table["clone3"]), (_RET, 0, 0, _RET_ERRNO | _ENOSYS)]
     program += _by_argument(table["fcntl"], _ARGS[1], [(_JEQ, command, _RET_ERRNO | _EPERM) for command in FCNTL_DENIED.values()],
                             _RET_ALLOW)
-    program += _by_argument(table["socket"], _ARGS[0], [(_JEQ, family, _RET_ALLOW) for family in SOCKET_FAMILIES.values()],
-                            _RET_ERRNO | _EAFNOSUPPORT)
+    program += _by_argument(table["socket"], _ARGS[0], [(_JEQ, family, _RET_ERRNO | _ENETUNREACH)
+                                                       for family in NETWORK_FAMILIES.values()], _RET_ERRNO | _EAFNOSUPPORT)
     program += [(_JEQ, 0, 1, table["socketpair"]), (_RET, 0, 0, _RET_ERRNO | _EAFNOSUPPORT)]  # AF_UNIX is its one family
-    # getsockopt: any level but SOL_SOCKET is allowed, and SOL_SOCKET unless it asks for a cookie
-    body = [(_LD_ABS, 0, 0, _ARGS[1]), (_JEQ, 1, 0, _SOL_SOCKET), (_RET, 0, 0, _RET_ALLOW), (_LD_ABS, 0, 0, _ARGS[2])]
-    for number in SOCKET_COOKIES.values():
-        body += [(_JEQ, 0, 1, number), (_RET, 0, 0, _RET_ERRNO | _ENOPROTOOPT)]
-    program += [(_JEQ, 0, len(body) + 1, table["getsockopt"])] + body + [(_RET, 0, 0, _RET_ALLOW)]
-    program += _setsockopt(table["setsockopt"])
     for name in ("preadv2", "pwritev2"):
         program += _by_argument(table[name], _ARG_FLAGS, [(_JSET, RWF_NOWAIT, _RET_ERRNO | _EOPNOTSUPP)], _RET_ALLOW)
     # clone: no new namespace, no pidfd, and no real-time signal for the parent when the child exits (0xE0: 32 and up)
@@ -838,19 +801,6 @@ def _by_argument(number: int, argument: int, tests: list[tuple[int, int, int]], 
     for code, constant, result in tests:
         body += [(code, 0, 1, constant), (_RET, 0, 0, result)]
     body.append((_RET, 0, 0, otherwise))
-    return [(_JEQ, 0, len(body), number)] + body
-
-
-def _setsockopt(number: int) -> list[tuple]:
-    """Instructions for "is it setsockopt? then allow it only for an option of SOCKET_OPTIONS; else go on"."""
-    refuse, body = (_RET, 0, 0, _RET_ERRNO | _ENOPROTOOPT), [(_LD_ABS, 0, 0, _ARGS[1])]
-    for level, options in SOCKET_OPTIONS.values():
-        tests = [(_LD_ABS, 0, 0, _ARGS[2])]
-        for option in options.values():
-            tests += [(_JEQ, 0, 1, option), (_RET, 0, 0, _RET_ALLOW)]
-        tests.append(refuse)
-        body += [(_JEQ, 0, len(tests), level)] + tests
-    body.append(refuse)
     return [(_JEQ, 0, len(body), number)] + body
 
 

@@ -211,7 +211,7 @@ def _result(answer: dict, request: dict, latency: float) -> ExecResult:
     or refused a socket the code needed (Python's own last line, often a warning, would not say why)."""
     stderr, reason = answer["stderr"], answer.get("error") or _reason(answer, request)
     if not reason and answer["returncode"] != 0 and _REFUSED_FAMILY in stderr:
-        reason = _ONLY_IP_SOCKETS
+        reason = _NO_SOCKETS
     if reason:
         stderr += ("" if not stderr or stderr.endswith("\n") else "\n") + reason + "\n"
     return ExecResult(
@@ -226,8 +226,8 @@ def _result(answer: dict, request: dict, latency: float) -> ExecResult:
 
 
 _REFUSED_FAMILY = "[Errno 97] Address family not supported by protocol"  # EAFNOSUPPORT, from the filter (docs/02-isolation.md)
-_ONLY_IP_SOCKETS = ("OSError: this sandbox allows only AF_INET and AF_INET6 sockets, with no network: asyncio, "
-                    "socket.socketpair, multiprocessing.Pipe() and Manager() need AF_UNIX; use threads, multiprocessing.Pool or Queue")
+_NO_SOCKETS = ("OSError: this sandbox has no network and makes no socket: asyncio, socket.socketpair, "
+               "multiprocessing.Pipe() and Manager() need one (AF_UNIX); use threads, multiprocessing.Pool or Queue")
 
 
 def _reason(answer: dict, request: dict) -> str:
@@ -302,7 +302,7 @@ def serve_call(slot, call_index: int) -> bool:
     call_index: how many calls this slot served before; it names the call's cgroup."""
     # Prepared before the call arrives, so that none of it is in the call's latency:
     if slot.mode != "plain":
-        confinement.fresh_namespaces()  # namespaces: no network, no earlier IPC; each socket's option memory capped
+        confinement.unshare(confinement.CLONE_NEWNET | confinement.CLONE_NEWIPC)  # namespaces: no network, no earlier IPC
         confinement.reset_pids(slot.last_pid)  # namespaces: the code is PID 2 again, whatever the last call forked
         workdir = confinement.fresh_scratch(slot.max_file_mb, slot.interpreter_in_scratch, slot.uid)  # the file view: empty scratch tmpfs
         # limits: the call's memory and pids cgroup; unprivileged where none can be had, the slot watches its memory
