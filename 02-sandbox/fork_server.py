@@ -1,6 +1,6 @@
 """The local backend's fork server: warm imports once, then slots that serve calls one at a time.
 
-Started by local_backend.py (`python -I -c <bootstrap>`, its source and options on stdin:
+Started by local_backend.py (`python -I -c <loader>`, its source and options on stdin:
 why there). It imports the preload modules once, then keeps `spares` slots running. Not
 root, it first enters a user namespace of its own (isolation "userns"). Each slot is
 forked once (with namespaces, into a PID namespace of its own) and runs sandbox.slot_main:
@@ -25,7 +25,7 @@ import runner
 
 def serve(options: dict, slot_main) -> None:
     """Run until the caller closes our stdin. The first stdout line says what isolation we got, or why none.
-    slot_main(slot): a slot's life, sandbox.py's containment sequence (handed over by the bootstrap: the core
+    slot_main(slot): a slot's life, sandbox.py's containment sequence (handed over by the loader: the core
     imports its machinery, never the other way round)."""
     runner.preload(options["preload"])
     mode = options["isolation"]

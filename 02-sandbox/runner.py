@@ -301,9 +301,9 @@ def _kill_the_rest() -> None:
     A PID namespace's init (a slot, or a container's runner) kills them all with one
     kill(-1), and reaps them (_reap_the_rest): a killed process never runs again, but its
     exit, which frees its memory, can take seconds (60 processes of 51,000 mappings each:
-    about 5 s). Without a PID namespace, this supervisor is a child
-    subreaper: every orphan of the code is re-parented to it once its parent is reaped,
-    so it kills and reaps its children until none is left."""
+    about 5 s). Without a PID namespace, this supervisor is a child subreaper: every
+    orphan of the code is re-parented to it once its parent is reaped, so it kills and
+    reaps its children until none is left."""
     if os.getpid() == 1:
         _kill_quietly(-1)
         return
