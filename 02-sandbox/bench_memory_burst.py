@@ -74,6 +74,7 @@ def main() -> int:
     args = parser.parse_args()
     if os.geteuid() != 0:
         parser.error("run it as root: it starts the sandbox as --user and watches the machine's memory from outside")
+    load_before = os.getloadavg()[0]  # other work on the machine moves MemAvailable too
     folder = tempfile.mkdtemp(prefix="sbx-burst-")
     os.chmod(folder, 0o755)
     for name in ("runner", "confinement", "sandbox", "fork_server", "local_backend"):
@@ -115,12 +116,14 @@ def main() -> int:
         driver.wait()
         shutil.rmtree(folder, ignore_errors=True)
     killed = sum(o.startswith("MemoryError") for o in observations)
-    print(f"{args.tries} bursts of {args.processes} processes under a {args.memory_mb} MB cap, as {args.user} (userns):")
+    print(f"{args.tries} bursts of {args.processes} processes under a {args.memory_mb} MB cap, as {args.user} (userns), "
+          f"load average {load_before:.1f} before, {os.getloadavg()[0]:.1f} after:")
     print(f"  MemAvailable fell by at most {max(drops):.0f} MB (median {statistics.median(drops):.0f} MB)")
     print(f"  above the cap for at most {max(held_s) * 1000:.0f} ms (median {statistics.median(held_s) * 1000:.0f} ms)")
     print(f"  calls killed with MemoryError: {killed} of {args.tries}")
     if args.results:
         figures = {"cap_mb": args.memory_mb, "processes": args.processes, "tries": args.tries, "killed": killed,
+                   "load_average_before": round(load_before, 1), "load_average_after": round(os.getloadavg()[0], 1),
                    "drop_max_mb": round(max(drops)), "drop_median_mb": round(statistics.median(drops)),
                    "over_cap_max_ms": round(max(held_s) * 1000), "over_cap_median_ms": round(statistics.median(held_s) * 1000)}
         command = f".venv/bin/python 02-sandbox/bench_memory_burst.py --results {args.results}"

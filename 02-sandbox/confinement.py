@@ -16,6 +16,7 @@ import struct
 import sys
 import sysconfig
 import tempfile
+import time
 from pathlib import Path
 
 import runner
@@ -113,6 +114,11 @@ WORKDIR = "/tmp/work"
 # Files of /proc that describe the kernel's keys: the caller's session keyring and every key its uid may
 # view (names and sizes), and each user's key counts. The filter denies the key calls; these it cannot.
 PROC_MASKED = ("/proc/keys", "/proc/key-users")
+# The machine's counters since boot (stat's "processes": forks, "ctxt", "intr"; vmstat's page faults, major ones
+# included), which one call moves and the next reads: a copy of each with every number 0 is bound over it (its lines
+# kept, for what counts CPUs by them).
+PROC_COUNTERS = ("/proc/stat", "/proc/vmstat")
+SHELL = "/bin/sh"  # subprocess(..., shell=True) runs it: bound alone, so a command it names that is not Python fails by name
 SCRATCH_INODES = 16384  # files and folders the scratch tmpfs holds: each is kernel memory too
 _BUILD_AT = "/tmp"  # where the new root is assembled in the slot's own mount namespace, before pivot_root
 _ETC = {  # a minimal /etc: who is who, and the loader's cache so that native libraries load as usual
@@ -168,6 +174,8 @@ def build_root() -> dict[str, int]:
     files = [loader_cache] if os.path.isfile(loader_cache) else []
     # Descriptors first: the sources may lie under the folder the new root is built on.
     sources = {path: os.open(path, os.O_PATH) for path in binds + files + list(DEVICES) + ["/proc"]}
+    if os.path.isfile(SHELL):  # the shell's own file, wherever its links lead (/bin/sh -> dash, /bin -> usr/bin)
+        sources[SHELL] = os.open(os.path.realpath(SHELL), os.O_PATH)
     root = _BUILD_AT
     mount("tmpfs", root, "tmpfs", MS_NOSUID | MS_NODEV, "size=1m,mode=0755")
     for path, fd in sources.items():
@@ -198,8 +206,25 @@ def build_root() -> dict[str, int]:
     os.chdir("/")
     for path in PROC_MASKED:  # as Docker masks them: /dev/null bound over each
         mount("/dev/null", path, None, MS_BIND)
+    for path in PROC_COUNTERS:
+        _bind_counters_at_zero(path)
     mount(None, "/", None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV)
     return {p: os.open(p, os.O_PATH) for p in binds if any(_inside(p, d) for d in SCRATCH_DIRS)}
+
+
+def _bind_counters_at_zero(path: str) -> None:
+    """Bind over a /proc file of the machine's counters a copy of it whose every number is 0 (btime kept: the boot
+    time, a constant). The copy is written in the new root, bound, then unlinked: no path names it."""
+    with open(path) as f:
+        lines = [line.split() for line in f if line.strip()]
+    text = "".join(" ".join(fields if fields[0] == "btime" else fields[:1] + ["0"] * (len(fields) - 1)) + "\n"
+                   for fields in lines)
+    copy = "/.counters"
+    with open(copy, "w") as f:
+        f.write(text)
+    mount(copy, path, None, MS_BIND)
+    mount(None, path, None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV)
+    os.unlink(copy)
 
 
 def mount_proc() -> tuple[int, int]:
@@ -355,6 +380,13 @@ class CallGroup:
         for fd in self.dirs:
             os.close(fd)
 
+    TICK = 0.01  # seconds between two looks at the call's OOM kills
+
+    def over(self, memory_mb: int, until: float) -> bool:
+        """Was a process of the call OOM-killed? Then the whole call ends: on cgroup v1 the kernel kills only the
+        process it picked, and the call's other processes (its main one waiting for a killed child) would go on."""
+        return self.oom_killed()
+
     def oom_killed(self) -> bool:
         """Did the kernel kill a process of this call for exceeding its memory limit?"""
         name = "memory.oom_control" if self.groups.version == 1 else "memory.events"
@@ -381,35 +413,69 @@ class CallGroup:
 class MemoryWatch:
     """Where no cgroup can be had (not root, no delegated cgroup v2): the slot samples the call's memory.
     RLIMIT_AS caps each process, not the call: a call of N processes could map N times memory_mb. Every TICK seconds of
-    the wait, the slot sums the call's processes' share of their pages (_PROPORTIONAL: a page shared is split), less
-    once the slot's own share, which every fork of it starts with (one that exec'd shares nothing: it counts whole), and
-    kills the call past memory_mb; in a /proc where no process can hide (mount_proc). Kernel memory that no process's
-    pages show is denied or bounded instead: memfds, System V IPC and sockets that queue by the filter
-    (seccomp_program(cgroup=False)); POSIX message queues and locked memory by their rlimits (runner.set_rlimits); files
-    by the scratch tmpfs."""
+    the wait, the slot sums what a cgroup would charge the call and kills it past memory_mb, in a /proc where no process
+    can hide (mount_proc): each process's share of its pages (_PROPORTIONAL: a page shared is split), less once the
+    slot's own share, which every fork of it starts with (one that exec'd shares nothing: it counts whole); and the
+    kernel memory no process's pages show, as _kernel_kb counts it (page tables, kernel stacks, descriptors, mappings).
+    What it cannot count is denied or bounded instead: memfds, System V IPC, epoll and sockets by the filter
+    (seccomp_program(cgroup=False) and every mode's); POSIX message queues and locked memory by their rlimits
+    (runner.set_rlimits); files by the scratch tmpfs."""
 
     TICK = 0.01
 
     def __init__(self, proc: int) -> None:
         self.proc = proc  # a descriptor of the slot's /proc without hidepid
-        self.base_kb = _held_kb(proc, str(os.getpid()), _PROPORTIONAL) or 0  # the slot's share of the pages its forks inherit
+        me = str(os.getpid())
+        self.base_kb = _held_kb(proc, me, _PROPORTIONAL) or 0  # the slot's share of the pages its forks inherit
+        self.mappings = {me: _count_mappings(proc, me) or 0}  # pid -> mappings at its last count (a new one: its parent's)
         self.killed = False
 
     def join(self, memory_mb: int, max_processes: int) -> None:
         """Nothing to join: the slot watches (the code's process calls this where it would join a cgroup)."""
 
-    def over(self, memory_mb: int) -> bool:
-        """Does the call hold more than memory_mb? Once it does, it stays "OOM-killed".
+    def over(self, memory_mb: int, until: float = float("inf")) -> bool:
+        """Does the call hold more than memory_mb? Once it does, it stays "OOM-killed"; past `until` (the call's
+        deadline) it stops reading and answers what it knows, so that a call whose files are slow to read still ends.
         A process's resident and swapped pages bound its proportional share from above: only when their sum passes the
         cap are the dearer smaps_rollup files read (about 0.5 ms a process with sympy loaded, against 10 us for status).
-        A process that made itself non-dumpable refuses the slot its smaps_rollup: it counts whole."""
-        me = str(os.getpid())
-        resident = {pid: _held_kb(self.proc, pid, _RESIDENT) or 0 for pid in os.listdir(self.proc) if pid.isdigit() and pid != me}
-        if sum(resident.values()) - self.base_kb > memory_mb * 1024:
-            share = {pid: _held_kb(self.proc, pid, _PROPORTIONAL) for pid in resident}
-            total = sum(kb if kb is not None else resident[pid] for pid, kb in share.items())
-            self.killed = self.killed or total - self.base_kb > memory_mb * 1024
+        A process that made itself non-dumpable refuses the slot its smaps_rollup and maps: it counts whole."""
+        me, cap_kb, status = str(os.getpid()), memory_mb * 1024, {}
+        for pid in os.listdir(self.proc):
+            if pid.isdigit() and pid != me:
+                status[pid] = _fields(self.proc, pid, "status", "RssAnon")
+        self._count_one(status, until)
+        kernel = sum(self._kernel_kb(pid, fields) for pid, fields in status.items())
+        resident = {pid: _sum_kb(fields, _RESIDENT[1]) for pid, fields in status.items()}
+        if sum(resident.values()) + kernel - self.base_kb > cap_kb:
+            total = kernel
+            for pid, kb in resident.items():
+                if time.monotonic() > until:
+                    return self.killed  # the deadline ends the call; an unfinished sum decides nothing
+                share = _held_kb(self.proc, pid, _PROPORTIONAL)
+                total += kb if share is None else share
+            self.killed = self.killed or total - self.base_kb > cap_kb
         return self.killed
+
+    def _kernel_kb(self, pid: str, fields: dict[str, str]) -> float:
+        """A process's kernel memory: status's counts (_KERNEL_KB) and its mappings at their last count."""
+        if pid not in self.mappings:  # a fork copies its parent's mappings
+            self.mappings[pid] = self.mappings.get(fields.get("PPid", "").strip(), self.mappings[str(os.getpid())])
+        return sum(_sum_kb(fields, (name,)) * kb for name, kb in _KERNEL_KB.items()) + self.mappings[pid] * VMA_KB
+
+    def _count_one(self, status: dict[str, dict[str, str]], until: float) -> None:
+        """Count the mappings of one process a tick, new ones first, then the one counted longest ago: reading a
+        process's maps costs as much as it has mappings (tens of ms for 65,000), too much for every process each tick."""
+        me = str(os.getpid())
+        for pid in [pid for pid in self.mappings if pid != me and pid not in status]:
+            del self.mappings[pid]
+        waiting = [pid for pid in status if pid not in self.mappings] + [pid for pid in self.mappings if pid in status]
+        if waiting and time.monotonic() < until:
+            pid = waiting[0]
+            counted = _count_mappings(self.proc, pid)
+            if counted is None:  # refused (non-dumpable): as many as its address space can hold
+                counted = min(_sum_kb(status[pid], ("VmSize",)) // 4, _max_map_count(self.proc))
+            self.mappings.pop(pid, None)
+            self.mappings[pid] = counted  # last in the order: counted most recently
 
     def oom_killed(self) -> bool:
         return self.killed
@@ -422,30 +488,77 @@ class MemoryWatch:
 # status counts every page the process maps whole, smaps_rollup its share of each
 _RESIDENT = ("status", ("RssAnon", "RssShmem", "VmSwap"))
 _PROPORTIONAL = ("smaps_rollup", ("Pss_Anon", "Pss_Shmem", "SwapPss"))
+# Kernel memory a cgroup charges and no process's pages show, in kB a unit of a status field: page tables (VmPTE, in
+# kB), a kernel stack of 16 kB a thread, and the descriptor table with the files it can hold (0.5 kB a slot of FDSize)
+_KERNEL_KB = {"VmPTE": 1.0, "Threads": 16.0, "FDSize": 0.5}
+VMA_KB = 0.25  # a mapping (VMA): its vm_area_struct and share of the maple tree, about 0.2 kB measured
+
+
+def _sum_kb(fields: dict[str, str], names: tuple[str, ...]) -> int:
+    return sum(int(fields[name].split()[0]) for name in names if name in fields)
+
+
+def _count_mappings(proc: int, pid: str) -> int | None:
+    """How many mappings (VMAs) a process has: lines of its maps; None once it is gone, or where it is refused."""
+    for path in _task_paths(proc, pid, "maps"):
+        try:
+            fd = os.open(path, os.O_RDONLY, dir_fd=proc)
+        except OSError:
+            return None
+        try:
+            count, chunk = 0, os.read(fd, 1 << 20)
+            while chunk:
+                count, chunk = count + chunk.count(b"\n"), os.read(fd, 1 << 20)
+        except OSError:
+            return None
+        finally:
+            os.close(fd)
+        if count:
+            return count
+    return None
+
+
+_MAP_COUNT: list[int] = []
+
+
+def _max_map_count(proc: int) -> int:
+    """vm.max_map_count, the most mappings a process may have; read once."""
+    if not _MAP_COUNT:
+        _MAP_COUNT.append(int(_read(proc, "sys/vm/max_map_count") or 65530))
+    return _MAP_COUNT[0]
 
 
 def _held_kb(proc: int, pid: str, kind: tuple[str, tuple[str, ...]]) -> int | None:
-    """What a process holds in memory (kind's fields), in kB; None once it is gone, or where it is refused.
-    A thread group whose leader exited goes on in its other threads, and the leader's
-    files then show no memory: one of its threads' shows the group's."""
+    """What a process holds in memory (kind's fields), in kB; None once it is gone, or where it is refused."""
     name, held = kind
-    fields = _status(proc, f"{pid}/{name}")
-    if fields.get(held[0]) is None:
+    fields = _fields(proc, pid, name, held[0])
+    return _sum_kb(fields, held) if held[0] in fields else None
+
+
+def _fields(proc: int, pid: str, name: str, first: str) -> dict[str, str]:
+    """The fields of /proc/PID/name, such as status. A thread group whose leader exited goes on in its other
+    threads, and the leader's files then show no memory: one of its threads' shows the group's."""
+    fields = {}
+    for path in _task_paths(proc, pid, name):
+        fields = _status(proc, path)
+        if fields.get(first) is not None:
+            break
+    return fields
+
+
+def _task_paths(proc: int, pid: str, name: str):
+    """PID/name, then the same file of each of its threads."""
+    yield f"{pid}/{name}"
+    try:
+        fd = os.open(f"{pid}/task", os.O_RDONLY | os.O_DIRECTORY, dir_fd=proc)
         try:
-            fd = os.open(f"{pid}/task", os.O_RDONLY | os.O_DIRECTORY, dir_fd=proc)
-            try:
-                threads = os.listdir(fd)
-            finally:
-                os.close(fd)
-        except OSError:
-            threads = []
-        for tid in threads:
-            fields = _status(proc, f"{pid}/task/{tid}/{name}")
-            if fields.get(held[0]) is not None:
-                break
-    if fields.get(held[0]) is None:
-        return None
-    return sum(int(fields[field].split()[0]) for field in held if field in fields)
+            threads = os.listdir(fd)
+        finally:
+            os.close(fd)
+    except OSError:
+        threads = []
+    for tid in threads:
+        yield f"{pid}/task/{tid}/{name}"
 
 
 def _status(proc: int, path: str) -> dict[str, str]:
@@ -573,6 +686,10 @@ DENIED = (
     "ioprio_set", "migrate_pages", "move_pages",
     # pages handed to a pipe and unmapped: held by the pipe alone, in no process's pages
     "vmsplice",
+    # the page cache's state of a file, read without timing: which pages one call read, the next sees
+    "mincore", "cachestat",
+    # counters of the whole machine: asynchronous I/O contexts (aio-nr, and aio-max-nr used up), pidfs inode numbers
+    "io_setup", "pidfd_open",
 )
 # Allowed on the calling process only (every argument listed 0: "this process"). The kernel lets a
 # process change these of any process of its uid, and unprivileged the code and its slot are one uid:
@@ -589,16 +706,18 @@ FCNTL_DENIED = {"F_GETLK": 5, "F_SETLK": 6, "F_SETLKW": 7, "F_OFD_GETLK": 36, "F
                 "F_SETLEASE": 1024, "F_GETLEASE": 1025, "F_NOTIFY": 1026,
                 "F_SETSIG": 10,  # a real-time signal per I/O event, queued past RLIMIT_SIGPENDING
                 "F_SETPIPE_SZ": 1031}  # and pipes past their default 16 pages: the user's pipe pages are one count
-# Socket families allowed; any other fails, socketpair too. The call's network namespace has no interface up,
-# so an AF_INET or AF_INET6 socket can queue nothing. AF_UNIX and AF_NETLINK sockets queue kernel memory that
-# no memory cgroup counts (per socket, per unread message, per descriptor in flight), and AF_VSOCK reaches
-# the hypervisor whatever the network namespace.
-SOCKET_FAMILIES = {"AF_INET": 2, "AF_INET6": 10}
-# getsockopt(SOL_SOCKET, ...) options that read a counter of the whole machine: one call sets it, the next reads it
-SOCKET_COOKIES = {"SO_COOKIE": 57, "SO_NETNS_COOKIE": 71}
-_SOL_SOCKET = 1
-# Denied only where no cgroup counts memory: memory held outside every process's pages
-NO_CGROUP_DENIED = ("memfd_create", "memfd_secret", "shmget", "msgget", "semget")
+# No socket may be made: AF_INET and AF_INET6 fail as on a machine without a network (ENETUNREACH), every other
+# family with EAFNOSUPPORT, socketpair too. A socket holds kernel memory no cgroup counts in full (its buffers, and
+# its options: TCP MD5 keys, filters, multicast groups, as much as net.core.optmem_max allows, 128 KB) and moves the
+# machine's counts (the socket cookies, sockstat's TCP "alloc"); AF_UNIX and AF_NETLINK queue memory per message
+# and per descriptor in flight; AF_VSOCK reaches the hypervisor whatever the network namespace. Math code needs none.
+NETWORK_FAMILIES = {"AF_INET": 2, "AF_INET6": 10}
+# preadv2 and pwritev2 with RWF_NOWAIT (EOPNOTSUPP): EAGAIN tells a page the cache lacks from one it holds
+RWF_NOWAIT = 8
+CLONE_PIDFD = 0x1000  # a pidfd from clone: its inode number is a counter of the machine, as from pidfd_open
+# Denied only where no cgroup counts memory: memory held outside every process's pages (epoll: its watches,
+# as many as the user's fs.epoll.max_user_watches, which the calls share)
+NO_CGROUP_DENIED = ("memfd_create", "memfd_secret", "shmget", "msgget", "semget", "epoll_create", "epoll_create1")
 # System call numbers, name=(x86_64, aarch64): asm/unistd_64.h and asm-generic/unistd.h (aarch64 has no inotify_init)
 _NUMBERS = dict(
     keyctl=(250, 219), add_key=(248, 217), request_key=(249, 218), ptrace=(101, 117), process_vm_readv=(310, 270),
@@ -613,11 +732,13 @@ _NUMBERS = dict(
     adjtimex=(159, 171), quotactl=(179, 60), lookup_dcookie=(212, 18), fanotify_init=(300, 262), vhangup=(153, 58),
     clone=(56, 220), clone3=(435, 435), flock=(73, 32), inotify_init=(253, None), inotify_init1=(294, 26),
     inotify_add_watch=(254, 27), inotify_rm_watch=(255, 28), fcntl=(72, 25), socket=(41, 198), socketpair=(53, 199),
-    getsockopt=(55, 209), vmsplice=(278, 75), memfd_create=(319, 279), memfd_secret=(447, 447), shmget=(29, 194),
+    vmsplice=(278, 75), memfd_create=(319, 279), memfd_secret=(447, 447), shmget=(29, 194),
     msgget=(68, 186), semget=(64, 190), ioprio_set=(251, 30), migrate_pages=(256, 238), move_pages=(279, 239),
     prlimit64=(302, 261), setpriority=(141, 140), sched_setaffinity=(203, 122), sched_setscheduler=(144, 119),
     sched_setparam=(142, 118), sched_setattr=(314, 274), kill=(62, 129), tkill=(200, 130), tgkill=(234, 131),
-    rt_sigqueueinfo=(129, 138), rt_tgsigqueueinfo=(297, 240), pidfd_send_signal=(424, 424),
+    rt_sigqueueinfo=(129, 138), rt_tgsigqueueinfo=(297, 240), pidfd_send_signal=(424, 424), mincore=(27, 232),
+    cachestat=(451, 451), io_setup=(206, 0), pidfd_open=(434, 434), preadv2=(327, 286),
+    pwritev2=(328, 287), epoll_create=(213, None), epoll_create1=(291, 20),
 )
 _TABLES = {machine: {name: pair[i] for name, pair in _NUMBERS.items() if pair[i] is not None}
            for i, machine in enumerate(("x86_64", "aarch64"))}
@@ -626,9 +747,10 @@ SYSCALLS = _TABLES.get(platform.machine(), {})
 NAMESPACE_FLAGS = CLONE_NEWNS | CLONE_NEWCGROUP | CLONE_NEWUTS | CLONE_NEWIPC | CLONE_NEWUSER | CLONE_NEWPID | CLONE_NEWNET
 
 _RET_KILL_PROCESS, _RET_ERRNO, _RET_ALLOW = 0x80000000, 0x00050000, 0x7FFF0000
-_EPERM, _ENOSYS, _ENOPROTOOPT, _EAFNOSUPPORT = 1, 38, 92, 97
+_EPERM, _ENOSYS, _EOPNOTSUPP, _EAFNOSUPPORT, _ENETUNREACH = 1, 38, 95, 97, 101
 _LD_ABS, _JEQ, _JGE, _JSET, _RET = 0x20, 0x15, 0x35, 0x45, 0x06  # BPF_LD|W|ABS, BPF_JMP|{JEQ,JGE,JSET}|K, BPF_RET|K
 _NR, _ARCH, _ARGS = 0, 4, (16, 24, 32)  # offsets in struct seccomp_data (arguments' low 32 bits: little-endian)
+_ARG_FLAGS = 56  # preadv2's and pwritev2's sixth argument, their flags
 
 
 def seccomp_program(cgroup: bool = True) -> bytes:
@@ -655,16 +777,13 @@ def seccomp_program(cgroup: bool = True) -> bytes:
     program += [(_JEQ, 0, 1, table["clone3"]), (_RET, 0, 0, _RET_ERRNO | _ENOSYS)]
     program += _by_argument(table["fcntl"], _ARGS[1], [(_JEQ, command, _RET_ERRNO | _EPERM) for command in FCNTL_DENIED.values()],
                             _RET_ALLOW)
-    program += _by_argument(table["socket"], _ARGS[0], [(_JEQ, family, _RET_ALLOW) for family in SOCKET_FAMILIES.values()],
-                            _RET_ERRNO | _EAFNOSUPPORT)
+    program += _by_argument(table["socket"], _ARGS[0], [(_JEQ, family, _RET_ERRNO | _ENETUNREACH)
+                                                       for family in NETWORK_FAMILIES.values()], _RET_ERRNO | _EAFNOSUPPORT)
     program += [(_JEQ, 0, 1, table["socketpair"]), (_RET, 0, 0, _RET_ERRNO | _EAFNOSUPPORT)]  # AF_UNIX is its one family
-    # getsockopt: any level but SOL_SOCKET is allowed, and SOL_SOCKET unless it asks for a cookie
-    body = [(_LD_ABS, 0, 0, _ARGS[1]), (_JEQ, 1, 0, _SOL_SOCKET), (_RET, 0, 0, _RET_ALLOW), (_LD_ABS, 0, 0, _ARGS[2])]
-    for number in SOCKET_COOKIES.values():
-        body += [(_JEQ, 0, 1, number), (_RET, 0, 0, _RET_ERRNO | _ENOPROTOOPT)]
-    program += [(_JEQ, 0, len(body) + 1, table["getsockopt"])] + body + [(_RET, 0, 0, _RET_ALLOW)]
-    # clone: no new namespace, and no real-time signal for the parent when the child exits (0xE0: 32 and up)
-    program += _by_argument(table["clone"], _ARGS[0], [(_JSET, NAMESPACE_FLAGS, _RET_ERRNO | _EPERM),
+    for name in ("preadv2", "pwritev2"):
+        program += _by_argument(table[name], _ARG_FLAGS, [(_JSET, RWF_NOWAIT, _RET_ERRNO | _EOPNOTSUPP)], _RET_ALLOW)
+    # clone: no new namespace, no pidfd, and no real-time signal for the parent when the child exits (0xE0: 32 and up)
+    program += _by_argument(table["clone"], _ARGS[0], [(_JSET, NAMESPACE_FLAGS | CLONE_PIDFD, _RET_ERRNO | _EPERM),
                                                       (_JSET, 0xE0, _RET_ERRNO | _EPERM)], _RET_ALLOW)
     for name, argument in SIGNAL_SENDERS.items():
         program += _by_argument(table[name], _ARGS[argument], [(_JGE, _REALTIME, _RET_ERRNO | _EPERM)], _RET_ALLOW)

@@ -1,12 +1,12 @@
 """The local backend's fork server: warm imports once, then slots that serve calls one at a time.
 
-Started by local_backend.py (`python -I -c <bootstrap>`, its source and options on stdin:
+Started by local_backend.py (`python -I -c <loader>`, its source and options on stdin:
 why there). It imports the preload modules once, then keeps `spares` slots running. Not
 root, it first enters a user namespace of its own (isolation "userns"). Each slot is
-forked once (with namespaces, into a PID namespace of its own), runs enter_slot, then
-serve_call call after call: sandbox.py's containment sequence. A slot never reads a
-request or an answer, retires after `slot_calls` calls (local_backend.SLOT_CALLS), and
-the server forks a new one. docs/02-sandbox.md has the why.
+forked once (with namespaces, into a PID namespace of its own) and runs sandbox.slot_main:
+enter_slot once, then serve_call call after call, sandbox.py's containment sequence. A
+slot never reads a request or an answer, retires after `slot_calls` calls
+(local_backend.SLOT_CALLS), and the server forks a new one. docs/02-sandbox.md has the why.
 """
 from __future__ import annotations
 
@@ -23,10 +23,10 @@ import confinement
 import runner
 
 
-def serve(options: dict, enter_slot, serve_call) -> None:
+def serve(options: dict, slot_main) -> None:
     """Run until the caller closes our stdin. The first stdout line says what isolation we got, or why none.
-    enter_slot(slot) and serve_call(slot, call_index) -> bool: the containment sequence each slot runs (sandbox.py's,
-    handed over by the bootstrap: the core imports its machinery, never the other way round)."""
+    slot_main(slot): a slot's life, sandbox.py's containment sequence (handed over by the loader: the core
+    imports its machinery, never the other way round)."""
     runner.preload(options["preload"])
     mode = options["isolation"]
     if mode == "namespaces" and os.geteuid() != 0:
@@ -50,13 +50,13 @@ def serve(options: dict, enter_slot, serve_call) -> None:
         _remove_groups(cgroups, [])
         return _hello(error=e.strerror or str(e))
     try:
-        _serve_slots(options, mode, listener, cgroups, program, enter_slot, serve_call)
+        _serve_slots(options, mode, listener, cgroups, program, slot_main)
     except BaseException:
         _remove_groups(cgroups, [])  # whatever went wrong, no group of ours stays
         raise
 
 
-def _serve_slots(options: dict, mode: str, listener: socket.socket, cgroups, program: bytes, enter_slot, serve_call) -> None:
+def _serve_slots(options: dict, mode: str, listener: socket.socket, cgroups, program: bytes, slot_main) -> None:
     """Keep `spares` slots running until the caller is gone; say hello once they are ready, or why they are not."""
     listener.listen(256)
     listener.setblocking(False)  # several slots poll it; the losers of a race get EAGAIN
@@ -82,7 +82,8 @@ def _serve_slots(options: dict, mode: str, listener: socket.socket, cgroups, pro
             for fd in (alive_w, leaving_r, report_r):
                 os.close(fd)
             slot = Slot(listener, alive_r, token, uid, mode, options["max_file_mb"], cgroups, program)
-            runner.exit_after(_slot, slot, leaving_w, report_w, slot_calls, enter_slot, serve_call)
+            slot.calls, slot.report_fd, slot.leaving_fd = slot_calls, report_w, leaving_w
+            runner.exit_after(_slot, slot, slot_main)
         os.close(report_w)
         if own_pid_ns is not None:
             confinement.setns(own_pid_ns, confinement.CLONE_NEWPID)
@@ -135,6 +136,17 @@ class Slot:
         self.interpreter_in_scratch: dict[str, int] = {}  # interpreter folders under a scratch dir (a venv in /tmp): every call binds them back
         self.last_pid: int | None = None  # the PID namespace's counter (/proc/sys/kernel/ns_last_pid), once /proc is ours
         self.proc: int | None = None  # the same /proc without hidepid, for the memory watch: the code's processes, all
+        self.calls = 0  # calls it serves before it retires (local_backend.SLOT_CALLS)
+        self.report_fd: int | None = None  # the server reads this pipe until ready() closes it: empty, or why not
+        self.leaving_fd: int | None = None  # retire() writes the token here: the server forks a new slot
+
+    def ready(self) -> None:
+        """Its isolation is in place: the server goes on (with the next slot, or its hello)."""
+        os.close(self.report_fd)
+        self.report_fd = None
+
+    def retire(self) -> None:
+        os.write(self.leaving_fd, struct.pack("q", self.token))
 
     def accept(self) -> socket.socket | None:
         """Wait for a call; None when the server exited first."""
@@ -153,24 +165,20 @@ class Slot:
                 return conn
 
 
-def _slot(slot: Slot, leaving: int, report: int, slot_calls: int, enter_slot, serve_call) -> int:
-    """One supervisor: set up isolation once, report, then serve calls one at a time; its exit status."""
+def _slot(slot: Slot, slot_main) -> int:
+    """One supervisor's process: its signals and stdin, then the core's slot_main; its exit status.
+    An exception before slot.ready() is sent to the server as the reason the slot could not start."""
     try:
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         signal.signal(signal.SIGINT, signal.SIG_DFL)  # as PID 1 with no handler: deaf to the code's signals
         devnull = os.open(os.devnull, os.O_RDWR)
         os.dup2(devnull, 0)  # the server's pipe from the caller stays with the server
         os.close(devnull)
-        enter_slot(slot)
+        slot_main(slot)
     except BaseException as e:
-        os.write(report, f"{type(e).__name__}: {e}".encode())
+        if slot.report_fd is not None:
+            os.write(slot.report_fd, f"{type(e).__name__}: {e}".encode())
         raise
-    finally:
-        os.close(report)
-    for call_index in range(slot_calls):
-        if not serve_call(slot, call_index):  # the server is gone
-            return 0
-    os.write(leaving, struct.pack("q", slot.token))
     return 0
 
 

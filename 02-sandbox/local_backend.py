@@ -28,6 +28,8 @@ import runner
 
 HERE = Path(__file__).resolve().parent
 
+# The server's whole command line: it loads the modules sent on stdin, in order, then runs fork_server.serve with
+# the core's slot_main (sandbox.py), which each slot runs. Nothing else happens here.
 _BOOT = (
     "import json, sys, types\n"
     "boot = json.loads(sys.stdin.buffer.readline())\n"
@@ -35,8 +37,7 @@ _BOOT = (
     "    module = sys.modules[name] = types.ModuleType(name)\n"
     "    module.__file__ = path\n"
     "    exec(compile(source, name + '.py', 'exec'), module.__dict__)\n"
-    "core = sys.modules['sandbox']\n"
-    "sys.modules['fork_server'].serve(boot['options'], core.enter_slot, core.serve_call)\n"
+    "sys.modules['fork_server'].serve(boot['options'], sys.modules['sandbox'].slot_main)\n"
 )
 SLOT_CALLS = 200  # calls a slot serves before it retires: bounds how far its memory drifts from the server's
 _SERVER_MODULES = ("runner", "confinement", "sandbox", "fork_server")  # in import order; sandbox holds the containment sequence

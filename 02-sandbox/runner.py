@@ -31,6 +31,7 @@ from typing import NoReturn
 
 ANSWER_GRACE = 30.0  # seconds past the timeout before the caller gives up on an answer (a loaded machine is slow to fork and reap)
 REQUEST_GRACE = 30.0  # seconds the code's process may take to receive its request before it is killed
+REAP_GRACE = 1.0  # seconds the answer waits for the call's killed processes to exit; past it, it goes without them
 IDLE_EXIT = 900.0  # seconds a warm container waits for its request before giving up
 DEFAULT_CAP = 64 * 1024  # output cap when a request never arrived (the answer then only says why)
 _OLD_STREAMS: list = []  # see _fresh_interpreter_state
@@ -167,7 +168,8 @@ def collect(pid: int, files: CallFiles, answer_fd: int, limiter=None, may_copy: 
     """The supervisor's side: wait for the code's process up to the time limit, kill every
     process the call left, and send the answer.
     limiter: the call's cgroup (confinement.CallGroup) or the slot's confinement.MemoryWatch,
-    which says whether the call was OOM-killed; None in plain isolation and in a container.
+    which says whether the call was OOM-killed, and is asked every limiter.TICK seconds whether
+    to end it (over); None in plain isolation and in a container.
     may_copy: the output may pass through this process's memory where sendfile is
     refused; only a single-use container may."""
     os.close(files.limits_w)
@@ -180,15 +182,19 @@ def collect(pid: int, files: CallFiles, answer_fd: int, limiter=None, may_copy: 
         cap = DEFAULT_CAP
     else:
         timeout, cap, memory_mb = _LIMITS.unpack(limits)
-        watch = getattr(limiter, "over", None)  # a MemoryWatch, where no cgroup counts the call's memory
-        status, timed_out = _wait_for(pid, timeout, watch and (lambda: watch(memory_mb)), getattr(limiter, "TICK", None))
-    _kill_the_rest()  # before answering: when the caller has its result, nothing is left running
+        over = getattr(limiter, "over", None)  # the limiter's look at the call: past its memory, or an OOM kill in it
+        status, timed_out = _wait_for(pid, timeout, over and (lambda until: over(memory_mb, until)), getattr(limiter, "TICK", None))
+    _kill_the_rest()  # before answering: when the caller has its result, no process of the call is left ...
+    _reap_the_rest(REAP_GRACE)  # ... unless the kernel takes longer to end them: then none of them runs again
     oom_killed = limiter.oom_killed() if limiter is not None else False
+    if oom_killed and os.WIFEXITED(status):  # a process of the call was killed for memory: the call failed, however it exited
+        status = signal.SIGKILL
     try:
         _send_answer(answer_fd, status, timed_out, oom_killed, files.out, files.err, cap, may_copy)
     finally:
         os.close(files.out)
         os.close(files.err)
+        _reap_the_rest()  # the rest, after answering: the slot takes no call before every process of this one is gone
 
 
 # ---------------------------------------------------------------------------------- The detail of the supervisor's side
@@ -198,7 +204,7 @@ def _wait_for(user: int, timeout: float | None, over_memory=None, tick: float | 
     """(wait status, timed out): wait for the code's process up to the time limit, then kill it.
     It sleeps in sigtimedwait for SIGCHLD, never in a signal handler: a signal the code
     sends its supervisor (which it may, where both are the caller's uid) wakes it at
-    most. over_memory(), if given, is asked every `tick` seconds: True kills the call."""
+    most. over_memory(deadline), if given, is asked every `tick` seconds: True kills the call."""
     deadline = None if timeout is None else time.monotonic() + timeout
     signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGCHLD])  # from here on, an exit is noted, not lost
     try:
@@ -212,7 +218,7 @@ def _wait_for(user: int, timeout: float | None, over_memory=None, tick: float | 
             if pid:
                 continue
             left = None if deadline is None else deadline - time.monotonic()
-            if (left is not None and left <= 0) or (over_memory and over_memory()):
+            if (left is not None and left <= 0) or (over_memory and over_memory(deadline or float("inf"))):
                 break
             wait = min(x for x in (left, tick, 3600.0) if x is not None)
             signal.sigtimedwait([signal.SIGCHLD], wait)
@@ -291,17 +297,16 @@ def failure(reason: str) -> dict:
 
 
 def _kill_the_rest() -> None:
-    """Kill every process the code left behind (daemons, setsid, double forks) and reap it.
-    A PID namespace's init (a slot, or a container's runner) kills them all with
-    kill(-1). Without one, this supervisor is a child subreaper: every orphan of the
-    code is re-parented to it, so killing its children until none is left is enough."""
+    """Kill every process the code left behind (daemons, setsid, double forks).
+    A PID namespace's init (a slot, or a container's runner) kills them all with one
+    kill(-1), and reaps them (_reap_the_rest): a killed process never runs again, but its
+    exit, which frees its memory, can take seconds (60 processes of 51,000 mappings each:
+    about 5 s). Without a PID namespace, this supervisor is a child subreaper: every
+    orphan of the code is re-parented to it once its parent is reaped, so it kills and
+    reaps its children until none is left."""
     if os.getpid() == 1:
         _kill_quietly(-1)
-        try:
-            while True:
-                os.waitpid(-1, 0)
-        except ChildProcessError:
-            return
+        return
     me = os.getpid()
     while True:
         children = _children_of(me)
@@ -314,6 +319,28 @@ def _kill_the_rest() -> None:
             return
         if not children:
             time.sleep(0.001)
+
+
+def _reap_the_rest(seconds: float | None = None) -> None:
+    """As a PID namespace's init: wait until every process of the call (kill(-1) killed them) has exited and is
+    reaped, at most `seconds` (None: as long as it takes)."""
+    if os.getpid() != 1:
+        return
+    deadline = None if seconds is None else time.monotonic() + seconds
+    signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGCHLD])  # an exit between waitpid and the wait is noted
+    try:
+        while True:
+            try:
+                if os.waitpid(-1, os.WNOHANG)[0]:
+                    continue
+            except ChildProcessError:
+                return
+            left = 3600.0 if deadline is None else deadline - time.monotonic()
+            if left <= 0:
+                return
+            signal.sigtimedwait([signal.SIGCHLD], left)
+    finally:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGCHLD])
 
 
 def _children_of(parent: int) -> list[int]:

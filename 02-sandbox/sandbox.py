@@ -11,9 +11,9 @@ chapter 03's rollout.torl_observation).
     .venv/bin/python 02-sandbox/sandbox.py -c "print(1+1)"           # the same from a shell
 
 The file opens with the caller's side (what chapter 03 uses), then the containment
-sequence, one named call a step: enter_slot once per warm slot, then serve_call and
-code_process for every call. The steps' detail lives beside it: confinement.py,
-runner.py, fork_server.py and local_backend.py (the warm server).
+sequence, one named call a step: slot_main, a warm slot's life, runs enter_slot once,
+then serve_call and code_process for every call. The steps' detail lives beside it:
+confinement.py, runner.py, fork_server.py and local_backend.py (the warm server).
 
 Key decisions (the why, the threat model and the figures: docs/02-sandbox.md):
 1. A warm fork server (fork_server.py, started and called by local_backend.py)
@@ -207,8 +207,11 @@ def _request(code: str, cfg: SandboxConfig) -> dict:
 
 
 def _result(answer: dict, request: dict, latency: float) -> ExecResult:
-    """The runner's answer as an ExecResult; stderr ends with the sandbox's reason when it stopped the code."""
+    """The runner's answer as an ExecResult; stderr ends with the sandbox's reason when it stopped the code,
+    or refused a socket the code needed (Python's own last line, often a warning, would not say why)."""
     stderr, reason = answer["stderr"], answer.get("error") or _reason(answer, request)
+    if not reason and answer["returncode"] != 0 and _REFUSED_FAMILY in stderr:
+        reason = _NO_SOCKETS
     if reason:
         stderr += ("" if not stderr or stderr.endswith("\n") else "\n") + reason + "\n"
     return ExecResult(
@@ -220,6 +223,11 @@ def _result(answer: dict, request: dict, latency: float) -> ExecResult:
         truncated=answer["truncated"],
         latency=latency,
     )
+
+
+_REFUSED_FAMILY = "[Errno 97] Address family not supported by protocol"  # EAFNOSUPPORT, from the filter (docs/02-isolation.md)
+_NO_SOCKETS = ("OSError: this sandbox has no network and makes no socket: asyncio, socket.socketpair, "
+               "multiprocessing.Pipe() and Manager() need one (AF_UNIX); use threads, multiprocessing.Pool or Queue")
 
 
 def _reason(answer: dict, request: dict) -> str:
@@ -261,8 +269,19 @@ def _clip_middle(text: str, limit: int) -> str:
 
 # --------------------------------------------------------------------------------------
 # The containment sequence. It runs in the fork server's slots: local_backend.py loads this
-# file into the server, whose slots call enter_slot once, then serve_call for each call.
+# file into the server (fork_server.py), which forks each slot and runs slot_main in it.
 # --------------------------------------------------------------------------------------
+
+
+def slot_main(slot) -> None:
+    """A slot's life: enter_slot once, then serve_call for each call, one at a time, until it served slot.calls
+    calls (it then retires, and the server forks a new slot) or the server is gone."""
+    enter_slot(slot)
+    slot.ready()  # the server waits for this, or for the exception that stopped enter_slot
+    for call_index in range(slot.calls):
+        if not serve_call(slot, call_index):
+            return
+    slot.retire()
 
 
 def enter_slot(slot) -> None:

@@ -58,7 +58,8 @@ MAX_RUN_TIMEOUT = 60.0  # a request's run_timeout is cut to this: one call canno
 MAX_REQUEST_KB = 1024  # larger bodies get 413 unread; model code is a few KB
 MAX_CONNECTIONS = 256  # requests held at once (answered or waiting for a slot); more wait in the backlog
 REQUEST_SECONDS = 10.0  # from connect to the request's last byte, whatever the pace: then 408 and the connection goes
-MAX_SENDING = 1024  # connections still sending their request; past it, the one sending longest is dropped
+MAX_SENDING = 1024  # connections still sending their request; past it, a refused one draining, or the one sending longest, is dropped
+ACCEPT_BATCH = 64  # connections accepted at once (at most a quarter of MAX_SENDING's share) before the loop reads those that sent
 FD_HEADROOM = 64  # descriptors kept free under the open-files limit, for the sandbox's calls and accept itself
 ACCEPT_RETRY_SECONDS = 1.0  # out of descriptors: the listener rests until a connection closes, or this long
 MAX_HEAD_BYTES = 64 * 1024  # request line and headers
@@ -199,6 +200,7 @@ class Server:
                  log: bool = False, request_seconds: float = REQUEST_SECONDS) -> None:
         family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET
         self.max_sending = max_sending(max_connections)
+        self.accept_batch = max(1, min(ACCEPT_BATCH, self.max_sending // 4))  # a round's accepts never crowd out each other
         self.listener = socket.create_server(address, family=family, backlog=1024)
         self.listener.setblocking(False)
         self.server_address = self.listener.getsockname()
@@ -260,7 +262,10 @@ class Server:
         os.close(self._wake_w)
 
     def _accept(self, selector) -> None:
-        while True:
+        """Accept up to accept_batch waiting connections; the rest wait in the backlog until the loop has read what
+        the ones it holds sent. Draining all at once would drop connections accepted in the same round, unread, to
+        make room for later ones of that round: under a flood, the legitimate requests among them."""
+        for _ in range(self.accept_batch):
             try:
                 conn, peer = self.listener.accept()
             except (BlockingIOError, InterruptedError):
@@ -270,9 +275,8 @@ class Server:
                     self._accept_rests_until = time.monotonic() + ACCEPT_RETRY_SECONDS  # polling now would spin
                     return
                 continue  # reset before accept (ECONNABORTED): the next one may do
-            if len(self._sending) >= self.max_sending:  # the one sending longest makes room
-                oldest = min((c for c in self._sending.values() if c.phase != "drain"), key=lambda c: c.deadline, default=None)
-                self._close(selector, oldest or next(iter(self._sending.values())))
+            if len(self._sending) >= self.max_sending:  # room: a refused connection draining, else the one sending longest
+                self._close(selector, min(self._sending.values(), key=lambda c: (c.phase != "drain", c.deadline)))
             conn.setblocking(False)
             incoming = _Incoming(conn, peer[0], time.monotonic() + self.request_seconds)
             self._sending[conn] = incoming
