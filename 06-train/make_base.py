@@ -28,9 +28,16 @@ from experiment import chained_config, claim
 from lab_cli import one_line_errors
 from released_base import FILES, FOLDER, RESULTS, sha256, sha256_key
 
-# Read once, when torch and MKL load: the script sets them before either does (see the end of the file).
 KERNELS = {"ATEN_CPU_CAPABILITY": "default", "MKL_CBWR": "COMPATIBLE"}
 THREADS = 1  # a parallel sum splits its work by thread (two threads gave other weights than one): one, everywhere
+
+
+def hold_kernels() -> None:
+    """Set KERNELS over whatever the machine's environment says. torch and MKL read them once, as they load: so
+    before either does, or refused."""
+    if "torch" in sys.modules and any(os.environ.get(k) != v for k, v in KERNELS.items()):
+        raise RuntimeError("hold_kernels() must run before torch is imported")
+    os.environ.update(KERNELS)
 
 
 def main(argv: list[str] | None = None) -> Path:
@@ -130,7 +137,7 @@ def parse_args(argv):
 
 
 if __name__ == "__main__":
-    os.environ.update(KERNELS)  # before torch and MKL load: nothing above imported them
+    hold_kernels()  # nothing above imported torch
     from lab_cli import run_script
 
     run_script(main)

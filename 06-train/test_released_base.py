@@ -56,7 +56,7 @@ def toy_data(folder: Path) -> None:
     write_jsonl(rows[1], folder / "data" / "chained_test.jsonl")
 
 
-def test_the_recipe_is_the_presets_cold_starts_at_two_threads_resumed_and_refused_as_another(tmp_path, monkeypatch, capsys):
+def test_the_recipe_is_the_presets_cold_starts_at_one_thread_resumed_and_refused_as_another(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     toy_data(tmp_path)
     monkeypatch.setattr(make_base, "chained_config", lambda flags: make_config("cpu-chained", TOY))
@@ -97,20 +97,25 @@ def test_a_release_writes_the_files_whole_and_the_hashes_that_then_check_them(tm
         make_base.release(source, moves, tmp_path / "out", ["--release"])
 
 
-def cold_start_weights(tmp_path: Path, name: str, **env) -> bytes:
-    """Six steps of the recipe's first schedule at toy size, in a process of its own with `env` over the kernels."""
-    out = tmp_path / name
-    argv = problems_and_policy.cold_start_argvs(make_config("cpu-chained", {**TOY, "trainer_threads": 2}))[0]
-    code = "import sys, cold_start; cold_start.main(sys.argv[1:])"
-    subprocess.run([sys.executable, "-c", code, *argv, "--out", str(out), "--hidden-size", "64"],
-                   env={**os.environ, **env}, cwd=tmp_path, check=True, capture_output=True)
-    return (out / "model.safetensors").read_bytes()
+ONE_SCHEDULE = {**TOY, "cold_start_schedules": "", "cold_start_rounds": 1}  # the kernels' part of the recipe, quicker
 
 
-def test_kernels_held_to_one_path_give_the_same_weights_whatever_instruction_sets_are_allowed(tmp_path, monkeypatch):
-    monkeypatch.setattr(moves_check, "CHECK_PROBLEMS", 4)
+def recipe_weights(tmp_path: Path, name: str, held: bool, **env) -> bytes:
+    """The toy recipe's base, made in a process of its own whose environment adds `env` (another machine's kernels):
+    by make_base.py, which holds the kernels (held), or by the cold start alone, which takes the machine's."""
+    make = (f"import make_base; make_base.hold_kernels(); from configuration import make_config; import moves_check; "
+            f"moves_check.CHECK_PROBLEMS = 4; make_base.chained_config = lambda flags: make_config('cpu-chained', {ONE_SCHEDULE!r}); "
+            f"make_base.main(['--out', '{name}'])")
+    argv = problems_and_policy.cold_start_argvs(make_config("cpu-chained", {**ONE_SCHEDULE, "trainer_threads": make_base.THREADS}))[0]
+    alone = f"import cold_start; cold_start.main({[*argv, '--out', f'{name}/base']!r})"
+    subprocess.run([sys.executable, "-c", make if held else alone], env={**os.environ, **env}, cwd=tmp_path, check=True,
+                   capture_output=True)
+    return (tmp_path / name / "base" / "model.safetensors").read_bytes()
+
+
+def test_the_recipe_holds_the_kernels_whatever_instruction_sets_the_machine_would_pick(tmp_path):
     toy_data(tmp_path)
-    held = cold_start_weights(tmp_path, "held", **make_base.KERNELS)
-    assert cold_start_weights(tmp_path, "held-avx2", **make_base.KERNELS, MKL_ENABLE_INSTRUCTIONS="AVX2",
-                              ONEDNN_MAX_CPU_ISA="AVX2") == held
-    assert cold_start_weights(tmp_path, "machines", ATEN_CPU_CAPABILITY="avx2") != held  # another machine's kernels
+    another = dict(ATEN_CPU_CAPABILITY="avx2", MKL_CBWR="AVX2", MKL_ENABLE_INSTRUCTIONS="AVX2", ONEDNN_MAX_CPU_ISA="AVX2")
+    held = recipe_weights(tmp_path, "here", held=True)
+    assert recipe_weights(tmp_path, "another", held=True, **another) == held
+    assert recipe_weights(tmp_path, "another-alone", held=False, **another) != held  # the kernels a machine picks
