@@ -272,7 +272,7 @@ def test_one_minibatch_takes_pi_old_from_the_updates_forward_and_takes_the_same_
         return flat_weights(model), metrics, forwards
 
     weights, metrics, forwards = step()
-    monkeypatch.setattr("update_options.update_gives_pi_old", lambda cfg: False)  # the step as it was: pi_old from a pass of its own
+    monkeypatch.setattr("grpo.update_gives_pi_old", lambda cfg: False)  # the step as it was: pi_old from a pass of its own
     weights_before, metrics_before, forwards_before = step()
     assert sorted(forwards) == [1, 2, 2]  # skip: 2 + 2 rows in the update, 1 skipped row; else 2 + 2 + 1
     assert sum(forwards_before) == sum(forwards) + (4 if skip else 5)  # every row's old pass, no more

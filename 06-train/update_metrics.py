@@ -49,10 +49,18 @@ class UpdateTally:
 
     TOKEN_MEANS = ("clip_low_frac", "clip_high_frac", "ratio_mean", "approx_kl")
 
-    def __init__(self) -> None:
+    def __init__(self, batch, exclude=None) -> None:
+        """`batch`: the step's, its excluded rows' loss mask zeroed."""
         self.loss = self.grad_norm = self.computed_tokens = self.ratio_max = 0.0
         self.token_weighted = dict.fromkeys(self.TOKEN_MEANS, 0.0)  # each stat times its micro-batch's tokens
         self.optimizer_steps = self.skipped_steps = self.rows_skipped = 0
+        in_loss = batch.loss_mask.bool()
+        self.loss_tokens = float(in_loss.sum())
+        # Token-mean divides by every token in the loss, informative or not: this share is the
+        # factor by which zero-advantage rows shrink the step (docs/06-beyond-torl.md, the exercise).
+        informative = float(in_loss[batch.rows_with_gradient()].sum())
+        self.step_metrics = {"sequences": float(len(in_loss)), "excluded_sequences": float(sum(map(bool, exclude or ()))),
+                             "tokens": self.loss_tokens, "informative_frac": informative / max(self.loss_tokens, 1)}
 
     def add_micro_batch(self, loss: torch.Tensor, stats: dict[str, float]) -> None:
         self.loss += float(loss.detach())
@@ -68,11 +76,14 @@ class UpdateTally:
         else:
             self.skipped_steps += 1
 
-    def metrics(self, loss_tokens: float) -> dict[str, float]:
-        """loss and grad_norm per update; clip fractions over the loss's tokens (a skipped
-        row has advantage 0 and is never clipped), ratios and KL over the computed ones."""
-        computed = self.computed_tokens
+    def metrics(self, mismatch: dict[str, float]) -> dict[str, float]:
+        """The step's metrics, `mismatch` (sampler_mismatch's) among them: loss and grad_norm per update; clip
+        fractions over the loss's tokens (a skipped row has advantage 0 and is never clipped), ratios and KL over
+        the computed ones."""
+        computed, loss_tokens = self.computed_tokens, self.loss_tokens
         return {
+            **self.step_metrics,
+            **mismatch,
             "loss": self.loss / max(self.optimizer_steps + self.skipped_steps, 1),
             "grad_norm": self.grad_norm / max(self.optimizer_steps, 1),
             "clip_low_frac": self.token_weighted["clip_low_frac"] / max(loss_tokens, 1),
