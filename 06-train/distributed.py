@@ -310,7 +310,8 @@ def combine_metrics(per_rank: list[dict]) -> dict:
 
     def weight(m: dict, key: str) -> float:
         n = m.get("trajectories", 1.0)
-        if key in ("ratio_mean", "approx_kl"):  # over the tokens the update computed on: skipped rows' are not
+        if key in ("ratio_mean", "approx_kl", "entropy", "mismatch_abs", "mismatch_kl", "tis_masked_frac"):
+            # over the tokens the update computed on: skipped rows' are not
             return m.get("computed_tokens", m.get("tokens", 1.0))
         if key in per_token:
             return m.get("tokens", 1.0)
@@ -339,7 +340,7 @@ def combine_metrics(per_rank: list[dict]) -> dict:
         elif key in sums:
             out[key] = float(sum(values))
         elif key.endswith("_s") or key in maxima:
-            out[key] = max(values)
+            out[key] = max((v for v in values if not math.isnan(v)), default=float("nan"))  # NaN: none on that rank
         elif key in per_token or key in outcome:
             pairs = [(v, weight(m, key)) for v, m in zip(values, per_rank) if not math.isnan(v) and weight(m, key) > 0]
             total = sum(w for _, w in pairs)

@@ -19,13 +19,13 @@ from __future__ import annotations
 
 import math
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from objectives import aggregate, cispo_loss, gspo_loss, loss_denominator, objective_aggregation, objective_problems
 from update_metrics import UpdateTally, ratio_stats, sampler_mismatch
-from update_options import exclude_rows, tis_weights, update_gives_pi_old, zero_gradients
+from update_options import tis_weights, update_gives_pi_old, zero_gradients
 from weight_sync import sleep_sampler, sync_weights  # re-exported: the loop takes the chapter's parts from here
 
 
@@ -148,21 +148,23 @@ def grpo_step(model, optimizer, trajectories, cfg: GRPOConfig, exclude=None, glo
         import distributed as ranks
     _set_gradient_checkpointing(ranks.unwrap(model) if ranks else model, cfg.gradient_checkpointing)
     model.train()  # Qwen2 has no dropout; train mode is what switches checkpointing on
-    batch = observed = build_batch(trajectories)  # observed: the rows pi_old's metrics describe
+    batch = build_batch(trajectories)
     if exclude is not None:  # rows that neither train nor count in the denominator (part 3's filters)
-        batch = exclude_rows(batch, exclude)
+        batch = batch.keeping(~torch.tensor([bool(e) for e in exclude]))
     tally = UpdateTally(batch, exclude)  # the metrics' sums (update_metrics.py)
     # The rows the update runs: by default only those that add to the gradient, yet all count in the denominator.
     runs = batch.rows_with_gradient() if cfg.skip_zero_advantage else torch.ones(len(trajectories), dtype=torch.bool)
     tally.rows_skipped = int((~runs).sum())
-    # pi_old: the weights before any update of this step, so the first mini-batch's ratio is exactly 1. With one
-    # mini-batch and no importance weights, the update's own forward is pi_old (below); the pass here then covers
-    # only the rows the update skips, for the entropy and mismatch metrics.
+    observed = batch.keeping(runs)  # what the metrics of pi_old describe: no forward runs for a metric alone
+    # pi_old: the weights before any update of this step, so the first mini-batch's ratio is exactly 1. A pass of
+    # its own over the rows the update runs; with one mini-batch and no importance weights, the update's own forward.
     one_forward = update_gives_pi_old(cfg)
-    old, entropy = _old_logprobs_and_entropy(model, observed, cfg, ~runs if one_forward else torch.ones_like(runs), ranks)
+    old, entropy = torch.zeros(batch.loss_mask.shape), torch.zeros(batch.loss_mask.shape)
+    if not one_forward:
+        old, entropy = _old_logprobs_and_entropy(model, batch, cfg, runs, ranks)
     token_weights = None
     if cfg.tis_cap > 0:  # importance weights for the sampler/trainer gap (part 3)
-        token_weights, tis_metrics = tis_weights(old, batch, cfg.tis_cap, cfg.tis_mode)
+        token_weights, tis_metrics = tis_weights(old, observed, cfg.tis_cap, cfg.tis_mode)
         tally.step_metrics.update(tis_metrics)
 
     # PPO-clip with token-mean (clipped_policy_loss), unless the run chose another: objectives.py.
@@ -174,7 +176,7 @@ def grpo_step(model, optimizer, trajectories, cfg: GRPOConfig, exclude=None, glo
         if global_normalizer is not None:
             normalizer = global_normalizer(normalizer)
         optimizer.zero_grad(set_to_none=not ranks or ranks.gradients_to_none(model))  # DDP: its buckets stay
-        passes = [(micro_rows, False) for micro_rows in rows[runs[rows]].split(cfg.micro_batch_size) if len(micro_rows)]
+        passes = [(micro_rows, False) for micro_rows in _micro_batches(rows[runs[rows]], cfg.micro_batch_size)]
         if ranks:  # as many passes as the busiest rank: a filler (the shortest row, its loss times 0) joins exchanges
             passes = ranks.pad_to_every_rank(model, passes, (rows[-1:], True))
         for i, (micro_rows, filler) in enumerate(passes):
@@ -272,6 +274,11 @@ class Batch:
             self.sampler_logprobs[rows, : width - 1],
         )
 
+    def keeping(self, rows: torch.Tensor) -> "Batch":
+        """The batch with the other rows' loss mask and advantages zeroed (`rows`: one bool per row)."""
+        kept = rows[:, None]
+        return replace(self, loss_mask=self.loss_mask * kept, advantages=self.advantages * kept)
+
     def rows_with_gradient(self) -> torch.Tensor:
         """One bool per row: does it add to the gradient? Only with a token in the loss and a non-zero advantage."""
         return (self.advantages != 0).any(dim=1)
@@ -355,16 +362,21 @@ def _target_logprobs(model, input_ids, attention_mask, temperature: float, with_
     return logprobs, entropy
 
 
+def _micro_batches(rows: torch.Tensor, size: int) -> list[torch.Tensor]:
+    """`rows` in consecutive chunks of `size`; none when there are no rows."""
+    return [chunk for chunk in rows.split(size) if len(chunk)]
+
+
 @torch.no_grad()
-def _old_logprobs_and_entropy(model, batch: Batch, cfg: GRPOConfig, needed: torch.Tensor, ranks=None):
-    """Log-probs and entropies of the `needed` rows' targets under the current weights, on CPU, in micro-batches
-    (the other rows' are filled in by the update's forward: update_options.update_gives_pi_old)."""
+def _old_logprobs_and_entropy(model, batch: Batch, cfg: GRPOConfig, runs: torch.Tensor, ranks=None):
+    """Log-probs and entropies of the targets of the rows the update `runs`, under the current weights, on CPU
+    (zeros elsewhere). In the update's own micro-batches: the same shapes give the same bits, so the first
+    mini-batch's ratio is exactly 1."""
     old = torch.zeros(batch.loss_mask.shape)
     entropy = torch.zeros(batch.loss_mask.shape)
-    every_row = next(batch.minibatches(1))  # longest first, so each chunk pads little
-    chunks = list(every_row[needed[every_row]].split(cfg.micro_batch_size)) if needed.any() else []
-    if ranks:  # FSDP2 gathers weights in every forward: as many as the other ranks, the extra ones on the shortest row
-        chunks = ranks.pad_to_every_rank(model, chunks, every_row[-1:], at_least=0)
+    chunks = [micro for rows in batch.minibatches(cfg.num_minibatches) for micro in _micro_batches(rows[runs[rows]], cfg.micro_batch_size)]
+    if ranks:  # FSDP2 gathers weights in every forward: as many as the other ranks, the extra ones on one row
+        chunks = ranks.pad_to_every_rank(model, chunks, torch.arange(1), at_least=0)
     for chunk in chunks:
         micro = batch.select(chunk)
         lp, ent = _target_logprobs(model, micro.input_ids, micro.attention_mask, cfg.temperature, with_entropy=True)

@@ -257,12 +257,53 @@ def test_first_minibatch_sees_ratio_one_and_no_clipping(policy):
     assert metrics["approx_kl"] == pytest.approx(0.0, abs=1e-9)
 
 
+def test_pi_old_pass_runs_the_updates_micro_batches_so_unmoved_weights_give_ratio_one_exactly(policy):
+    """Two mini-batches at lr 0: pi_old's pass, in micro-batches of its own, padded otherwise, gave ratios 1 +- 5e-7."""
+    g = torch.Generator().manual_seed(0)
+    trajectories = [make_trajectory(torch.randint(3, 400, (3 + i % 3,), generator=g).tolist(),
+                                    torch.randint(3, 400, (8 + int(torch.randint(0, 30, (1,), generator=g)),),
+                                                  generator=g).tolist(), advantage=(-1.0) ** i) for i in range(12)]
+    cfg = GRPOConfig(lr=0.0, weight_decay=0.0, num_minibatches=2, micro_batch_size=3)
+    metrics = grpo_step(policy, make_optimizer(policy, cfg), trajectories, cfg)
+    assert (metrics["ratio_max"], metrics["ratio_mean"], metrics["approx_kl"]) == (1.0, 1.0, 0.0)
+
+
+def test_no_forward_runs_for_a_metric_alone_entropy_and_mismatch_describe_the_rows_the_update_runs(policy):
+    """Zero-advantage rows get neither pi_old's pass nor the update's; the entropy and the mismatch are over the
+    tokens the update computed on, as a pass over those rows alone gives them."""
+    trajectories = random_trajectories(5) + random_trajectories(5, seed=1)
+    for t in trajectories[1::3]:
+        t.advantage = 0.0
+    g = torch.Generator().manual_seed(2)
+    for t in trajectories:
+        t.logprobs = [-float(x) * m for x, m in zip(torch.rand(len(t.token_ids), generator=g), t.loss_mask)]
+    trained = [t for t in trajectories if t.advantage != 0]
+    for minibatches in (1, 2):
+        model, forwards = copy.deepcopy(policy), []
+        model.register_forward_hook(lambda module, args, output: forwards.append(len(output.logits)))
+        cfg = GRPOConfig(lr=1e-3, num_minibatches=minibatches, micro_batch_size=2)
+        metrics = grpo_step(model, make_optimizer(model, cfg), trajectories, cfg)
+        assert sum(forwards) == len(trained) * (1 if minibatches == 1 else 2)  # pi_old's own pass with two
+        assert metrics["rows_skipped"] == len(trajectories) - len(trained)
+        batch = build_batch(trained)
+        mask = batch.loss_mask.bool()
+        with torch.no_grad():
+            gap = (token_logprobs(policy, batch) - batch.sampler_logprobs)[mask]
+        assert metrics["computed_tokens"] == mask.sum()
+        assert metrics["mismatch_abs"] == pytest.approx(float(gap.abs().mean()), rel=1e-5)
+        assert metrics["mismatch_max"] == pytest.approx(float(gap.abs().max()), rel=1e-5)
+    for t in trajectories:
+        t.advantage = 0.0
+    metrics = grpo_step(policy, make_optimizer(policy, cfg), trajectories, cfg)  # nothing ran: nothing to describe
+    assert all(math.isnan(metrics[key]) for key in ("entropy", "mismatch_abs", "mismatch_max", "mismatch_kl"))
+
+
 @pytest.mark.parametrize("skip", [True, False])
 def test_one_minibatch_takes_pi_old_from_the_updates_forward_and_takes_the_same_step(policy, monkeypatch, skip):
     """num_minibatches 1, no TIS: the old log-probs are the update's own, detached; loss, weights and every
     metric are the step with a pass of their own (forced here), minus that pass's forwards."""
     trajectories = random_trajectories(5)
-    trajectories[1].advantage = 0.0  # skipped: its entropy and mismatch still need a forward, under no_grad
+    trajectories[1].advantage = 0.0  # skipped: no forward, neither for the update nor for a metric
     cfg = GRPOConfig(num_minibatches=1, micro_batch_size=2, skip_zero_advantage=skip, max_grad_norm=1e9)
 
     def step():  # SGD at lr 1: the weights move by the gradient itself (AdamW's first step is its sign)
@@ -274,8 +315,8 @@ def test_one_minibatch_takes_pi_old_from_the_updates_forward_and_takes_the_same_
     weights, metrics, forwards = step()
     monkeypatch.setattr("grpo.update_gives_pi_old", lambda cfg: False)  # the step as it was: pi_old from a pass of its own
     weights_before, metrics_before, forwards_before = step()
-    assert sorted(forwards) == [1, 2, 2]  # skip: 2 + 2 rows in the update, 1 skipped row; else 2 + 2 + 1
-    assert sum(forwards_before) == sum(forwards) + (4 if skip else 5)  # every row's old pass, no more
+    assert sorted(forwards) == ([2, 2] if skip else [1, 2, 2])  # skip: the 4 rows with gradient; else all 5
+    assert sum(forwards_before) == 2 * sum(forwards)  # the old pass runs the update's passes, no more
     assert (weights - flat_weights(policy)).abs().max() > 1e-4
     assert torch.allclose(weights, weights_before, atol=1e-6, rtol=0)
     assert metrics.keys() == metrics_before.keys()
@@ -1023,7 +1064,9 @@ def test_each_new_objective_and_mask_runs_real_steps_with_finite_metrics(tiny_ll
     masked = []
     try:
         for change in settings:
-            grpo_cfg = GRPOConfig(lr=1e-3, num_minibatches=2, micro_batch_size=4, max_response_tokens=32, **change)
+            # every row runs: the random model's groups are often all wrong, and a skipped row has no metrics
+            grpo_cfg = GRPOConfig(lr=1e-3, num_minibatches=2, micro_batch_size=4, max_response_tokens=32,
+                                  skip_zero_advantage=False, **change)
             cfg = Config(group_size=4, problems_per_step=2, max_response_tokens=32, **change)
             metrics, _ = train_step(tiny_llm, policy, make_optimizer(policy, grpo_cfg), problems, sandbox,
                                     rollout_cfg, grpo_cfg, cfg)

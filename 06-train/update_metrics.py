@@ -3,7 +3,8 @@
 The metrics and what each says are listed in docs/06-train.md, "Metrics".
 Two token counts appear: the tokens in the loss (`loss_tokens`: every model
 token of a trajectory not excluded) and the tokens the update computed on
-(`computed_tokens`: those of the rows not skipped for a zero advantage).
+(`computed_tokens`: those of the rows not skipped for a zero advantage). The
+ratios, the entropy and the mismatch are over the second.
 """
 from __future__ import annotations
 
@@ -17,8 +18,12 @@ def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> float:
 
 
 def sampler_mismatch(old_logprobs: torch.Tensor, entropy: torch.Tensor, batch) -> dict[str, float]:
-    """Entropy of the policy before the step, and how far vLLM's recorded log-probs are from the trainer's."""
+    """Entropy of the policy before the step, and how far vLLM's recorded log-probs are from the trainer's, over
+    `batch`'s loss mask. grpo_step passes the rows its update runs (their tokens are `computed_tokens`): by default
+    those with a non-zero advantage, so no forward runs for these metrics alone."""
     mask = batch.loss_mask.bool()
+    if not mask.any():  # every row skipped: undefined (null in metrics.jsonl), where 0 would read as perfect
+        return dict.fromkeys(("entropy", "mismatch_abs", "mismatch_max", "mismatch_kl"), float("nan"))
     gap = torch.where(mask, old_logprobs - batch.sampler_logprobs, 0.0)
     return {
         "entropy": masked_mean(entropy, mask),

@@ -1,13 +1,12 @@
 """The update's options and safeguards, each one call `grpo_step` makes behind one `if`.
 
-Each changes one thing: rows kept out of the loss (`exclude_rows`), a token weight (truncated or masked
-importance sampling, `tis_weights`), pi_old from the update's own forward (`update_gives_pi_old`), and AdamW's
-step when every row was skipped (`zero_gradients`). Why each exists: docs/06-train.md and docs/06-beyond-torl.md.
+Each changes one thing: a token weight (truncated or masked importance sampling, `tis_weights`), pi_old from
+the update's own forward (`update_gives_pi_old`), and AdamW's step when every row was skipped
+(`zero_gradients`). Why each exists: docs/06-train.md and docs/06-beyond-torl.md.
 """
 from __future__ import annotations
 
 import math
-from dataclasses import replace
 
 import torch
 
@@ -15,13 +14,6 @@ from update_metrics import masked_mean
 
 
 TIS_MODES = ("truncate", "token-mask", "sequence-mask")
-
-
-def exclude_rows(batch, exclude):
-    """The batch with the `exclude`d rows' loss mask and advantages zeroed: no token of theirs gets gradient or counts
-    in the denominator (DAPO's overlong filtering, SimpleTIR's void turns)."""
-    kept = ~torch.tensor([bool(e) for e in exclude])[:, None]
-    return replace(batch, loss_mask=batch.loss_mask * kept, advantages=batch.advantages * kept)
 
 
 def tis_weights(old_logprobs: torch.Tensor, batch, cap: float, mode: str = "truncate"
