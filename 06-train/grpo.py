@@ -11,9 +11,10 @@ gap to vLLM's log-probs is logged as a mismatch; clip-higher by default (0.2
 below, 0.28 above); token-mean aggregation; no KL term; float32 master weights.
 PPO-clip with token-mean is written out here, its denominator included; any
 other objective or aggregation (GSPO, CISPO, sequence-mean, token-sum) is
-chosen in objectives.py. Each option is one call behind one `if` in grpo_step:
-rows kept out of the loss, importance weights (update_options.py), and under
-torchrun the passes every rank must run alike (distributed.py).
+chosen in objectives.py. Each option is one call behind one `if` in grpo_step
+(update_options.py); so are the passes every rank must run alike under
+torchrun (distributed.py), and the log-probs come a chunk at a time
+(logprob_chunks.py).
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from logprob_chunks import chunked_logprobs
 from objectives import aggregate, cispo_loss, gspo_loss, loss_denominator, objective_aggregation, objective_problems
 from update_metrics import UpdateTally, ratio_stats, sampler_mismatch
 from update_options import tis_weights, update_gives_pi_old, zero_gradients
@@ -48,8 +50,8 @@ class GRPOConfig:
     # batching: one step = num_minibatches optimizer updates over the trajectories
     num_minibatches: int = 2
     # sequences per forward/backward; gradients accumulate, so it sets memory and speed, never the update.
-    # 4 is torl-1.5b's (3k-token sequences on one GPU); a run passes its own Config's (the CPU demo's 16).
-    micro_batch_size: int = 4
+    # 8 is torl-1.5b's (3k-token sequences on one GPU); a run passes its own Config's (the CPU demo's 16).
+    micro_batch_size: int = 8
     # numerics
     temperature: float = 1.0  # the sampler's temperature: logits are divided by it
     gradient_checkpointing: bool = False
@@ -348,18 +350,9 @@ def _target_logprobs(model, input_ids, attention_mask, temperature: float, with_
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
     with autocast:
         logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
-    logits = logits[:, :-1].float()  # the last position predicts past the end
-    if temperature != 1.0:
-        logits = logits / temperature
-    targets = input_ids[:, 1:].unsqueeze(-1)
-    # logit[target] - logsumexp keeps only the logits for backward, not a log_softmax copy
-    log_norm = torch.logsumexp(logits, dim=-1)
-    logprobs = logits.gather(-1, targets).squeeze(-1) - log_norm
-    entropy = None
-    if with_entropy:
-        with torch.no_grad():
-            entropy = log_norm - (torch.softmax(logits, dim=-1) * logits).sum(-1)
-    return logprobs, entropy
+    # logit[target] - logsumexp over the vocabulary, in float32 and a chunk of positions at a time: the whole
+    # [b, T, vocabulary] in float32 would cap the micro-batch (logprob_chunks.py)
+    return chunked_logprobs(logits, input_ids[:, 1:], temperature, with_entropy)
 
 
 def _micro_batches(rows: torch.Tensor, size: int) -> list[torch.Tensor]:
@@ -374,9 +367,10 @@ def _old_logprobs_and_entropy(model, batch: Batch, cfg: GRPOConfig, runs: torch.
     mini-batch's ratio is exactly 1."""
     old = torch.zeros(batch.loss_mask.shape)
     entropy = torch.zeros(batch.loss_mask.shape)
-    chunks = [micro for rows in batch.minibatches(cfg.num_minibatches) for micro in _micro_batches(rows[runs[rows]], cfg.micro_batch_size)]
-    if ranks:  # FSDP2 gathers weights in every forward: as many as the other ranks, the extra ones on one row
-        chunks = ranks.pad_to_every_rank(model, chunks, torch.arange(1), at_least=0)
+    chunks = [micro for rows in batch.minibatches(cfg.num_minibatches)
+              for micro in _micro_batches(rows[runs[rows]], cfg.micro_batch_size)]
+    if ranks:  # FSDP2 gathers weights in every forward: as many as the other ranks, the extra ones on the shortest row
+        chunks = ranks.pad_to_every_rank(model, chunks, next(batch.minibatches(1))[-1:], at_least=0)
     for chunk in chunks:
         micro = batch.select(chunk)
         lp, ent = _target_logprobs(model, micro.input_ids, micro.attention_mask, cfg.temperature, with_entropy=True)

@@ -209,6 +209,95 @@ def test_temperature_divides_the_logits(policy):
     assert torch.allclose(got[m], expected[m], atol=1e-5)
 
 
+def whole_logprobs_and_entropy(logits, targets, temperature):
+    """The log-probs and entropy with every position at once: the form the chunks must equal."""
+    logits = logits[:, :-1].float() / temperature
+    log_norm = torch.logsumexp(logits, dim=-1)
+    entropy = log_norm - (torch.softmax(logits, dim=-1) * logits).sum(-1)
+    return logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - log_norm, entropy.detach()
+
+
+def test_log_probs_entropy_and_gradients_in_chunks_are_the_whole_forms_bit_for_bit(policy, monkeypatch):
+    import logprob_chunks
+
+    monkeypatch.setattr(logprob_chunks, "CHUNK_TOKENS", 8)  # 2 positions a chunk for 4 rows: many chunks, a ragged last
+    batch = build_batch(random_trajectories(4))
+    weights = torch.randn(batch.loss_mask.shape, generator=torch.Generator().manual_seed(0)) * batch.loss_mask
+    results = []
+    for chunked in (True, False):
+        model = copy.deepcopy(policy)
+        logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False).logits
+        targets = batch.input_ids[:, 1:]
+        logprobs, entropy = (logprob_chunks.chunked_logprobs(logits, targets, 0.7, with_entropy=True) if chunked
+                             else whole_logprobs_and_entropy(logits, targets, 0.7))
+        (logprobs * weights).sum().backward()
+        results.append([logprobs.detach(), entropy] + [p.grad for p in model.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*results))
+    assert results[0][2].abs().sum() > 0
+
+
+def log_prob_memory(chunk_tokens, rows=2, positions=1025, vocabulary=4096):
+    """Peak bytes alive and the largest float32 tensor while bf16 logits (as a GPU's autocast gives them, from an
+    output layer) go through chunked_logprobs, forward and backward; and the logits' value count."""
+    import weakref
+
+    import logprob_chunks
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    live, seen = {}, {"now": 0, "peak": 0, "float32": 0}
+
+    def freed(pointer):
+        seen["now"] -= live.pop(pointer, 0)
+
+    class Tracker(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in out if isinstance(out, (tuple, list)) else (out,):
+                if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in live:
+                    storage = t.untyped_storage()
+                    live[storage.data_ptr()] = storage.nbytes()
+                    seen["now"] += storage.nbytes()
+                    seen["peak"] = max(seen["peak"], seen["now"])
+                    weakref.finalize(storage, freed, storage.data_ptr())
+                if isinstance(t, torch.Tensor) and t.dtype == torch.float32:
+                    seen["float32"] = max(seen["float32"], t.numel())
+            return out
+
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(rows, positions, 64, generator=g).bfloat16()
+    output_layer = torch.randn(vocabulary, 64, generator=g).bfloat16().requires_grad_()
+    targets = torch.randint(0, vocabulary, (rows, positions - 1), generator=g)
+    old, logprob_chunks.CHUNK_TOKENS = logprob_chunks.CHUNK_TOKENS, chunk_tokens
+    try:
+        with Tracker():
+            logprobs, _ = logprob_chunks.chunked_logprobs(hidden @ output_layer.t(), targets, 1.0, with_entropy=True)
+            logprobs.sum().backward()
+    finally:
+        logprob_chunks.CHUNK_TOKENS = old
+    return seen["peak"], seen["float32"], rows * positions * vocabulary
+
+
+def test_no_float32_tensor_spans_the_whole_logits_forward_or_backward():
+    """Each float32 tensor is one chunk's (256 tokens: 128 positions of 2 rows); taken whole, one spans them all."""
+    _, largest, values = log_prob_memory(256)
+    assert largest == 256 * 4096
+    _, largest, values = log_prob_memory(10**9)  # one chunk: the whole form
+    assert largest >= values * 1024 // 1025
+
+
+def test_the_plans_logit_bytes_are_what_the_chunks_hold():
+    """dry_run's memory plan: LOGIT_BYTES a value of the whole logits, CHUNK_BYTES a value of one chunk."""
+    from dry_run import CHUNK_BYTES, LOGIT_BYTES
+
+    (small, _, n_small), (large, _, n_large), (wide, _, _) = (
+        log_prob_memory(chunk, positions=positions) for chunk, positions in ((256, 1025), (256, 2049), (512, 2049)))
+    whole = (large - small) / (n_large - n_small)  # per value of the logits: the chunk's share cancels
+    chunk = (wide - large) / (256 * 4096)  # per value of a chunk: the logits' share cancels
+    assert whole == pytest.approx(LOGIT_BYTES, rel=0.02)
+    assert chunk == pytest.approx(CHUNK_BYTES, rel=0.1)
+    assert large <= LOGIT_BYTES * n_large + CHUNK_BYTES * 256 * 4096 + 1e6  # the plan holds the peak
+
+
 @pytest.mark.parametrize("sign", [+1.0, -1.0])
 def test_one_step_moves_the_trajectory_logprob_the_way_of_its_advantage(policy, sign):
     trajectory = random_trajectories(1)[0]
