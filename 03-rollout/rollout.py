@@ -205,7 +205,7 @@ def rollout(llm, problems: list[dict], sandbox, cfg: RolloutConfig | None = None
 _REQUEST_IDS = itertools.count()  # unique in the process: the engine may be shared
 
 
-def run_overlapped(engine, in_flight: list, run_code: Callable, spent: dict) -> None:
+def run_overlapped(engine, in_flight: list[_InFlight], run_code: Callable, spent: dict) -> None:
     """Sample every trajectory in `in_flight` to its end, each on its own: no trajectory waits for another.
     The engine steps continuously (vLLM's in-process `llm.llm_engine`: `add_request`, `step`); a turn that stops on
     ```output hands its code to `run_code` in a sandbox thread at once, and its continuation joins the running batch
@@ -218,13 +218,13 @@ def run_overlapped(engine, in_flight: list, run_code: Callable, spent: dict) -> 
     if engine.has_unfinished_requests():
         raise RuntimeError(f"rollout: the engine already has {engine.get_num_unfinished_requests()} request(s) "
                            f"in flight; the overlapped schedule steps it and needs it to itself")
-    sampling: dict[str, object] = {}  # request id -> the trajectory whose turn the engine is sampling
-    running: dict[concurrent.futures.Future, object] = {}  # sandbox call -> the trajectory waiting for it
+    sampling: dict[str, _InFlight] = {}  # request id -> the trajectory whose turn the engine is sampling
+    running: dict[concurrent.futures.Future, _InFlight] = {}  # sandbox call -> the trajectory waiting for it
     spent["steps"] = 0
 
     # The threads only wait on the sandbox, which admits `concurrency` calls at a time itself.
     with concurrent.futures.ThreadPoolExecutor(min(len(in_flight), 64), thread_name_prefix="rollout-sandbox") as pool:
-        def advance(state) -> None:
+        def advance(state: _InFlight) -> None:
             """Hand a trajectory to whoever acts next: the sandbox, the engine, or nobody (done)."""
             if state.done:
                 return
