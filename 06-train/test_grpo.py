@@ -1170,6 +1170,18 @@ def test_each_new_objective_and_mask_runs_real_steps_with_finite_metrics(tiny_ll
     assert masked[1] > 0  # forced tokens out of [1/2, 2] under token-mask
 
 
+def test_the_ablations_figures_read_a_step_that_ran_no_row_as_nan():
+    """A step whose groups are all degenerate logs entropy as null (no forward ran for it): NaN, not a crash."""
+    from ablation import ARMS, figures
+
+    row = {"reward_mean": 1.0, "rollout_s": 1.0, "reward_s": 0.0, "update_s": 0.0, "sync_s": 0.0, "ratio_max": 1.0,
+           "clip_low_frac": 0.0, "clip_high_frac": 0.0, "entropy": 0.5, **dict.fromkeys(ARMS["baseline"][3], 1.0)}
+    rows = [dict(row, step=step, entropy=None if step == 3 else 0.5) for step in (1, 2, 3)]
+    evals = [{"tag": tag, "sets": {"all": {"avg@1": 0.5}}} for tag in ("before RL", "after RL")]
+    out = figures({("baseline", 0): (rows, evals)})
+    assert math.isnan(out["baseline_s0_entropy_step3"]) and out["baseline_s0_entropy_mean"] == 0.5
+
+
 def test_every_ablation_arm_is_a_configuration_the_loop_accepts():
     """An arm the loop would refuse (a GSPO band left PPO-sized, a mask without a band) fails here, not hours in."""
     from ablation import ARMS
