@@ -7,7 +7,12 @@ A page quotes it in a block, rewritten from the file, that names the command:
     <!-- /results -->
 
 or inline, as a marker before a one-word value: <!-- r NAME.key -->0.94 (the value ends at a space, a
-closing full stop or punctuation). The pages are README.md, docs/*.md and docs/appendix/*.md.
+closing full stop or punctuation), or as a table whose cells hold no marker, after a line that names them:
+
+    <!-- results-table NAME NAME.piece ...; key {}_key ... -->
+
+one column per name, the last cells of each row; one key per data row, `{}` standing for the column's piece.
+The pages are README.md, docs/*.md and docs/appendix/*.md.
 `python results.py` rewrites every block and quote from the files; test_results.py fails when a page
 and its file differ, or one file is quoted on two pages or on none.
 """
@@ -29,6 +34,7 @@ NAME = re.compile(r"[\w-]+")
 BLOCK = re.compile(r"(?<!`)<!-- results ([\w-]+)((?: \w+)*) -->\n(.*?)<!-- /results -->", re.S)
 QUOTE = re.compile(r"(?<!`)<!-- r ([\w-]+)\.(\w+) -->")
 SHA256 = re.compile(r"[0-9a-f]{64}")  # a released file's hash (06-train/released_base.py): the one long string
+TABLE = re.compile(r"(?<!`)<!-- results-table ([\w.\- ]+); ([\w{} ]+) -->\n((?:\|.*\n)+)")
 WORD = re.compile(r"[^\s|<>()\[\]*,;:%]*[^\s|<>()\[\]*,;:%.]")  # a value in prose, without a closing full stop or %
 
 
@@ -98,18 +104,41 @@ def block(name: str, keys: list[str], folder: str = "results") -> str:
             "| figure | value |\n| --- | --- |\n" + "\n".join(rows) + "\n")
 
 
+def figure(name: str, key: str) -> str:
+    """One figure of a results file as a page quotes it: as the file holds it (the writer rounds), one word."""
+    figures = load(name)["figures"]
+    if key not in figures:
+        raise KeyError(f"results {name} has no figure {key}")
+    value = str(figures[key])
+    if not WORD.fullmatch(value):
+        raise ValueError(f"results {name}.{key} is {value!r}, not one word: quote it in a block")
+    return value
+
+
+def table(columns: list[str], keys: list[str], rows: str) -> str:
+    """A table's lines with the last len(columns) cells of data row i rewritten: column NAME.piece's figure keys[i],
+    its `{}` replaced by the piece (none: the key as it is)."""
+    lines = rows.splitlines()
+    if len(lines) - 2 != len(keys):
+        raise ValueError(f"results-table {' '.join(columns)}: {len(keys)} keys for {len(lines) - 2} rows")
+    for i, key in enumerate(keys, 2):
+        cells = lines[i].strip().strip("|").split("|")
+        if len(cells) <= len(columns):
+            raise ValueError(f"results-table {' '.join(columns)}: row {i - 1} has {len(cells)} cells, no label")
+        for j, column in enumerate(columns, len(cells) - len(columns)):
+            name, _, piece = column.partition(".")
+            cells[j] = f" {figure(name, key.replace('{}', piece))} "
+        lines[i] = "|" + "|".join(cells) + "|"
+    return "\n".join(lines) + "\n"
+
+
 def render(text: str, folder: str = "results") -> str:
-    """The page with every block and inline quote rewritten from its file (`folder`: see block)."""
+    """The page with every block, inline quote and table rewritten from its file (`folder`: see block)."""
     text = BLOCK.sub(lambda m: f"<!-- results {m[1]}{m[2]} -->\n{block(m[1], m[2].split(), folder)}<!-- /results -->", text)
+    text = TABLE.sub(lambda m: f"<!-- results-table {m[1]}; {m[2]} -->\n{table(m[1].split(), m[2].split(), m[3])}", text)
     out, last = [], 0
     for m in QUOTE.finditer(text):
-        figures = load(m[1])["figures"]
-        if m[2] not in figures:
-            raise KeyError(f"results {m[1]} has no figure {m[2]}")
-        value = str(figures[m[2]])  # as the file holds it: the writer rounds
-        if not WORD.fullmatch(value):
-            raise ValueError(f"results {m[1]}.{m[2]} is {value!r}, not one word: quote it in a block")
-        out += [text[last:m.end()], value]
+        out += [text[last:m.end()], figure(m[1], m[2])]
         last = m.end() + len(WORD.match(text, m.end())[0] if WORD.match(text, m.end()) else "")
     return "".join(out) + text[last:]
 
@@ -125,8 +154,9 @@ def results_folder(page: str) -> str:
 
 
 def quotes(text: str) -> set[str]:
-    """The results files a page quotes, in blocks or inline."""
-    return {m[1] for m in BLOCK.finditer(text)} | {m[1] for m in QUOTE.finditer(text)}
+    """The results files a page quotes, in blocks, inline or in tables."""
+    tables = {column.partition(".")[0] for m in TABLE.finditer(text) for column in m[1].split()}
+    return {m[1] for m in BLOCK.finditer(text)} | {m[1] for m in QUOTE.finditer(text)} | tables
 
 
 def problems(texts: dict[str, str]) -> list[str]:

@@ -129,3 +129,23 @@ def test_an_appendix_page_is_checked_and_links_the_results_folder_from_where_it_
     fixed = (appendix / "02-a.md").read_text()
     assert "-->0.94, in" in fixed and "([results/demo.json](../results/demo.json))" in fixed
     assert results.problems({"docs/appendix/02-a.md": fixed}) == []
+
+
+TABLE = ("<!-- results-table demo.wall demo.x; {}_s accuracy -->\n"
+         "| figure | wall | x |\n| --- | --- | --- |\n| seconds | 264 | 1 |\n| accuracy | 0.94 | 0.94 |\n")
+
+
+def test_a_table_without_markers_is_checked_cell_by_cell_and_rewritten(one_file):
+    results.save("demo", "make run-demo", {"accuracy": 0.94, "wall_s": 264, "note": "seed 0", "x_s": 1})
+    assert results.problems({"docs/a.md": TABLE}) == []  # the table alone quotes demo: it counts as its page
+    stale = TABLE.replace("| seconds | 264 |", "| seconds | 263 |")
+    (found,) = results.problems({"docs/a.md": stale})
+    assert "docs/a.md:4: differs from its results file" in found and "263" in found
+    assert results.render(stale) == TABLE
+
+
+def test_a_table_with_a_key_too_few_or_a_row_without_a_label_fails_in_one_line(one_file):
+    (found,) = results.problems({"docs/a.md": TABLE.replace(" accuracy -->", " -->")})
+    assert found == "docs/a.md: results-table demo.wall demo.x: 1 keys for 2 rows"
+    (found,) = results.problems({"docs/a.md": TABLE.replace("| seconds | 264 | 1 |", "| 264 | 1 |")})
+    assert found == "docs/a.md: results-table demo.wall demo.x: row 1 has 2 cells, no label"

@@ -15,18 +15,21 @@ Key decisions (docs/03 gives the reasons and compares each with ToRL's code):
 4. The log-probs are those of the distribution sampled from (vllm_engine.py:
    make_llm, check_on_policy).
 5. Unseeded unless RolloutConfig.seed is set: seeded requests take vLLM's slower path.
+6. Each trajectory moves on its own (`run_overlapped`, the default): its code runs while the others decode.
 
-Beside this file, the ones 03-rollout/README.md lists: the overlapped schedule, the records, the engine, the CLI.
+Beside this file, the ones 03-rollout/README.md lists: the rounds schedule, the records, the engine, the CLI.
 """
 from __future__ import annotations
 
+import concurrent.futures
+import itertools
 import time
 import zlib
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
-from overlapped_schedule import run_overlapped
 from prompt_templates import TEMPLATES, render_prompt  # rollout.TEMPLATES and rollout.render_prompt too
+from rounds_schedule import run_rounds
 from trajectory import ToolCall, Trajectory, load_trajectories, save_trajectories  # rollout.Trajectory etc. too
 from vllm_engine import check_logprobs_mode, check_on_policy, make_llm  # rollout.make_llm etc. too
 
@@ -34,85 +37,7 @@ from vllm_engine import check_logprobs_mode, check_on_policy, make_llm  # rollou
 STOP = "```output"
 
 
-def rollout(llm, problems: list[dict], sandbox, cfg: RolloutConfig | None = None, spent: dict | None = None,
-            indices: list[int] | None = None) -> list[Trajectory]:
-    """Sample `group_size` tool-integrated responses per problem; return them grouped by problem.
-
-    `problems` are dicts {id, question, answer, source}. `sandbox` runs the code:
-    `run_many(codes)` in rounds, `run(code)` from several threads at once in the
-    overlapped schedule (chapter 02's Sandbox has both). If `spent` is a dict it
-    receives wall seconds spent in the engine (`generate_s`), waiting for the
-    sandbox with nothing to decode (`sandbox_s`) and in all (`wall_s`), the number
-    of rounds or engine steps, and token counts. `indices`: each problem's place in the whole
-    set it was dealt from (a rank's share of an evaluation), which the seeds follow [default: its position].
-    """
-    cfg = cfg or RolloutConfig()
-    if not problems:
-        return []
-    check_logprobs_mode(llm)
-    started = time.perf_counter()
-    tokenizer = llm.get_tokenizer()
-    version, model = getattr(llm, "weight_version", 0), str(llm.model_config.model)  # chapter 06's sync bumps it
-    in_flight: list[_InFlight] = []  # group_size per problem, in the order they are returned
-    for position, problem in enumerate(problems):
-        problem_index = position if indices is None else indices[position]
-        prompt_ids, limit = _tokenize_prompt(problem, problem_index, tokenizer, cfg, llm.model_config.max_model_len)
-        for group_index in range(cfg.group_size):
-            traj = Trajectory(problem_id=str(problem["id"]), group_index=group_index, reference=str(problem["answer"]),
-                              prompt_ids=list(prompt_ids), token_ids=[], logprobs=[], loss_mask=[], text="",
-                              weight_version=version, model=model)
-            in_flight.append(_InFlight(traj=traj, problem_index=problem_index, limit=limit, cfg=cfg, tokenizer=tokenizer))
-    spent = {} if spent is None else spent  # what the rollout spent: seconds, rounds or steps, tokens, tool calls
-    spent.update(generate_s=0.0, sandbox_s=0.0)
-
-    if cfg.schedule == "overlap":  # the default: each trajectory moves on its own (overlapped_schedule.py)
-        run_overlapped(llm.llm_engine, in_flight, sandbox.run, spent)
-    else:  # rounds: the whole batch moves turn by turn
-        spent["rounds"] = 0
-        # Round 0: one request per problem, n=group_size; its samples share the prompt's prefill.
-        firsts = in_flight[:: cfg.group_size]
-        for position, out in enumerate(_generate(llm, firsts, spent, n=cfg.group_size)):
-            for sample in out.outputs:
-                in_flight[position * cfg.group_size + sample.index].append_turn(sample)
-        while True:  # each later round: all the code the last turns asked for in one batch, then every next turn
-            waiting = [state for state in in_flight if state.wants_tool]
-            if waiting:
-                t0 = time.perf_counter()
-                results = sandbox.run_many([state.code for state in waiting])
-                spent["sandbox_s"] += time.perf_counter() - t0  # the engine waits for the round's slowest call
-                for state, result in zip(waiting, results):
-                    state.append_observation(result)
-            unfinished = [state for state in in_flight if not state.done]
-            if not unfinished:
-                break
-            for state, out in zip(unfinished, _generate(llm, unfinished, spent)):
-                state.append_turn(out.outputs[0])
-
-    trajectories = [state.traj for state in in_flight]
-    for t in trajectories:
-        t.text = tokenizer.decode(t.token_ids, skip_special_tokens=True)
-    spent["wall_s"] = time.perf_counter() - started
-    spent["model_tokens"] = sum(sum(t.loss_mask) for t in trajectories)
-    spent["observation_tokens"] = sum(len(t.loss_mask) - sum(t.loss_mask) for t in trajectories)
-    spent["tool_calls"] = sum(t.num_tool_calls for t in trajectories)
-    return trajectories
-
-
-def _generate(llm, states: list[_InFlight], spent: dict, n: int = 1) -> list:
-    """One round: one generate call with each trajectory's next turn, sent as token ids (never re-rendered text)."""
-    from vllm.inputs import TokensPrompt
-
-    t0 = time.perf_counter()
-    outs = llm.generate([TokensPrompt(prompt_token_ids=s.traj.prompt_ids + s.traj.token_ids) for s in states],
-                        [s.next_params(n) for s in states], use_tqdm=False)
-    spent["generate_s"] += time.perf_counter() - t0
-    spent["rounds"] += 1
-    return outs
-
-
-# How the turns and tool calls of a batch interleave (docs/03-schedules.md compares them).
-SCHEDULES = ("rounds", "overlap")
-
+SCHEDULES = ("rounds", "overlap")  # how the turns and tool calls of a batch interleave (docs/03-schedules.md)
 # "torl" is ToRL's rule (torl_observation); "short" and "full" are sandbox.format_observation's.
 OBSERVATION_STYLES = ("torl", "short", "full")
 
@@ -127,7 +52,7 @@ class RolloutConfig:
     observation_style: str = "torl"  # one of OBSERVATION_STYLES: how a result is shown to the model
     template: str = "torl"  # key of TEMPLATES
     seed: int | None = None  # per-request seeds derived from it (reproducible, slower); None = the engine's stream
-    schedule: str = "overlap"  # one of SCHEDULES: "rounds" is rollout()'s own loop, "overlap" overlapped_schedule.py
+    schedule: str = "overlap"  # one of SCHEDULES: "overlap" is run_overlapped below, "rounds" rounds_schedule.py
     # Regexes, one per turn, that constrain what the model writes (vLLM structured
     # outputs). For tests and demos: a random tiny model never writes code by itself.
     force_turns: tuple[str, ...] = ()
@@ -135,23 +60,14 @@ class RolloutConfig:
     extra_sampling: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        for name, allowed in (("template", sorted(TEMPLATES)), ("schedule", SCHEDULES), ("observation_style", OBSERVATION_STYLES)):
-            if getattr(self, name) not in allowed:
-                raise ValueError(f"RolloutConfig.{name}: {getattr(self, name)!r} is not one of {allowed}")
-        for name in ("group_size", "max_response_tokens"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"RolloutConfig.{name} must be at least 1, got {getattr(self, name)}")
-        if self.tool_budget < 0:
-            raise ValueError(f"RolloutConfig.tool_budget must be 0 or more, got {self.tool_budget}")
+        _check_config(self)
 
 
 @dataclass(eq=False)  # one object per trajectory: identity, not equal fields, tells two apart
 class _InFlight:
-    """One trajectory while it is being sampled: the record plus where its sampling stands.
-
-    Either schedule drives it with three calls: `next_params` (what to ask vLLM for),
-    `append_turn` (what vLLM returned), `append_observation` (what the sandbox returned).
-    """
+    """One trajectory while it is being sampled: the record plus where its sampling stands. Either schedule drives
+    it with three calls: `next_params` (what to ask vLLM for), `append_turn` (what vLLM returned),
+    `append_observation` (what the sandbox returned)."""
 
     traj: Trajectory
     problem_index: int  # the problem's place in the batch, or in the whole set it was dealt from (for seeds)
@@ -184,25 +100,13 @@ class _InFlight:
         if self.turn < len(cfg.force_turns):
             extra["structured_outputs"] = StructuredOutputsParams(regex=cfg.force_turns[self.turn])
         return SamplingParams(
-            n=n, temperature=cfg.temperature, top_p=cfg.top_p, max_tokens=self.room, seed=self._seed(),
+            n=n, temperature=cfg.temperature, top_p=cfg.top_p, max_tokens=self.room,
+            seed=request_seed(cfg.seed, self.problem_index, self.traj.group_index, self.turn),
             stop=[STOP] if self.calls_left > 0 else None,  # no call left: ```output is just text
             logprobs=0,  # the sampled token's own log-prob (of the distribution sampled from: see make_llm)
             flat_logprobs=True,  # a few flat lists per sample instead of one dict per token: less garbage
             **extra,
         )
-
-    def _seed(self) -> int | None:
-        """A request's own seed, from the run's seed and its place: problem, sample, turn.
-
-        A first turn's seed is its problem's plus the sample's index, which is what vLLM
-        gives sample j of one n-sample request (rounds): both schedules draw the same tokens.
-        """
-        seed = self.cfg.seed
-        if seed is None:
-            return None
-        if self.turn == 0:
-            return zlib.crc32(f"{seed}/{self.problem_index}/0/0".encode()) + self.traj.group_index
-        return zlib.crc32(f"{seed}/{self.problem_index}/{self.traj.group_index}/{self.turn}".encode())
 
     def append_turn(self, sample) -> None:
         """Append one model turn exactly as vLLM returned it, and decide what comes next."""
@@ -252,6 +156,126 @@ class _InFlight:
         self.done = True
 
 
+def rollout(llm, problems: list[dict], sandbox, cfg: RolloutConfig | None = None, spent: dict | None = None,
+            indices: list[int] | None = None) -> list[Trajectory]:
+    """Sample `group_size` tool-integrated responses per problem; return them grouped by problem.
+
+    `problems` are dicts {id, question, answer, source}. `sandbox` runs the code:
+    `run(code)` from several threads at once in the overlapped schedule,
+    `run_many(codes)` in rounds (chapter 02's Sandbox has both). If `spent` is a dict it
+    receives wall seconds spent in the engine (`generate_s`), waiting for the
+    sandbox with nothing to decode (`sandbox_s`) and in all (`wall_s`), the number
+    of rounds or engine steps, and token counts. `indices`: each problem's place in the whole
+    set it was dealt from (a rank's share of an evaluation), which the seeds follow [default: its position].
+    """
+    cfg = cfg or RolloutConfig()
+    if not problems:
+        return []
+    check_logprobs_mode(llm)
+    started = time.perf_counter()
+    tokenizer = llm.get_tokenizer()
+    version, model = getattr(llm, "weight_version", 0), str(llm.model_config.model)  # chapter 06's sync bumps it
+    in_flight: list[_InFlight] = []  # group_size per problem, in the order they are returned
+    for position, problem in enumerate(problems):
+        problem_index = position if indices is None else indices[position]
+        prompt_ids, limit = _tokenize_prompt(problem, problem_index, tokenizer, cfg, llm.model_config.max_model_len)
+        for group_index in range(cfg.group_size):
+            traj = Trajectory(problem_id=str(problem["id"]), group_index=group_index, reference=str(problem["answer"]),
+                              prompt_ids=list(prompt_ids), token_ids=[], logprobs=[], loss_mask=[], text="",
+                              weight_version=version, model=model)
+            in_flight.append(_InFlight(traj=traj, problem_index=problem_index, limit=limit, cfg=cfg, tokenizer=tokenizer))
+    spent = {} if spent is None else spent  # what the rollout spent: seconds, rounds or steps, tokens, tool calls
+    spent.update(generate_s=0.0, sandbox_s=0.0)
+
+    if cfg.schedule == "rounds":  # the whole batch turn by turn, the code of each round in one batch
+        run_rounds(llm, in_flight, sandbox.run_many, spent, cfg.group_size)  # rounds_schedule.py
+    else:  # the default: each trajectory moves on its own, its code running while the others decode
+        run_overlapped(llm.llm_engine, in_flight, sandbox.run, spent)
+
+    trajectories = [state.traj for state in in_flight]
+    for t in trajectories:
+        t.text = tokenizer.decode(t.token_ids, skip_special_tokens=True)
+    spent["wall_s"] = time.perf_counter() - started
+    spent["model_tokens"] = sum(sum(t.loss_mask) for t in trajectories)
+    spent["observation_tokens"] = sum(len(t.loss_mask) - sum(t.loss_mask) for t in trajectories)
+    spent["tool_calls"] = sum(t.num_tool_calls for t in trajectories)
+    return trajectories
+
+
+_REQUEST_IDS = itertools.count()  # unique in the process: the engine may be shared
+
+
+def run_overlapped(engine, in_flight: list[_InFlight], run_code: Callable, spent: dict) -> None:
+    """Sample every trajectory in `in_flight` to its end, each on its own: no trajectory waits for another.
+    The engine steps continuously (vLLM's in-process `llm.llm_engine`: `add_request`, `step`); a turn that stops on
+    ```output hands its code to `run_code` in a sandbox thread at once, and its continuation joins the running batch
+    when the result is back. The loop blocks only when nothing is left to decode; `spent["sandbox_s"]` counts that wait
+    and `spent["steps"]` the engine steps."""
+    from vllm.inputs import tokens_input
+    from vllm.sampling_params import RequestOutputKind
+
+    # Every output engine.step() returns is taken for one of ours: another caller's would be lost to it.
+    if engine.has_unfinished_requests():
+        raise RuntimeError(f"rollout: the engine already has {engine.get_num_unfinished_requests()} request(s) "
+                           f"in flight; the overlapped schedule steps it and needs it to itself")
+    sampling: dict[str, _InFlight] = {}  # request id -> the trajectory whose turn the engine is sampling
+    running: dict[concurrent.futures.Future, _InFlight] = {}  # sandbox call -> the trajectory waiting for it
+    spent["steps"] = 0
+
+    # The threads only wait on the sandbox, which admits `concurrency` calls at a time itself.
+    with concurrent.futures.ThreadPoolExecutor(min(len(in_flight), 64), thread_name_prefix="rollout-sandbox") as pool:
+        def advance(state: _InFlight) -> None:
+            """Hand a trajectory to whoever acts next: the sandbox, the engine, or nobody (done)."""
+            if state.done:
+                return
+            if state.wants_tool:
+                running[pool.submit(run_code, state.code)] = state
+                return
+            request_id = f"rollout-{next(_REQUEST_IDS)}"
+            params = state.next_params()
+            params.output_kind = RequestOutputKind.FINAL_ONLY  # one output per turn, when it ends (as LLM.generate sets)
+            # add_request takes the engine's own form of a token prompt (LLM.generate's TokensPrompt is rendered to it).
+            engine.add_request(request_id, tokens_input(state.traj.prompt_ids + state.traj.token_ids), params)
+            sampling[request_id] = state
+
+        try:
+            for state in in_flight:
+                advance(state)
+            while sampling or running:
+                t0 = time.perf_counter()
+                if sampling:
+                    for out in engine.step():
+                        if out.finished:
+                            state = sampling.pop(out.request_id)
+                            state.append_turn(out.outputs[0])
+                            advance(state)
+                    spent["generate_s"] += time.perf_counter() - t0
+                    spent["steps"] += 1
+                    ready = [call for call in running if call.done()]
+                else:  # every unfinished trajectory waits for its code
+                    ready = concurrent.futures.wait(running, return_when=concurrent.futures.FIRST_COMPLETED).done
+                    spent["sandbox_s"] += time.perf_counter() - t0
+                for call in ready:
+                    state = running.pop(call)
+                    state.append_observation(call.result())
+                    advance(state)
+        finally:
+            if sampling:  # an error left turns in the shared engine: take them out
+                engine.abort_request(list(sampling))
+
+
+def _check_config(cfg: RolloutConfig) -> None:
+    """Refuse a RolloutConfig value the rollout cannot use, in one line naming the field."""
+    for name, allowed in (("template", sorted(TEMPLATES)), ("schedule", SCHEDULES), ("observation_style", OBSERVATION_STYLES)):
+        if getattr(cfg, name) not in allowed:
+            raise ValueError(f"RolloutConfig.{name}: {getattr(cfg, name)!r} is not one of {allowed}")
+    for name in ("group_size", "max_response_tokens"):
+        if getattr(cfg, name) < 1:
+            raise ValueError(f"RolloutConfig.{name} must be at least 1, got {getattr(cfg, name)}")
+    if cfg.tool_budget < 0:
+        raise ValueError(f"RolloutConfig.tool_budget must be 0 or more, got {cfg.tool_budget}")
+
+
 def _tokenize_prompt(problem: dict, problem_index: int, tokenizer, cfg: RolloutConfig, context: int) -> tuple[list[int], int]:
     """Check one problem and tokenize its prompt; return the ids with the response's token limit."""
     if not isinstance(problem, dict):
@@ -265,6 +289,19 @@ def _tokenize_prompt(problem: dict, problem_index: int, tokenizer, cfg: RolloutC
         raise ValueError(f"rollout: problem {problem['id']!r}: its prompt is {len(prompt_ids)} tokens, "
                          f"no room for a response within max_model_len {context}")
     return prompt_ids, limit
+
+
+def request_seed(seed: int | None, problem_index: int, group_index: int, turn: int) -> int | None:
+    """A request's own seed, from the run's seed and its place: problem, sample, turn.
+
+    A first turn's seed is its problem's plus the sample's index, which is what vLLM
+    gives sample j of one n-sample request (rounds): both schedules draw the same tokens.
+    """
+    if seed is None:
+        return None
+    if turn == 0:
+        return zlib.crc32(f"{seed}/{problem_index}/0/0".encode()) + group_index
+    return zlib.crc32(f"{seed}/{problem_index}/{group_index}/{turn}".encode())
 
 
 def _sampled_logprobs(sample) -> list[float]:

@@ -42,7 +42,7 @@ class Config:
     eps_high: float = 0.28  # its upper side, 1 + eps_high where the advantage is positive (DAPO's clip-higher)
     scale_advantages: bool = False  # divide by the group's std (original GRPO; ToRL's verl does)
     num_minibatches: int = 2  # optimizer steps per RL step (ToRL: 1)
-    micro_batch_size: int = 16  # sequences per forward/backward pass: memory and speed, not the update (GRPOConfig's 4 is torl-1.5b's)
+    micro_batch_size: int = 16  # sequences per forward/backward pass: memory and speed, not the update (GRPOConfig's 8 is torl-1.5b's)
     eval_every: int = 10  # steps; 0 = only before and after training
     eval_problems: int = 100  # held-out problems per evaluation; 0 = all
     eval_k: int = 1  # samples per problem

@@ -21,9 +21,12 @@ from pathlib import Path
 
 GB = 1e9
 VLLM_WORK_SPACE_GB = 2.0  # vLLM's activations and graphs beside weights and KV cache (an estimate)
-# per logit value at the update's backward peak: bf16 output (2), its float32 copy (4), the float32 gradient (4),
-# the softmax of logsumexp's backward (4), the gradient cast back to bf16 for the output layer's backward (2)
-LOGIT_BYTES = 16
+# per logit value at the update's backward peak: the model's bf16 logits (2), kept until every chunk's backward has
+# run, and their bf16 gradient (2), each chunk's and then all of them joined. The float32 work (a copy, logsumexp's
+# softmax, their gradients) exists for one chunk of positions at a time (06-train/logprob_chunks.py): CHUNK_BYTES
+# per value of one chunk, measured on bf16 logits (test_the_plans_logit_bytes_are_what_the_chunks_hold).
+LOGIT_BYTES = 4
+CHUNK_BYTES = 19  # 18 to 19 measured
 
 
 # Dense bf16 peak of one GPU, TFLOP/s, and its memory bandwidth, TB/s: the vendors' data sheets (SXM parts,
@@ -245,6 +248,8 @@ def cost_table(cfg, cost: CostPlan, gpus: int, gpu: str, train_mfu: float) -> st
 
 def memory_plan(cfg, shape: dict, gpus: int, gpu_gb: float, per_node: int = 8, advise: bool = True) -> MemoryPlan:
     """GB per GPU during the rollout and during the update, and what cannot fit (one line each)."""
+    from logprob_chunks import CHUNK_TOKENS
+
     p = shape["parameters"]
     shard = gpus if cfg.strategy == "fsdp" else 1  # FSDP2 keeps 1/N of the trainer state per GPU
     plan = MemoryPlan(gpus=gpus, gpu_gb=gpu_gb, parameters=p)
@@ -256,7 +261,8 @@ def memory_plan(cfg, shape: dict, gpus: int, gpu_gb: float, per_node: int = 8, a
     plan.rollout[f"vLLM ({cfg.gpu_memory_utilization} of the GPU)"] = share
     tokens = cfg.micro_batch_size * cfg.max_model_len
     plan.update = {"trainer weights, float32": weights, "AdamW m and v": adamw, "gradients, float32": grads,
-                   f"logits of a micro-batch of {cfg.micro_batch_size}": tokens * shape["vocab_size"] * LOGIT_BYTES / GB}
+                   f"logits of a micro-batch of {cfg.micro_batch_size}": tokens * shape["vocab_size"] * LOGIT_BYTES / GB,
+                   "one chunk's float32 log-probs": min(tokens, CHUNK_TOKENS) * shape["vocab_size"] * CHUNK_BYTES / GB}
     if cfg.gradient_checkpointing:
         plan.update["checkpointed layer inputs"] = tokens * shape["num_hidden_layers"] * shape["hidden_size"] * 4 / GB
     else:  # every layer's activations are kept for backward: about 16 float32 values per hidden unit (a rough bound)

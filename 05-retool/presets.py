@@ -32,7 +32,7 @@ PRESETS: dict[str, dict] = {
         temperature=1.0,  # rollout.temperature (top_p 1.0)
         lr=1e-6,  # actor.optim.lr, constant (verl's warmup_style constant, no warmup)
         num_minibatches=1,  # ppo_mini_batch_size=1024 prompts >= 128: one update per step
-        micro_batch_size=4,  # gradient accumulation: each GPU's 256 trajectories (8 GPUs), 4 at a time
+        micro_batch_size=8,  # gradient accumulation: each GPU's 256 trajectories (8 GPUs), 8 at a time (--dry-run)
         eps_low=0.2,  # verl's clip_ratio 0.2, on both sides
         eps_high=0.2,
         scale_advantages=True,  # verl's GRPO: (r - mean) / (std + 1e-6) within each group
@@ -90,13 +90,12 @@ PRESETS["torl-7b"] = dict(
     PRESETS["torl-1.5b"],
     model="Qwen/Qwen2.5-Math-7B",
     strategy="fsdp",  # 16 problems (256 trajectories) of each step's 128 per GPU
-    micro_batch_size=2,  # the logits of 2 x 3,472 tokens x 152k vocabulary peak near 17 GB in backward
+    micro_batch_size=8,  # the logits of 8 x 3,472 tokens x 152k vocabulary peak near 17 GB in backward
     gpu_memory_utilization=0.6,  # 48 GB: 15.2 of bf16 weights, about 31 of KV cache (57 KB a token; --dry-run)
 )
 # SimpleTIR-7B (ltzheng/SimpleTIR: its README's 7B training command over train.sh's defaults and recipe/simpletir/):
-# Qwen2.5-7B, multi-turn code. Two sequences a micro-batch would hold 58.9 GB of logits, which no plan of one or two
-# nodes fits; at one (below) it fits one node of 8, and two nodes halve its time (--dry-run --plan-nodes 2;
-# docs/05-torl.md, "SimpleTIR-7B", names each difference kept).
+# Qwen2.5-7B, multi-turn code. Two sequences a micro-batch fit one node of 8, and two nodes halve its time
+# (--dry-run --plan-nodes 2; docs/05-torl.md, "SimpleTIR-7B", names each difference kept).
 PRESETS["simpletir-7b"] = dict(
     PRESETS["torl-7b"],
     model="Qwen/Qwen2.5-7B",  # MODEL_NAME=Qwen2.5-7B: the base model, not the Math one; RL from it, no cold start
@@ -112,9 +111,8 @@ PRESETS["simpletir-7b"] = dict(
     tool_budget=5,  # agent.max_turns=5
     eps_high=0.28,  # clip_ratio 0.2_0.28 (clip_ratio_c 3.0, the dual clip of negative advantages, is not kept)
     num_minibatches=4,  # ppo_mini_batch_size=128 of 512 prompts: four updates a step
-    # ppo_max_token_len_per_gpu=24000 (use_dynamic_bsz) packs two sequences at their longest; verl never holds their
-    # whole logits at once, the lab does: one sequence (29 GB of logits) keeps the update inside 80 GB
-    micro_batch_size=1,
+    # ppo_max_token_len_per_gpu=24000 (use_dynamic_bsz) packs two sequences at their longest, as two a micro-batch do
+    micro_batch_size=2,
     eval_every=10,  # trainer.test_freq
     eval_k=16,  # val_kwargs.n=16 at temperature 1.0 (every problem; SimpleTIR samples 50 of each set)
     eval_temperature=1.0,

@@ -61,17 +61,33 @@ def test_evaluations_add_their_decode_every_eval_every_steps_and_before_and_afte
     assert cost.gpu_hours == pytest.approx(((cost.decode_s + cost.update_s) * 20 + 6 * cost.eval_s) / 3600)
 
 
-def test_simpletir_7b_fits_one_node_with_a_micro_batch_of_one_and_not_of_two():
-    """At 2 sequences a micro-batch the logits alone (59 GB) leave no room: sharding over more GPUs cannot help."""
+def test_simpletir_7b_fits_one_node_with_a_micro_batch_of_two():
+    """Two sequences at their longest, as SimpleTIR's token budget packs them; the logits' bf16 peak no longer caps it."""
     cfg = make_config("simpletir-7b", {})
     shape = model_shape(cfg.model)
-    assert cfg.micro_batch_size == 1
+    assert cfg.micro_batch_size == 2
     one_node = memory_plan(cfg, shape, gpus=8, gpu_gb=80)
     assert one_node.problems == [] and sum(one_node.update.values()) <= 80 and sum(one_node.rollout.values()) <= 80
-    two = memory_plan(dataclasses.replace(cfg, micro_batch_size=2), shape, gpus=16, gpu_gb=80)
-    assert len(two.problems) == 1 and two.problems[0].startswith("the update needs 85.9 GB a GPU")
+    eight = memory_plan(dataclasses.replace(cfg, micro_batch_size=8), shape, gpus=16, gpu_gb=80)
+    assert len(eight.problems) == 1 and eight.problems[0].startswith("the update needs 118.0 GB a GPU")
     two_nodes = memory_plan(cfg, shape, gpus=16, gpu_gb=80)
     assert two_nodes.problems == [] and cfg.problems_per_step % (cfg.num_minibatches * 16) == 0
+
+
+# What a GPU preset's micro-batch leaves of the GPU for what the plan does not count: one layer's activations
+# while it is recomputed, the allocator's fragments.
+UNCOUNTED = 0.25
+
+
+@pytest.mark.parametrize("preset, gpus", [("torl-1.5b", 8), ("torl-7b", 8), ("simpletir-7b", 8)])
+def test_each_gpu_preset_takes_the_largest_micro_batch_the_plan_fits_with_a_quarter_to_spare(preset, gpus):
+    cfg = make_config(preset, {})
+    shape = model_shape(cfg.model)
+
+    def update_gb(size):
+        return sum(memory_plan(dataclasses.replace(cfg, micro_batch_size=size), shape, gpus, 80).update.values())
+
+    assert update_gb(cfg.micro_batch_size) <= (1 - UNCOUNTED) * 80 < update_gb(2 * cfg.micro_batch_size)
 
 
 def test_fsdp_plans_the_unsharded_root_the_prefetched_layer_its_gradients_and_the_reserves():
@@ -123,11 +139,10 @@ def test_the_pages_cost_and_simpletir_plans_are_the_dry_runs():
          f"simpletir-7b (below), about {plan('simpletir-7b', 16)[3].gpu_hours:,.0f} on 16 x H100")
     cfg, shape, one_node, _ = plan("simpletir-7b", 8)
     says("05-torl.md", f"steps={cfg.steps}`", f"`max_model_len={cfg.max_model_len}`", f"`tool_budget={cfg.tool_budget}`",
-         f"`micro_batch_size={cfg.micro_batch_size}`: one sequence at its longest")
-    two = memory_plan(dataclasses.replace(cfg, micro_batch_size=2), shape, 8, 80)
-    says("05-torl.md", f"two sequences' logits alone are {two.update['logits of a micro-batch of 2']:.1f} GB")
+         f"`micro_batch_size={cfg.micro_batch_size}`: two sequences at their longest")
+    says("05-torl.md", f"two sequences' logits are {one_node.update['logits of a micro-batch of 2']:.1f} GB")
     cfg, shape, two_nodes, _ = plan("simpletir-7b", 16)
     update = next(line for line in plan_table(cfg, two_nodes, shape).splitlines() if "update (vLLM asleep)" in line)
     says("05-torl.md", update.strip())
-    assert one_node.problems == [] and two_nodes.problems == [] and two.problems
+    assert one_node.problems == [] and two_nodes.problems == []
     assert layout_line(cfg, 16).startswith("ranks: 16 x fsdp")

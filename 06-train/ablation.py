@@ -160,7 +160,8 @@ def figures(runs) -> dict:
         # demo) or 0 (the chained task; 0 if never), entropy and clip early on
         out[f"{at}_first_step_reward_08"], out[f"{at}_first_step_reward_0"] = first_step(rows, 0.8), first_step(rows, 0)
         out[f"{at}_entropy_mean"] = float(f"{mean_of(rows, 'entropy'):.3g}")
-        out[f"{at}_entropy_step3"] = float(f"{rows[2].get('entropy', float('nan')):.3g}") if len(rows) > 2 else float("nan")
+        step3 = rows[2].get("entropy") if len(rows) > 2 else None  # null: that step ran no row (every group degenerate)
+        out[f"{at}_entropy_step3"] = float("nan") if step3 is None else float(f"{step3:.3g}")
         out[f"{at}_ratio_max_peak"] = float(f"{max(r.get('ratio_max') or 0 for r in rows):.3g}")  # a collapse's mark
         out.update({f"{at}_{kind}": score for kind, score in kind_accuracies(evals).items()})
         out[f"{at}_clip_step1"] = float(f"{rows[0].get('clip_low_frac', 0) + rows[0].get('clip_high_frac', 0):.3g}")

@@ -38,6 +38,7 @@ import torch
 import results
 from grpo import (GRPOConfig, build_batch, group_advantages, grpo_step, load_policy, make_optimizer, sleep_sampler,
                   sync_weights, token_logprobs)
+from update_metrics import sampler_mismatch
 
 
 # Config numbers of the lab's target models (their config.json), for random-init models of the same shape.
@@ -61,7 +62,7 @@ def main(argv: list[str] | None = None) -> None:
     if shaped and args.results:
         raise SystemExit("error: --results records the tiny model's run (the figures docs/06-scaling.md quotes), not --shape")
     # the torl-1.5b preset's lengths and micro-batch for a real shape; small ones for the tiny model
-    for name, real, tiny in (("prompt_len", 400, 128), ("response_len", 3072, 384), ("micro_batch_size", 4, 4),
+    for name, real, tiny in (("prompt_len", 400, 128), ("response_len", 3072, 384), ("micro_batch_size", 8, 4),
                              ("num_minibatches", 1, 2), ("gradient_checkpointing", True, False)):
         if getattr(args, name) is None:
             setattr(args, name, real if shaped else tiny)
@@ -100,9 +101,9 @@ def run(args, model_path: str) -> None:
     all_tokens, model_tokens = token_counts(trajectories)
     optimizer = make_optimizer(model, cfg)
     asleep = sleep_sampler(llm) if llm is not None else False
-    # warm-up (allocates optimizer state, first kernels); its mismatch compares
-    # sampler and trainer at the same weights, since no update has happened yet
-    first = grpo_step(model, optimizer, trajectories, cfg)
+    # sampler and trainer at the same weights, over every row (grpo_step's own figure covers the rows it trains)
+    first = sampler_gap(model, build_batch(trajectories), cfg) if llm is not None else {}
+    grpo_step(model, optimizer, trajectories, cfg)  # warm-up: allocates optimizer state, first kernels
     reset_peak_memory()
     before = memory()
     times = timed_steps(model, optimizer, trajectories, cfg, args.steps)
@@ -210,6 +211,13 @@ def run_shape(args) -> None:
         print(f"  reserved by torch : {torch.cuda.max_memory_reserved() / gib:6.2f}   of"
               f" {torch.cuda.get_device_properties(0).total_memory / gib:.1f} on the device")
     print(f"vLLM imported       : {'yes' if 'vllm' in sys.modules else 'no'}")
+
+
+def sampler_gap(model, batch, cfg) -> dict[str, float]:
+    """vLLM's recorded log-probs of `batch` against the trainer's, over every row's model tokens: sampler_mismatch."""
+    with torch.no_grad():
+        trainer = token_logprobs(model, batch, cfg.temperature, cfg.micro_batch_size).cpu()
+    return sampler_mismatch(trainer, torch.zeros_like(trainer), batch)
 
 
 def step_config(args):
@@ -332,7 +340,7 @@ def parse_args(argv):
     p.add_argument("--response-len", type=int, help="response tokens per trajectory (default 384; 3072 with --shape)")
     # the step
     p.add_argument("--num-minibatches", type=int, help="optimizer updates per step (default 2; 1 with --shape)")
-    p.add_argument("--micro-batch-size", type=int, help="sequences per forward/backward (default 4)")
+    p.add_argument("--micro-batch-size", type=int, help="sequences per forward/backward (default 4; 8 with --shape)")
     p.add_argument("--gradient-checkpointing", action=argparse.BooleanOptionalAction,
                    help="recompute activations in backward (default: on with --shape, off otherwise)")
     p.add_argument("--steps", type=int, default=3, help="timed steps after one warm-up step (default 3)")

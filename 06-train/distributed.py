@@ -73,16 +73,6 @@ def gradients_to_none(model) -> bool:
     return unwrap(model) is model
 
 
-def load_policy(model_path, device: str | torch.device | None = None):
-    """The trainer's copy of the model: float32 weights on `device` (CUDA if there is one); one rank's share of
-    the work is `DataParallel.load_policy`'s."""
-    from transformers import AutoModelForCausalLM
-
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
-    return model.to(device)
-
-
 class DataParallel:
     """This process's place in the world: rank, world size, device, and the collectives the loop needs."""
 
@@ -139,6 +129,8 @@ class DataParallel:
         the CPU), the others build the model on the meta device, and `wrap` fills their shards from rank 0's: every
         rank loading would hold 244 GB of host memory on an 8-GPU node at 7B. DDP loads on every rank (its wrap
         broadcasts rank 0's replica anyway). `loaded_weights` says which."""
+        from grpo import load_policy
+
         sharded = self.strategy == "fsdp" and self.distributed
         self.loaded_weights = not sharded or self.is_main
         if not sharded:
@@ -318,7 +310,8 @@ def combine_metrics(per_rank: list[dict]) -> dict:
 
     def weight(m: dict, key: str) -> float:
         n = m.get("trajectories", 1.0)
-        if key in ("ratio_mean", "approx_kl"):  # over the tokens the update computed on: skipped rows' are not
+        if key in ("ratio_mean", "approx_kl", "entropy", "mismatch_abs", "mismatch_kl", "tis_masked_frac"):
+            # over the tokens the update computed on: skipped rows' are not
             return m.get("computed_tokens", m.get("tokens", 1.0))
         if key in per_token:
             return m.get("tokens", 1.0)
@@ -347,7 +340,7 @@ def combine_metrics(per_rank: list[dict]) -> dict:
         elif key in sums:
             out[key] = float(sum(values))
         elif key.endswith("_s") or key in maxima:
-            out[key] = max(values)
+            out[key] = max((v for v in values if not math.isnan(v)), default=float("nan"))  # NaN: none on that rank
         elif key in per_token or key in outcome:
             pairs = [(v, weight(m, key)) for v, m in zip(values, per_rank) if not math.isnan(v) and weight(m, key) > 0]
             total = sum(w for _, w in pairs)

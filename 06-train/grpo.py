@@ -1,7 +1,7 @@
 """Chapter 06: the GRPO update, written by hand in torch; the story is docs/06-train.md.
 
     adv, n_degenerate = group_advantages(rewards, group_size)   # ±1 rewards -> advantages
-    metrics = grpo_step(model, optimizer, trajectories, cfg)     # old log-probs, clipped loss, AdamW
+    metrics = grpo_step(model, optimizer, trajectories, cfg)     # pi_old, clipped loss, backward, clip, AdamW
     sync_weights(model, llm)                                     # new weights into vLLM (weight_sync.py)
 
 Key decisions: the advantage is the reward minus its group's mean (by default
@@ -11,21 +11,51 @@ gap to vLLM's log-probs is logged as a mismatch; clip-higher by default (0.2
 below, 0.28 above); token-mean aggregation; no KL term; float32 master weights.
 PPO-clip with token-mean is written out here, its denominator included; any
 other objective or aggregation (GSPO, CISPO, sequence-mean, token-sum) is
-chosen in objectives.py, and the options (`exclude`, importance sampling,
-skipping zero-advantage rows) are the calls on update_options.py's UpdateRun.
+chosen in objectives.py. Each option is one call behind one `if` in grpo_step
+(update_options.py); so are the passes every rank must run alike under
+torchrun (distributed.py), and the log-probs come a chunk at a time
+(logprob_chunks.py).
 """
 from __future__ import annotations
 
+import math
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
-from distributed import gradient_sync, gradients_to_none, load_policy, pad_to_every_rank, unwrap  # load_policy: re-exported, as the two below
+from logprob_chunks import chunked_logprobs
 from objectives import aggregate, cispo_loss, gspo_loss, loss_denominator, objective_aggregation, objective_problems
-from update_metrics import ratio_stats
-from update_options import UpdateRun
+from update_metrics import UpdateTally, ratio_stats, sampler_mismatch
+from update_options import tis_weights, update_gives_pi_old, zero_gradients
 from weight_sync import sleep_sampler, sync_weights  # re-exported: the loop takes the chapter's parts from here
+
+
+@dataclass
+class GRPOConfig:
+    # optimisation
+    lr: float = 1e-6
+    weight_decay: float = 0.01  # at lr 1e-6 its pull is 1e-8 of a weight per step: negligible
+    betas: tuple[float, float] = (0.9, 0.999)
+    max_grad_norm: float = 1.0  # clip the global gradient norm of each mini-batch
+    # the clipped objective
+    objective: str = "ppo-clip"  # "ppo-clip", "gspo" (a ratio per sequence: eps ~1000x narrower) or "cispo" (objectives.py)
+    eps_low: float = 0.2  # the ratio may fall to 1 - eps_low (gspo: the paper's 3e-4)
+    eps_high: float = 0.28  # and rise to 1 + eps_high (clip-higher; gspo: the paper's 4e-4)
+    force_gspo_clip: bool = False  # let gspo run with a PPO-sized band (above 0.01), refused otherwise
+    aggregation: str = "token-mean"  # or "sequence-mean", or "token-sum" (Dr. GRPO); gspo: always sequence-mean
+    max_response_tokens: int = 0  # the response budget: token-sum divides by it times the sequences
+    tis_cap: float = 0.0  # importance sampling of the sampler/trainer gap: the cap, or the band [1/cap, cap]; 0 = off
+    tis_mode: str = "truncate"  # weight min(pi_old / pi_sampler, cap), or 0 outside the band: "token-mask", "sequence-mask"
+    # batching: one step = num_minibatches optimizer updates over the trajectories
+    num_minibatches: int = 2
+    # sequences per forward/backward; gradients accumulate, so it sets memory and speed, never the update.
+    # 8 is torl-1.5b's (3k-token sequences on one GPU); a run passes its own Config's (the CPU demo's 16).
+    micro_batch_size: int = 8
+    # numerics
+    temperature: float = 1.0  # the sampler's temperature: logits are divided by it
+    gradient_checkpointing: bool = False
+    skip_zero_advantage: bool = True  # no forward/backward for rows without gradient; the update is the same
 
 
 def group_advantages(
@@ -109,92 +139,93 @@ OBJECTIVES = {"ppo-clip": clipped_policy_loss, "gspo": gspo_loss, "cispo": cispo
 def grpo_step(model, optimizer, trajectories, cfg: GRPOConfig, exclude=None, global_normalizer=None) -> dict[str, float]:
     """One GRPO step on trajectories that already carry `.advantage`; returns flat float metrics.
 
-    Old log-probs with the weights as they are, then `cfg.num_minibatches` AdamW
-    updates, each over micro-batches of `cfg.micro_batch_size` sequences.
-    `exclude` (a bool per trajectory) keeps rows out of the loss and its
-    denominator; `global_normalizer` makes a mini-batch's denominator the
-    data-parallel one (distributed.py). Metrics: docs/06-train.md, "Metrics".
+    pi_old with the weights as they are, then `cfg.num_minibatches` AdamW updates, each over micro-batches of
+    `cfg.micro_batch_size` sequences: loss and backward for each, then the gradient's norm clipped and one step.
+    `exclude` (a bool per trajectory) keeps rows out of the loss and its denominator; `global_normalizer` makes a
+    mini-batch's denominator the data-parallel one (distributed.py). Metrics: docs/06-train.md, "Metrics".
     """
     _check_step_inputs(trajectories, cfg, exclude)
-    _set_gradient_checkpointing(model, cfg.gradient_checkpointing)
+    ranks = None
+    if torch.distributed.is_initialized():  # torchrun: distributed.py keeps this rank's passes in step with the others'
+        import distributed as ranks
+    _set_gradient_checkpointing(ranks.unwrap(model) if ranks else model, cfg.gradient_checkpointing)
     model.train()  # Qwen2 has no dropout; train mode is what switches checkpointing on
-    # Each production concern is one call on `run` (update_options.py): rows excluded from the loss, rows
-    # skipped for a zero advantage, passes padded to every rank's, pi_old from the update's own forward,
-    # importance weights, the metrics' tally.
-    run = UpdateRun(model, build_batch(trajectories), trajectories, cfg, exclude)
-    # pi_old: the weights before any update of this step, so the first mini-batch's ratio is 1. A pass over
-    # every row; where the update's own forward is pi_old (one mini-batch, no TIS), only over the rows it skips.
-    run.set_pi_old(*_old_logprobs_and_entropy(model, run.batch, cfg, run.rows_for_the_old_pass()))
+    batch = build_batch(trajectories)
+    if exclude is not None:  # rows that neither train nor count in the denominator (part 3's filters)
+        batch = batch.keeping(~torch.tensor([bool(e) for e in exclude]))
+    tally = UpdateTally(batch, exclude)  # the metrics' sums (update_metrics.py)
+    # The rows the update runs: by default only those that add to the gradient, yet all count in the denominator.
+    runs = batch.rows_with_gradient() if cfg.skip_zero_advantage else torch.ones(len(trajectories), dtype=torch.bool)
+    tally.rows_skipped = int((~runs).sum())
+    observed = batch.keeping(runs)  # what the metrics of pi_old describe: no forward runs for a metric alone
+    # pi_old: the weights before any update of this step, so the first mini-batch's ratio is exactly 1. A pass of
+    # its own over the rows the update runs; with one mini-batch and no importance weights, the update's own forward.
+    one_forward = update_gives_pi_old(cfg)
+    old, entropy = torch.zeros(batch.loss_mask.shape), torch.zeros(batch.loss_mask.shape)
+    if not one_forward:
+        old, entropy = _old_logprobs_and_entropy(model, batch, cfg, runs, ranks)
+    token_weights = None
+    if cfg.tis_cap > 0:  # importance weights for the sampler/trainer gap (part 3)
+        token_weights, tis_metrics = tis_weights(old, observed, cfg.tis_cap, cfg.tis_mode)
+        tally.step_metrics.update(tis_metrics)
 
     # PPO-clip with token-mean (clipped_policy_loss), unless the run chose another: objectives.py.
     objective, aggregation = OBJECTIVES[cfg.objective], objective_aggregation(cfg)
-    # run.scored: the batch with `exclude`d rows' loss mask zeroed, so they neither train nor count; run.batch
-    # keeps them for pi_old and the mismatch metrics.
-    for rows in run.scored.minibatches(cfg.num_minibatches):
-        # Token-mean's denominator: the mini-batch's tokens in the loss (excluded rows' not; those skipped next
-        # yes, so skipping changes nothing). Under torchrun, every rank's count over N: DDP and FSDP average the
-        # ranks' gradients, and the whole batch's loss is then one token-mean (distributed.py).
-        mask = run.scored.loss_mask[rows]
-        count = max(float(mask.sum()), 1.0) if aggregation == "token-mean" else \
-            loss_denominator(mask, aggregation, cfg.max_response_tokens)
-        normalizer = count if global_normalizer is None else global_normalizer(count)
-        # gradients_to_none: True (free them) unless under DDP, whose gradients are views of its buckets.
-        optimizer.zero_grad(set_to_none=gradients_to_none(model))
-        # The micro-batches, zero-advantage rows left out. `counts` is False only for a padding pass that keeps
-        # torchrun's ranks in step (part 2): in one process it is always True. `last`: the mini-batch's last pass,
-        # where DDP exchanges gradients; in one process gradient_sync does nothing.
-        for micro_rows, counts, last in run.passes(rows):
-            micro = run.scored.select(micro_rows)
-            with gradient_sync(model, sync=last):  # DDP: one exchange per update
-                logprobs, entropy = _target_logprobs(model, micro.input_ids, micro.attention_mask, cfg.temperature,
-                                                     with_entropy=run.one_forward)
-            device = logprobs.device
-            # pi_old of these rows: from the pass above, or, with one mini-batch and no TIS (run.one_forward, the
-            # torl-* presets), this forward's own log-probs, detached: the weights have not moved yet.
+    for rows in batch.minibatches(cfg.num_minibatches):
+        # Token-mean's denominator: the mini-batch's tokens in the loss, the skipped rows' included, so that skipping
+        # changes nothing. Under torchrun every rank's count over N: DDP and FSDP average the ranks' gradients.
+        normalizer = loss_denominator(batch.loss_mask[rows], aggregation, cfg.max_response_tokens)
+        if global_normalizer is not None:
+            normalizer = global_normalizer(normalizer)
+        optimizer.zero_grad(set_to_none=not ranks or ranks.gradients_to_none(model))  # DDP: its buckets stay
+        passes = [(micro_rows, False) for micro_rows in _micro_batches(rows[runs[rows]], cfg.micro_batch_size)]
+        if ranks:  # as many passes as the busiest rank: a filler (the shortest row, its loss times 0) joins exchanges
+            passes = ranks.pad_to_every_rank(model, passes, (rows[-1:], True))
+        for i, (micro_rows, filler) in enumerate(passes):
+            micro = batch.select(micro_rows)
+            with ranks.gradient_sync(model, sync=i == len(passes) - 1) if ranks else nullcontext():  # DDP: one exchange
+                logprobs, micro_entropy = _target_logprobs(model, micro.input_ids, micro.attention_mask,
+                                                           cfg.temperature, with_entropy=one_forward)
+            device, width = logprobs.device, logprobs.shape[1]
+            if one_forward:  # pi_old is this forward's own log-probs, detached: the weights have not moved yet
+                old[micro_rows, :width], entropy[micro_rows, :width] = logprobs.detach().cpu(), micro_entropy.cpu()
             loss, stats = objective(
-                logprobs, run.old_logprobs(micro_rows, logprobs, entropy), micro.advantages.to(device),
-                micro.loss_mask.to(device), cfg.eps_low, cfg.eps_high, aggregation, normalizer=normalizer,
-                token_weights=run.token_weights(micro_rows, logprobs),
-            )
+                logprobs, old[micro_rows, :width].to(device), micro.advantages.to(device), micro.loss_mask.to(device),
+                cfg.eps_low, cfg.eps_high, aggregation, normalizer=normalizer,
+                token_weights=None if token_weights is None else token_weights[micro_rows, :width].to(device))
             # ---- A KL penalty to a reference model would go here. ----------------
             # loss = loss + kl_coef * k3(ref_logprobs - logprobs) over model tokens,
             # with ref_logprobs from a frozen copy of the initial model, computed
             # beside old_logprobs. ToRL uses kl_coef = 0, so the lab keeps neither
             # the copy nor its memory.
-            (loss if counts else loss * 0.0).backward()  # a pass that does not count: only the ranks' exchange
-            run.add(loss, stats, counts)
-        run.step(optimizer)  # clip the gradient's norm; AdamW steps unless it is NaN or inf
-    return run.metrics()
+            (loss * 0.0 if filler else loss).backward()
+            if not filler:
+                tally.add_micro_batch(loss, stats)
+        if not passes:  # every row skipped: AdamW still steps (momentum, weight decay), as it would unskipped
+            zero_gradients(model)
+        # Clip the gradient's norm, then step, unless the norm is NaN or inf: that would poison every weight it touches.
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
+        if ranks:  # FSDP2: the norm of the whole gradient, from every rank's shard
+            grad_norm = ranks.full_tensor(grad_norm)
+        stepped = math.isfinite(grad_norm.item())
+        if stepped:
+            optimizer.step()
+        tally.add_update(grad_norm.item(), stepped)
+    optimizer.zero_grad(set_to_none=not ranks or ranks.gradients_to_none(model))  # frees them before vLLM wakes
+    return tally.metrics(sampler_mismatch(old, entropy, observed))
 
 
-# --------------------------------------------------------------------------- the knobs
+# --------------------------------------------------------------------------- the trainer's model and optimizer
 
 
-@dataclass
-class GRPOConfig:
-    # optimisation
-    lr: float = 1e-6
-    weight_decay: float = 0.01  # at lr 1e-6 its pull is 1e-8 of a weight per step: negligible
-    betas: tuple[float, float] = (0.9, 0.999)
-    max_grad_norm: float = 1.0  # clip the global gradient norm of each mini-batch
-    # the clipped objective
-    objective: str = "ppo-clip"  # "ppo-clip", "gspo" (a ratio per sequence: eps ~1000x narrower) or "cispo" (objectives.py)
-    eps_low: float = 0.2  # the ratio may fall to 1 - eps_low (gspo: the paper's 3e-4)
-    eps_high: float = 0.28  # and rise to 1 + eps_high (clip-higher; gspo: the paper's 4e-4)
-    force_gspo_clip: bool = False  # let gspo run with a PPO-sized band (above 0.01), refused otherwise
-    aggregation: str = "token-mean"  # or "sequence-mean", or "token-sum" (Dr. GRPO); gspo: always sequence-mean
-    max_response_tokens: int = 0  # the response budget: token-sum divides by it times the sequences
-    tis_cap: float = 0.0  # importance sampling of the sampler/trainer gap: the cap, or the band [1/cap, cap]; 0 = off
-    tis_mode: str = "truncate"  # weight min(pi_old / pi_sampler, cap), or 0 outside the band: "token-mask", "sequence-mask"
-    # batching: one step = num_minibatches optimizer updates over the trajectories
-    num_minibatches: int = 2
-    # sequences per forward/backward; gradients accumulate, so it sets memory and speed, never the update.
-    # 4 is torl-1.5b's (3k-token sequences on one GPU); a run passes its own Config's (the CPU demo's 16).
-    micro_batch_size: int = 4
-    # numerics
-    temperature: float = 1.0  # the sampler's temperature: logits are divided by it
-    gradient_checkpointing: bool = False
-    skip_zero_advantage: bool = True  # no forward/backward for rows without gradient; the update is the same
+def load_policy(model_path, device: str | torch.device | None = None):
+    """The trainer's copy of the model: float32 weights on `device` (CUDA if there is one); one rank's share of
+    the work under torchrun is `DataParallel.load_policy`'s (distributed.py)."""
+    from transformers import AutoModelForCausalLM
+
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    return model.to(device)
 
 
 def make_optimizer(model, cfg: GRPOConfig) -> torch.optim.Optimizer:
@@ -244,6 +275,15 @@ class Batch:
             self.advantages[rows, : width - 1],
             self.sampler_logprobs[rows, : width - 1],
         )
+
+    def keeping(self, rows: torch.Tensor) -> "Batch":
+        """The batch with the other rows' loss mask and advantages zeroed (`rows`: one bool per row)."""
+        kept = rows[:, None]
+        return replace(self, loss_mask=self.loss_mask * kept, advantages=self.advantages * kept)
+
+    def rows_with_gradient(self) -> torch.Tensor:
+        """One bool per row: does it add to the gradient? Only with a token in the loss and a non-zero advantage."""
+        return (self.advantages != 0).any(dim=1)
 
     def minibatches(self, n: int):
         """Row indices of `n` consecutive mini-batches (empty ones left out), each longest first so
@@ -310,31 +350,28 @@ def _target_logprobs(model, input_ids, attention_mask, temperature: float, with_
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
     with autocast:
         logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
-    logits = logits[:, :-1].float()  # the last position predicts past the end
-    if temperature != 1.0:
-        logits = logits / temperature
-    targets = input_ids[:, 1:].unsqueeze(-1)
-    # logit[target] - logsumexp keeps only the logits for backward, not a log_softmax copy
-    log_norm = torch.logsumexp(logits, dim=-1)
-    logprobs = logits.gather(-1, targets).squeeze(-1) - log_norm
-    entropy = None
-    if with_entropy:
-        with torch.no_grad():
-            entropy = log_norm - (torch.softmax(logits, dim=-1) * logits).sum(-1)
-    return logprobs, entropy
+    # logit[target] - logsumexp over the vocabulary, in float32 and a chunk of positions at a time: the whole
+    # [b, T, vocabulary] in float32 would cap the micro-batch (logprob_chunks.py)
+    return chunked_logprobs(logits, input_ids[:, 1:], temperature, with_entropy)
+
+
+def _micro_batches(rows: torch.Tensor, size: int) -> list[torch.Tensor]:
+    """`rows` in consecutive chunks of `size`; none when there are no rows."""
+    return [chunk for chunk in rows.split(size) if len(chunk)]
 
 
 @torch.no_grad()
-def _old_logprobs_and_entropy(model, batch: Batch, cfg: GRPOConfig, needed: torch.Tensor):
-    """Log-probs and entropies of the `needed` rows' targets under the current weights, on CPU, in micro-batches
-    (the other rows' are filled in by the update's forward: update_options.update_gives_pi_old)."""
+def _old_logprobs_and_entropy(model, batch: Batch, cfg: GRPOConfig, runs: torch.Tensor, ranks=None):
+    """Log-probs and entropies of the targets of the rows the update `runs`, under the current weights, on CPU
+    (zeros elsewhere). In the update's own micro-batches: the same shapes give the same bits, so the first
+    mini-batch's ratio is exactly 1."""
     old = torch.zeros(batch.loss_mask.shape)
     entropy = torch.zeros(batch.loss_mask.shape)
-    every_row = next(batch.minibatches(1))  # longest first, so each chunk pads little
-    chunks = list(every_row[needed[every_row]].split(cfg.micro_batch_size)) if needed.any() else []
-    # FSDP2 gathers weights in every forward: as many as the other ranks, the extra ones on the shortest row
-    # (in one process: just these chunks)
-    for chunk in pad_to_every_rank(model, chunks, every_row[-1:], at_least=0):
+    chunks = [micro for rows in batch.minibatches(cfg.num_minibatches)
+              for micro in _micro_batches(rows[runs[rows]], cfg.micro_batch_size)]
+    if ranks:  # FSDP2 gathers weights in every forward: as many as the other ranks, the extra ones on the shortest row
+        chunks = ranks.pad_to_every_rank(model, chunks, next(batch.minibatches(1))[-1:], at_least=0)
+    for chunk in chunks:
         micro = batch.select(chunk)
         lp, ent = _target_logprobs(model, micro.input_ids, micro.attention_mask, cfg.temperature, with_entropy=True)
         old[chunk, : lp.shape[1]] = lp.float().cpu()
@@ -358,7 +395,6 @@ def _check_step_inputs(trajectories, cfg: GRPOConfig, exclude) -> None:
 
 
 def _set_gradient_checkpointing(model, on: bool) -> None:
-    model = unwrap(model)
     if on and not model.is_gradient_checkpointing:
         # non-reentrant: works when the inputs (token ids) need no gradient
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

@@ -236,10 +236,11 @@ def test_ranks_skip_zero_advantage_rows_unevenly_run_the_same_passes_and_take_on
     per_rank = ranks["per_rank"]
     # rank 0: mini-batch 1 all skipped (8 rows), mini-batch 2 none; rank 1: none, then 4 of 8
     assert [r["metrics"]["rows_skipped"] for r in per_rank] == [8, 4]
-    # the old-log-prob pass (16 rows in micro-batches of 3: 6 forwards), then 3 + 3 passes on each rank:
-    # rank 0 pads its empty mini-batch with 3 passes of one row, rank 1 its 4 rows' 2 passes with one
-    assert per_rank[0]["forwards"] == [3, 3, 3, 3, 3, 1] + [1, 1, 1] + [3, 3, 2]
-    assert per_rank[1]["forwards"][6:] == [3, 3, 2] + [3, 1, 1]
+    # the old-log-prob pass in the update's micro-batches of the rows each rank trains (rank 0: 8, rank 1: 8 + 4;
+    # rank 0 pads it with two passes of one row), then 3 + 3 passes on each rank: rank 0 pads its empty mini-batch
+    # with 3 passes of one row, rank 1 its 4 rows' 2 passes with one
+    assert per_rank[0]["forwards"] == [3, 3, 2, 1, 1] + [1, 1, 1] + [3, 3, 2]
+    assert per_rank[1]["forwards"] == [3, 3, 2, 3, 1] + [3, 3, 2] + [3, 1, 1]
     assert single_metrics["rows_skipped"] == ranks["metrics"]["rows_skipped"] == 12
     assert max_difference(single, load_policy(tiny_model_path, device="cpu").state_dict()) > 1e-3
     assert max_difference(ranks["weights"], single) < 2e-5
@@ -251,14 +252,14 @@ def test_ranks_skip_zero_advantage_rows_unevenly_run_the_same_passes_and_take_on
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_with_one_minibatch_ranks_pad_the_skipped_rows_pass_and_the_update_alike(
         two_ranks, one_process_skipping, strategy):
-    """Rank 0 (problems 0-3) skips 8 rows, rank 1 (4-7) skips 4: the skipped rows' own pass (for entropy and
-    mismatch) and the update's passes are each padded to the other rank's count: FSDP2 gathers in every forward."""
+    """Rank 0 (problems 0-3) skips 8 rows, rank 1 (4-7) skips 4: no pass of their own (pi_old is the update's
+    forward), and rank 0's update is padded to rank 1's count of passes: FSDP2 gathers in every forward."""
     single, single_metrics = one_process_skipping[1]
     ranks = two_ranks[0][f"{strategy}-skip-1"]
     per_rank = ranks["per_rank"]
     assert [r["metrics"]["rows_skipped"] for r in per_rank] == [8, 4]
-    assert per_rank[0]["forwards"] == [3, 3, 2] + [3, 3, 2, 1]  # skipped rows' pass, then the update padded by 1
-    assert per_rank[1]["forwards"] == [3, 1, 1] + [3, 3, 3, 3]  # the skipped rows' pass padded by 1
+    assert per_rank[0]["forwards"] == [3, 3, 2, 1]  # the update's 8 rows, padded by 1
+    assert per_rank[1]["forwards"] == [3, 3, 3, 3]  # the update's 12 rows
     assert max_difference(ranks["weights"], single) < 2e-5
     for key in ("loss", "grad_norm", "tokens", "entropy", "ratio_mean", "approx_kl", "mismatch_abs", "mismatch_max",
                 "informative_frac"):
@@ -418,6 +419,8 @@ def test_combined_metrics_weigh_ranks_by_what_each_metric_counts():
     assert m["code_pass_ratio"] == 1.0  # rank b made no calls: its NaN carries no weight
     assert m["entropy"] == pytest.approx(1.75)  # token-weighted
     assert m["mismatch_max"] == 0.3 and m["rollout_s"] == 5.0 and m["grad_norm"] == 2.0
+    none_ran = {**a, "entropy": float("nan"), "mismatch_max": float("nan")}  # a rank that skipped every row
+    assert combine_metrics([none_ran, b])["mismatch_max"] == 0.3 and combine_metrics([none_ran, b])["entropy"] == 2.0
     assert m["problem_ids"] == ["a", "b"] and m["step"] == 1
     assert math.isnan(combine_metrics([b, {**b, "tool_calls": 0.0}])["code_pass_ratio"])
     # self-correction by each rank's failed calls, masked shares by its tokens and sequences
@@ -489,6 +492,7 @@ def test_two_ranks_write_one_run_with_the_global_batch(tmp_path, tiny_model_path
              "--max-response-tokens", "16", "--eval-problems", "3", "--eval-max-response-tokens", "16",
              "--eval-k", "2", "--eval-temperature", "1.0",
              "--micro-batch-size", "2", "--enforce-eager", "true", "--cpu-kv-cache-gib", str(KV_CACHE_GIB),
+             "--skip-zero-advantage", "false",  # every row runs, so the mismatch is measured though every reward is -1
              "--sandbox-preload", ""]  # the random model's code imports nothing: a sandbox start without numpy, sympy
 
     def launch(args):
@@ -596,6 +600,7 @@ def test_two_nodes_on_loopback_make_the_run_two_ranks_on_one_node_make(tmp_path,
     small = ["--model", str(tiny_model_path), "--cold-start", "none", "--problems-per-step", "4", "--group-size", "2",
              "--max-response-tokens", "16", "--eval-problems", "2", "--eval-max-response-tokens", "16",
              "--micro-batch-size", "2", "--enforce-eager", "true", "--cpu-kv-cache-gib", str(KV_CACHE_GIB),
+             "--skip-zero-advantage", "false",  # every row runs, so the mismatch is measured though every reward is -1
              "--sandbox-preload", "", "--strategy", "fsdp"]  # FSDP2: every rank writes its optimizer shard
     one, two = tmp_path / "one-node", tmp_path / "two-nodes"
     for done in preloaded_python.run_together([[retool, "--run-dir", one, "--steps", "1", *small]] * 2, cwd=tmp_path,

@@ -115,7 +115,8 @@ def trainer_gb(plan) -> float:
 
 def test_the_memory_rules_are_memory_plans():
     """The rules docs/06-scaling.md states are the arithmetic of 05-retool/dry_run.py's memory_plan."""
-    from dry_run import GB, LOGIT_BYTES, VLLM_WORK_SPACE_GB
+    from dry_run import CHUNK_BYTES, GB, LOGIT_BYTES, VLLM_WORK_SPACE_GB
+    from logprob_chunks import CHUNK_TOKENS
 
     s, kv = SHAPES["qwen2.5-math-1.5b"], kv_bytes_per_token("qwen2.5-math-1.5b")
     head = s["hidden_size"] // s["num_attention_heads"]
@@ -128,9 +129,11 @@ def test_the_memory_rules_are_memory_plans():
          f"that is {s['num_hidden_layers']} × 2 × {s['num_key_value_heads']} × {head} × 2 = {kv:,} bytes a token",
          f"**Logits: about {LOGIT_BYTES} bytes a value.**",
          f"({s['vocab_size']:,} entries for Qwen2.5-Math-1.5B)",
-         "At the backward peak that is 2 + 4 + 4 + 4 + 2 bytes a value",
+         f"at the backward peak that is 2 + 2 bytes a value",
+         f"one chunk of {CHUNK_TOKENS:,} tokens at",
+         f"about {CHUNK_BYTES} bytes a value of the chunk",
          f"hidden float32 values a token ({s['num_hidden_layers']} × {s['hidden_size']} for 1.5B)")
-    assert 2 + 4 + 4 + 4 + 2 == LOGIT_BYTES and TORL["gradient_checkpointing"] and TORL_7B["gradient_checkpointing"]
+    assert 2 + 2 == LOGIT_BYTES and TORL["gradient_checkpointing"] and TORL_7B["gradient_checkpointing"]
     for preset, model in (("torl-1.5b", "qwen2.5-math-1.5b"), ("torl-7b", "qwen2.5-math-7b")):
         cfg, shape, plan, _ = dry_run_plan(preset)
         p, shard = plan.parameters, plan.gpus if cfg.strategy == "fsdp" else 1

@@ -209,6 +209,95 @@ def test_temperature_divides_the_logits(policy):
     assert torch.allclose(got[m], expected[m], atol=1e-5)
 
 
+def whole_logprobs_and_entropy(logits, targets, temperature):
+    """The log-probs and entropy with every position at once: the form the chunks must equal."""
+    logits = logits[:, :-1].float() / temperature
+    log_norm = torch.logsumexp(logits, dim=-1)
+    entropy = log_norm - (torch.softmax(logits, dim=-1) * logits).sum(-1)
+    return logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - log_norm, entropy.detach()
+
+
+def test_log_probs_entropy_and_gradients_in_chunks_are_the_whole_forms_bit_for_bit(policy, monkeypatch):
+    import logprob_chunks
+
+    monkeypatch.setattr(logprob_chunks, "CHUNK_TOKENS", 8)  # 2 positions a chunk for 4 rows: many chunks, a ragged last
+    batch = build_batch(random_trajectories(4))
+    weights = torch.randn(batch.loss_mask.shape, generator=torch.Generator().manual_seed(0)) * batch.loss_mask
+    results = []
+    for chunked in (True, False):
+        model = copy.deepcopy(policy)
+        logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False).logits
+        targets = batch.input_ids[:, 1:]
+        logprobs, entropy = (logprob_chunks.chunked_logprobs(logits, targets, 0.7, with_entropy=True) if chunked
+                             else whole_logprobs_and_entropy(logits, targets, 0.7))
+        (logprobs * weights).sum().backward()
+        results.append([logprobs.detach(), entropy] + [p.grad for p in model.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*results))
+    assert results[0][2].abs().sum() > 0
+
+
+def log_prob_memory(chunk_tokens, rows=2, positions=1025, vocabulary=4096):
+    """Peak bytes alive and the largest float32 tensor while bf16 logits (as a GPU's autocast gives them, from an
+    output layer) go through chunked_logprobs, forward and backward; and the logits' value count."""
+    import weakref
+
+    import logprob_chunks
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    live, seen = {}, {"now": 0, "peak": 0, "float32": 0}
+
+    def freed(pointer):
+        seen["now"] -= live.pop(pointer, 0)
+
+    class Tracker(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in out if isinstance(out, (tuple, list)) else (out,):
+                if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in live:
+                    storage = t.untyped_storage()
+                    live[storage.data_ptr()] = storage.nbytes()
+                    seen["now"] += storage.nbytes()
+                    seen["peak"] = max(seen["peak"], seen["now"])
+                    weakref.finalize(storage, freed, storage.data_ptr())
+                if isinstance(t, torch.Tensor) and t.dtype == torch.float32:
+                    seen["float32"] = max(seen["float32"], t.numel())
+            return out
+
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(rows, positions, 64, generator=g).bfloat16()
+    output_layer = torch.randn(vocabulary, 64, generator=g).bfloat16().requires_grad_()
+    targets = torch.randint(0, vocabulary, (rows, positions - 1), generator=g)
+    old, logprob_chunks.CHUNK_TOKENS = logprob_chunks.CHUNK_TOKENS, chunk_tokens
+    try:
+        with Tracker():
+            logprobs, _ = logprob_chunks.chunked_logprobs(hidden @ output_layer.t(), targets, 1.0, with_entropy=True)
+            logprobs.sum().backward()
+    finally:
+        logprob_chunks.CHUNK_TOKENS = old
+    return seen["peak"], seen["float32"], rows * positions * vocabulary
+
+
+def test_no_float32_tensor_spans_the_whole_logits_forward_or_backward():
+    """Each float32 tensor is one chunk's (256 tokens: 128 positions of 2 rows); taken whole, one spans them all."""
+    _, largest, values = log_prob_memory(256)
+    assert largest == 256 * 4096
+    _, largest, values = log_prob_memory(10**9)  # one chunk: the whole form
+    assert largest >= values * 1024 // 1025
+
+
+def test_the_plans_logit_bytes_are_what_the_chunks_hold():
+    """dry_run's memory plan: LOGIT_BYTES a value of the whole logits, CHUNK_BYTES a value of one chunk."""
+    from dry_run import CHUNK_BYTES, LOGIT_BYTES
+
+    (small, _, n_small), (large, _, n_large), (wide, _, _) = (
+        log_prob_memory(chunk, positions=positions) for chunk, positions in ((256, 1025), (256, 2049), (512, 2049)))
+    whole = (large - small) / (n_large - n_small)  # per value of the logits: the chunk's share cancels
+    chunk = (wide - large) / (256 * 4096)  # per value of a chunk: the logits' share cancels
+    assert whole == pytest.approx(LOGIT_BYTES, rel=0.02)
+    assert chunk == pytest.approx(CHUNK_BYTES, rel=0.1)
+    assert large <= LOGIT_BYTES * n_large + CHUNK_BYTES * 256 * 4096 + 1e6  # the plan holds the peak
+
+
 @pytest.mark.parametrize("sign", [+1.0, -1.0])
 def test_one_step_moves_the_trajectory_logprob_the_way_of_its_advantage(policy, sign):
     trajectory = random_trajectories(1)[0]
@@ -257,12 +346,53 @@ def test_first_minibatch_sees_ratio_one_and_no_clipping(policy):
     assert metrics["approx_kl"] == pytest.approx(0.0, abs=1e-9)
 
 
+def test_pi_old_pass_runs_the_updates_micro_batches_so_unmoved_weights_give_ratio_one_exactly(policy):
+    """Two mini-batches at lr 0: pi_old's pass, in micro-batches of its own, padded otherwise, gave ratios 1 +- 5e-7."""
+    g = torch.Generator().manual_seed(0)
+    trajectories = [make_trajectory(torch.randint(3, 400, (3 + i % 3,), generator=g).tolist(),
+                                    torch.randint(3, 400, (8 + int(torch.randint(0, 30, (1,), generator=g)),),
+                                                  generator=g).tolist(), advantage=(-1.0) ** i) for i in range(12)]
+    cfg = GRPOConfig(lr=0.0, weight_decay=0.0, num_minibatches=2, micro_batch_size=3)
+    metrics = grpo_step(policy, make_optimizer(policy, cfg), trajectories, cfg)
+    assert (metrics["ratio_max"], metrics["ratio_mean"], metrics["approx_kl"]) == (1.0, 1.0, 0.0)
+
+
+def test_no_forward_runs_for_a_metric_alone_entropy_and_mismatch_describe_the_rows_the_update_runs(policy):
+    """Zero-advantage rows get neither pi_old's pass nor the update's; the entropy and the mismatch are over the
+    tokens the update computed on, as a pass over those rows alone gives them."""
+    trajectories = random_trajectories(5) + random_trajectories(5, seed=1)
+    for t in trajectories[1::3]:
+        t.advantage = 0.0
+    g = torch.Generator().manual_seed(2)
+    for t in trajectories:
+        t.logprobs = [-float(x) * m for x, m in zip(torch.rand(len(t.token_ids), generator=g), t.loss_mask)]
+    trained = [t for t in trajectories if t.advantage != 0]
+    for minibatches in (1, 2):
+        model, forwards = copy.deepcopy(policy), []
+        model.register_forward_hook(lambda module, args, output: forwards.append(len(output.logits)))
+        cfg = GRPOConfig(lr=1e-3, num_minibatches=minibatches, micro_batch_size=2)
+        metrics = grpo_step(model, make_optimizer(model, cfg), trajectories, cfg)
+        assert sum(forwards) == len(trained) * (1 if minibatches == 1 else 2)  # pi_old's own pass with two
+        assert metrics["rows_skipped"] == len(trajectories) - len(trained)
+        batch = build_batch(trained)
+        mask = batch.loss_mask.bool()
+        with torch.no_grad():
+            gap = (token_logprobs(policy, batch) - batch.sampler_logprobs)[mask]
+        assert metrics["computed_tokens"] == mask.sum()
+        assert metrics["mismatch_abs"] == pytest.approx(float(gap.abs().mean()), rel=1e-5)
+        assert metrics["mismatch_max"] == pytest.approx(float(gap.abs().max()), rel=1e-5)
+    for t in trajectories:
+        t.advantage = 0.0
+    metrics = grpo_step(policy, make_optimizer(policy, cfg), trajectories, cfg)  # nothing ran: nothing to describe
+    assert all(math.isnan(metrics[key]) for key in ("entropy", "mismatch_abs", "mismatch_max", "mismatch_kl"))
+
+
 @pytest.mark.parametrize("skip", [True, False])
 def test_one_minibatch_takes_pi_old_from_the_updates_forward_and_takes_the_same_step(policy, monkeypatch, skip):
     """num_minibatches 1, no TIS: the old log-probs are the update's own, detached; loss, weights and every
     metric are the step with a pass of their own (forced here), minus that pass's forwards."""
     trajectories = random_trajectories(5)
-    trajectories[1].advantage = 0.0  # skipped: its entropy and mismatch still need a forward, under no_grad
+    trajectories[1].advantage = 0.0  # skipped: no forward, neither for the update nor for a metric
     cfg = GRPOConfig(num_minibatches=1, micro_batch_size=2, skip_zero_advantage=skip, max_grad_norm=1e9)
 
     def step():  # SGD at lr 1: the weights move by the gradient itself (AdamW's first step is its sign)
@@ -272,10 +402,10 @@ def test_one_minibatch_takes_pi_old_from_the_updates_forward_and_takes_the_same_
         return flat_weights(model), metrics, forwards
 
     weights, metrics, forwards = step()
-    monkeypatch.setattr("update_options.update_gives_pi_old", lambda cfg: False)  # the step as it was: pi_old from a pass of its own
+    monkeypatch.setattr("grpo.update_gives_pi_old", lambda cfg: False)  # the step as it was: pi_old from a pass of its own
     weights_before, metrics_before, forwards_before = step()
-    assert sorted(forwards) == [1, 2, 2]  # skip: 2 + 2 rows in the update, 1 skipped row; else 2 + 2 + 1
-    assert sum(forwards_before) == sum(forwards) + (4 if skip else 5)  # every row's old pass, no more
+    assert sorted(forwards) == ([2, 2] if skip else [1, 2, 2])  # skip: the 4 rows with gradient; else all 5
+    assert sum(forwards_before) == 2 * sum(forwards)  # the old pass runs the update's passes, no more
     assert (weights - flat_weights(policy)).abs().max() > 1e-4
     assert torch.allclose(weights, weights_before, atol=1e-6, rtol=0)
     assert metrics.keys() == metrics_before.keys()
@@ -1023,7 +1153,9 @@ def test_each_new_objective_and_mask_runs_real_steps_with_finite_metrics(tiny_ll
     masked = []
     try:
         for change in settings:
-            grpo_cfg = GRPOConfig(lr=1e-3, num_minibatches=2, micro_batch_size=4, max_response_tokens=32, **change)
+            # every row runs: the random model's groups are often all wrong, and a skipped row has no metrics
+            grpo_cfg = GRPOConfig(lr=1e-3, num_minibatches=2, micro_batch_size=4, max_response_tokens=32,
+                                  skip_zero_advantage=False, **change)
             cfg = Config(group_size=4, problems_per_step=2, max_response_tokens=32, **change)
             metrics, _ = train_step(tiny_llm, policy, make_optimizer(policy, grpo_cfg), problems, sandbox,
                                     rollout_cfg, grpo_cfg, cfg)
@@ -1036,6 +1168,18 @@ def test_each_new_objective_and_mask_runs_real_steps_with_finite_metrics(tiny_ll
         sync_weights(load_policy(tiny_model_path, device="cpu"), tiny_llm)
         tiny_llm.weight_version = version
     assert masked[1] > 0  # forced tokens out of [1/2, 2] under token-mask
+
+
+def test_the_ablations_figures_read_a_step_that_ran_no_row_as_nan():
+    """A step whose groups are all degenerate logs entropy as null (no forward ran for it): NaN, not a crash."""
+    from ablation import ARMS, figures
+
+    row = {"reward_mean": 1.0, "rollout_s": 1.0, "reward_s": 0.0, "update_s": 0.0, "sync_s": 0.0, "ratio_max": 1.0,
+           "clip_low_frac": 0.0, "clip_high_frac": 0.0, "entropy": 0.5, **dict.fromkeys(ARMS["baseline"][3], 1.0)}
+    rows = [dict(row, step=step, entropy=None if step == 3 else 0.5) for step in (1, 2, 3)]
+    evals = [{"tag": tag, "sets": {"all": {"avg@1": 0.5}}} for tag in ("before RL", "after RL")]
+    out = figures({("baseline", 0): (rows, evals)})
+    assert math.isnan(out["baseline_s0_entropy_step3"]) and out["baseline_s0_entropy_mean"] == 0.5
 
 
 def test_every_ablation_arm_is_a_configuration_the_loop_accepts():

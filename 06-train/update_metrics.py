@@ -3,7 +3,8 @@
 The metrics and what each says are listed in docs/06-train.md, "Metrics".
 Two token counts appear: the tokens in the loss (`loss_tokens`: every model
 token of a trajectory not excluded) and the tokens the update computed on
-(`computed_tokens`: those of the rows not skipped for a zero advantage).
+(`computed_tokens`: those of the rows not skipped for a zero advantage). The
+ratios, the entropy and the mismatch are over the second.
 """
 from __future__ import annotations
 
@@ -17,8 +18,12 @@ def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> float:
 
 
 def sampler_mismatch(old_logprobs: torch.Tensor, entropy: torch.Tensor, batch) -> dict[str, float]:
-    """Entropy of the policy before the step, and how far vLLM's recorded log-probs are from the trainer's."""
+    """Entropy of the policy before the step, and how far vLLM's recorded log-probs are from the trainer's, over
+    `batch`'s loss mask. grpo_step passes the rows its update runs (their tokens are `computed_tokens`): by default
+    those with a non-zero advantage, so no forward runs for these metrics alone."""
     mask = batch.loss_mask.bool()
+    if not mask.any():  # every row skipped: undefined (null in metrics.jsonl), where 0 would read as perfect
+        return dict.fromkeys(("entropy", "mismatch_abs", "mismatch_max", "mismatch_kl"), float("nan"))
     gap = torch.where(mask, old_logprobs - batch.sampler_logprobs, 0.0)
     return {
         "entropy": masked_mean(entropy, mask),
@@ -49,10 +54,18 @@ class UpdateTally:
 
     TOKEN_MEANS = ("clip_low_frac", "clip_high_frac", "ratio_mean", "approx_kl")
 
-    def __init__(self) -> None:
+    def __init__(self, batch, exclude=None) -> None:
+        """`batch`: the step's, its excluded rows' loss mask zeroed."""
         self.loss = self.grad_norm = self.computed_tokens = self.ratio_max = 0.0
         self.token_weighted = dict.fromkeys(self.TOKEN_MEANS, 0.0)  # each stat times its micro-batch's tokens
         self.optimizer_steps = self.skipped_steps = self.rows_skipped = 0
+        in_loss = batch.loss_mask.bool()
+        self.loss_tokens = float(in_loss.sum())
+        # Token-mean divides by every token in the loss, informative or not: this share is the
+        # factor by which zero-advantage rows shrink the step (docs/06-beyond-torl.md, the exercise).
+        informative = float(in_loss[batch.rows_with_gradient()].sum())
+        self.step_metrics = {"sequences": float(len(in_loss)), "excluded_sequences": float(sum(map(bool, exclude or ()))),
+                             "tokens": self.loss_tokens, "informative_frac": informative / max(self.loss_tokens, 1)}
 
     def add_micro_batch(self, loss: torch.Tensor, stats: dict[str, float]) -> None:
         self.loss += float(loss.detach())
@@ -68,11 +81,14 @@ class UpdateTally:
         else:
             self.skipped_steps += 1
 
-    def metrics(self, loss_tokens: float) -> dict[str, float]:
-        """loss and grad_norm per update; clip fractions over the loss's tokens (a skipped
-        row has advantage 0 and is never clipped), ratios and KL over the computed ones."""
-        computed = self.computed_tokens
+    def metrics(self, mismatch: dict[str, float]) -> dict[str, float]:
+        """The step's metrics, `mismatch` (sampler_mismatch's) among them: loss and grad_norm per update; clip
+        fractions over the loss's tokens (a skipped row has advantage 0 and is never clipped), ratios and KL over
+        the computed ones."""
+        computed, loss_tokens = self.computed_tokens, self.loss_tokens
         return {
+            **self.step_metrics,
+            **mismatch,
             "loss": self.loss / max(self.optimizer_steps + self.skipped_steps, 1),
             "grad_norm": self.grad_norm / max(self.optimizer_steps, 1),
             "clip_low_frac": self.token_weighted["clip_low_frac"] / max(loss_tokens, 1),

@@ -1,20 +1,16 @@
-"""The update's options and safeguards: `UpdateRun`, whose calls `grpo_step` makes at its edge.
+"""The update's options and safeguards, each one call `grpo_step` makes behind one `if`.
 
-Each changes one thing: a token weight (truncated or masked importance
-sampling), rows kept out of the loss (`exclude`), rows not run (zero
-advantage; under torchrun, padded to the same passes on every rank), pi_old
-from the update's own forward, and whether AdamW steps (all rows skipped,
-non-finite gradient). Why each exists: docs/06-train.md and docs/06-beyond-torl.md.
+Each changes one thing: a token weight (truncated or masked importance sampling, `tis_weights`), pi_old from
+the update's own forward (`update_gives_pi_old`), and AdamW's step when every row was skipped
+(`zero_gradients`). Why each exists: docs/06-train.md and docs/06-beyond-torl.md.
 """
 from __future__ import annotations
 
 import math
-from dataclasses import replace
 
 import torch
 
-from distributed import full_tensor, gradients_to_none, pad_to_every_rank
-from update_metrics import UpdateTally, masked_mean, sampler_mismatch
+from update_metrics import masked_mean
 
 
 TIS_MODES = ("truncate", "token-mask", "sequence-mask")
@@ -63,88 +59,9 @@ def update_gives_pi_old(cfg) -> bool:
     return cfg.num_minibatches == 1 and cfg.tis_cap <= 0
 
 
-class UpdateRun:
-    """One `grpo_step`'s options and safeguards (the module's list), each a call the step makes at its edge."""
-
-    def __init__(self, model, batch, trajectories, cfg, exclude) -> None:
-        self.model, self.batch, self.cfg, self.tally = model, batch, cfg, UpdateTally()
-        # Excluded rows: no token gets gradient or counts in the denominator (DAPO's overlong filtering,
-        # SimpleTIR's void turns); the mismatch metrics still cover them.
-        self.scored = batch
-        if exclude is not None and any(exclude):
-            kept = ~torch.tensor([bool(e) for e in exclude])[:, None]
-            self.scored = replace(batch, loss_mask=batch.loss_mask * kept, advantages=batch.advantages * kept)
-        self.loss_tokens = float(self.scored.loss_mask.bool().sum())
-        # A row adds to the gradient with a non-zero advantage and a token in the loss.
-        advantage = torch.tensor([float(t.advantage) for t in trajectories])
-        self.has_gradient = (advantage != 0) & self.scored.loss_mask.bool().any(dim=1)
-        self.one_forward = update_gives_pi_old(cfg)
-        self.step_metrics = {"sequences": float(len(trajectories)),
-                             "excluded_sequences": float(sum(bool(e) for e in exclude or ()))}
-
-    def rows_for_the_old_pass(self) -> torch.Tensor:
-        """One bool per row: does it need a forward for pi_old? Every row, unless the update's forward gives
-        pi_old (`update_gives_pi_old`); then only the rows it skips, for the entropy and mismatch metrics."""
-        if not self.one_forward:
-            return torch.ones_like(self.has_gradient)
-        return ~self.has_gradient if self.cfg.skip_zero_advantage else torch.zeros_like(self.has_gradient)
-
-    def set_pi_old(self, old_logprobs: torch.Tensor, entropy: torch.Tensor) -> None:
-        """pi_old's log-probs and entropies (on CPU, [B, T-1]), and the importance weights they give."""
-        self.old, self.entropy = old_logprobs, entropy
-        self.weights, tis_metrics = tis_weights(old_logprobs, self.scored, self.cfg.tis_cap, self.cfg.tis_mode)
-        self.step_metrics.update(tokens=self.loss_tokens, **tis_metrics)
-        # Token-mean divides by every token in the loss, informative or not: this share is the
-        # factor by which zero-advantage rows shrink the step (docs/06-beyond-torl.md, the exercise).
-        informative = float(self.scored.loss_mask.bool()[self.has_gradient].sum())
-        self.step_metrics["informative_frac"] = informative / max(self.loss_tokens, 1)
-
-    def passes(self, rows: torch.Tensor) -> list[tuple[torch.Tensor, bool, bool]]:
-        """A mini-batch's forward/backward passes, as (rows, counts, last). Rows without gradient are skipped
-        (GRPOConfig.skip_zero_advantage) yet count in grpo_step's denominator, so the update is the same. Under
-        DDP or FSDP2 the passes are padded to every rank's number (`pad_to_every_rank`) with ones that do not
-        count: the mini-batch's shortest row, its loss times 0. One process: none when every row is skipped."""
-        run = rows
-        if self.cfg.skip_zero_advantage:
-            run = rows[self.has_gradient[rows]]
-            self.tally.rows_skipped += int((~self.has_gradient[rows]).sum())
-        micro_batches = [(micro_rows, True) for micro_rows in run.split(self.cfg.micro_batch_size)] if len(run) else []
-        micro_batches = pad_to_every_rank(self.model, micro_batches, (rows[-1:], False))
-        self.ran = bool(micro_batches)
-        return [(micro_rows, counts, i == len(micro_batches) - 1) for i, (micro_rows, counts) in enumerate(micro_batches)]
-
-    def old_logprobs(self, rows: torch.Tensor, logprobs: torch.Tensor, entropy: torch.Tensor | None) -> torch.Tensor:
-        """pi_old's log-probs of `rows`, on the forward's device; where the update's forward is pi_old, its
-        log-probs, detached (and its entropy, for the metrics)."""
-        width = logprobs.shape[1]
-        if self.one_forward:
-            self.old[rows, :width], self.entropy[rows, :width] = logprobs.detach().cpu(), entropy.cpu()
-        return self.old[rows, :width].to(logprobs.device)
-
-    def token_weights(self, rows: torch.Tensor, logprobs: torch.Tensor) -> torch.Tensor | None:
-        """The importance weights of `rows` (None without importance sampling)."""
-        return None if self.weights is None else self.weights[rows, :logprobs.shape[1]].to(logprobs.device)
-
-    def add(self, loss: torch.Tensor, stats: dict[str, float], counts: bool) -> None:
-        if counts:
-            self.tally.add_micro_batch(loss, stats)
-
-    def step(self, optimizer) -> None:
-        """Clip the gradient's norm and step, unless the norm is NaN or inf: such a gradient would poison
-        every weight it touches. With every row skipped AdamW gets the zero gradients backward would have
-        left, so it still steps (momentum, weight decay), as it would unskipped."""
-        model = self.model
-        if not self.ran:
-            for p in model.parameters():
-                if p.requires_grad:
-                    p.grad = torch.zeros_like(p)
-        grad_norm = full_tensor(torch.nn.utils.clip_grad_norm_(model.parameters(), self.cfg.max_grad_norm)).item()
-        stepped = math.isfinite(grad_norm)
-        if stepped:
-            optimizer.step()
-        self.tally.add_update(grad_norm, stepped=stepped)
-        optimizer.zero_grad(set_to_none=gradients_to_none(model))
-
-    def metrics(self) -> dict[str, float]:
-        return {**self.step_metrics, **sampler_mismatch(self.old, self.entropy, self.batch),
-                **self.tally.metrics(self.loss_tokens)}
+def zero_gradients(model) -> None:
+    """Zero gradients where no backward ran (every row of a mini-batch skipped): AdamW then steps as it would have
+    unskipped (momentum, weight decay), where a parameter without a gradient would not move at all."""
+    for p in model.parameters():
+        if p.requires_grad:
+            p.grad = torch.zeros_like(p)
