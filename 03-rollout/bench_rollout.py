@@ -221,7 +221,9 @@ def parse_args(argv):
     p.add_argument("--tool-sleep", type=float, default=0.2, help="seconds each long-tailed sample's code sleeps")
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--repeats", type=int, default=6)
-    args = p.parse_args(argv)
+    from lab_cli import one_line_errors
+
+    args = one_line_errors(p).parse_args(argv)
     for name in ("problems", "group_size", "max_response_tokens", "tail_problems", "tail_shortest", "tail_classes", "repeats"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1")
@@ -235,4 +237,6 @@ def parse_args(argv):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from lab_cli import run_script
+
+    run_script(main)  # the libraries' bars and warnings off; Ctrl-C is one line
