@@ -141,6 +141,11 @@ def run_script(main) -> None:
     except KeyboardInterrupt:  # Ctrl-C before a script's own handler is installed (its first seconds)
         print("stopped by SIGINT (Ctrl-C)", file=sys.stderr)
         exit_now(130)
+    except OSError as e:
+        if (line := disk_problem(e)) is None:
+            raise
+        print(line + ", then run the same command again", file=sys.stderr)
+        exit_now(2)
     except SystemExit as refusal:
         if isinstance(refusal.code, str):
             print(refusal.code, file=sys.stderr)
@@ -151,6 +156,19 @@ def run_script(main) -> None:
     exit_now(0)
 
 
+def disk_problem(error: BaseException) -> str | None:
+    """The line for an error the disk caused (full, a quota, read-only or not ours to write, a file past
+    `ulimit -f`), without its advice's end; None for any other error."""
+    import errno
+
+    fixes = {errno.ENOSPC: "free space", errno.EDQUOT: "free space", errno.EROFS: "choose a folder on a writable disk",
+             errno.EACCES: "choose a folder you may write to", errno.EFBIG: "raise the shell's file-size limit (ulimit -f)"}
+    if not isinstance(error, OSError) or error.errno not in fixes:
+        return None
+    where = f" ({error.filename})" if error.filename else ""
+    return f"error: {error.strerror or os.strerror(error.errno)}{where}: {fixes[error.errno]}"
+
+
 def quiet_console() -> None:
     """Before any library loads: the lab's lines, one bar per phase and errors, not the libraries' chatter. Hugging
     Face's bars (a model's load and save: a second each) and torch's C++ warnings (vLLM's CPU worker's NUMA note) are
@@ -158,6 +176,11 @@ def quiet_console() -> None:
     lines and the bars' lines (`progress`) keep their order."""
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+    import signal
+    import threading
+
+    if threading.current_thread() is threading.main_thread():  # past `ulimit -f` a write fails (EFBIG) and says so,
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # where the kernel's SIGXFSZ would end the process unexplained
     if not sys.stdout.isatty() and hasattr(sys.stdout, "reconfigure"):  # a real stream, not a test's capture
         sys.stdout.reconfigure(line_buffering=True)
     for name in ("stdout", "stderr"):
@@ -215,11 +238,12 @@ class _Closable:
 
 
 def progress(iterable, **kwargs):
-    """A tqdm bar for a phase. In a terminal as usual; to a file or a pipe, a line every 30 s, not frames."""
+    """A tqdm bar for a phase. In a terminal as usual; to a file or a pipe, a line every 20 s, not frames: long
+    enough not to flood a log, short enough that a reader never waits long to see the work go on."""
     from tqdm import tqdm
 
     if not sys.stderr.isatty():  # miniters 1: no refresh from tqdm's monitor thread, which repeats a stale count
-        kwargs = {"file": _Lines(sys.stderr), "mininterval": 30, "miniters": 1, **kwargs}
+        kwargs = {"file": _Lines(sys.stderr), "mininterval": 20, "miniters": 1, **kwargs}
     return tqdm(iterable, **kwargs)
 
 

@@ -219,6 +219,8 @@ def main(argv: list[str] | None = None) -> dict:
 
     made = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
+    print(f"eval: vLLM over {args.model}, then {len(problems)} problems x {args.k} sample(s); the table comes at the end",
+          file=sys.stderr)
     try:
         llm = make_llm(args.model, dtype=args.dtype, max_model_len=max_model_len, seed=args.seed,
                        gpu_memory_utilization=args.gpu_memory_utilization)

@@ -274,7 +274,8 @@ def main(argv: list[str] | None = None) -> Path:
 def parse_args(argv):
     """(args, overrides): the run's own flags, and the Config fields given on the command line."""
     parser = argparse.ArgumentParser(
-        description="Tool-integrated RL: rollout with a sandbox, ±1 reward, GRPO, weights back into vLLM.")
+        description="Tool-integrated RL: rollout with a sandbox, ±1 reward, GRPO, weights back into vLLM. On a 2-core "
+                    "CPU the cpu-demo preset takes about 9 minutes (6 of them the cold start), smollm2 about 18.")
     parser.add_argument("--preset", default="cpu-demo", help=f"one of: {', '.join(PRESETS)} [default: cpu-demo]; "
                                                              "the defaults below are the chosen preset's")
     parser.add_argument("--run-dir", help="run folder [default: runs/PRESET-TIMESTAMP]")

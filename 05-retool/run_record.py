@@ -174,7 +174,7 @@ def failure_line(failure: BaseException, run_dir: Path, new: bool) -> str | None
         line = failure.code
         return line if not (new and kept) or "--resume" in line else f"{line}; {run_dir} keeps {kept}: then {go_on}"
     if full := disk_full(failure, run_dir):
-        return f"{full}: free space, then {go_on if kept else 'run the same command again'}"
+        return f"{full}, then {go_on if kept else 'run the same command again'}"
     if new and kept:  # an unexpected error: its traceback follows
         print(f"{run_dir} keeps {kept}: {go_on}", file=sys.stderr)
     return None
@@ -210,16 +210,16 @@ def drop_broken_base(run_dir: Path) -> None:
 
 
 def disk_full(failure: BaseException, run_dir: Path) -> str | None:
-    """The one line for an error that a full disk caused (no space, a quota, torch's failed write), else None."""
-    import errno
+    """The line for an error the disk caused (lab_cli.disk_problem; torch's failed write on a nearly full disk, which
+    names no errno), without the advice's end; None for any other error."""
+    from lab_cli import disk_problem
 
+    if line := disk_problem(failure):
+        return line
     free = shutil.disk_usage(next(p for p in (run_dir, *run_dir.absolute().parents) if p.exists())).free
-    full = (isinstance(failure, OSError) and failure.errno in (errno.ENOSPC, errno.EDQUOT)) or \
-        "No space left on device" in str(failure) or (isinstance(failure, RuntimeError) and free < 2**27)
-    if not full:
-        return None
-    what = getattr(failure, "filename", None)
-    return f"error: the disk is full{f' writing {what}' if what else ''} ({free / 2**20:.0f} MiB free under {run_dir})"
+    if isinstance(failure, RuntimeError) and free < 2**27:
+        return f"error: the disk is full ({free / 2**20:.0f} MiB free under {run_dir}): free space"
+    return None
 
 
 def outcome_metrics(trajectories, results) -> dict:

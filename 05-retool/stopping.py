@@ -76,8 +76,9 @@ class Stopper:
         if self.pending not in (None, signal.SIGPIPE):  # the user's second signal; a closed output was nobody's
             raise KeyboardInterrupt
         self.pending = signum
-        print(f"\n{signal.Signals(signum).name}: stopping once this step is recorded "
-              "(Ctrl-C again to stop now, losing the step)", file=sys.stderr)
+        what = "the output's reader is gone (SIGPIPE)" if signum == signal.SIGPIPE else signal.Signals(signum).name
+        print(f"\n{what}: stopping once this step is recorded (Ctrl-C again to stop now, losing the step)",
+              file=sys.stderr)
 
 
 STOPPER = Stopper()

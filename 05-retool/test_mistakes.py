@@ -261,6 +261,32 @@ def test_a_cache_that_cannot_keep_the_base_is_a_notice_and_the_run_goes_on(tmp_p
     assert not cached.exists() and list(cached.parent.iterdir()) == [] and (base / "cold_start.json").exists()
 
 
+def test_any_script_past_the_file_size_limit_or_on_a_full_disk_says_so_in_one_line(tmp_path, monkeypatch, capsys):
+    """`ulimit -f`: a real write fails (EFBIG, not the kernel's SIGXFSZ, which run_script turns off); /dev/full is
+    a disk that is always full (ENOSPC)."""
+    import lab_cli
+
+    monkeypatch.setattr(lab_cli, "quiet_console", lambda: None)  # the environment of this process stays as it is
+    monkeypatch.setattr(lab_cli, "exit_now", lambda code: (_ for _ in ()).throw(SystemExit(code)))
+
+    def write_big():
+        (tmp_path / "big").write_bytes(b"\0" * (1 << 17))
+
+    def write_full():
+        with open("/dev/full", "wb") as f:
+            f.write(b"x")
+            f.flush()
+
+    with pytest.raises(SystemExit) as e, small_files():
+        lab_cli.run_script(write_big)
+    assert e.value.code == 2 and capsys.readouterr().err == (
+        "error: File too large: raise the shell's file-size limit (ulimit -f), then run the same command again\n")
+    with pytest.raises(SystemExit) as e:
+        lab_cli.run_script(write_full)
+    assert e.value.code == 2 and capsys.readouterr().err == (
+        "error: No space left on device: free space, then run the same command again\n")
+
+
 def made_by_this_process(run: Path) -> Path:
     run.mkdir(parents=True, exist_ok=True)
     (run / ".lock").write_text(str(os.getpid()))
@@ -275,8 +301,8 @@ def test_a_run_that_fails_before_its_first_step_keeps_only_a_whole_base_and_then
     a_base(run / "base")
     os.truncate(run / "base" / "model.safetensors", 100)  # a copy the disk cut short
     full = OSError(errno.ENOSPC, "No space left on device", str(run / "base" / "model.safetensors"))
-    assert re.fullmatch(rf"error: the disk is full writing {run}/base/model.safetensors \(\d+ MiB free under {run}\): "
-                        "free space, then run the same command again", failure_line(full, run, new=True))
+    assert failure_line(full, run, new=True) == (f"error: No space left on device ({run}/base/model.safetensors): "
+                                                 "free space, then run the same command again")
     assert not run.exists()  # its advice, the same command, starts clean
     run = made_by_this_process(tmp_path / "whole")
     a_base(run / "base")
