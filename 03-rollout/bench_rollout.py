@@ -1,6 +1,6 @@
 """What the tool loop costs on top of bare generation, for both schedules, measured on one engine.
 
-    make bench-rollout                                   # tiny random model on CPU, a few minutes
+    make bench-rollout                                   # tiny random model on CPU, about 4 minutes
     .venv/bin/python 03-rollout/bench_rollout.py --model Qwen/Qwen2.5-Math-1.5B --dtype bfloat16 --max-response-tokens 3072
 
 Two workloads, each run with the overlapped rollout (the default), with rounds and
@@ -209,7 +209,9 @@ def bare_generate(llm, problems: list[dict], cfg, lengths: list[int], grammar: b
 
 def parse_args(argv):
     p = argparse.ArgumentParser(description="Overhead of rollout(), overlapped and in rounds, over a bare llm.generate "
-                                            "of the same tokens, on an equal-length and a long-tailed workload.")
+                                            "of the same tokens, on an equal-length and a long-tailed workload. About 4 "
+                                            "minutes on an idle 2-core CPU with the defaults (a warm-up and --repeats "
+                                            "runs of each workload); a busy machine takes many times longer.")
     p.add_argument("--model", help="model folder or name (default: build the tiny random model)")
     p.add_argument("--dtype", default="float32", help="float32 for the tiny model on CPU; bfloat16 on a GPU")
     p.add_argument("--problems", type=int, default=4, help="problems of the equal-length workload")

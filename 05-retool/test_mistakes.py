@@ -375,6 +375,31 @@ def test_a_closed_reader_of_the_output_stops_a_run_as_a_signal_would(monkeypatch
         STOPPER.uninstall()
 
 
+@pytest.mark.vllm
+def test_a_run_piped_into_head_stops_at_its_next_line_with_a_checkpoint_to_resume(tiny_model_path, tmp_path):
+    """`retool.py ... | head -3`, for real: one stop line on stderr, exit 141 (128 + SIGPIPE), nothing lost."""
+    from tiny_model import KV_CACHE_GIB
+
+    train, test = make_toy_task(8, 2, seed=3)
+    write_jsonl(train, tmp_path / "train.jsonl")
+    write_jsonl(test, tmp_path / "test.jsonl")
+    run = tmp_path / "run"
+    argv = [sys.executable, str(ROOT / "05-retool" / "retool.py"), "--run-dir", str(run), "--model", str(tiny_model_path),
+            "--cold-start", "none", "--train-file", str(tmp_path / "train.jsonl"), "--eval-file", str(tmp_path / "test.jsonl"),
+            "--steps", "4", "--problems-per-step", "2", "--group-size", "2", "--micro-batch-size", "2",
+            "--max-response-tokens", "12", "--eval-max-response-tokens", "12", "--max-model-len", "256",
+            "--cpu-kv-cache-gib", str(KV_CACHE_GIB), "--sandbox-preload", ""]
+    with subprocess.Popen(argv, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as child:
+        head = [child.stdout.readline() for _ in range(3)]  # sandbox, settings, the evaluation before RL
+        child.stdout.close()  # as head does once it has its lines
+        err = child.stderr.read()
+        child.wait(timeout=600)
+    assert head[2].startswith("eval before RL") and child.returncode == 128 + signal.SIGPIPE, err[-3000:]
+    assert err.splitlines()[-1] == (f"stopped by SIGPIPE after step 1: checkpoint {run}/checkpoints/step-000001; "
+                                    f"go on with --resume {run}")
+    assert "Traceback" not in err and checkpoints.resume_point(run)["step"] == 1
+
+
 def test_a_stop_and_a_refusal_are_told_apart_by_name():
     from stopping import Stopped
 

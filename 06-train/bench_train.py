@@ -1,4 +1,5 @@
 """Speed and memory of one GRPO step and of one weight sync into vLLM.
+About a minute on a 2-core CPU with the tiny model, half of it vLLM's start.
 
     make bench-train                                   # CPU: tiny random model; CUDA: --shape qwen2.5-math-1.5b
     make bench-train ARGS="--model /models/Qwen2.5-Math-1.5B --sequences 64 --response-len 3072"
