@@ -270,7 +270,9 @@ def parse_args(argv):
     from reward import SCORERS
     from rollout import TEMPLATES
 
-    p = argparse.ArgumentParser(description="Evaluate a model with (tir) or without (text) the Python tool.")
+    p = argparse.ArgumentParser(description="Evaluate a model with (tir) or without (text) the Python tool. It takes "
+                                            "vLLM's start (half a minute on a 2-core CPU for a small model, more for a "
+                                            "large one) and then a rollout of every problem's k samples.")
     p.add_argument("--model", required=True, help="hub id or local model folder (a run's checkpoints/step-NNNNNN)")
     p.add_argument("--data", nargs="+", default=["aime24", "aime25", "math500"],
                    help="data sets: aime24, aime25, math500, a hub id, or .jsonl/.parquet files (01-data's or ToRL's "
