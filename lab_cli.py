@@ -143,9 +143,11 @@ def run_script(main) -> None:
         exit_now(130)
     except OSError as e:
         if (line := disk_problem(e)) is None:
-            raise
+            report_and_exit(e)
         print(line + ", then run the same command again", file=sys.stderr)
         exit_now(2)
+    except Exception as e:  # a fault of the lab's or a library's: its traceback, without the teardown's noise
+        report_and_exit(e)
     except SystemExit as refusal:
         if isinstance(refusal.code, str):
             print(refusal.code, file=sys.stderr)
@@ -154,6 +156,15 @@ def run_script(main) -> None:
             exit_now(refusal.code)
         raise
     exit_now(0)
+
+
+def report_and_exit(error: BaseException) -> None:
+    """Print `error`'s traceback and exit with status 1, as Python would, but without the interpreter's teardown,
+    where a failed vLLM engine's leaked objects would add a line each ("nanobind: leaked ...")."""
+    import traceback
+
+    traceback.print_exception(error)
+    exit_now(1)
 
 
 def disk_problem(error: BaseException) -> str | None:

@@ -208,6 +208,8 @@ def start_sampler(cfg: Config, model_path: str, state: dict | None, dp=None):
     from rollout import make_llm
 
     seed = dp.rank_seed(cfg.seed) if dp else cfg.seed  # one seed for every rank would draw the same samples
+    if dp is None or dp.is_main:  # its start is silent: from seconds (the tiny model) to minutes (a 7B, compiled)
+        print(f"sampler: vLLM over {model_path}, starting")
     llm = make_llm(model_path, dtype=cfg.dtype, max_model_len=cfg.max_model_len, seed=seed,
                    gpu_memory_utilization=cfg.gpu_memory_utilization, cpu_kv_cache_gib=cfg.cpu_kv_cache_gib,
                    enforce_eager=cfg.enforce_eager, **(dp.engine_kwargs() if dp else {}))

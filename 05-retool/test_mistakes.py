@@ -377,7 +377,7 @@ def test_a_closed_reader_of_the_output_stops_a_run_as_a_signal_would(monkeypatch
 
 @pytest.mark.vllm
 def test_a_run_piped_into_head_stops_at_its_next_line_with_a_checkpoint_to_resume(tiny_model_path, tmp_path):
-    """`retool.py ... | head -3`, for real: one stop line on stderr, exit 141 (128 + SIGPIPE), nothing lost."""
+    """`retool.py ... | head -4`, for real: one stop line on stderr, exit 141 (128 + SIGPIPE), nothing lost."""
     from tiny_model import KV_CACHE_GIB
 
     train, test = make_toy_task(8, 2, seed=3)
@@ -390,11 +390,11 @@ def test_a_run_piped_into_head_stops_at_its_next_line_with_a_checkpoint_to_resum
             "--max-response-tokens", "12", "--eval-max-response-tokens", "12", "--max-model-len", "256",
             "--cpu-kv-cache-gib", str(KV_CACHE_GIB), "--sandbox-preload", ""]
     with subprocess.Popen(argv, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as child:
-        head = [child.stdout.readline() for _ in range(3)]  # sandbox, settings, the evaluation before RL
+        head = [child.stdout.readline() for _ in range(4)]  # sandbox, settings, sampler, the evaluation before RL
         child.stdout.close()  # as head does once it has its lines
         err = child.stderr.read()
         child.wait(timeout=600)
-    assert head[2].startswith("eval before RL") and child.returncode == 128 + signal.SIGPIPE, err[-3000:]
+    assert head[3].startswith("eval before RL") and child.returncode == 128 + signal.SIGPIPE, err[-3000:]
     assert err.splitlines()[-1] == (f"stopped by SIGPIPE after step 1: checkpoint {run}/checkpoints/step-000001; "
                                     f"go on with --resume {run}")
     assert "Traceback" not in err and checkpoints.resume_point(run)["step"] == 1
