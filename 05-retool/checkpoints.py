@@ -115,7 +115,7 @@ def checkpoint_damage(folder: Path) -> str | None:
         try:
             zipfile.ZipFile(folder / name).close()
         except (zipfile.BadZipFile, OSError):
-            return f"its {name} is cut short ({(folder / name).stat().st_size:,} bytes)"
+            return f"its {name} is cut short at {(folder / name).stat().st_size:,} bytes"
     return None
 
 
@@ -135,7 +135,7 @@ def weights_damage(folder: Path) -> str | None:
         except (ValueError, TypeError, KeyError, AttributeError, OSError):
             whole = False
         if not whole:
-            return f"its {path.name} is cut short ({size:,} bytes)"
+            return f"its {path.name} is cut short at {size:,} bytes"
     return None
 
 

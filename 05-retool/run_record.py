@@ -205,7 +205,7 @@ def drop_broken_base(run_dir: Path) -> None:
     goes, with a notice, so that the cold start makes it again instead of loading half a model."""
     base = run_dir / "base"
     if (base / "cold_start.json").exists() and (why := weights_damage(base)):
-        print(f"note: {base} was cut short ({why.removeprefix('its ').removeprefix('it ')}); the cold start makes it again")
+        print(f"note: {base} is not whole ({why}); the cold start makes it again")
         shutil.rmtree(base)
 
 

@@ -150,8 +150,8 @@ def checkpoint(folder: Path, step: int) -> Path:
 
 @pytest.mark.parametrize("damage, why", [
     (lambda c: (c / "model.safetensors").unlink(), "it has no weights (model.safetensors)"),
-    (lambda c: os.truncate(c / "model.safetensors", 40), "its model.safetensors is cut short (40 bytes)"),
-    (lambda c: os.truncate(c / "optimizer.pt", 300), "its optimizer.pt is cut short (300 bytes)"),
+    (lambda c: os.truncate(c / "model.safetensors", 40), "its model.safetensors is cut short at 40 bytes"),
+    (lambda c: os.truncate(c / "optimizer.pt", 300), "its optimizer.pt is cut short at 300 bytes"),
 ])
 def test_a_damaged_last_checkpoint_is_one_line_and_its_advice_resumes_from_the_one_before(damage, why, tmp_path):
     run = make_run(tmp_path / "run")
@@ -180,7 +180,7 @@ def test_a_finished_run_whose_last_checkpoint_lost_its_weights_is_not_called_fin
 
 @pytest.mark.parametrize("damage, why", [
     (lambda c: (c / "model.safetensors").unlink(), "it has no weights (model.safetensors)"),
-    (lambda c: os.truncate(c / "model.safetensors", 40), "its model.safetensors is cut short (40 bytes)"),
+    (lambda c: os.truncate(c / "model.safetensors", 40), "its model.safetensors is cut short at 40 bytes"),
 ])
 def test_eval_of_a_checkpoint_without_whole_weights_is_one_line_before_vllm(damage, why, lab, tmp_path):
     step = checkpoint(tmp_path, 2)
@@ -323,8 +323,8 @@ def test_a_resume_before_any_checkpoint_makes_a_base_cut_short_again(tmp_path, c
     os.truncate(run / "base" / "model.safetensors", 100)
     drop_broken_base(run)
     assert not (run / "base").exists()
-    assert capsys.readouterr().out == (f"note: {run}/base was cut short (model.safetensors is cut short (100 bytes)); "
-                                       "the cold start makes it again\n")
+    assert capsys.readouterr().out == (f"note: {run}/base is not whole (its model.safetensors is cut short at 100 "
+                                       "bytes); the cold start makes it again\n")
 
 
 def test_a_full_disk_at_the_first_checkpoint_says_what_a_checkpoint_takes(tmp_path, monkeypatch):
