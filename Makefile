@@ -9,6 +9,9 @@ DEVICE ?= $(shell nvidia-smi -L >/dev/null 2>&1 && echo cuda || echo cpu)
 # Where torch's CPU wheel comes from when it is not on this machine: PyTorch's own
 # CPU wheel index (see the README). Named only for the one step that installs torch.
 TORCH_INDEX ?=
+ifeq ($(filter cpu cuda,$(DEVICE)),)
+$(error DEVICE=$(DEVICE) is not one this Makefile installs for: pass DEVICE=cpu or DEVICE=cuda (left out: cuda where nvidia-smi finds a GPU, else cpu))
+endif
 STAMP := $(VENV)/.installed-$(DEVICE)
 # The oldest NVIDIA driver that runs the CUDA 13 build of torch and vLLM (requirements/cuda.txt).
 MIN_DRIVER := 580

@@ -98,6 +98,8 @@ def cannot_write(folder) -> str | None:
     A real file is made and removed: permission bits say nothing of a read-only disk or of /proc."""
     existing = os.path.abspath(folder)
     while not os.path.exists(existing):
+        if os.path.islink(existing):  # mkdir would fail on it: "File exists"
+            return f"{existing} is a symbolic link to {os.readlink(existing)}, which does not exist"
         existing = os.path.dirname(existing)
     if not os.path.isdir(existing):
         return f"{existing} is a file"
@@ -120,6 +122,15 @@ def refuse_chapter_folder() -> None:
                          "data/ and runs/ are relative to it")
 
 
+def shown(path) -> str:
+    """`path` as a message shows it: as given when this process runs in the lab's folder, else absolute, so that
+    data/ and runs/ written in another folder say where they went."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent
+    return str(path) if Path.cwd().resolve() == root else str(Path(path).resolve())
+
+
 def run_script(main) -> None:
     """Run a script's `main`: a one-line refusal (SystemExit with a message) exits 2, as a usage error does; a numeric
     exit (a stop's 128 + signal, a count of failures) passes through unchanged. A run that ended (done, or stopped by
@@ -130,14 +141,43 @@ def run_script(main) -> None:
     except KeyboardInterrupt:  # Ctrl-C before a script's own handler is installed (its first seconds)
         print("stopped by SIGINT (Ctrl-C)", file=sys.stderr)
         exit_now(130)
+    except OSError as e:
+        if (line := disk_problem(e)) is None:
+            report_and_exit(e)
+        print(line + ", then run the same command again", file=sys.stderr)
+        exit_now(2)
+    except Exception as e:  # a fault of the lab's or a library's: its traceback, without the teardown's noise
+        report_and_exit(e)
     except SystemExit as refusal:
         if isinstance(refusal.code, str):
             print(refusal.code, file=sys.stderr)
-            sys.exit(2)
+            exit_now(2)  # without the teardown, where a failed engine's leaked objects would each print a line
         if isinstance(refusal.code, int) and refusal.code >= 128:
             exit_now(refusal.code)
         raise
     exit_now(0)
+
+
+def report_and_exit(error: BaseException) -> None:
+    """Print `error`'s traceback and exit with status 1, as Python would, but without the interpreter's teardown,
+    where a failed vLLM engine's leaked objects would add a line each ("nanobind: leaked ...")."""
+    import traceback
+
+    traceback.print_exception(error)
+    exit_now(1)
+
+
+def disk_problem(error: BaseException) -> str | None:
+    """The line for an error the disk caused (full, a quota, read-only or not ours to write, a file past
+    `ulimit -f`), without its advice's end; None for any other error."""
+    import errno
+
+    fixes = {errno.ENOSPC: "free space", errno.EDQUOT: "free space", errno.EROFS: "choose a folder on a writable disk",
+             errno.EACCES: "choose a folder you may write to", errno.EFBIG: "raise the shell's file-size limit (ulimit -f)"}
+    if not isinstance(error, OSError) or error.errno not in fixes:
+        return None
+    where = f" ({error.filename})" if error.filename else ""
+    return f"error: {error.strerror or os.strerror(error.errno)}{where}: {fixes[error.errno]}"
 
 
 def quiet_console() -> None:
@@ -147,16 +187,74 @@ def quiet_console() -> None:
     lines and the bars' lines (`progress`) keep their order."""
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+    import signal
+    import threading
+
+    if threading.current_thread() is threading.main_thread():  # past `ulimit -f` a write fails (EFBIG) and says so,
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # where the kernel's SIGXFSZ would end the process unexplained
     if not sys.stdout.isatty() and hasattr(sys.stdout, "reconfigure"):  # a real stream, not a test's capture
         sys.stdout.reconfigure(line_buffering=True)
+    for name in ("stdout", "stderr"):
+        stream = getattr(sys, name)
+        if hasattr(stream, "reconfigure") and not isinstance(stream, _Closable):
+            stream.reconfigure(errors="replace")  # PYTHONIOENCODING=ascii: "?" for a "±", not a UnicodeEncodeError
+            setattr(sys, name, _Closable(stream))
+
+
+_output = {"closed": None}  # called once when the reader of stdout or stderr has gone (when_output_closes)
+
+
+def when_output_closes(hook) -> None:
+    """Call `hook()` once when the reader of stdout or stderr goes away (`| head -5` has its lines), or None for
+    nothing: a training run then stops as on a signal, and its stop line goes wherever output still goes."""
+    _output["closed"] = hook
+
+
+class _Closable:
+    """A console stream whose reader may go away: its writes then go nowhere, not into a BrokenPipeError."""
+
+    def __init__(self, stream) -> None:
+        self.stream = stream
+
+    def write(self, text: str) -> int:
+        try:
+            return self.stream.write(text)
+        except BrokenPipeError:
+            self.stream = open(os.devnull, "w")
+            _output["gone"] = True
+            return len(text)
+        finally:
+            self._say_closed()
+
+    def flush(self) -> None:
+        try:
+            self.stream.flush()
+        except BrokenPipeError:
+            self.stream = open(os.devnull, "w")
+            _output["gone"] = True
+        finally:
+            self._say_closed()
+
+    @staticmethod
+    def _say_closed() -> None:
+        """The hook, once, from the main thread (a stop raised in another would end only that thread)."""
+        import threading
+
+        if _output.get("gone") and _output["closed"] and threading.current_thread() is threading.main_thread():
+            hook, _output["closed"] = _output["closed"], None
+            hook()
+
+    def __getattr__(self, name):  # isatty, fileno, encoding...: the stream's own
+        return getattr(self.stream, name)
 
 
 def progress(iterable, **kwargs):
-    """A tqdm bar for a phase. In a terminal as usual; to a file or a pipe, a line every 30 s, not frames."""
+    """A tqdm bar for a phase. In a terminal as usual; to a file or a pipe, a line every 20 s, not frames: long
+    enough not to flood a log, short enough that a reader never waits long to see the work go on."""
     from tqdm import tqdm
 
     if not sys.stderr.isatty():  # miniters 1: no refresh from tqdm's monitor thread, which repeats a stale count
-        kwargs = {"file": _Lines(sys.stderr), "mininterval": 30, "miniters": 1, **kwargs}
+        kwargs = {"file": _Lines(sys.stderr), "mininterval": 20, "miniters": 1, **kwargs}
     return tqdm(iterable, **kwargs)
 
 

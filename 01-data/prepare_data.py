@@ -221,7 +221,11 @@ class HubUnreachable(Exception):
 def read_source(source: str) -> tuple[list[dict], str]:
     """Raw rows of a local file, a named set or a hub id, and a name for error messages."""
     path = Path(source)
-    if path.suffix in (".jsonl", ".parquet") or path.exists():
+    if path.suffix in (".jsonl", ".parquet") or path.exists() or path.is_symlink():
+        if path.is_dir():
+            raise DataError(f"{source}: a folder, not a data file (pass one of its .jsonl or .parquet files)")
+        if path.is_symlink() and not path.exists():
+            raise DataError(f"{source}: a symbolic link to {os.readlink(path)}, which does not exist")
         if not path.is_file():
             raise DataError(f"{source}: no such file")
         if path.suffix == ".jsonl":
@@ -240,14 +244,21 @@ def read_source(source: str) -> tuple[list[dict], str]:
 
 def read_jsonl(path: Path) -> list[dict]:
     rows = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError as e:
-                raise DataError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
+    try:
+        with open(path, "rb") as f:
+            for lineno, raw in enumerate(f, 1):
+                line = raw.decode("utf-8")
+                if not line.strip():
+                    continue
+                try:
+                    rows.append(json.loads(line))
+                except json.JSONDecodeError as e:
+                    raise DataError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
+    except UnicodeDecodeError as e:  # a binary file (a .parquet renamed, an archive): not JSON lines
+        raise DataError(f"{path}:{lineno}: not UTF-8 text (byte {e.object[e.start]:#04x}); a JSONL file is text, "
+                        "one JSON object a line") from None
+    except OSError as e:
+        raise DataError(f"{path}: cannot be read ({e.strerror or e})") from None
     return rows
 
 

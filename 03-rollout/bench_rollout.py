@@ -1,6 +1,6 @@
 """What the tool loop costs on top of bare generation, for both schedules, measured on one engine.
 
-    make bench-rollout                                   # tiny random model on CPU, a few minutes
+    make bench-rollout                                   # tiny random model on CPU, about 4 minutes
     .venv/bin/python 03-rollout/bench_rollout.py --model Qwen/Qwen2.5-Math-1.5B --dtype bfloat16 --max-response-tokens 3072
 
 Two workloads, each run with the overlapped rollout (the default), with rounds and
@@ -209,7 +209,9 @@ def bare_generate(llm, problems: list[dict], cfg, lengths: list[int], grammar: b
 
 def parse_args(argv):
     p = argparse.ArgumentParser(description="Overhead of rollout(), overlapped and in rounds, over a bare llm.generate "
-                                            "of the same tokens, on an equal-length and a long-tailed workload.")
+                                            "of the same tokens, on an equal-length and a long-tailed workload. About 4 "
+                                            "minutes on an idle 2-core CPU with the defaults (a warm-up and --repeats "
+                                            "runs of each workload); a busy machine takes many times longer.")
     p.add_argument("--model", help="model folder or name (default: build the tiny random model)")
     p.add_argument("--dtype", default="float32", help="float32 for the tiny model on CPU; bfloat16 on a GPU")
     p.add_argument("--problems", type=int, default=4, help="problems of the equal-length workload")
@@ -221,7 +223,9 @@ def parse_args(argv):
     p.add_argument("--tool-sleep", type=float, default=0.2, help="seconds each long-tailed sample's code sleeps")
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--repeats", type=int, default=6)
-    args = p.parse_args(argv)
+    from lab_cli import one_line_errors
+
+    args = one_line_errors(p).parse_args(argv)
     for name in ("problems", "group_size", "max_response_tokens", "tail_problems", "tail_shortest", "tail_classes", "repeats"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1")
@@ -235,4 +239,6 @@ def parse_args(argv):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from lab_cli import run_script
+
+    run_script(main)  # the libraries' bars and warnings off; Ctrl-C is one line

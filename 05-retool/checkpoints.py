@@ -16,7 +16,7 @@ import signal
 import sys
 from pathlib import Path
 
-from stopping import STOPPER, StopRequested
+from stopping import STOPPER, Stopped, StopRequested
 
 
 def save_checkpoint(run_dir: Path, step: int, model, optimizer, tokenizer, keep: int, rng: dict | None = None) -> Path:
@@ -47,11 +47,13 @@ def save_checkpoint(run_dir: Path, step: int, model, optimizer, tokenizer, keep:
     except Exception as e:  # a full or failing disk (torch and safetensors raise their own types for it)
         shutil.rmtree(tmp, ignore_errors=True)  # the half-written folder goes; the last good checkpoint stays
         last = latest_checkpoint(run_dir)
-        size = sum(p.stat().st_size for p in Path(last["path"]).rglob("*") if p.is_file()) if last else 0
+        size = (sum(p.stat().st_size for p in Path(last["path"]).rglob("*") if p.is_file()) if last
+                else checkpoint_bytes(model))
         free = shutil.disk_usage(root).free
         why = getattr(e, "strerror", None) or (str(e).splitlines() or [type(e).__name__])[0]
         if free < max(size, 2**27):  # torch says "unexpected pos": say what it means
-            why = f"the disk is full: {free / 2**20:.0f} MiB free, a checkpoint takes {size / 2**20:.0f} MiB"
+            why = f"the disk is full: {free / 2**20:.0f} MiB free" + (
+                f", a checkpoint takes {'' if last else 'about '}{size / 2**20:.0f} MiB" if size else "")
         kept = f"the last good checkpoint, {last['path']}, is kept" if last else "no checkpoint was saved yet"
         raise SystemExit(f"error: writing checkpoint {final} failed ({why}); {kept}: free space, "
                          f"then go on with --resume {run_dir}") from None
@@ -61,6 +63,12 @@ def save_checkpoint(run_dir: Path, step: int, model, optimizer, tokenizer, keep:
     for old in sorted(root.glob("step-*"))[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def checkpoint_bytes(model) -> int:
+    """About what a checkpoint of `model` takes on disk: its weights and AdamW's two moments, as they are held."""
+    parameters = getattr(model, "parameters", lambda: [])()
+    return 3 * sum(p.numel() * p.element_size() for p in parameters)
 
 
 def _fsync(path: Path) -> None:
@@ -78,6 +86,57 @@ def latest_checkpoint(run_dir: Path) -> dict | None:
         return None
     path = complete[-1]
     return {"path": str(path), **json.loads((path / "state.json").read_text())}
+
+
+def resume_point(run_dir: Path) -> dict | None:
+    """The newest complete checkpoint to resume from, or None; one line if it cannot be read back (a disk that
+    filled, a copy cut short), naming the one a resume would take once it is removed."""
+    state = latest_checkpoint(run_dir)
+    if state is None or not (why := checkpoint_damage(Path(state["path"]))):
+        return state
+    earlier = sorted(p for p in (run_dir / "checkpoints").glob("step-*") if (p / "state.json").exists())[:-1]
+    then = f"the one before, {earlier[-1]}" if earlier else "the start of RL (the cold-started base, or the model)"
+    raise SystemExit(f"error: --resume {run_dir}: its latest checkpoint, {state['path']}, cannot be read back: {why}; "
+                     f"remove it with rm -r {state['path']}, then resume again to go on from {then}")
+
+
+def checkpoint_damage(folder: Path) -> str | None:
+    """What is missing or cut short in a checkpoint folder, in a few words; None if it looks whole. Read from the
+    files' own structure (safetensors' header, the zip directory torch.save writes), without loading anything."""
+    import zipfile
+
+    if why := weights_damage(folder):
+        return why
+    for name in ("optimizer.pt", "rng.pt"):
+        if not (folder / name).is_file():
+            if name == "optimizer.pt" and (folder / "optimizer").is_dir():  # FSDP2's shards
+                continue
+            return f"it has no {name}"
+        try:
+            zipfile.ZipFile(folder / name).close()
+        except (zipfile.BadZipFile, OSError):
+            return f"its {name} is cut short at {(folder / name).stat().st_size:,} bytes"
+    return None
+
+
+def weights_damage(folder: Path) -> str | None:
+    """Why a model folder's weights cannot load: none there, or a safetensors file shorter than its header says."""
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        return None if any(folder.glob("pytorch_model*.bin")) else "it has no weights (model.safetensors)"
+    for path in files:
+        size = path.stat().st_size
+        try:
+            with open(path, "rb") as f:
+                length = int.from_bytes(f.read(8), "little")
+                header = json.loads(f.read(length)) if 0 < length <= size - 8 else None
+            end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
+            whole = size >= 8 + length + end
+        except (ValueError, TypeError, KeyError, AttributeError, OSError):
+            whole = False
+        if not whole:
+            return f"its {path.name} is cut short at {size:,} bytes"
+    return None
 
 
 def load_optimizer(state: dict, optimizer) -> None:
@@ -127,7 +186,7 @@ def stop_with_checkpoint(stop: StopRequested, run_dir: Path, step: int, rng: dic
     saved = f"checkpoint {final}" if step > 0 else "no checkpoint (no step finished)"
     print(f"stopped by {signal.Signals(stop.signum).name} after step {step}: {saved}; "
           f"go on with --resume {run_dir}", file=sys.stderr)
-    raise SystemExit(128 + stop.signum) from None
+    raise Stopped(stop.signum) from None
 
 
 def truncate_jsonl(path: Path, step: int) -> None:

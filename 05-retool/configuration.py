@@ -103,7 +103,9 @@ class Config:
 def make_config(preset: str, overrides: dict) -> Config:
     if preset not in PRESETS:
         raise SystemExit(f"error: unknown preset '{preset}' (choose from {', '.join(PRESETS)})")
-    return Config(**{**PRESETS[preset], **overrides})
+    paths = {name: os.path.expanduser(overrides[name]) for name in ("model", "train_file", "eval_file")
+             if name in overrides}  # "--model=~/x" reaches the script unexpanded
+    return Config(**{**PRESETS[preset], **overrides, **paths})
 
 
 def parse_with_field_flags(parser: argparse.ArgumentParser, config_class, argv, presets: dict | None = None
@@ -176,27 +178,54 @@ def config_problems(cfg, world: int | None = None, first_only: bool = False) -> 
     """Everything wrong with a Config that can be seen without a model, one line each. `world`: the ranks to plan
     for (default: torchrun's WORLD_SIZE, else 1). With `first_only`, the checks that import torch (two seconds)
     are skipped once a cheaper one has found a problem, so that most refusals take well under one."""
-    from problems_and_policy import COLD_STARTS, further_schedules
-    from reward import SCORERS
-    from rollout import OBSERVATION_STYLES, SCHEDULES, TEMPLATES
-    from trackers import missing_package
+    world = world or int(os.environ.get("WORLD_SIZE", "1"))  # torchrun's ranks
+    problems = (data_problems(cfg) + policy_problems(cfg) + length_problems(cfg) + choice_problems(cfg)
+                + number_problems(cfg, world) + batch_problems(cfg, world) + recipe_problems(cfg))
+    if not (first_only and problems):
+        problems += engine_problems(cfg)
+    if not problems:  # the slower checks, which need the rest to be right
+        problems += model_problems(cfg)
+    return problems
 
-    problems = []
+
+def data_problems(cfg) -> list[str]:
+    """The data files: each exists (or is a task the run writes on first use) and loads, with enough problems."""
+    from prepare_data import DataError, load_problems
+    from problems_and_policy import task_files, tasks_to_write
+
+    problems, written = [], {str(p) for name in tasks_to_write(cfg) for p in task_files(name)}  # made at load
     for name in ("train_file", "eval_file"):
-        path = getattr(cfg, name)
-        if not Path(path).exists() and not any(f"{task}_" in path for task in ("toy", "word", "chained")):  # made on the spot
-            flag = field_flag(name)
+        path, flag = getattr(cfg, name), field_flag(name)
+        if not Path(path).exists() and not Path(path).is_symlink() and path not in written:
             hint = ("put ToRL's data/torl_data/ folder under data/, or pass " + flag if "torl_data" in path else
                     "join SimpleTIR's datasets/ files there (docs/05-torl.md), or pass " + flag if "simpletir" in path
-                    else "run `make run-01` to prepare data")
+                    else "run `make run-01` to prepare data, or pass " + flag)
             problems.append(f"{name} '{path}' does not exist ({hint})")
-        elif Path(path).exists():
-            from prepare_data import DataError, load_problems
-
+        elif Path(path).exists() or Path(path).is_symlink():
             try:
-                load_problems(path)
+                rows, _ = load_problems(path)
             except DataError as e:  # 01-data's loader says what is wrong, in one line
                 problems.append(f"{name}: {e}")
+                continue
+            if name == "train_file":
+                problems += [p for p in [too_few_problems(cfg, len(rows))] if p]
+    return problems
+
+
+def too_few_problems(cfg, count: int) -> str | None:
+    """Why `count` training problems cannot fill a step of cfg.problems_per_step distinct problems; None if they can."""
+    if count >= cfg.problems_per_step:
+        return None
+    return (f"problems_per_step {cfg.problems_per_step} is more than the {count} problem{'s' * (count != 1)} of train_file "
+            f"{cfg.train_file}: a step would hold one problem twice; pass --problems-per-step {count} or less, "
+            "or a larger --train-file")
+
+
+def policy_problems(cfg) -> list[str]:
+    """The starting policy: one cold start rule, its schedules, and a model that exists."""
+    from problems_and_policy import COLD_STARTS, further_schedules
+
+    problems = []
     if cfg.cold_start not in COLD_STARTS:
         problems.append(f"cold_start must be {_one_of(COLD_STARTS)}, got '{cfg.cold_start}'")
     elif cfg.cold_start == "scratch" and cfg.model:
@@ -212,6 +241,12 @@ def config_problems(cfg, world: int | None = None, first_only: bool = False) -> 
         problems.append(f"cold_start_schedules: {e}")
     if cfg.model:
         problems += [p for p in [model_problem(cfg.model)] if p]
+    return problems
+
+
+def length_problems(cfg) -> list[str]:
+    """The token budgets against the sampler's context."""
+    problems = []
     if cfg.max_response_tokens >= cfg.max_model_len:
         problems.append(f"max_response_tokens ({cfg.max_response_tokens}) leaves no room for the prompt in max_model_len ({cfg.max_model_len})")
     if cfg.max_prompt_tokens and cfg.max_prompt_tokens + cfg.max_response_tokens > cfg.max_model_len:
@@ -219,6 +254,16 @@ def config_problems(cfg, world: int | None = None, first_only: bool = False) -> 
                         f"do not fit in max_model_len ({cfg.max_model_len})")
     if cfg.eval_max_response_tokens >= cfg.max_model_len:
         problems.append(f"eval_max_response_tokens ({cfg.eval_max_response_tokens}) does not fit in max_model_len ({cfg.max_model_len})")
+    return problems
+
+
+def choice_problems(cfg) -> list[str]:
+    """Settings that name one of a few choices, the trackers' packages included; the sandbox's own checks."""
+    from reward import SCORERS
+    from rollout import OBSERVATION_STYLES, SCHEDULES, TEMPLATES
+    from trackers import missing_package
+
+    problems = []
     for name, choices in (("scorer", SCORERS), ("observation_style", OBSERVATION_STYLES), ("dtype", DTYPES),
                           ("rollout_schedule", SCHEDULES)):
         if getattr(cfg, name) not in choices:
@@ -231,6 +276,19 @@ def config_problems(cfg, world: int | None = None, first_only: bool = False) -> 
         sandbox_config(cfg)
     except ValueError as e:
         problems.append(f"sandbox_{e}")
+    try:
+        problems += [missing for missing in [missing_package(cfg.log)] if missing]  # also refuses an unknown name
+    except ValueError as e:
+        problems.append(str(e))
+    return problems
+
+
+SEED_LIMIT = 2**32 - 1  # vLLM seeds numpy's generator, which takes 32 bits
+
+
+def number_problems(cfg, world: int) -> list[str]:
+    """Numbers out of their range: temperatures, shares, the clip band, counts, the seed, the learning rate."""
+    problems = []
     if not cfg.temperature > 0:
         problems.append(f"temperature {cfg.temperature}: training samples must be drawn (above 0); the trainer divides by it")
     if not cfg.eval_temperature >= 0:
@@ -244,6 +302,10 @@ def config_problems(cfg, world: int | None = None, first_only: bool = False) -> 
     if cfg.trainer_threads < -1 or cfg.train_layers < 0:
         problems.append(f"trainer_threads must be -1 (every core) or more and train_layers 0 (all) or more, "
                         f"got {cfg.trainer_threads} and {cfg.train_layers}")
+    elif cfg.trainer_threads > (cores := len(os.sched_getaffinity(0))):
+        problems.append(f"trainer_threads {cfg.trainer_threads} is more than the {cores} cores this process may use: "
+                        f"more threads than cores only wait on each other; pass --trainer-threads {cores} or less "
+                        "(-1: every core)")
     if cfg.group_size < 2:
         problems.append(f"group_size {cfg.group_size}: a group of one has no one to be compared with")
     for name in ("steps", "problems_per_step", "num_minibatches", "micro_batch_size", "save_every", "keep_checkpoints",
@@ -253,14 +315,33 @@ def config_problems(cfg, world: int | None = None, first_only: bool = False) -> 
     for name in ("eval_problems", "eval_every", "max_prompt_tokens", "tool_budget"):
         if getattr(cfg, name) < 0:
             problems.append(f"{name} must be 0 or more, got {getattr(cfg, name)}")
+    seed_max = SEED_LIMIT - 1_000_003 * (world - 1) - max(cfg.steps, 0)  # each rank's engine and each step add to it
+    if not 0 <= cfg.seed <= seed_max:
+        problems.append(f"seed must be from 0 to {seed_max} (vLLM and numpy take 32-bit seeds; each rank and step "
+                        f"adds to the run's), got {cfg.seed}")
+    if cfg.dynamic_sampling and cfg.dynamic_sampling_rounds < 1:
+        problems.append(f"dynamic_sampling_rounds must be at least 1, got {cfg.dynamic_sampling_rounds}")
+    if not 0 < cfg.lr < 1:
+        problems.append(f"lr {cfg.lr} is not a learning rate")
+    return problems
+
+
+def batch_problems(cfg, world: int) -> list[str]:
+    """A step's batch against its mini-batches and the ranks; greedy evaluation against its samples."""
+    problems = []
     if cfg.eval_temperature == 0 and cfg.eval_k > 1:
         problems.append(f"eval_k {cfg.eval_k} with greedy evaluation (eval_temperature 0) gives {cfg.eval_k} identical samples")
     if cfg.problems_per_step * cfg.group_size < cfg.num_minibatches:
         problems.append(f"{cfg.problems_per_step * cfg.group_size} trajectories cannot fill {cfg.num_minibatches} mini-batches")
-    world = world or int(os.environ.get("WORLD_SIZE", "1"))  # torchrun's ranks
     if world > 1 and cfg.problems_per_step % (cfg.num_minibatches * world):
         problems.append(f"problems_per_step ({cfg.problems_per_step}) must split evenly into num_minibatches"
                         f" ({cfg.num_minibatches}) x {world} ranks")
+    return problems
+
+
+def recipe_problems(cfg) -> list[str]:
+    """Settings that are each fine but together are not the method they seem to be."""
+    problems = []
     if cfg.aggregation == "token-sum" and cfg.scale_advantages:
         problems.append("aggregation token-sum is Dr. GRPO's objective, which drops the std scaling: set --scale-advantages false")
     if cfg.tis_cap and not cfg.tis_cap >= 1:
@@ -268,33 +349,69 @@ def config_problems(cfg, world: int | None = None, first_only: bool = False) -> 
     if cfg.tool_budget == 0 and cfg.template not in TEXT_TEMPLATES:
         problems.append(f"tool_budget 0 with template '{cfg.template}', which asks for programs: no code block would "
                         f"ever run; pass --tool-budget 1 or more, or a text-only template ({_one_of(TEXT_TEMPLATES)})")
-    if cfg.dynamic_sampling and cfg.dynamic_sampling_rounds < 1:
-        problems.append(f"dynamic_sampling_rounds must be at least 1, got {cfg.dynamic_sampling_rounds}")
-    if not 0 < cfg.lr < 1:
-        problems.append(f"lr {cfg.lr} is not a learning rate")
-    try:
-        problems += [missing for missing in [missing_package(cfg.log)] if missing]  # also refuses an unknown name
-    except ValueError as e:
-        problems.append(str(e))
-    if not (first_only and problems):
-        from distributed import STRATEGIES
-        from grpo import OBJECTIVES
-        from objectives import objective_problems
+    return problems
 
-        if cfg.strategy not in STRATEGIES:
-            problems.append(f"strategy must be {_one_of(STRATEGIES)}, got '{cfg.strategy}'")
-        problems += objective_problems(cfg, tuple(OBJECTIVES))  # the aggregation's too
-    if cfg.cold_start in ("scratch", "finetune") and not problems and Path(cfg.train_file).exists():
+
+def engine_problems(cfg) -> list[str]:
+    """What needs torch to check (two seconds to import): the strategy, the objective, the CPU's KV cache."""
+    from distributed import STRATEGIES
+    from grpo import OBJECTIVES
+    from objectives import objective_problems
+
+    problems = []
+    if cfg.strategy not in STRATEGIES:
+        problems.append(f"strategy must be {_one_of(STRATEGIES)}, got '{cfg.strategy}'")
+    problems += objective_problems(cfg, tuple(OBJECTIVES))  # the aggregation's too
+    if not cuda_available():
+        problems += [p for p in [kv_cache_problem(cfg.cpu_kv_cache_gib)] if p]
+    return problems
+
+
+def kv_cache_problem(gib: float) -> str | None:
+    """Why vLLM's CPU engine could not reserve a KV cache of `gib` GiB now (it asks for that much of the host's
+    available memory as it starts); None if it can. VLLM_CPU_KVCACHE_SPACE, where set, is the size vLLM takes."""
+    setting = "--cpu-kv-cache-gib"
+    if os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
+        setting, gib = "VLLM_CPU_KVCACHE_SPACE", float(os.environ["VLLM_CPU_KVCACHE_SPACE"])
+    available = memory_available_gib()
+    if available is None or gib <= available:
+        return None
+    return (f"{setting} {gib:g}: vLLM's KV cache on the CPU would take {gib:g} GiB, and this machine has "
+            f"{available:.1f} GiB available now; pass a smaller {setting} (the demo takes 2)")
+
+
+def memory_available_gib() -> float | None:
+    """The host memory available to a new allocation (Linux's MemAvailable), GiB; None where it is not known."""
+    try:
+        with open("/proc/meminfo") as f:
+            fields = dict(line.split(":", 1) for line in f)
+        return int(fields["MemAvailable"].split()[0]) / 2**20
+    except (OSError, KeyError, ValueError):
+        return None
+
+
+def model_problems(cfg) -> list[str]:
+    """The cold start's traces of the training file, and the context against the model's positions."""
+    problems = []
+    if cfg.cold_start in ("scratch", "finetune") and Path(cfg.train_file).exists():
         from cold_start import traces_problem  # the cold start's own draw of its traces, without the sandbox
 
         problems += [p for p in [traces_problem(cfg.train_file, cfg.cold_start_tool_fraction, cfg.template, cfg.seed,
                                                 cfg.cold_start_batch_size, cfg.cold_start_tool_only_steps)] if p]
-    if cfg.model and not problems:
-        limit = position_limit(cfg.model)
-        if limit is not None and cfg.max_model_len > limit:
-            problems.append(f"max_model_len {cfg.max_model_len} is above the position limit of {cfg.model}, "
-                            f"{limit} tokens (max_position_embeddings)")
+    model = cfg.model or "the tiny model the cold start builds"
+    limit = position_limit(cfg.model) if cfg.model else scratch_positions()
+    if not problems and limit is not None and cfg.max_model_len > limit:
+        problems.append(f"max_model_len {cfg.max_model_len} is above the position limit of {model}, "
+                        f"{limit} tokens (max_position_embeddings): pass --max-model-len {limit} or less")
     return problems
+
+
+def scratch_positions() -> int:
+    """max_position_embeddings of the tiny model cold_start.py builds with its default --max-len (4 x its traces'
+    length, build_base_policy)."""
+    from cold_start import parse_args
+
+    return parse_args([]).max_len * 4
 
 
 def sandbox_config(cfg):
@@ -307,6 +424,20 @@ def sandbox_config(cfg):
                          urls=comma_list(cfg.sandbox_urls), preload=comma_list(cfg.sandbox_preload),
                          # 0 (or less, refused above in config_problems' words): the ranks of a node share its cores
                          concurrency=cfg.sandbox_concurrency if cfg.sandbox_concurrency > 0 else cores_per_rank())
+
+
+def check_preload(sandbox, cfg) -> None:
+    """One call in the started sandbox: every module of cfg.sandbox_preload was imported by its warm interpreter
+    (the sandbox skips one that is missing, and each call would then import it, or fail); else one line."""
+    from lab_cli import comma_list
+
+    modules = [] if cfg.sandbox_backend == "sandboxfusion" else list(comma_list(cfg.sandbox_preload))  # it preloads none
+    result = sandbox.run(f"import sys\nprint(*[m for m in {modules!r} if m not in sys.modules])")
+    if missing := result.stdout.split():
+        sandbox.close()
+        raise SystemExit(f"error: sandbox_preload: {', '.join(missing)} cannot be imported by the sandbox's Python "
+                         f"({sandbox.config.python if cfg.sandbox_backend == 'local' else 'in its image'}): install "
+                         "it there, or leave it out of --sandbox-preload")
 
 
 DTYPES = ("float32", "bfloat16", "float16", "auto")  # the sampler's: vLLM's names
@@ -327,6 +458,10 @@ def model_problem(model: str) -> str | None:
             return f"model '{model}' is a folder without config.json"
         if "model_type" not in json.loads((path / "config.json").read_text() or "{}"):
             return f"model '{model}' is not a model folder (its config.json names no model_type)"
+        from checkpoints import weights_damage
+
+        if why := weights_damage(path):
+            return f"model '{model}' cannot be loaded: {why}"
         return None
     if model.startswith(("/", ".", "~")) or Path(model.split("/")[0]).is_dir():
         return f"model '{model}' is not a folder here"

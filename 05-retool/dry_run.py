@@ -112,10 +112,12 @@ class MemoryPlan:
     problems: list[str] = field(default_factory=list)
 
 
-def dry_run(cfg, preset: str, args, start_sandbox) -> int:
+def dry_run(cfg, preset: str, args, start_sandbox, run_dir: Path) -> int:
     """Print every check, the memory plan and the cost; 0 when a real run would start, 2 when it would be refused.
-    `args`: retool's parsed flags; `start_sandbox(cfg)`: the loop's own start, with one real call."""
+    `args`: retool's parsed flags; `start_sandbox(cfg)`: the loop's own start, with one real call; `run_dir`: the
+    folder the run would write (checked as the run checks it, nothing removed)."""
     from configuration import config_problems
+    from run_folders import check_new_run_dir
 
     cuda, cuda_gb = _cuda()
     per_node, nodes, gpu_gb = args.plan_gpus, args.plan_nodes, args.plan_gpu_gb
@@ -129,6 +131,12 @@ def dry_run(cfg, preset: str, args, start_sandbox) -> int:
     for line in problems:
         print(f"  refused: {line}")
     print(f"  configuration: {'ok' if not problems else f'{len(problems)} problem(s) above'}")
+    try:
+        check_new_run_dir(run_dir, args.overwrite, remove=False)
+        print(f"  run folder: {run_dir} (ok)")
+    except SystemExit as refusal:
+        print(f"  refused: {str(refusal.code).removeprefix('error: ')}")
+        problems.append(str(refusal.code))
     counts = _data_counts(cfg)
     t0 = time.perf_counter()
     try:
@@ -372,9 +380,9 @@ def _data_counts(cfg) -> dict[str, int]:
     """Problems per data file, and the prompt filter's count where the model's tokenizer is on this machine;
     returns each readable file's count (0 where it is missing)."""
     from prepare_data import DataError, load_problems
-    from problems_and_policy import drop_long_prompts
+    from problems_and_policy import drop_long_prompts, task_files, tasks_to_write
 
-    counts = {}
+    counts, written = {}, {str(p) for task in tasks_to_write(cfg) for p in task_files(task)}
     for name in ("train_file", "eval_file"):
         path = getattr(cfg, name)
         try:
@@ -382,7 +390,8 @@ def _data_counts(cfg) -> dict[str, int]:
         except DataError:
             continue  # already refused above, with 01-data's message
         counts[name] = len(rows)
-        print(f"  {name} {path}: " + (f"{len(rows)} problems" if Path(path).exists() else "missing"))
+        print(f"  {name} {path}: " + (f"{len(rows)} problems" if Path(path).exists() else
+                                      "written at the run's start" if path in written else "missing"))
         if name == "train_file" and rows and cfg.max_prompt_tokens:
             try:
                 print("  prompt filter: ", end="")

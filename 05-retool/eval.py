@@ -178,7 +178,7 @@ def paper_table(result: dict) -> str:
 
 def main(argv: list[str] | None = None) -> dict:
     from checkpoints import json_safe
-    from configuration import model_problem, position_limit
+    from configuration import TEXT_TEMPLATES, model_problem, position_limit
 
     from lab_cli import private_tmp, refuse_chapter_folder
     from run_folders import check_eval_out, take_run_settings
@@ -193,6 +193,10 @@ def main(argv: list[str] | None = None) -> dict:
     if problem := model_problem(args.model):
         sys.exit(f"error: --{problem}")
     take_run_settings(args)
+    from rollout import TEMPLATES
+
+    if args.template is not None and args.template not in TEMPLATES:  # a run's, recorded by an older lab
+        sys.exit(f"error: --template {args.template} (the run's) is not one of {', '.join(TEMPLATES)}: pass --template")
     limit = position_limit(args.model)
     max_model_len = args.max_model_len or limit or 4096  # the model's own context by default
     if args.max_response_tokens >= max_model_len:
@@ -202,9 +206,12 @@ def main(argv: list[str] | None = None) -> dict:
         sys.exit(f"error: --max-model-len {max_model_len} is above the position limit of {args.model}, "
                  f"{limit} tokens (max_position_embeddings)")
     template = args.template or DEFAULT_TEMPLATE[args.mode]
-    if args.mode == "text" and template in ("torl", "qwen-chat"):
+    if args.mode == "text" and template not in TEXT_TEMPLATES:
         print(f"note: --mode text with the tool prompt '{template}': the model is told to write code that never runs",
               file=sys.stderr)
+    if args.mode == "tir" and template in TEXT_TEMPLATES:
+        print(f"note: --mode tir with the prompt '{template}', which never mentions the tool: the model is not told "
+              "it may write code (a tool prompt: --template torl)", file=sys.stderr)
     problems = load_sets(args.data, args.limit)
 
     from rollout import make_llm
@@ -212,6 +219,8 @@ def main(argv: list[str] | None = None) -> dict:
 
     made = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
+    print(f"eval: vLLM over {args.model}, then {len(problems)} problems x {args.k} sample(s); the table comes at the end",
+          file=sys.stderr)
     try:
         llm = make_llm(args.model, dtype=args.dtype, max_model_len=max_model_len, seed=args.seed,
                        gpu_memory_utilization=args.gpu_memory_utilization)
@@ -256,12 +265,14 @@ def load_sets(sources: list[str], limit: int | None) -> list[dict]:
 
 
 def parse_args(argv):
-    from configuration import DTYPES
+    from configuration import DTYPES, SEED_LIMIT
     from lab_cli import at_least, one_line_errors
     from reward import SCORERS
     from rollout import TEMPLATES
 
-    p = argparse.ArgumentParser(description="Evaluate a model with (tir) or without (text) the Python tool.")
+    p = argparse.ArgumentParser(description="Evaluate a model with (tir) or without (text) the Python tool. It takes "
+                                            "vLLM's start (half a minute on a 2-core CPU for a small model, more for a "
+                                            "large one) and then a rollout of every problem's k samples.")
     p.add_argument("--model", required=True, help="hub id or local model folder (a run's checkpoints/step-NNNNNN)")
     p.add_argument("--data", nargs="+", default=["aime24", "aime25", "math500"],
                    help="data sets: aime24, aime25, math500, a hub id, or .jsonl/.parquet files (01-data's or ToRL's "
@@ -283,7 +294,7 @@ def parse_args(argv):
     p.add_argument("--scorer", choices=SCORERS, default="lab",
                    help="the reward's rule: the lab's, or ToRL's own (docs/04-torl-scorer.md) [default: lab]")
     p.add_argument("--limit", type=at_least(1), help="at most this many problems per data set [default: all]")
-    p.add_argument("--seed", type=int, default=0, help="[default: 0]")
+    p.add_argument("--seed", type=at_least(0, int, SEED_LIMIT), default=0, help="[default: 0]")
     p.add_argument("--out", help="output folder [default: runs/eval-TIMESTAMP]")
     p.add_argument("--overwrite", action="store_true", help="replace an earlier evaluation in --out")
     args = one_line_errors(p).parse_args(argv)

@@ -21,24 +21,54 @@ def load_data(cfg, dp=None) -> tuple[list[dict], list[dict]]:
     if dp is not None:
         with dp.main_first():
             return load_data(cfg)
-    from chained_problems import SIZES, make_chained_problems
-    from prepare_data import load_problems, make_toy_task, write_jsonl
-    from word_problems import make_word_problems
+    from configuration import too_few_problems
+    from prepare_data import DataError, load_problems, write_jsonl
 
-    tasks = {"toy": lambda: make_toy_task(2000, 200, seed=0), "word": lambda: make_word_problems(2000, 200, seed=0),
-             "chained": lambda: make_chained_problems(*SIZES, seed=0)}  # (training rows, held-out rows)
-    for name, make in tasks.items():  # what `make run-01` or the task's own script writes
-        paths = [Path(f"data/{name}_{part}.jsonl") for part in ("train", "test")]
-        if {cfg.train_file, cfg.eval_file} <= {str(p) for p in paths} and not all(p.exists() for p in paths):
-            for rows, path in zip(make(), paths):
-                write_jsonl(rows, path)
+    for name in tasks_to_write(cfg):  # what `make run-01` or the task's own script writes
+        from lab_cli import shown
+
+        sizes = []
+        for rows, path in zip(make_task(name), task_files(name)):
+            write_jsonl(rows, path)
+            sizes.append(f"{shown(path)} ({len(rows)} problems)")
+        print(f"{name} task written: {' and '.join(sizes)}")
     loaded = []
     for path in (cfg.train_file, cfg.eval_file):
-        rows, dropped = load_problems(path)
+        try:
+            rows, dropped = load_problems(path)
+        except DataError as e:  # 01-data's loader names the file and the row
+            raise SystemExit(f"error: {e}") from None
         if dropped:  # e.g. ToRL's test file holds each AIME problem four times
             print(f"{path}: kept {len(rows)} problems; dropped " + ", ".join(f"{n} ({why})" for why, n in dropped.items()))
         loaded.append(rows)
+    if problem := too_few_problems(cfg, len(loaded[0])):
+        raise SystemExit(f"error: {problem}")
     return loaded[0], loaded[1]
+
+
+GENERATED_TASKS = ("toy", "word", "chained")  # data/NAME_train.jsonl and data/NAME_test.jsonl, made on first use
+
+
+def task_files(name: str) -> list[Path]:
+    return [Path(f"data/{name}_{part}.jsonl") for part in ("train", "test")]
+
+
+def tasks_to_write(cfg) -> list[str]:
+    """The generated tasks the run names (train_file or eval_file) whose two files are both missing: load_data
+    writes them. One file of a pair alone is not rewritten: it may be the user's."""
+    named = {cfg.train_file, cfg.eval_file}
+    return [name for name in GENERATED_TASKS
+            if named & {str(p) for p in task_files(name)} and not any(p.exists() for p in task_files(name))]
+
+
+def make_task(name: str) -> tuple[list[dict], list[dict]]:
+    """(training rows, held-out rows) of a generated task, as `make run-01` or the task's own script writes them."""
+    from chained_problems import SIZES, make_chained_problems
+    from prepare_data import make_toy_task
+    from word_problems import make_word_problems
+
+    return {"toy": lambda: make_toy_task(2000, 200, seed=0), "word": lambda: make_word_problems(2000, 200, seed=0),
+            "chained": lambda: make_chained_problems(*SIZES, seed=0)}[name]()
 
 
 def fit_prompts(train: list[dict], evaluation: list[dict], model_path: str, cfg) -> list[dict]:
@@ -154,19 +184,44 @@ def cold_started_model(cfg, run_dir: Path) -> str:
             continue
         cached = default_cache_dir() / "cold-start" / key if keep else None  # the lab's cache folder, never in git
         if cached is not None and (cached / "cold_start.json").exists():
-            shutil.copytree(cached, out, dirs_exist_ok=True)
+            copy_whole(cached, out)
             print(f"cold start: the base made before from the same inputs, {cached} (--cold-start-cache false trains anew)")
             continue
         if len(argvs) > 1:
             print(f"cold start: schedule {number} of {len(argvs)} ({argv[argv.index('--steps') + 1]} steps) into {out}")
         cold_start.main(argv)
-        if cached is not None:  # whole or not at all: copied under a temporary name, then renamed
-            tmp = cached.with_name(f".{cached.name}.tmp")
-            shutil.rmtree(tmp, ignore_errors=True)
-            shutil.copytree(out, tmp)
-            shutil.rmtree(cached, ignore_errors=True)
-            os.replace(tmp, cached)
+        if cached is not None:
+            keep_in_cache(out, cached)
     return str(base)
+
+
+def copy_whole(source: Path, to: Path) -> None:
+    """Copy the folder `source` to `to`, whole or not at all; a disk that fills on the way is one line, and leaves
+    nothing a resume would take for a finished base."""
+    if why := copied(source, to):
+        raise SystemExit(f"error: copying {source} to {to} failed ({why}): free space, then run the same command again")
+
+
+def keep_in_cache(base: Path, cached: Path) -> None:
+    """Keep a copy of the cold-started `base` for later runs. The cache is optional: if it cannot (a full or
+    read-only disk), a notice, and the run goes on."""
+    if why := copied(base, cached):
+        print(f"note: the cold-start cache {cached.parent} keeps no copy of this base ({why}); the run goes on")
+
+
+def copied(source: Path, to: Path) -> str | None:
+    """Copy `source` under a temporary name, then rename it `to`; None, or why not (what was copied is removed)."""
+    tmp = to.with_name(f".{to.name}.tmp")
+    try:
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.copytree(source, tmp)
+        shutil.rmtree(to, ignore_errors=True)
+        os.replace(tmp, to)
+    except OSError as e:  # copytree gathers its files' errors into one shutil.Error: (source, copy, why) each
+        shutil.rmtree(tmp, ignore_errors=True)
+        why = e.args[0][0][2] if isinstance(e, shutil.Error) and e.args and e.args[0] else (e.strerror or str(e))
+        return f"{why}; {shutil.disk_usage(next(p for p in to.parents if p.exists())).free / 2**20:.0f} MiB free there"
+    return None
 
 
 def cold_start_argvs(cfg) -> list[list[str]]:

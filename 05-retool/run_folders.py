@@ -23,12 +23,13 @@ RUN_MARKS = ("steps", "group_size", "train_file", "cold_start")  # fields every 
 EVAL_ENTRIES = {"summary.json", "samples.jsonl"}  # what eval.py writes into --out
 
 
-def check_new_run_dir(run_dir: Path, overwrite: bool) -> None:
+def check_new_run_dir(run_dir: Path, overwrite: bool, remove: bool = True) -> None:
     """Refuse, in one line, a new run into a folder that holds anything: its records would be lost or mixed.
-    With `overwrite` a run folder is removed first (by rank 0), unless a live run holds it."""
+    With `overwrite` a run folder is removed first (by rank 0, unless `remove` is False: a dry run), unless a
+    live run holds it."""
     keep = (f"error: run folder {run_dir} is not empty: pass --resume {run_dir} to go on with it, "
             "another --run-dir for a new run, or --overwrite to replace it")
-    if to_replace(run_dir, overwrite, "--run-dir", "a run folder", is_run, RUN_ENTRIES, keep) and \
+    if to_replace(run_dir, overwrite, "--run-dir", "a run folder", is_run, RUN_ENTRIES, keep) and remove and \
             os.environ.get("RANK", "0") == "0":  # under torchrun the other ranks wait for rank 0 in setup
         hold_lock(run_dir).close()  # refuses a folder a live run holds
         shutil.rmtree(run_dir)

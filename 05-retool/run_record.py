@@ -11,16 +11,19 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import shutil
+import sys
 from contextlib import contextmanager
 from pathlib import Path
 
 from tqdm import tqdm
 
-from checkpoints import (append_jsonl, capture_rng, has_eval_row, latest_checkpoint, load_optimizer, save_checkpoint,
-                         stop_with_checkpoint, truncate_jsonl)
+from checkpoints import (append_jsonl, capture_rng, has_eval_row, load_optimizer, resume_point, save_checkpoint,
+                         stop_with_checkpoint, truncate_jsonl, weights_damage)
 from configuration import settings_changed
 from eval import evaluate, mean, summary_line
+from lab_cli import shown
 from plots import plot_run
 from run_folders import hold_lock, recipe_changes
 from stopping import STOPPER, StopRequested, signal_self_for_tests
@@ -35,7 +38,9 @@ class RunRecord:
         if dp.is_main:  # held for the life of the process: a second run into this folder is refused
             run_dir.mkdir(parents=True, exist_ok=True)
             self.lock = hold_lock(run_dir)
-        self.state = latest_checkpoint(run_dir) if resume else None  # {"path", "step"} or None
+        self.state = resume_point(run_dir) if resume else None  # {"path", "step"} or None
+        if resume and self.state is None and dp.is_main:
+            drop_broken_base(run_dir)
         self.start_step = self.state["step"] if self.state else 0
         self.finished = (self.state is not None and self.start_step >= cfg.steps
                          and has_eval_row(run_dir, cfg.steps, "after RL"))
@@ -48,7 +53,7 @@ class RunRecord:
             if resume:  # a recipe changed on resume (--change-recipe) stays on record, with its step
                 facts["recipe_changes"] = recipe_changes(run_dir, cfg, self.start_step)
             config = json.dumps({**dataclasses.asdict(cfg), **facts}, indent=1)
-            print(f"settings: {run_dir / 'config.json'}{settings_changed(cfg)}")  # the whole file would flood the console
+            print(f"settings: {shown(run_dir / 'config.json')}{settings_changed(cfg)}")  # the whole file would flood the console
             (run_dir / "config.json").write_text(config)
             truncate_jsonl(self.metrics_path, self.start_step)  # lines after the checkpoint: work the resume redoes
             truncate_jsonl(self.eval_path, self.start_step)
@@ -154,20 +159,67 @@ class RunRecord:
                                title=f"{self.run_dir.name}: last step", total=len(trajectories))
             (self.run_dir / "last_step.html").write_text(html)
         plot_run(self.run_dir)
-        print(f"run folder: {self.run_dir}  (metrics.jsonl, eval.jsonl, plots.png, last_step.html, checkpoints/)")
+        print(f"run folder: {shown(self.run_dir)}  (metrics.jsonl, eval.jsonl, plots.png, last_step.html, checkpoints/)")
 
 
-def remove_if_unstarted(run_dir: Path, say: bool = True) -> None:
-    """After a new run failed: remove its folder unless it holds work (a recorded step, a cold start done or begun);
-    `say`: print how to go on with the work kept."""
-    metrics = run_dir / "metrics.jsonl"
+def failure_line(failure: BaseException, run_dir: Path, new: bool) -> str | None:
+    """After a run failed (an error or a refusal, not a stop): the one line to exit with, or None to let an
+    unexpected error show its traceback. A new run's folder goes unless it holds work (a recorded step, a
+    cold-started base or one begun), and only if this process made it; where work is kept the line says how to go on."""
+    kept = work_kept(run_dir) if new else "its work"
+    if new and not kept and held_by_this_process(run_dir):
+        shutil.rmtree(run_dir, ignore_errors=True)
+    go_on = f"go on with --resume {run_dir}"
+    if isinstance(failure, SystemExit) and isinstance(failure.code, str):  # a refusal, which says what to do
+        line = failure.code
+        return line if not (new and kept) or "--resume" in line else f"{line}; {run_dir} keeps {kept}: then {go_on}"
+    if full := disk_full(failure, run_dir):
+        return f"{full}, then {go_on if kept else 'run the same command again'}"
+    if new and kept:  # an unexpected error: its traceback follows
+        print(f"{run_dir} keeps {kept}: {go_on}", file=sys.stderr)
+    return None
+
+
+def work_kept(run_dir: Path) -> str:
+    """What a run that never finished a step holds that a resume goes on from, in a few words; "" if nothing."""
+    metrics, base = run_dir / "metrics.jsonl", run_dir / "base"
+    if metrics.exists() and metrics.read_text(errors="replace").strip():
+        return "its recorded steps"
+    if (base / "cold_start.json").exists() and not weights_damage(base):
+        return "its cold-started base"
+    if (base / "partial.pt").exists() or any((run_dir / "base-schedules").glob("*/cold_start.json")):
+        return "its cold start so far"
+    return ""
+
+
+def held_by_this_process(run_dir: Path) -> bool:
+    """Whether this process holds the run folder's lock (it made the folder): never remove another run's."""
+    try:
+        return (run_dir / ".lock").read_text().strip() == str(os.getpid())
+    except OSError:
+        return False
+
+
+def drop_broken_base(run_dir: Path) -> None:
+    """On resume before any checkpoint: a cold-started base that was cut short (a full disk while it was written)
+    goes, with a notice, so that the cold start makes it again instead of loading half a model."""
     base = run_dir / "base"
-    if (metrics.exists() and metrics.read_text().strip()) or any((base / name).exists() for name in
-                                                                  ("cold_start.json", "partial.pt")):
-        if say:
-            print(f"{run_dir} keeps the work done so far: go on with --resume {run_dir}")
-        return
-    shutil.rmtree(run_dir, ignore_errors=True)
+    if (base / "cold_start.json").exists() and (why := weights_damage(base)):
+        print(f"note: {base} is not whole ({why}); the cold start makes it again")
+        shutil.rmtree(base)
+
+
+def disk_full(failure: BaseException, run_dir: Path) -> str | None:
+    """The line for an error the disk caused (lab_cli.disk_problem; torch's failed write on a nearly full disk, which
+    names no errno), without the advice's end; None for any other error."""
+    from lab_cli import disk_problem
+
+    if line := disk_problem(failure):
+        return line
+    free = shutil.disk_usage(next(p for p in (run_dir, *run_dir.absolute().parents) if p.exists())).free
+    if isinstance(failure, RuntimeError) and free < 2**27:
+        return f"error: the disk is full ({free / 2**20:.0f} MiB free under {run_dir}): free space"
+    return None
 
 
 def outcome_metrics(trajectories, results) -> dict:

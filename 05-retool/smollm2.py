@@ -69,6 +69,7 @@ def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike) -> Pa
     if not gguf_path.is_file():
         raise FileNotFoundError(f"{gguf_path}: no such GGUF file")
     folder, name = str(gguf_path.parent), gguf_path.name
+    quiet_gguf_reader()
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
     loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
     config = loaded.config
@@ -92,6 +93,17 @@ def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike) -> Pa
     out.parent.mkdir(parents=True, exist_ok=True)
     os.replace(tmp, out)
     return out
+
+
+def quiet_gguf_reader() -> None:
+    """transformers' GGUF reader draws a bar of its own ("Converting and de-quantizing GGUF tensors"), which neither
+    HF_HUB_DISABLE_PROGRESS_BARS nor its logging settings reach: off, the conversion's own line says what happens."""
+    import functools
+
+    from transformers import modeling_gguf_pytorch_utils as reader
+
+    if hasattr(reader, "tqdm"):
+        reader.tqdm = functools.partial(reader.tqdm, disable=True)
 
 
 def check_template(model_path: str | os.PathLike, template: str, question: str = "What is 2 + 2?") -> None:

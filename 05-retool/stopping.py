@@ -12,6 +12,8 @@ import signal
 import sys
 import threading
 
+from lab_cli import when_output_closes
+
 
 class StopRequested(BaseException):
     """SIGTERM or SIGINT (Ctrl-C) arrived: save a checkpoint of the last finished step and exit. A BaseException,
@@ -22,6 +24,14 @@ class StopRequested(BaseException):
         self.signum = signum
 
 
+class Stopped(SystemExit):
+    """A run ended by SIGTERM or Ctrl-C as asked, its line said (and its checkpoint saved, where a step had finished):
+    not a failure. Exits with 128 + the signal."""
+
+    def __init__(self, signum: int):
+        super().__init__(128 + signum)
+
+
 class Stopper:
     """Turns SIGTERM and SIGINT into StopRequested, at once or, while a step's update is held (the weights no
     longer match the last recorded step), at `release`; a second signal while one waits stops at once."""
@@ -29,19 +39,22 @@ class Stopper:
     def __init__(self) -> None:
         self.held = False
         self.pending: int | None = None
+        self.requested: int | None = None  # the first signal since install
         self._previous: dict = {}
 
     def install(self) -> None:
-        self.held, self.pending = False, None
+        self.held, self.pending, self.requested = False, None, None
         if threading.current_thread() is not threading.main_thread():
             return  # Python delivers signals to the main thread only; there the defaults stay
         for signum in (signal.SIGTERM, signal.SIGINT):  # installed twice, the first handlers are still the ones kept
             self._previous.setdefault(signum, signal.signal(signum, self._handle))
+        when_output_closes(self._output_closed)  # `| head`: the reader has its lines; Python ignores SIGPIPE itself
 
     def uninstall(self) -> None:
         for signum, handler in self._previous.items():
             signal.signal(signum, handler)
         self._previous = {}
+        when_output_closes(None)
 
     def hold(self) -> None:
         self.held = True
@@ -52,14 +65,20 @@ class Stopper:
             signum, self.pending = self.pending, None
             raise StopRequested(signum)
 
+    def _output_closed(self) -> None:
+        if self.requested is None:  # a stop already asked for (Ctrl-C, which also ended `| tee`) says its own line
+            self._handle(signal.SIGPIPE, None)
+
     def _handle(self, signum, frame) -> None:
+        self.requested = self.requested or signum
         if not self.held:
             raise StopRequested(signum)
-        if self.pending is not None:
+        if self.pending not in (None, signal.SIGPIPE):  # the user's second signal; a closed output was nobody's
             raise KeyboardInterrupt
         self.pending = signum
-        print(f"\n{signal.Signals(signum).name}: stopping once this step is recorded "
-              "(Ctrl-C again to stop now, losing the step)", file=sys.stderr)
+        what = "the output's reader is gone (SIGPIPE)" if signum == signal.SIGPIPE else signal.Signals(signum).name
+        print(f"\n{what}: stopping once this step is recorded (Ctrl-C again to stop now, losing the step)",
+              file=sys.stderr)
 
 
 STOPPER = Stopper()

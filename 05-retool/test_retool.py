@@ -226,7 +226,7 @@ def test_torl_preset_is_torl_script(tmp_path, monkeypatch):
 
     monkeypatch.setattr(prepare_data, "hub_unreachable", lambda: None)  # as on a machine that reaches the hub
     data = tmp_path / "problems.jsonl"
-    write_jsonl(make_toy_task(4, 0)[0], data)
+    write_jsonl(make_toy_task(128, 0)[0], data)  # a step's problems
     check_config(dataclass_replace(cfg, train_file=str(data), eval_file=str(data)))
 
 
@@ -290,7 +290,7 @@ def test_long_training_prompts_are_dropped_at_load_with_a_count(tiny_model_path,
              "prompt": [{"role": "system", "content": "Please reason step by step."}, {"role": "user", "content": q}],
              "reward_model": {"ground_truth": str(i), "style": "rule"}} for i, q in enumerate(questions)]
     pq.write_table(pa.Table.from_pylist(rows), tmp_path / "train.parquet")
-    cfg = Config(train_file=str(tmp_path / "train.parquet"), max_prompt_tokens=64)
+    cfg = Config(train_file=str(tmp_path / "train.parquet"), max_prompt_tokens=64, problems_per_step=4)
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_path)
     lengths = [len(tokenizer.encode(render_prompt(q, "torl"), add_special_tokens=False)) for q in questions]
     assert max(lengths[:5]) <= 64 < lengths[5]
@@ -306,9 +306,16 @@ def test_long_training_prompts_are_dropped_at_load_with_a_count(tiny_model_path,
 def test_resuming_a_finished_run_says_so_and_exits_cleanly(tmp_path, capsys):
     import dataclasses
 
+    import torch
+
+    from test_run_folders import SAFETENSORS
+
     run_dir = tmp_path / "run"
     (run_dir / "checkpoints" / "step-000003").mkdir(parents=True)
     (run_dir / "checkpoints" / "step-000003" / "state.json").write_text('{"step": 3}')
+    (run_dir / "checkpoints" / "step-000003" / "model.safetensors").write_bytes(SAFETENSORS)  # whole, if small
+    for name in ("optimizer.pt", "rng.pt"):
+        torch.save({}, run_dir / "checkpoints" / "step-000003" / name)
     config = {**dataclasses.asdict(Config()), "steps": 3, "sandbox_preload": ""}  # a sandbox start of 0.2 s
     (run_dir / "config.json").write_text(json.dumps(config))
     (run_dir / "eval.jsonl").write_text(json.dumps({"step": 3, "tag": "after RL", "sets": {}}) + "\n")
@@ -636,15 +643,19 @@ def test_resuming_a_folder_that_is_not_a_run_says_so(tmp_path):
 
 
 def test_a_failed_start_removes_its_folder_but_keeps_work(tmp_path):
-    from run_record import remove_if_unstarted
+    import os
 
-    for kept, files in [(False, {"config.json": "{}"}), (True, {"metrics.jsonl": '{"step": 1}\n'}),
-                        (True, {"base/cold_start.json": "{}"}), (True, {"base/partial.pt": ""})]:
+    from run_record import failure_line
+    from test_run_folders import SAFETENSORS
+
+    base = {"base/cold_start.json": "{}", "base/model.safetensors": SAFETENSORS}
+    for kept, files in [(False, {"config.json": "{}"}), (True, {"metrics.jsonl": '{"step": 1}\n'}), (True, base),
+                        (False, {"base/cold_start.json": "{}"}), (True, {"base/partial.pt": ""})]:
         run_dir = tmp_path / f"run-{len(list(tmp_path.iterdir()))}"
-        for name, text in files.items():
+        for name, content in {".lock": str(os.getpid()), **files}.items():  # the folder this process made
             (run_dir / name).parent.mkdir(parents=True, exist_ok=True)
-            (run_dir / name).write_text(text)
-        remove_if_unstarted(run_dir)
+            (run_dir / name).write_bytes(content if isinstance(content, bytes) else content.encode())
+        failure_line(SystemExit("error: a refusal"), run_dir, new=True)
         assert run_dir.exists() == kept
 
 

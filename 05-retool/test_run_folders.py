@@ -23,7 +23,12 @@ def make_run(folder: Path, **fields) -> Path:
     (folder / "metrics.jsonl").write_text('{"step": 1}\n{"step": 2}\n')
     (folder / "checkpoints" / "step-000002" / "config.json").write_text('{"model_type": "qwen2"}')
     (folder / "checkpoints" / "step-000002" / "state.json").write_text('{"step": 2}')
+    (folder / "checkpoints" / "step-000002" / "model.safetensors").write_bytes(SAFETENSORS)
     return folder
+
+
+HEADER = b'{"w":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}}'
+SAFETENSORS = len(HEADER).to_bytes(8, "little") + HEADER + b"\0" * 4  # one float32 weight, the format's smallest file
 
 
 def make_evaluation(folder: Path) -> Path:

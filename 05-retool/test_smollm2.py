@@ -120,6 +120,13 @@ def test_converted_folder_is_a_plain_model_with_the_ggufs_weights_and_tokenizer(
         torch.testing.assert_close(model(x).logits, reference(x).logits, rtol=0, atol=0)
 
 
+def test_the_conversion_draws_no_bar_of_the_gguf_reader(tiny_gguf, tmp_path, capsys):
+    path, _ = tiny_gguf
+    smollm2.convert_gguf(path, tmp_path / "converted")
+    captured = capsys.readouterr()
+    assert "GGUF tensors" not in captured.err + captured.out
+
+
 def test_smollm2_path_converts_once_then_reuses_the_cache(tiny_gguf, tmp_path, monkeypatch):
     path, _ = tiny_gguf
     monkeypatch.setattr(smollm2, "packaged_gguf", lambda: path)

@@ -1,4 +1,5 @@
 """Speed and memory of one GRPO step and of one weight sync into vLLM.
+About a minute on a 2-core CPU with the tiny model, half of it vLLM's start.
 
     make bench-train                                   # CPU: tiny random model; CUDA: --shape qwen2.5-math-1.5b
     make bench-train ARGS="--model /models/Qwen2.5-Math-1.5B --sequences 64 --response-len 3072"
@@ -33,6 +34,10 @@ import sys
 import tempfile
 import time
 
+if __name__ == "__main__":  # before torch loads: the libraries' bars and torch's C++ warnings off (lab_cli.py)
+    from lab_cli import quiet_console
+
+    quiet_console()
 import torch
 
 import results
@@ -352,8 +357,12 @@ def parse_args(argv):
     p.add_argument("--gpu-memory-utilization", type=float, default=0.3, help="vLLM's share of the GPU (default 0.3)")
     p.add_argument("--results", metavar="NAME", type=results.name_argument,
                    help="also write the figures to docs/results/NAME.json, for the docs (the tiny model's run)")
-    return p.parse_args(argv)
+    from lab_cli import one_line_errors
+
+    return one_line_errors(p).parse_args(argv)
 
 
 if __name__ == "__main__":  # vLLM may spawn processes: keep the guard
-    main()
+    from lab_cli import run_script
+
+    run_script(main)  # Ctrl-C is one line
