@@ -1,13 +1,14 @@
 """The recipe of chapter 06's released base in one command: the chained task's cold starts, then the moves check.
 
-    make base-06                       # the recipe into runs/base-06, then how its base differs from the released one
+    make base-06                       # the recipe into runs/base-06 (about 1 h 45 min on two cores), then how its
+                                       # base differs from the released one
     make base-06 ARGS="--release"      # ... and release it: 06-train/base/ and docs/results/06-base.json
 
 The cpu-chained preset's cold starts (05-retool/presets.py, the cold_start_* fields) with the kernels held to one
 path: torch's default CPU kernels instead of the ones it picks for the processor (AVX2, AVX-512), MKL's compatible
 path, and one thread whatever the machine's cores. Kernels picked for a processor add floats in its own order, and
-a model at the edge of the task turns a last bit into another base; held to one path, the recipe gives the same
-weights on every x86-64 machine with the lab's package versions, at about 2.5 times the time a step
+a model at the edge of the task turns a last bit into another base; held to one path, the recipe should give the
+same weights on every x86-64 machine with the lab's package versions, at about five times the time a step
 (docs/06-experiments.md, "The released base"). A schedule done is kept, and a stopped one goes on from its last
 checkpoint: after Ctrl-C the same command goes on. A folder of another recipe is refused.
 """
@@ -97,7 +98,8 @@ def write_release(base: Path, moves: dict, made: dict, argv: list[str]) -> None:
     figures = {**{sha256_key(name): sha256(FOLDER / name) for name in FILES},
                **{f"moves_{name}": moves[name] for name in MOVES + DECISIONS},
                "size_mb": round(sum((FOLDER / name).stat().st_size for name in FILES) / 2**20, 1),
-               "commit": made["commit"], "threads": THREADS, **{k.lower(): v for k, v in made["kernels"].items()},
+               "commit": made["commit"].removesuffix("-dirty"), "uncommitted_edits": made["commit"].endswith("-dirty"),
+               "threads": THREADS, **{k.lower(): v for k, v in made["kernels"].items()},
                "machine_kernels": native_kernels(), "cpu": cpu_name()[:40], "torch": torch.__version__,
                "transformers": transformers.__version__, "python": platform.python_version()}
     results.save(RESULTS, results.make_command("base-06", argv), figures)
