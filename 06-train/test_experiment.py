@@ -86,7 +86,7 @@ def test_run_06_end_to_end_at_toy_sizes(tmp_path, monkeypatch, capsys):
     assert sorted(p.name for p in Path("runs/experiment-06").iterdir()) == ["experiment.json", "moves.json"]
     report = experiment.main(["--base", base, "--arms", "baseline", "--ignore-moves-check", "--", *flags])
     text = report.read_text()
-    assert "| 4 | " in text and "the page" in text and all((report.parent / png).exists() for png in PLOTS)
+    assert "| C = 4: held-out accuracy after RL | " in text and "the page" in text and all((report.parent / png).exists() for png in PLOTS)
     assert "| call | 0.000 | " in text  # the base's moves on this machine, beside the released base's
     run = Path("runs/experiment-06/baseline-s0")
     assert len((run / "metrics.jsonl").read_text().splitlines()) == 2
@@ -99,6 +99,25 @@ def test_run_06_end_to_end_at_toy_sizes(tmp_path, monkeypatch, capsys):
     with pytest.raises(SystemExit, match="holds an experiment of another recipe \\(base '"):
         experiment.main(["--arms", "baseline", "--", *flags])  # the released base: another base, another folder
     assert {p: p.stat().st_mtime_ns for p in (ROOT / "docs").rglob("*")} == docs  # nothing under docs/
+
+
+def test_ctrl_c_during_a_run_stops_with_one_line_saying_the_same_command_goes_on(tmp_path, monkeypatch, capsys):
+    import subprocess
+
+    monkeypatch.chdir(tmp_path)
+    chained_data(tmp_path)
+    monkeypatch.setattr(experiment, "moves_here", lambda base, out, cfg: {"passed": True})
+
+    def run_sees_ctrl_c(*args, **kwargs):  # retool.py got the SIGINT too, and stopped with 130
+        raise subprocess.CalledProcessError(130, "retool.py")
+
+    monkeypatch.setattr(experiment, "run_arm", run_sees_ctrl_c)
+    with pytest.raises(SystemExit) as stopped:
+        experiment.main(["--arms", "baseline"])
+    assert stopped.value.code == 130
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "stopped by SIGINT (Ctrl-C); the same command goes on in runs/experiment-06" in err
+    assert (Path("runs/experiment-06") / "experiment.json").exists()  # the folder is kept, claimed for this recipe
 
 
 def test_run_06_starts_from_the_released_base_and_refuses_it_changed(tmp_path, monkeypatch):
@@ -130,7 +149,7 @@ def test_the_pages_say_what_run_06_does_and_how_long_it_takes():
     import results
 
     cfg, words = make_config("cpu-chained", {}), {3: "three"}
-    says("06-experiments.md", f"{words[1 + len(cfg.cold_start_schedules.split())]} cold starts, each",
+    says("06-experiments.md", f"preset's\n{words[1 + len(cfg.cold_start_schedules.split())]} cold starts with the kernels held",
          f"one RL run of {cfg.steps} steps per arm and seed", f"{', '.join(map(str, [1, 2]))} and 4",
          "runs four stages")
     bench = results.load("06-bench-experiment")["figures"]
