@@ -1,6 +1,6 @@
 """Chapter 06's experiment in one command: from the released base, its moves check, RL at C = 1, 2, 4, a report.
 
-    make run-06                                  # one seed: the three budgets, 60 steps each
+    make run-06                                  # one seed: the three budgets, 60 steps each (about 15 min)
     make run-06 SEEDS="5 6 7" ARMS=all           # every arm of ablation.py, three seeds
     make run-06 ARGS="--base runs/base-06/base"  # from a base `make base-06` made instead of the released one
     .venv/bin/python 06-train/experiment.py --seeds 0 --arms budget -- --steps 30   # retool.py's flags after --
@@ -33,7 +33,7 @@ from released_base import released_base, sha256
 
 BUDGET_ARMS = ["calls-1", "calls-2", "baseline"]  # C = 1, 2, 4 (findings.BUDGETS)
 PRESET = "cpu-chained"
-PAGE_RESULTS = "06-experiments-h60"  # the page's runs, which the report sets beside these
+PAGE_RESULTS = "06-experiments-released"  # the page's runs, which the report sets beside these
 # For the time-left estimates, on two idle cores (make bench-06 measures them): the base's moves check, an RL step
 # (the page's baseline, 4 calls), and a run's start and evaluations.
 SECONDS = {"moves_check": 20.0, "rl_step": 4.0, "rl_run_fixed": 45.0}
@@ -49,7 +49,20 @@ def main(argv: list[str] | None = None) -> Path:
     claim(out, {"preset": PRESET, "config": dataclasses.asdict(cfg), "flags": args.flags, "base": base_hash(base)})
     runs = [(arm, seed) for seed in args.seeds for arm in args.arms]
     clock = Clock(cfg, len(runs))
+    try:
+        report = run_stages(cfg, args, base, out, runs, clock)
+    except KeyboardInterrupt:  # Ctrl-C reaches the run's retool.py too, which stops at once
+        from stopping import Stopped
 
+        print(f"run-06: stopped by SIGINT (Ctrl-C); the same command goes on in {out}: finished stages are kept, "
+              "a run cut short starts over", file=sys.stderr)
+        raise Stopped(2) from None  # exit 130, as every script of the lab stopped by Ctrl-C
+    print(f"run-06: done in {clock.finish(out)}; the report: {report}")
+    return report
+
+
+def run_stages(cfg, args, base: str, out: Path, runs: list, clock) -> Path:
+    """The four stages; each one done is kept in OUT, so a second call goes on from the first it has not."""
     from problems_and_policy import load_data
 
     clock.stage("data", f"{cfg.train_file} and {cfg.eval_file}")
@@ -61,12 +74,12 @@ def main(argv: list[str] | None = None) -> Path:
         try:
             run_arm(base, out / f"{arm}-s{seed}", arm, seed, cfg.steps, PRESET, args.flags)
         except subprocess.CalledProcessError as e:
+            if e.returncode in (130, -2):  # the run saw the Ctrl-C first
+                raise KeyboardInterrupt from None
             raise SystemExit(f"error: the run {out / f'{arm}-s{seed}'} stopped (exit {e.returncode}); its last "
                              "lines are above. The same command goes on from there") from None
     clock.stage("report", str(out / "report.md"))
-    report = write_report(out, args.results)
-    print(f"run-06: done in {clock.finish(out)}; the report: {report}")
-    return report
+    return write_report(out, args.results)
 
 
 def chained_config(flags: list[str]):
@@ -89,6 +102,7 @@ def claim(out: Path, wanted: dict) -> None:
             name = changed[0]
             raise SystemExit(f"error: {out} holds an experiment of another recipe ({name} {made.get(name)!r}, "
                              f"not {wanting.get(name)!r}): pass another --out, or remove that folder")
+        print(f"going on in {out}: the stages it finished are kept")
         return
     if out.exists() and any(out.iterdir()):
         raise SystemExit(f"error: {out} is not empty and not an experiment's folder (no experiment.json): "
