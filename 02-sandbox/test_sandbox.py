@@ -1202,15 +1202,27 @@ def test_a_call_is_answered_at_its_deadline_however_long_its_processes_take_to_e
 @pytest.mark.parametrize("then", ["exit", "hold"])
 def test_a_memory_bomb_in_child_processes_fails_the_whole_call(then):
     """On cgroup v1 the kernel kills only the child it picks. A parent that waits for children which exit would exit
-    0 (the call reported ok); one that waits for children which hold on would wait until the timeout."""
+    0 (the call reported ok); one that waits for children which hold on would wait until the timeout. The children
+    hold their memory until all four have it (or one was killed): on a busy machine they would otherwise run one
+    after another, never past the cap together."""
     needs_root()
     with Sandbox(make_config("local", memory_mb=256, concurrency=1, preload=())) as sb:
         r = sb.run("import os, time\n"
+                   "ready, told = os.pipe()\n"
+                   "go, start = os.pipe()\n"
                    "for _ in range(4):\n"
                    "    if os.fork() == 0:\n"  # each child takes 100 MB, each alone under RLIMIT_AS, together past the cap
+                   "        os.close(start)\n"
                    "        held = bytearray(100 << 20)\n"
                    "        held[::4096] = bytes(len(held[::4096]))\n"
+                   "        os.write(told, b'x')\n"
+                   "        os.read(go, 1)\n"  # until the parent has heard from all four
                    f"        {'os._exit(0)' if then == 'exit' else 'time.sleep(60)'}\n"
+                   "os.close(told)\n"
+                   "heard = b''\n"
+                   "while len(heard) < 4 and (byte := os.read(ready, 1)):\n"
+                   "    heard += byte\n"
+                   "os.close(start)\n"
                    "try:\n"
                    "    while True:\n"
                    "        os.wait()\n"
