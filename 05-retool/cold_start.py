@@ -225,7 +225,7 @@ def chained_traces(problems: list[dict], tool_fraction: float, rng: random.Rando
     often each pays is left to RL (docs/06-experiments.md)."""
     traces = []
     with Sandbox(SandboxConfig(preload=())) as sandbox:
-        for p in problems:
+        for p in progress(problems, desc="cold start (traces)"):  # their calls run one by one: a minute or more
             prompt = ("prompt", render_prompt(p["question"], template))
             if rng.random() >= tool_fraction:
                 traces.append({"tool": False, "segments": [prompt, ("model", DIRECT_OPENING.format(guess=guess(int(p["answer"]), rng)))]})
