@@ -1,8 +1,7 @@
 """ToRL's findings in miniature, from the chained task's runs: the tool budget, self-correction, code use.
 
-    .venv/bin/python 06-train/ablation.py run --preset cpu-chained --base runs/chained-base-h --out runs/chained-h60 \\
-        --arms baseline calls-1 calls-2 --seeds 0 1 2 --steps 60
-    .venv/bin/python 06-train/findings.py --out runs/chained-h60 --img docs/img --results 06-experiments-h60
+    .venv/bin/python 06-train/experiment.py --out runs/released --seeds 5 6 7 --results 06-experiments-released
+    .venv/bin/python 06-train/findings.py --out runs/released      # the figures again, from the run folders alone
 
 Reads the run folders `ablation.py run` wrote (ARM-sSEED) and draws three plots,
 each over every seed: held-out accuracy and seconds per step against the tool
