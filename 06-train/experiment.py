@@ -1,6 +1,6 @@
 """Chapter 06's experiment in one command: from the released base, its moves check, RL at C = 1, 2, 4, a report.
 
-    make run-06                                  # one seed: the three budgets, 60 steps each (about 15 min)
+    make run-06                                  # one seed: the three budgets, 60 steps each (about 18 min)
     make run-06 SEEDS="5 6 7" ARMS=all           # every arm of ablation.py, three seeds
     make run-06 ARGS="--base runs/base-06/base"  # from a base `make base-06` made instead of the released one
     .venv/bin/python 06-train/experiment.py --seeds 0 --arms budget -- --steps 30   # retool.py's flags after --
@@ -36,7 +36,7 @@ PRESET = "cpu-chained"
 PAGE_RESULTS = "06-experiments-released"  # the page's runs, which the report sets beside these
 # For the time-left estimates, on two idle cores (make bench-06 measures them): the base's moves check, an RL step
 # (the page's baseline, 4 calls), and a run's start and evaluations.
-SECONDS = {"moves_check": 20.0, "rl_step": 4.0, "rl_run_fixed": 45.0}
+SECONDS = {"moves_check": 10.0, "rl_step": 5.0, "rl_run_fixed": 45.0}
 
 
 def main(argv: list[str] | None = None) -> Path:
