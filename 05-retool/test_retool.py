@@ -2,6 +2,7 @@
 import json
 import os
 import random
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -84,6 +85,14 @@ def test_unknown_preset_and_unknown_field_are_one_line_errors():
         make_config("gpt-5", {})
     with pytest.raises(SystemExit, match="unrecognized arguments: --learning-rate"):
         parse_args(["--learning-rate", "1"])
+
+
+def test_the_chapters_readme_names_every_preset():
+    from presets import PRESETS
+
+    readme = (Path(__file__).parent / "README.md").read_text()
+    listed = re.search(r"`presets\.py` \(([^)]*)\)", readme)[1].split(", ")
+    assert sorted(listed) == sorted(PRESETS), "05-retool/README.md: list the presets presets.py defines"
 
 
 def test_every_field_is_overridable_from_the_command_line():
