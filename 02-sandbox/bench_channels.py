@@ -1,4 +1,4 @@
-"""How many bits can one call pass to another through what the machine shares, with the channels a filter can close closed?
+"""How many bits can one call pass to another through what the machine shares, with the channels a filter can close closed? (About 30 s.)
 
     .venv/bin/python 02-sandbox/bench_channels.py                              # as root: the sandbox's default isolation
     .venv/bin/python 02-sandbox/bench_channels.py --results 02-channels        # also docs/results/02-channels.json

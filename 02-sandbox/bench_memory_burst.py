@@ -1,4 +1,4 @@
-"""How far past its cap can a call's memory go where no cgroup counts it (isolation "userns")?
+"""How far past its cap can a call's memory go where no cgroup counts it (isolation "userns")? (About a minute.)
 
     sudo .venv/bin/python 02-sandbox/bench_memory_burst.py                  # as root: runs the sandbox as nobody
     sudo .venv/bin/python 02-sandbox/bench_memory_burst.py --results 02-memory-burst   # also docs/results/02-memory-burst.json

@@ -1,4 +1,4 @@
-"""How fast is the sandbox? Calls per second and latency against a fresh `python -c` per call.
+"""How fast is the sandbox? Calls per second and latency against a fresh `python -c` per call (about a minute).
 
     make bench-sandbox                                   # both workloads: fresh python -c, fork server, HTTP service
     .venv/bin/python 02-sandbox/bench_sandbox.py --docker          # add the Docker backend's rows

@@ -1,4 +1,4 @@
-r"""What the reward's worker process costs: its start, one check after it, a check killed at the deadline, a batch.
+r"""What the reward's worker process costs: its start, one check after it, a check killed at the deadline, a batch (about 20 s).
 
     make bench-reward                                           # 3 rounds
     make bench-reward ARGS="--rounds 5"

@@ -5,7 +5,8 @@
     .venv/bin/python 06-train/ablation.py report --out runs/abl --img docs/img
 
 On the chained task (docs/06-experiments.md) the same with `--preset cpu-chained`
-and the base that task's cold start made.
+and the base that task's cold start made. A run takes a few minutes on two cores
+(the chained task's 60 steps: 3 to 7), so an arm's three seeds about a quarter of an hour.
 
 `run` trains one RL run per (arm, seed) with 05-retool/retool.py from the same
 base and the same settings, changing only the arm's flags; rollouts are seeded,
