@@ -97,7 +97,9 @@ def claim(out: Path, wanted: dict) -> None:
     record = out / "experiment.json"
     if record.exists():
         made, wanting = recipe(json.loads(record.read_text())), recipe(wanted)
-        changed = sorted(k for k in set(made) | set(wanting) if made.get(k) != wanting.get(k))
+        fields = wanted.get("config", {})  # a changed setting is named by its field, before the flags that set it
+        changed = sorted((k for k in set(made) | set(wanting) if made.get(k) != wanting.get(k)),
+                         key=lambda k: (k not in fields, k))
         if changed:
             name = changed[0]
             raise SystemExit(f"error: {out} holds an experiment of another recipe ({name} {made.get(name)!r}, "
