@@ -98,7 +98,8 @@ def write_release(base: Path, moves: dict, made: dict, argv: list[str]) -> None:
     figures = {**{sha256_key(name): sha256(FOLDER / name) for name in FILES},
                **{f"moves_{name}": moves[name] for name in MOVES + DECISIONS},
                "size_mb": round(sum((FOLDER / name).stat().st_size for name in FILES) / 2**20, 1),
-               "commit": made["commit"].removesuffix("-dirty"), "uncommitted_edits": "yes" if made["commit"].endswith("-dirty") else "no",
+               "commit": made["commit"].removesuffix("-dirty"),
+               "uncommitted_edits": "yes" if made["commit"].endswith("-dirty") else "no",
                "threads": THREADS, **{k.lower(): v for k, v in made["kernels"].items()},
                "machine_kernels": native_kernels(), "cpu": cpu_name()[:40], "torch": torch.__version__,
                "transformers": transformers.__version__, "python": platform.python_version()}
