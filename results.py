@@ -33,7 +33,7 @@ NAME = re.compile(r"[\w-]+")
 # A marker in backticks is an example of one (README.md shows them), not a quote.
 BLOCK = re.compile(r"(?<!`)<!-- results ([\w-]+)((?: \w+)*) -->\n(.*?)<!-- /results -->", re.S)
 QUOTE = re.compile(r"(?<!`)<!-- r ([\w-]+)\.(\w+) -->")
-SHA256 = re.compile(r"[0-9a-f]{64}")  # a released file's hash (06-train/released_base.py): the one long string
+SHA256 = re.compile(r"[0-9a-f]{64}")  # a released file's hash (05-retool/released_base.py): the one long string
 TABLE = re.compile(r"(?<!`)<!-- results-table ([\w.\- ]+); ([\w{} ]+) -->\n((?:\|.*\n)+)")
 WORD = re.compile(r"[^\s|<>()\[\]*,;:%]*[^\s|<>()\[\]*,;:%.]")  # a value in prose, without a closing full stop or %
 

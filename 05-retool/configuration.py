@@ -23,7 +23,7 @@ from presets import PRESETS
 @dataclass
 class Config:
     # --- the recipe: what ToRL sets (the torl-* presets take its script's values) ---
-    model: str = ""  # hub id or local folder; "" with cold_start "scratch": a tiny model trained first
+    model: str = ""  # hub id or local folder; "" with cold_start "released" or "scratch": the lab's tiny model
     train_file: str = "data/toy_train.jsonl"  # 01-data's schema; the toy task is made if missing
     eval_file: str = "data/toy_test.jsonl"  # held-out problems, same schema (or ToRL's test set)
     template: str = "torl"  # prompt template (03-rollout's table)
@@ -50,7 +50,7 @@ class Config:
     eval_max_response_tokens: int = 96  # the response budget in evaluations
     save_every: int = 1  # steps between checkpoints
     # --- the starting policy: one explicit rule (problems_and_policy.py) ---
-    cold_start: str = "scratch"  # scratch: train a tiny model first (model ""); finetune: tune `model` on tool traces; none
+    cold_start: str = "scratch"  # released: the task's released base (model ""); scratch: train a tiny model first (model ""); finetune: tune `model` on tool traces; none
     cold_start_steps: int = 300  # supervised steps on tool traces before RL
     cold_start_tool_fraction: float = 0.3  # share of traces that call the tool (the rest box a guess)
     cold_start_tool_only_steps: int = 200  # the first steps on tool traces alone
@@ -228,9 +228,11 @@ def policy_problems(cfg) -> list[str]:
     problems = []
     if cfg.cold_start not in COLD_STARTS:
         problems.append(f"cold_start must be {_one_of(COLD_STARTS)}, got '{cfg.cold_start}'")
-    elif cfg.cold_start == "scratch" and cfg.model:
-        problems.append(f"cold_start 'scratch' trains a tiny model from scratch, yet model '{cfg.model}' is given: "
-                        "pass --cold-start none to start RL from it, or finetune to tune it on tool traces first")
+    elif cfg.cold_start in ("released", "scratch") and cfg.model:
+        problems.append(f"cold_start '{cfg.cold_start}' starts from the lab's tiny model, yet model '{cfg.model}' is "
+                        "given: pass --cold-start none to start RL from it, or finetune to tune it on tool traces first")
+    elif cfg.cold_start == "released":
+        problems += [p for p in [released_problem(cfg.train_file)] if p]
     elif cfg.cold_start != "scratch" and not cfg.model:
         problems.append(f"cold_start '{cfg.cold_start}' needs a model (--model), or use scratch for a tiny one")
     elif cfg.cold_start != "none" and cfg.cold_start_steps < 1:
@@ -390,6 +392,17 @@ def memory_available_gib() -> float | None:
         return None
 
 
+def released_problem(train_file: str) -> str | None:
+    """Why no released base fits this training file (released_base.py's RELEASES), or None."""
+    from released_base import RELEASES, release_for
+
+    if release_for(train_file) is None:
+        tasks = ", ".join(f"{r.train_file} ({r.folder.parent.name}/{r.folder.name})" for r in RELEASES.values())
+        return (f"cold_start 'released' has no released base for {train_file}: the lab releases one for {tasks}; "
+                "pass --cold-start scratch to cold-start a tiny model on it")
+    return None
+
+
 def model_problems(cfg) -> list[str]:
     """The cold start's traces of the training file, and the context against the model's positions."""
     problems = []
@@ -399,7 +412,11 @@ def model_problems(cfg) -> list[str]:
         problems += [p for p in [traces_problem(cfg.train_file, cfg.cold_start_tool_fraction, cfg.template, cfg.seed,
                                                 cfg.cold_start_batch_size, cfg.cold_start_tool_only_steps)] if p]
     model = cfg.model or "the tiny model the cold start builds"
-    limit = position_limit(cfg.model) if cfg.model else scratch_positions()
+    if cfg.cold_start == "released" and not released_problem(cfg.train_file):
+        from released_base import release_for
+
+        model = str(release_for(cfg.train_file).folder)
+    limit = position_limit(model) if model != "the tiny model the cold start builds" else scratch_positions()
     if not problems and limit is not None and cfg.max_model_len > limit:
         problems.append(f"max_model_len {cfg.max_model_len} is above the position limit of {model}, "
                         f"{limit} tokens (max_position_embeddings): pass --max-model-len {limit} or less")

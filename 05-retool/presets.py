@@ -9,9 +9,9 @@ model on the task where calls chain (docs/06-experiments.md).
 from __future__ import annotations
 
 PRESETS: dict[str, dict] = {
-    # A tiny model trained from scratch (cold_start.py) on the toy task, then RL.
-    # Sized to finish, cold start included, in minutes on a 2-core CPU.
-    "cpu-demo": {},
+    # RL from the toy task's released base (05-retool/base: a tiny model that `make base-05` cold-starts from
+    # scratch, cold_start.py), in about two minutes on a 2-core CPU; --cold-start scratch trains that base first.
+    "cpu-demo": dict(cold_start="released"),
     # ToRL's scripts/torl_1.5b.sh. Every value is the script's (or, where the script
     # is silent, its verl's default), and the few memory settings that are this lab's
     # because it keeps the trainer on the GPU beside vLLM (no offload), one rank per GPU.
@@ -66,6 +66,7 @@ PRESETS: dict[str, dict] = {
 # says why each value. Write its data first:
 # .venv/bin/python 01-data/chained_problems.py --out-dir data
 PRESETS["cpu-chained"] = dict(
+    cold_start="released",  # 06-train/base, made by these cold_start_* settings (make base-06); --cold-start scratch runs them
     train_file="data/chained_train.jsonl",
     eval_file="data/chained_test.jsonl",
     tool_budget=4,  # the hardest kind needs 3 calls (error, fix, next step); one to spare

@@ -130,16 +130,21 @@ def trainer_policy(cfg, model_path: str, dp):
     return dp.wrap(policy)
 
 
-COLD_STARTS = ("scratch", "finetune", "none")
+COLD_STARTS = ("released", "scratch", "finetune", "none")
 
 
 def needs_cold_start(cfg) -> bool:
     """Whether the run trains its base model first (Config.cold_start "scratch" or "finetune")."""
-    return cfg.cold_start != "none"
+    return cfg.cold_start in ("scratch", "finetune")
 
 
 def first_policy(cfg, run_dir: Path, dp) -> str:
-    """The folder RL starts from: cold-started in the run folder (rank 0 trains it, the others find it), or as given."""
+    """The folder RL starts from: the task's released base (its files' sha256 checked), cold-started in the run
+    folder (rank 0 trains it, the others find it), or as given."""
+    from released_base import release_for, released_base
+
+    if cfg.cold_start == "released":
+        return released_base(release_for(cfg.train_file))
     with dp.main_first():
         return cold_started_model(cfg, run_dir) if needs_cold_start(cfg) else local_model(cfg.model)
 

@@ -29,10 +29,11 @@ from ablation import report as arms_report
 from configuration import Config, check_config, make_config, parse_with_field_flags
 from lab_cli import one_line_errors
 from presets import PRESETS
-from released_base import released_base, sha256
+from released_base import RELEASES, released_base, sha256
 
 BUDGET_ARMS = ["calls-1", "calls-2", "baseline"]  # C = 1, 2, 4 (findings.BUDGETS)
 PRESET = "cpu-chained"
+RELEASE = RELEASES[PRESET]  # 06-train/base
 PAGE_RESULTS = "06-experiments-released"  # the page's runs, which the report sets beside these
 # For the time-left estimates, on two idle cores (make bench-06 measures them): the base's moves check, an RL step
 # (the page's baseline, 4 calls), and a run's start and evaluations.
@@ -42,7 +43,7 @@ SECONDS = {"moves_check": 10.0, "rl_step": 5.0, "rl_run_fixed": 45.0}
 def main(argv: list[str] | None = None) -> Path:
     args = parse_args(argv)
     cfg = chained_config(args.flags)  # refused here, in one line, before any model loads
-    base = args.base or released_base()  # the released base's files checked against their sha256
+    base = args.base or released_base(RELEASE)  # the released base's files checked against their sha256
     out = Path(args.out)
     # the recipe, what makes the folder's runs what they are: every Config field, the flags and the base (not seeds
     # or arms, which only add runs)
@@ -243,9 +244,8 @@ def moves_table(out: Path) -> list[str]:
     """The base's moves check on this machine (OUT/moves.json) beside the released base's on the machine that made it."""
     import results
     from moves_check import DECISIONS, MOVES
-    from released_base import RESULTS
 
-    here, release = json.loads((out / "moves.json").read_text()), results.load(RESULTS)["figures"]
+    here, release = json.loads((out / "moves.json").read_text()), results.load(RELEASE.results)["figures"]
     return ["| the base's moves check | on this machine | the released base, where it was made |", "| --- | --- | --- |",
             *(f"| {name} | {here[name]:.3f} | {release[f'moves_{name}']:.3f} |" for name in MOVES + DECISIONS)]
 

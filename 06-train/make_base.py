@@ -1,16 +1,17 @@
-"""The recipe of chapter 06's released base in one command: the chained task's cold starts, then the moves check.
+"""The recipe of a released base in one command: a preset's cold starts with the kernels held, then the release.
 
-    make base-06                       # the recipe into runs/base-06 (about 1 h 45 min on two cores), then how its
-                                       # base differs from the released one
+    make base-05                       # the demo's base (cpu-demo's cold start) into runs/base-05, about 5 min
+    make base-06                       # the chained task's base (cpu-chained's three cold starts and the moves
+                                       # check) into runs/base-06, about 1 h 45 min on two cores
     make base-06 ARGS="--release"      # ... and release it: 06-train/base/ and docs/results/06-base.json
 
-The cpu-chained preset's cold starts (05-retool/presets.py, the cold_start_* fields) with the kernels held to one
-path: torch's default CPU kernels instead of the ones it picks for the processor (AVX2, AVX-512), MKL's compatible
-path, and one thread whatever the machine's cores. Kernels picked for a processor add floats in its own order, and
-a model at the edge of the task turns a last bit into another base; held to one path, the recipe should give the
-same weights on every x86-64 machine with the lab's package versions, at about five times the time a step
-(docs/06-experiments.md, "The released base"). A schedule done is kept, and a stopped one goes on from its last
-checkpoint: after Ctrl-C the same command goes on. A folder of another recipe is refused.
+The preset's cold starts (05-retool/presets.py, the cold_start_* fields) with the kernels held to one path: torch's
+default CPU kernels instead of the ones it picks for the processor (AVX2, AVX-512), MKL's compatible path, and one
+thread whatever the machine's cores. Kernels picked for a processor add floats in its own order, and a model at the
+edge of the task turns a last bit into another base; held to one path, the recipe should give the same weights on
+every x86-64 machine with the lab's package versions, at about five times the time a step (docs/06-experiments.md,
+"The released base"). A schedule done is kept, and a stopped one goes on from its last checkpoint: after Ctrl-C the
+same command goes on. A folder of another recipe is refused; a tree with uncommitted edits is not released.
 """
 from __future__ import annotations
 
@@ -25,9 +26,10 @@ import sys
 from pathlib import Path
 
 import results
+from configuration import make_config
 from experiment import chained_config, claim
 from lab_cli import one_line_errors
-from released_base import FILES, FOLDER, RESULTS, sha256, sha256_key
+from released_base import FILES, RELEASES, sha256, sha256_key
 
 KERNELS = {"ATEN_CPU_CAPABILITY": "default", "MKL_CBWR": "COMPATIBLE"}
 THREADS = 1  # a parallel sum splits its work by thread (two threads gave other weights than one): one, everywhere
@@ -43,68 +45,80 @@ def hold_kernels() -> None:
 
 def main(argv: list[str] | None = None) -> Path:
     args = parse_args(argv)
-    cfg = dataclasses.replace(chained_config([]), cold_start_cache=False, trainer_threads=THREADS)
+    release_to = RELEASES[args.preset]
+    if args.release and commit().endswith("-dirty"):  # before hours of cold starts, not after
+        raise SystemExit("error: the tree has uncommitted edits, and a release records the commit that made it: "
+                         "commit them, then run the same command again")
+    preset = chained_config([]) if args.preset == "cpu-chained" else make_config(args.preset, {})
+    cfg = dataclasses.replace(preset, cold_start="scratch", model="", cold_start_cache=False, trainer_threads=THREADS)
     kernels = {name: os.environ.get(name, "") for name in KERNELS}  # as set for this process (tests leave them)
-    out = Path(args.out)
+    out = Path(args.out or f"runs/{release_to.command.split()[-1]}")
     claim(out, {"config": dataclasses.asdict(cfg), "kernels": kernels, "commit": commit()})
     from moves_check import DECISIONS, MOVES
     from problems_and_policy import cold_started_model, load_data
 
     load_data(cfg)
-    print(f"base-06: the recipe's {1 + len(cfg.cold_start_schedules.split())} cold starts into {out / 'base'}, "
+    name = release_to.command.split()[-1]
+    print(f"{name}: the recipe's {1 + len(cfg.cold_start_schedules.split())} cold start(s) into {out / 'base'}, "
           f"kernels held to one path ({' '.join(f'{k}={v}' for k, v in kernels.items())}, {THREADS} thread{'s' * (THREADS > 1)})", flush=True)
     base = Path(cold_started_model(cfg, out))
-    moves = json.loads((base / "cold_start.json").read_text())["moves"]
-    released = results.load(RESULTS)["figures"] if (results.RESULTS / f"{RESULTS}.json").exists() else {}
+    moves = json.loads((base / "cold_start.json").read_text()).get("moves", {})  # the chained task's check only
+    made = results.RESULTS / f"{release_to.results}.json"
+    released = results.load(release_to.results)["figures"] if made.exists() else {}
     mine = sha256(base / "model.safetensors")
     same = mine == released.get(sha256_key("model.safetensors"))
-    print(f"base-06: {base}/model.safetensors, sha256 {mine}: "
+    print(f"{name}: {base}/model.safetensors, sha256 {mine}: "
           + ("the released base, bit for bit" if same else
              f"another base than the released one ({released.get(sha256_key('model.safetensors'), 'none yet')})"))
-    for name in MOVES + DECISIONS:
-        print(f"base-06:   {name:6} this base {moves[name]:.3f}" + (f"   the released base {released[f'moves_{name}']:.3f}"
+    for move in MOVES + DECISIONS if moves else ():
+        print(f"{name}:   {move:6} this base {moves[move]:.3f}" + (f"   the released base {released[f'moves_{move}']:.3f}"
                                                                    if released else ""))
-    print(f"base-06: this base {'passes' if moves['passed'] else 'fails'} the moves check")
+    if moves:
+        print(f"{name}: this base {'passes' if moves['passed'] else 'fails'} the moves check")
     if args.release:
-        release(base, moves, out, argv if argv is not None else sys.argv[1:])
+        release(base, moves, out, argv if argv is not None else sys.argv[1:], release_to)
     return base
 
 
-def release(base: Path, moves: dict, out: Path, argv: list[str]) -> None:
-    """Copy the base's files to 06-train/base (whole or not at all) and write docs/results/06-base.json."""
+def release(base: Path, moves: dict, out: Path, argv: list[str], release_to) -> None:
+    """Copy the base's files to the release's folder (whole or not at all) and write its results file."""
     made = json.loads((out / "experiment.json").read_text())
-    if made["commit"].endswith("-dirty") or not moves["passed"]:
-        raise SystemExit(f"error: {out} was built from uncommitted changes ({made['commit']}): commit, then build "
-                         "again" if moves["passed"] else f"error: {base} fails the moves check: not released")
-    write_release(base, moves, made, argv)
+    if moves and not moves["passed"]:
+        raise SystemExit(f"error: {base} fails the moves check: not released")
+    if made["commit"].endswith("-dirty"):
+        raise SystemExit(f"error: {out} was built from uncommitted changes ({made['commit']}): commit, then build again")
+    write_release(base, moves, made, argv, release_to)
 
 
-def write_release(base: Path, moves: dict, made: dict, argv: list[str]) -> None:
+def write_release(base: Path, moves: dict, made: dict, argv: list[str], release_to) -> None:
     from moves_check import DECISIONS, MOVES
 
-    tmp, old = FOLDER.with_name(".base.tmp"), FOLDER.with_name(".base.old")
+    folder = release_to.folder
+    tmp, old = folder.with_name(".base.tmp"), folder.with_name(".base.old")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     for name in FILES:
         shutil.copyfile(base / name, tmp / name)
     shutil.rmtree(old, ignore_errors=True)
-    if FOLDER.exists():
-        FOLDER.rename(old)
-    tmp.rename(FOLDER)
+    if folder.exists():
+        folder.rename(old)
+    tmp.rename(folder)
     shutil.rmtree(old, ignore_errors=True)
     import torch
     import transformers
 
-    figures = {**{sha256_key(name): sha256(FOLDER / name) for name in FILES},
-               **{f"moves_{name}": moves[name] for name in MOVES + DECISIONS},
-               "size_mb": round(sum((FOLDER / name).stat().st_size for name in FILES) / 2**20, 1),
+    figures = {**{sha256_key(name): sha256(folder / name) for name in FILES},
+               **{f"moves_{name}": moves[name] for name in (MOVES + DECISIONS if moves else ())},
+               "size_mb": round(sum((folder / name).stat().st_size for name in FILES) / 2**20, 1),
                "commit": made["commit"].removesuffix("-dirty"),
                "uncommitted_edits": "yes" if made["commit"].endswith("-dirty") else "no",
                "threads": THREADS, **{k.lower(): v for k, v in made["kernels"].items()},
                "machine_kernels": native_kernels(), "cpu": cpu_name()[:40], "torch": torch.__version__,
                "transformers": transformers.__version__, "python": platform.python_version()}
-    results.save(RESULTS, results.make_command("base-06", argv), figures)
-    print(f"base-06: released into {FOLDER} ({figures['size_mb']} MB) and {results.RESULTS / RESULTS}.json")
+    name = release_to.command.split()[-1]  # the make target, which names the preset itself
+    shown = [a for i, a in enumerate(argv) if a != "--preset" and (i == 0 or argv[i - 1] != "--preset")]
+    results.save(release_to.results, results.make_command(name, shown), figures)
+    print(f"{name}: released into {folder} ({figures['size_mb']} MB) and {results.RESULTS / release_to.results}.json")
 
 
 def commit() -> str:
@@ -133,9 +147,11 @@ def cpu_name() -> str:
 def parse_args(argv):
     p = one_line_errors(argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
                                                 epilog="\n\n".join(__doc__.split("\n\n")[1:])))
-    p.add_argument("--out", default="runs/base-06", help="the recipe's folder (default runs/base-06)")
-    p.add_argument("--release", action="store_true", help="copy the base to 06-train/base and write "
-                                                          "docs/results/06-base.json (only to release a new base)")
+    p.add_argument("--preset", choices=list(RELEASES), default="cpu-chained",
+                   help="whose base: cpu-demo (make base-05) or cpu-chained (make base-06, the default)")
+    p.add_argument("--out", help="the recipe's folder (default runs/base-05 or runs/base-06)")
+    p.add_argument("--release", action="store_true", help="copy the base to the release's folder (05-retool/base or "
+                   "06-train/base) and write its docs/results file (only to release a new base)")
     return p.parse_args(argv)
 
 

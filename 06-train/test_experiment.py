@@ -121,12 +121,10 @@ def test_ctrl_c_during_a_run_stops_with_one_line_saying_the_same_command_goes_on
 
 
 def test_run_06_starts_from_the_released_base_and_refuses_it_changed(tmp_path, monkeypatch):
-    import released_base
-
     monkeypatch.chdir(tmp_path)
     copy = tmp_path / "released"
-    shutil.copytree(released_base.FOLDER, copy)
-    monkeypatch.setattr(released_base, "FOLDER", copy)
+    shutil.copytree(experiment.RELEASE.folder, copy)
+    monkeypatch.setattr(experiment, "RELEASE", dataclasses.replace(experiment.RELEASE, folder=copy))
     (copy / "tokenizer.json").write_text("{}")
     with pytest.raises(SystemExit, match=r"released/tokenizer.json has sha256 .*, not the release's [0-9a-f]{64}"):
         experiment.main(["--arms", "baseline"])

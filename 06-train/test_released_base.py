@@ -1,4 +1,5 @@
-"""Chapter 06's released base: shipped whole, refused when changed, and its recipe one command that holds the kernels."""
+"""The released bases: shipped whole, refused when changed, and its recipe one command that holds the kernels."""
+import dataclasses
 import json
 import os
 import shutil
@@ -21,16 +22,23 @@ ROOT = Path(__file__).resolve().parent.parent
 TOY = dict(cold_start_steps=6, cold_start_tool_only_steps=3, cold_start_batch_size=4, cold_start_schedules="4:2 4:1:drills")
 
 
-def test_the_released_base_is_its_files_as_released_and_small():
-    assert released_base.released_base() == str(released_base.FOLDER)
-    figures = results.load(released_base.RESULTS)["figures"]
-    assert sorted(p.name for p in released_base.FOLDER.iterdir()) == sorted(released_base.FILES)
-    assert sum((released_base.FOLDER / name).stat().st_size for name in released_base.FILES) <= 10 * 2**20
-    assert figures["moves_call"] >= moves_check.MOVES_NEEDED and all(
-        figures[f"moves_{move}"] >= moves_check.MOVES_NEEDED for move in moves_check.MOVES)  # it passes the check
+CHAINED = released_base.RELEASES["cpu-chained"]
+
+
+@pytest.mark.parametrize("preset", list(released_base.RELEASES))
+def test_each_released_base_is_its_files_as_released_and_small(preset):
+    release = released_base.RELEASES[preset]
+    assert released_base.released_base(release) == str(release.folder)
+    figures = results.load(release.results)["figures"]
+    assert sorted(p.name for p in release.folder.iterdir()) == sorted(released_base.FILES)
+    assert sum((release.folder / name).stat().st_size for name in released_base.FILES) <= 10 * 2**20
+    if preset == "cpu-chained":  # the chained task's base passes the moves check
+        assert all(figures[f"moves_{move}"] >= moves_check.MOVES_NEEDED for move in moves_check.MOVES)
     assert len(figures["commit"]) == 40 and figures["uncommitted_edits"] in ("yes", "no")
     assert figures["threads"] == make_base.THREADS
     assert {figures["aten_cpu_capability"], figures["mkl_cbwr"]} == set(make_base.KERNELS.values())
+    assert make_config(preset, {}).cold_start == "released"  # the preset starts from it
+    assert released_base.release_for(make_config(preset, {}).train_file) == release
 
 
 @pytest.mark.parametrize("damage, says", [
@@ -40,13 +48,13 @@ def test_the_released_base_is_its_files_as_released_and_small():
 ])
 def test_a_changed_truncated_or_missing_file_is_refused_in_one_line_naming_it_and_its_hash(tmp_path, monkeypatch, damage, says):
     copy = tmp_path / "base"
-    shutil.copytree(released_base.FOLDER, copy)
-    monkeypatch.setattr(released_base, "FOLDER", copy)
-    assert released_base.released_base() == str(copy)
+    shutil.copytree(CHAINED.folder, copy)
+    release = dataclasses.replace(CHAINED, folder=copy)
+    assert released_base.released_base(release) == str(copy)
     damage(copy / "model.safetensors")
-    want = results.load(released_base.RESULTS)["figures"]["sha256_model_safetensors"]
+    want = results.load(CHAINED.results)["figures"]["sha256_model_safetensors"]
     with pytest.raises(SystemExit) as refused:
-        released_base.released_base()
+        released_base.released_base(release)
     assert str(copy / "model.safetensors") in refused.value.code and says in refused.value.code
     assert want in refused.value.code and "\n" not in refused.value.code
 
@@ -62,7 +70,7 @@ def test_the_recipe_is_the_presets_cold_starts_at_one_thread_resumed_and_refused
     toy_data(tmp_path)
     monkeypatch.setattr(make_base, "chained_config", lambda flags: make_config("cpu-chained", TOY))
     monkeypatch.setattr(moves_check, "CHECK_PROBLEMS", 4)
-    base = make_base.main(["--out", "runs/b"])
+    base = make_base.main(["--out", "runs/b"])  # --preset cpu-chained, the default
     argvs = [json.loads((folder / "cold_start.json").read_text())
              for folder in (Path("runs/b/base-schedules/1"), Path("runs/b/base-schedules/2"), base)]
     assert [a["threads"] for a in argvs] == [make_base.THREADS] * 3 and argvs[-1]["drills_in_mix"]
@@ -81,21 +89,20 @@ def test_the_recipe_is_the_presets_cold_starts_at_one_thread_resumed_and_refused
 def test_a_release_writes_the_files_whole_and_the_hashes_that_then_check_them(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     source = Path("made")
-    shutil.copytree(released_base.FOLDER, source)
+    shutil.copytree(CHAINED.folder, source)
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "experiment.json").write_text(json.dumps({"commit": "a" * 40, "kernels": make_base.KERNELS}))
-    monkeypatch.setattr(released_base, "FOLDER", tmp_path / "released")
-    monkeypatch.setattr(make_base, "FOLDER", tmp_path / "released")
+    release = dataclasses.replace(CHAINED, folder=tmp_path / "released")
     monkeypatch.setattr(results, "RESULTS", tmp_path / "results")
     moves = {**{name: 0.9 for name in moves_check.MOVES + moves_check.DECISIONS}, "passed": True}
-    make_base.release(source, moves, tmp_path / "out", ["--release"])
-    assert released_base.released_base() == str(tmp_path / "released")
-    figures = results.load(released_base.RESULTS)
+    make_base.release(source, moves, tmp_path / "out", ["--preset", "cpu-chained", "--release"], release)
+    assert released_base.released_base(release) == str(tmp_path / "released")
+    figures = results.load(CHAINED.results)
     assert figures["command"] == "make base-06 ARGS=--release" and figures["figures"]["commit"] == "a" * 40
     assert sorted(p.name for p in tmp_path.iterdir()) == ["made", "out", "released", "results"]  # no temporary left
     (tmp_path / "out" / "experiment.json").write_text(json.dumps({"commit": "a" * 40 + "-dirty", "kernels": {}}))
     with pytest.raises(SystemExit, match="built from uncommitted changes"):
-        make_base.release(source, moves, tmp_path / "out", ["--release"])
+        make_base.release(source, moves, tmp_path / "out", ["--release"], release)
 
 
 ONE_SCHEDULE = {**TOY, "cold_start_schedules": "", "cold_start_rounds": 1}  # the kernels' part of the recipe, quicker

@@ -1,0 +1,73 @@
+"""The lab's released bases: a tiny model cold-started by the lab's own recipe, shipped in the repository and checked
+by its files' sha256 before any use.
+
+ToRL starts RL from a released model, and every reproduction starts from that same file. A tiny model's cold start
+belongs to the machine that trains it (docs/06-experiments.md says why), and it takes longer than the RL after it:
+so each CPU task starts from one released file too, the demo's in 05-retool/base, the chained task's in
+06-train/base. `make base-05` and `make base-06` (06-train/make_base.py) are their recipe; each results file records
+its release: every file's sha256, the commit and the machine that made it.
+"""
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import results
+
+FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
+
+
+@dataclass(frozen=True)
+class Release:
+    preset: str  # the preset whose cold start made it (05-retool/presets.py)
+    folder: Path  # where its files are shipped
+    results: str  # docs/results/NAME.json: each file's sha256 and how the base was made
+    command: str  # the command that makes it again
+    train_file: str  # the task it was cold-started on: a run on this file starts from it with --cold-start released
+
+
+RELEASES = {
+    "cpu-demo": Release("cpu-demo", results.ROOT / "05-retool" / "base", "05-base", "make base-05", "toy_train.jsonl"),
+    "cpu-chained": Release("cpu-chained", results.ROOT / "06-train" / "base", "06-base", "make base-06",
+                           "chained_train.jsonl"),
+}
+
+
+def release_for(train_file: str) -> Release | None:
+    """The release cold-started on this task's training file (by its name), or None."""
+    return next((r for r in RELEASES.values() if Path(train_file).name == r.train_file), None)
+
+
+def released_base(release: Release) -> str:
+    """The release's folder, once each of its files has the sha256 the release records; a changed, truncated or
+    missing file is refused in one line that names it and the hash it should have."""
+    expected = results.load(release.results)["figures"]
+    for name in FILES:
+        problem = file_problem(release.folder / name, expected[sha256_key(name)])
+        if problem:
+            shown = release.folder.relative_to(results.ROOT) if release.folder.is_relative_to(results.ROOT) else release.folder
+            raise SystemExit(f"error: {problem}: not the released base (git checkout -- {shown} restores it)")
+    return str(release.folder)
+
+
+def file_problem(path: Path, want: str) -> str | None:
+    """Why `path` is not the file whose sha256 is `want`; None if it is."""
+    shown = path.relative_to(results.ROOT) if path.is_relative_to(results.ROOT) else path
+    if not path.is_file():
+        return f"{shown} is missing (the release's sha256 {want})"
+    got = sha256(path)
+    return None if got == want else f"{shown} has sha256 {got[:16]}... ({path.stat().st_size:,} bytes), not the release's {want}"
+
+
+def sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def sha256_key(name: str) -> str:
+    """The results file's key of a file's hash: model.safetensors -> sha256_model_safetensors."""
+    return "sha256_" + results.figure_key(name)
