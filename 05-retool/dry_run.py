@@ -21,12 +21,13 @@ from pathlib import Path
 
 GB = 1e9
 VLLM_WORK_SPACE_GB = 2.0  # vLLM's activations and graphs beside weights and KV cache (an estimate)
-# per logit value at the update's backward peak: the model's bf16 logits (2), kept until every chunk's backward has
-# run, and their bf16 gradient (2), each chunk's and then all of them joined. The float32 work (a copy, logsumexp's
-# softmax, their gradients) exists for one chunk of positions at a time (06-train/logprob_chunks.py): CHUNK_BYTES
-# per value of one chunk, measured on bf16 logits (test_the_plans_logit_bytes_are_what_the_chunks_hold).
-LOGIT_BYTES = 4
-CHUNK_BYTES = 19  # 18 to 19 measured
+# The logits exist for one chunk of positions at a time (06-train/logprob_chunks.py applies lm_head to each chunk of
+# the final hidden states, and again in backward): their bf16 values and gradient, the float32 copy, logsumexp's
+# softmax and their gradients, CHUNK_BYTES per value of one chunk, measured from bf16 hidden states
+# (test_the_plans_logit_bytes_are_what_the_chunks_hold). What spans the micro-batch is its final hidden states and
+# their gradient, bf16: HIDDEN_BYTES per hidden unit.
+CHUNK_BYTES = 20
+HIDDEN_BYTES = 4
 
 
 # Dense bf16 peak of one GPU, TFLOP/s, and its memory bandwidth, TB/s: the vendors' data sheets (SXM parts,
@@ -43,6 +44,12 @@ TRAIN_MFU = 0.35  # the update's default share of the peak FLOP/s
 CONTEXT_GB = 1.0  # the CUDA context, cuBLAS and kernel images (more without CUDA's lazy loading)
 NCCL_GB = 1.0  # NCCL's communicators and their buffers, with more than one GPU
 CUDA_GRAPHS_GB = 1.0  # vLLM's captured CUDA graphs (enforce_eager False): their pool stays while vLLM sleeps
+# Between nodes the trainer is sharded within a node and replicated across nodes (HSDP, distributed.py): one float32
+# all-reduce of each GPU's gradient shard a mini-batch crosses the network. A node's bandwidth to the others, GB/s,
+# assumed: 8 x 400 Gb/s InfiniBand, as H100 clusters are built.
+NODE_LINK_GB_S = 400.0
+# Activations of a layer: about 16 float32 values per hidden unit a token (a rough bound).
+LAYER_ACTIVATION_BYTES = 16 * 4
 
 
 PLAN_GPUS = {"gpu": 8, "demo": 1}  # --plan-gpus' default: a node of 8 for a GPU preset; the demos run as one process
@@ -97,6 +104,10 @@ class CostPlan:
     update_s: float
     eval_s: float  # one evaluation, by the same decode model
     gpu_hours: float  # the whole schedule, evaluations included
+    extra_rounds: int = 0  # dynamic sampling: the most extra rollout rounds a step may take, each counted as a rollout
+    round_s: float = 0.0  # one rollout round (the step's own or an extra one)
+    node_traffic_gb: float = 0.0  # what each node sends to the others a step (HSDP's gradient all-reduce)
+    node_traffic_s: float = 0.0  # its time at NODE_LINK_GB_S, added to the update's
 
 
 @dataclass
@@ -106,6 +117,8 @@ class MemoryPlan:
     parameters: int
     rollout: dict[str, float] = field(default_factory=dict)  # GB per GPU while sampling
     update: dict[str, float] = field(default_factory=dict)  # GB per GPU during grpo_step (vLLM asleep)
+    sync: dict[str, float] = field(default_factory=dict)  # GB per GPU while the new weights load (vLLM's KV cache asleep)
+    shard: int = 1  # the GPUs the trainer state is sharded over: FSDP2's within a node (HSDP across nodes), else 1
     kv_tokens: int = 0  # what vLLM's share leaves for the KV cache
     tokens_in_flight: int = 0  # this rank's trajectories at their longest
     group_tokens: int = 0  # one group at its longest
@@ -160,7 +173,7 @@ def dry_run(cfg, preset: str, args, start_sandbox, run_dir: Path) -> int:
         problems += plan.problems
         cost = cost_plan(cfg, shape, gpus, args.plan_gpu, args.assume_decode_rate, args.assume_train_mfu,
                          args.assume_response_tokens, args.assume_call_s, plan.kv_tokens,
-                         rows_evaluated(cfg, counts.get("eval_file", 0)))
+                         rows_evaluated(cfg, counts.get("eval_file", 0)), per_node=per_node)
         print(cost_table(cfg, cost, gpus, args.plan_gpu, args.assume_train_mfu))
         print(f"{preset}: about {cost.gpu_hours:,.0f} GPU-hours on {gpus} x {args.plan_gpu} at the assumed rates")
     print(f"dry run: {'a real run would start' if not problems else f'{len(problems)} problem(s): a real run is refused'}")
@@ -180,11 +193,13 @@ def check_memory_plan(cfg) -> None:
 
 def cost_plan(cfg, shape: dict, gpus: int, gpu: str = "H100", decode_rate: float = 0.0,
               train_mfu: float = TRAIN_MFU, response_tokens: int = 0, call_s: float = TOOL_CALL_S,
-              kv_tokens: int = 0, eval_rows: int = 0) -> CostPlan:
+              kv_tokens: int = 0, eval_rows: int = 0, per_node: int | None = None) -> CostPlan:
     """A step's tokens, FLOPs and seconds on `gpus` GPUs, and the GPU-hours of `cfg.steps` steps. Decode is bound
     by memory (weights and KV cache read once a step); every rank is planned at the budget, so the plan is the
-    slowest rank's; the update's FLOPs a token are CostPlan.flops_per_update_token's. Not counted: prompt prefill,
-    the weight sync. The model: docs/05-torl.md, "The cost before the run"."""
+    slowest rank's; the update's FLOPs a token are CostPlan.flops_per_update_token's. Dynamic sampling's extra rounds
+    are counted at their bound, each a rollout like the step's own; across nodes (`per_node` GPUs a node) HSDP's
+    gradient all-reduce is added to the update. Not counted: prompt prefill, the weight sync. The model:
+    docs/05-torl.md, "The cost before the run"."""
     from update_options import update_gives_pi_old
 
     n, peak = shape["parameters"], PEAK_TFLOPS[gpu] * 1e12
@@ -206,15 +221,29 @@ def cost_plan(cfg, shape: dict, gpus: int, gpu: str = "H100", decode_rate: float
             return sequences * steps / decode_rate + calls_s, 1000 * step_s, waves
         return waves * steps * step_s + calls_s, 1000 * step_s, waves
 
-    decode_s, step_ms, waves = rollout_s(-(-trajectories // gpus), response)
+    round_s, step_ms, waves = rollout_s(-(-trajectories // gpus), response)
+    extra_rounds = cfg.dynamic_sampling_rounds if cfg.dynamic_sampling else 0  # the ranks agree on them: the bound
+    decode_s = round_s * (1 + extra_rounds)
     eval_s = rollout_s(-(-eval_rows * cfg.eval_k // gpus), cfg.eval_max_response_tokens)[0] if eval_rows else 0.0
     update_flops = per_token * n * update_tokens
-    update_s = update_flops / (gpus * peak * train_mfu)
+    traffic_gb = node_traffic_gb(cfg, n, gpus, per_node or gpus)
+    update_s = update_flops / (gpus * peak * train_mfu) + traffic_gb / NODE_LINK_GB_S
     evals = cfg.steps // cfg.eval_every if cfg.eval_every else 0
     hours = ((decode_s + update_s) * cfg.steps + eval_s * (evals + 2)) * gpus / 3600  # and before and after
-    rate = decode_rate or decode_tokens / gpus / max(decode_s - calls_s, 1e-9)
+    rate = decode_rate or decode_tokens / gpus / max(round_s - calls_s, 1e-9)
     return CostPlan(trajectories, response, decode_tokens, update_tokens, per_token, 2 * n * decode_tokens,
-                    update_flops, rate, bool(decode_rate), step_ms, waves, calls_s, decode_s, update_s, eval_s, hours)
+                    update_flops, rate, bool(decode_rate), step_ms, waves, calls_s, decode_s, update_s, eval_s, hours,
+                    extra_rounds, round_s, traffic_gb, traffic_gb / NODE_LINK_GB_S)
+
+
+def node_traffic_gb(cfg, parameters: int, gpus: int, per_node: int) -> float:
+    """GB each node sends to the others a step: the float32 gradient's all-reduce across nodes, once a mini-batch. HSDP
+    (FSDP2 across nodes) all-reduces each GPU's shard with its replicas on the other nodes, and a node's GPUs hold the
+    whole gradient between them; DDP's all-reduce is hierarchical in NCCL, the same bytes between nodes. A ring
+    all-reduce sends 2 (nodes - 1) / nodes of what it reduces. FSDP2 over every GPU of every node (a 1-D mesh) would
+    instead gather the weights twice and reduce-scatter the gradient across nodes in every micro-batch."""
+    nodes = max(1, gpus // per_node)
+    return cfg.num_minibatches * 2 * (nodes - 1) / nodes * 4 * parameters / GB
 
 
 def engine_bytes(cfg, parameters: int) -> int:
@@ -247,6 +276,12 @@ def cost_table(cfg, cost: CostPlan, gpus: int, gpu: str, train_mfu: float) -> st
         f"tokens = {cost.update_tokens:,} tokens a step, {cost.flops_per_update_token}N FLOPs each ({old}"
         f"6N forward and backward{recompute}{'' if old else '; old log-probs from the same forward'}): {cost.update_flops / 1e15:,.1f} PFLOP",
         f"    decode at {how}; the longest trajectory's {cfg.tool_budget} tool call(s) add {cost.tool_calls_s:,.1f} s",
+        *([f"    dynamic sampling: up to {cost.extra_rounds} extra round(s) a step, each a rollout of "
+           f"{cost.round_s:,.1f} s; the ranks agree on each round, and the step counts all {cost.extra_rounds}"]
+          if cost.extra_rounds else []),
+        *([f"    between nodes (HSDP: sharded within a node, replicated across): the gradient's all-reduce, "
+           f"{cost.node_traffic_gb:,.1f} GB a node a step, {cost.node_traffic_s:,.2f} s at an assumed "
+           f"{NODE_LINK_GB_S:g} GB/s (in the update's time)"] if cost.node_traffic_gb else []),
         f"    time a step on {gpus} GPUs (the slowest rank's, at the budget): rollout {cost.decode_s:,.1f} s + update at "
         f"{train_mfu:.0%} MFU {cost.update_s:,.1f} s = {step:,.1f} s{evals}; {cfg.steps:,} steps: "
         f"{cost.gpu_hours / gpus:,.1f} hours",
@@ -255,27 +290,31 @@ def cost_table(cfg, cost: CostPlan, gpus: int, gpu: str, train_mfu: float) -> st
 
 
 def memory_plan(cfg, shape: dict, gpus: int, gpu_gb: float, per_node: int = 8, advise: bool = True) -> MemoryPlan:
-    """GB per GPU during the rollout and during the update, and what cannot fit (one line each)."""
+    """GB per GPU during the rollout, the update and the weight sync, and what cannot fit (one line each). FSDP2
+    shards the trainer within a node of `per_node` GPUs and replicates it across nodes (HSDP, distributed.py)."""
     from logprob_chunks import CHUNK_TOKENS
 
     p = shape["parameters"]
-    shard = gpus if cfg.strategy == "fsdp" else 1  # FSDP2 keeps 1/N of the trainer state per GPU
-    plan = MemoryPlan(gpus=gpus, gpu_gb=gpu_gb, parameters=p)
+    shard = min(gpus, per_node) if cfg.strategy == "fsdp" else 1  # FSDP2 keeps 1/N of the trainer state per GPU
+    plan = MemoryPlan(gpus=gpus, gpu_gb=gpu_gb, parameters=p, shard=shard)
     weights, adamw, grads = 4 * p / shard / GB, 8 * p / shard / GB, 4 * p / shard / GB
     share = cfg.gpu_memory_utilization * gpu_gb
+    # AdamW's moments exist from the start (make_optimizer), before vLLM takes its share
     plan.rollout = {"trainer weights, float32": weights, "AdamW m and v": adamw}
     if cfg.strategy == "ddp" and gpus > 1:  # the gradients are views of DDP's buckets, which live as long as it does
         plan.rollout["DDP's gradient buckets, float32"] = grads
     plan.rollout[f"vLLM ({cfg.gpu_memory_utilization} of the GPU)"] = share
-    tokens = cfg.micro_batch_size * cfg.max_model_len
+    tokens, hidden = cfg.micro_batch_size * cfg.max_model_len, shape["hidden_size"]
     plan.update = {"trainer weights, float32": weights, "AdamW m and v": adamw, "gradients, float32": grads,
-                   f"logits of a micro-batch of {cfg.micro_batch_size}": tokens * shape["vocab_size"] * LOGIT_BYTES / GB,
-                   "one chunk's float32 log-probs": min(tokens, CHUNK_TOKENS) * shape["vocab_size"] * CHUNK_BYTES / GB}
+                   f"final hidden states of a micro-batch of {cfg.micro_batch_size} and their gradient, bf16":
+                       tokens * hidden * HIDDEN_BYTES / GB,
+                   "one chunk's logits and float32 log-probs": min(tokens, CHUNK_TOKENS) * shape["vocab_size"] * CHUNK_BYTES / GB}
     if cfg.gradient_checkpointing:
-        plan.update["checkpointed layer inputs"] = tokens * shape["num_hidden_layers"] * shape["hidden_size"] * 4 / GB
-    else:  # every layer's activations are kept for backward: about 16 float32 values per hidden unit (a rough bound)
+        plan.update["checkpointed layer inputs"] = tokens * shape["num_hidden_layers"] * hidden * 4 / GB
+        plan.update["one layer's activations, recomputed in backward"] = tokens * hidden * LAYER_ACTIVATION_BYTES / GB
+    else:  # every layer's activations are kept for backward
         plan.update["layer activations (no checkpointing)"] = (
-            tokens * shape["num_hidden_layers"] * shape["hidden_size"] * 16 * 4 / GB)
+            tokens * shape["num_hidden_layers"] * hidden * LAYER_ACTIVATION_BYTES / GB)
     if cfg.strategy == "fsdp":
         # The root module (embedding, lm_head) is not resharded after forward, and lm_head's gradient exists from
         # the backward's first op to the root's reduce-scatter at its end; each layer is gathered while the next one
@@ -285,11 +324,16 @@ def memory_plan(cfg, shape: dict, gpus: int, gpu_gb: float, per_node: int = 8, a
         plan.update["FSDP2's unsharded root (embedding, lm_head), bf16, and its bf16 gradient"] = 4 * root / GB
         plan.update["two gathered bf16 layers (the running one and the prefetched next)"] = 4 * layer / GB
         plan.update["a layer's unsharded gradients, bf16 and float32"] = 6 * layer / GB
+    # The sync (weight_sync.py): torch's cache emptied, vLLM's weights woken and loaded one tensor at a time (the
+    # embedding, the largest, gathered and cast), its KV cache still asleep; then the KV cache wakes: the rollout.
+    plan.sync = {name: gb for name, gb in plan.rollout.items() if not name.startswith("vLLM")}
+    plan.sync["vLLM's weights (awake, KV cache asleep)"] = engine_bytes(cfg, p) / GB
+    plan.sync["the largest weight in flight (embedding)"] = engine_bytes(cfg, shape["embedding"]) / GB
     reserves = {"CUDA context": CONTEXT_GB} | ({"NCCL": NCCL_GB} if gpus > 1 else {})
-    plan.rollout.update(reserves)
-    plan.update.update(reserves)
-    if not cfg.enforce_eager:
-        plan.update["vLLM's CUDA graphs (asleep)"] = CUDA_GRAPHS_GB  # inside its share while it runs
+    for phase in (plan.rollout, plan.update, plan.sync):
+        phase.update(reserves)
+    if not cfg.enforce_eager:  # inside vLLM's share while it runs
+        plan.update["vLLM's CUDA graphs (asleep)"] = plan.sync["vLLM's CUDA graphs"] = CUDA_GRAPHS_GB
     plan.kv_tokens = max(0, int((share - engine_bytes(cfg, p) / GB - VLLM_WORK_SPACE_GB) * GB / kv_bytes_per_token(shape)))
     plan.group_tokens = cfg.group_size * cfg.max_model_len
     plan.tokens_in_flight = cfg.problems_per_step // gpus * cfg.group_size * cfg.max_model_len
@@ -299,7 +343,7 @@ def memory_plan(cfg, shape: dict, gpus: int, gpu_gb: float, per_node: int = 8, a
         plan.problems.append(f"the trainer state ({state_gb:.1f} GB a GPU: 16 bytes a parameter, "
                              f"{'sharded over ' + str(shard) if shard > 1 else 'unsharded'}) does not fit a "
                              f"{gpu_gb:.0f} GB GPU; {advice()}")
-    for phase, parts in (("rollout", plan.rollout), ("update", plan.update)):
+    for phase, parts in (("rollout", plan.rollout), ("update", plan.update), ("weight sync", plan.sync)):
         if sum(parts.values()) > gpu_gb and not plan.problems:
             plan.problems.append(f"the {phase} needs {sum(parts.values()):.1f} GB a GPU, more than its {gpu_gb:.0f} GB"
                                  + (": lower gpu_memory_utilization" if phase == "rollout" else
@@ -314,24 +358,26 @@ def memory_plan(cfg, shape: dict, gpus: int, gpu_gb: float, per_node: int = 8, a
 
 
 def gpus_needed(cfg, shape: dict, gpu_gb: float, per_node: int = 8) -> str:
-    """What makes the plan fit: the fewest GPUs under FSDP2 whose rollout and update both fit, or that none do."""
+    """What makes the plan fit: the fewest GPUs of a node under FSDP2 whose phases all fit, or that none do (across
+    nodes the trainer is replicated, so more nodes do not shrink it)."""
     import dataclasses
 
-    sharded = dataclasses.replace(cfg, strategy="fsdp")
-    for n in range(2, 1025):
-        plan = memory_plan(sharded, shape, n, gpu_gb, advise=False)
-        if not any(p.startswith(("the trainer state", "the rollout", "the update")) for p in plan.problems):
-            nodes = -(-n // per_node)
-            return (("it needs strategy fsdp over " if cfg.strategy != "fsdp" else "it needs ") + f"at least {n} GPUs"
-                    + (f": {nodes} nodes of {per_node}" if nodes > 1 and per_node > 1 else ""))
-    return (f"no number of GPUs makes it fit at gpu_memory_utilization {cfg.gpu_memory_utilization} and "
-            f"micro_batch_size {cfg.micro_batch_size}")
+    sharded, largest = dataclasses.replace(cfg, strategy="fsdp"), max(per_node, PLAN_GPUS["gpu"])
+    for n in range(2, largest + 1):
+        plan = memory_plan(sharded, shape, n, gpu_gb, per_node=largest, advise=False)
+        if not any(p.startswith(("the trainer state", "the rollout", "the update", "the weight sync"))
+                   for p in plan.problems):
+            return ("it needs strategy fsdp over " if cfg.strategy != "fsdp" else "it needs ") + f"at least {n} GPUs"
+    return (f"no node of {largest} GPUs makes it fit (FSDP2 shards within a node) at gpu_memory_utilization "
+            f"{cfg.gpu_memory_utilization} and micro_batch_size {cfg.micro_batch_size}")
 
 
 def plan_table(cfg, plan: MemoryPlan, shape: dict) -> str:
     rows = [f"  model {cfg.model}: {plan.parameters / 1e9:.2f}B parameters ({shape['source']})",
-            f"  memory per GPU, GB ({cfg.strategy}{', trainer sharded over ' + str(plan.gpus) if cfg.strategy == 'fsdp' else ''}):"]
-    for phase, parts in (("rollout", plan.rollout), ("update (vLLM asleep)", plan.update)):
+            f"  memory per GPU, GB ({cfg.strategy}{', trainer sharded over ' + str(plan.shard) if cfg.strategy == 'fsdp' else ''}"
+            f"{', replicated across ' + str(plan.gpus // plan.shard) + ' nodes (HSDP)' if plan.gpus > plan.shard > 1 else ''}):"]
+    for phase, parts in (("rollout", plan.rollout), ("update (vLLM asleep)", plan.update),
+                         ("weight sync (vLLM's weights awake)", plan.sync)):
         rows.append(f"    {phase}: " + ", ".join(f"{name} {gb:.1f}" for name, gb in parts.items())
                     + f" = {sum(parts.values()):.1f} of {plan.gpu_gb:.0f}")
     fits = "all fit" if plan.kv_tokens >= plan.tokens_in_flight else "the rest wait (preempted) while others finish"

@@ -24,6 +24,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from distributed import unwrap
 from logprob_chunks import chunked_logprobs
 from objectives import aggregate, cispo_loss, gspo_loss, loss_denominator, objective_aggregation, objective_problems
 from update_metrics import UpdateTally, ratio_stats, sampler_mismatch
@@ -348,11 +349,12 @@ def _target_logprobs(model, input_ids, attention_mask, temperature: float, with_
     device = next(model.parameters()).device
     input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
-    with autocast:
-        logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
-    # logit[target] - logsumexp over the vocabulary, in float32 and a chunk of positions at a time: the whole
-    # [b, T, vocabulary] in float32 would cap the micro-batch (logprob_chunks.py)
-    return chunked_logprobs(logits, input_ids[:, 1:], temperature, with_entropy)
+    with autocast:  # the final hidden states; the logits of one position only (logits_to_keep), never used
+        hidden = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, logits_to_keep=1,
+                       output_hidden_states=True).hidden_states[-1]
+    # lm_head, then logit[target] - logsumexp over the vocabulary in float32, a chunk of positions at a time: the
+    # whole [b, T, vocabulary] would cap the micro-batch (logprob_chunks.py)
+    return chunked_logprobs(hidden, unwrap(model).lm_head, input_ids[:, 1:], temperature, with_entropy)
 
 
 def _micro_batches(rows: torch.Tensor, size: int) -> list[torch.Tensor]:

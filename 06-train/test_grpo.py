@@ -6,6 +6,7 @@ import re
 import pytest
 import torch
 
+import grpo
 from grpo import (
     GRPOConfig,
     build_batch,
@@ -178,18 +179,18 @@ def test_sequence_mean_weighs_each_trajectory_the_same():
 def test_gradient_is_zero_at_prompt_observation_and_padding_positions(policy):
     captured = {}
 
-    def keep_logits(module, inputs, output):
-        output.retain_grad()
-        captured["logits"] = output
+    def keep_hidden(module, inputs, output):  # the final hidden states, which lm_head turns into logits chunk by chunk
+        output.last_hidden_state.retain_grad()
+        captured["hidden"] = output.last_hidden_state
 
-    policy.lm_head.register_forward_hook(keep_logits)
+    policy.model.register_forward_hook(keep_hidden)
     trajectories = random_trajectories(3)
     batch = build_batch(trajectories)
     logprobs = token_logprobs(policy, batch)
     loss, _ = clipped_policy_loss(logprobs, logprobs.detach(), batch.advantages, batch.loss_mask)
     loss.backward()
 
-    grad = captured["logits"].grad  # [B, T, V]; position j predicts input j + 1
+    grad = captured["hidden"].grad  # [B, T, hidden]; position j predicts input j + 1
     scored = torch.zeros(grad.shape[:2], dtype=torch.bool)
     scored[:, :-1] = batch.loss_mask.bool()
     assert (grad[~scored] == 0).all()
@@ -218,27 +219,32 @@ def whole_logprobs_and_entropy(logits, targets, temperature):
 
 
 def test_log_probs_entropy_and_gradients_in_chunks_are_the_whole_forms_bit_for_bit(policy, monkeypatch):
+    """lm_head on each chunk of positions, recomputed in backward, against the plain form: the model's whole [B, T, V]
+    logits, then log_softmax. The same log-probs, entropy and gradient of every weight, to the bit on the CPU."""
     import logprob_chunks
 
     monkeypatch.setattr(logprob_chunks, "CHUNK_TOKENS", 8)  # 2 positions a chunk for 4 rows: many chunks, a ragged last
     batch = build_batch(random_trajectories(4))
     weights = torch.randn(batch.loss_mask.shape, generator=torch.Generator().manual_seed(0)) * batch.loss_mask
+    targets = batch.input_ids[:, 1:]
     results = []
     for chunked in (True, False):
         model = copy.deepcopy(policy)
-        logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False).logits
-        targets = batch.input_ids[:, 1:]
-        logprobs, entropy = (logprob_chunks.chunked_logprobs(logits, targets, 0.7, with_entropy=True) if chunked
-                             else whole_logprobs_and_entropy(logits, targets, 0.7))
+        if chunked:  # what grpo_step runs
+            logprobs, entropy = grpo._target_logprobs(model, batch.input_ids, batch.attention_mask, 0.7, with_entropy=True)
+        else:
+            logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False).logits
+            logprobs, entropy = whole_logprobs_and_entropy(logits, targets, 0.7)
         (logprobs * weights).sum().backward()
         results.append([logprobs.detach(), entropy] + [p.grad for p in model.parameters()])
+    assert len(results[0]) == len(results[1]) == 2 + len(list(policy.parameters()))
     assert all(torch.equal(a, b) for a, b in zip(*results))
-    assert results[0][2].abs().sum() > 0
+    assert results[0][2].abs().sum() > 0 and policy.lm_head.weight.requires_grad
 
 
-def log_prob_memory(chunk_tokens, rows=2, positions=1025, vocabulary=4096):
-    """Peak bytes alive and the largest float32 tensor while bf16 logits (as a GPU's autocast gives them, from an
-    output layer) go through chunked_logprobs, forward and backward; and the logits' value count."""
+def log_prob_memory(chunk_tokens, rows=2, positions=1025, vocabulary=4096, hidden_size=64):
+    """Peak bytes alive and the largest float32 tensor while bf16 hidden states go through an output layer and
+    chunked_logprobs, forward and backward (as a GPU's autocast makes them); and the logits' value count."""
     import weakref
 
     import logprob_chunks
@@ -264,13 +270,13 @@ def log_prob_memory(chunk_tokens, rows=2, positions=1025, vocabulary=4096):
             return out
 
     g = torch.Generator().manual_seed(0)
-    hidden = torch.randn(rows, positions, 64, generator=g).bfloat16()
-    output_layer = torch.randn(vocabulary, 64, generator=g).bfloat16().requires_grad_()
+    hidden = torch.randn(rows, positions, hidden_size, generator=g).bfloat16().requires_grad_()
+    output_layer = torch.nn.Linear(hidden_size, vocabulary, bias=False).bfloat16()
     targets = torch.randint(0, vocabulary, (rows, positions - 1), generator=g)
     old, logprob_chunks.CHUNK_TOKENS = logprob_chunks.CHUNK_TOKENS, chunk_tokens
     try:
         with Tracker():
-            logprobs, _ = logprob_chunks.chunked_logprobs(hidden @ output_layer.t(), targets, 1.0, with_entropy=True)
+            logprobs, _ = logprob_chunks.chunked_logprobs(hidden, output_layer, targets, 1.0, with_entropy=True)
             logprobs.sum().backward()
     finally:
         logprob_chunks.CHUNK_TOKENS = old
@@ -286,16 +292,16 @@ def test_no_float32_tensor_spans_the_whole_logits_forward_or_backward():
 
 
 def test_the_plans_logit_bytes_are_what_the_chunks_hold():
-    """dry_run's memory plan: LOGIT_BYTES a value of the whole logits, CHUNK_BYTES a value of one chunk."""
-    from dry_run import CHUNK_BYTES, LOGIT_BYTES
+    """dry_run's memory plan: nothing a value of the whole micro-batch's logits, CHUNK_BYTES a value of one chunk."""
+    from dry_run import CHUNK_BYTES
 
     (small, _, n_small), (large, _, n_large), (wide, _, _) = (
         log_prob_memory(chunk, positions=positions) for chunk, positions in ((256, 1025), (256, 2049), (512, 2049)))
     whole = (large - small) / (n_large - n_small)  # per value of the logits: the chunk's share cancels
-    chunk = (wide - large) / (256 * 4096)  # per value of a chunk: the logits' share cancels
-    assert whole == pytest.approx(LOGIT_BYTES, rel=0.02)
+    chunk = (wide - large) / (256 * 4096)  # per value of a chunk: the whole's share cancels
+    assert whole < 0.1  # the hidden states and their gradient: 2 x 2 bytes a hidden unit, 1/64 of a logit here
     assert chunk == pytest.approx(CHUNK_BYTES, rel=0.1)
-    assert large <= LOGIT_BYTES * n_large + CHUNK_BYTES * 256 * 4096 + 1e6  # the plan holds the peak
+    assert large <= 0.1 * n_large + CHUNK_BYTES * 256 * 4096 + 1e6  # the plan holds the peak
 
 
 @pytest.mark.parametrize("sign", [+1.0, -1.0])
