@@ -12,6 +12,7 @@ import contextlib
 import ctypes
 import os
 import platform
+import re
 import struct
 import sys
 import sysconfig
@@ -114,10 +115,14 @@ WORKDIR = "/tmp/work"
 # Files of /proc that describe the kernel's keys: the caller's session keyring and every key its uid may
 # view (names and sizes), and each user's key counts. The filter denies the key calls; these it cannot.
 PROC_MASKED = ("/proc/keys", "/proc/key-users")
-# The machine's counters since boot (stat's "processes": forks, "ctxt", "intr"; vmstat's page faults, major ones
-# included), which one call moves and the next reads: a copy of each with every number 0 is bound over it (its lines
-# kept, for what counts CPUs by them).
-PROC_COUNTERS = ("/proc/stat", "/proc/vmstat")
+# The machine's counters, which one call moves and the next reads: stat's forks, context switches and interrupts;
+# vmstat's and zoneinfo's page faults and pages; the dentry and inode caches (a call that looks up names that do not
+# exist moves dentry-state by exactly as many); block I/O (diskstats, softirqs' BLOCK) and interrupts, which reads
+# that miss the page cache move. A copy of each with every number 0 is bound over it (its lines and names kept, for
+# what counts CPUs by them).
+PROC_COUNTERS = ("/proc/stat", "/proc/vmstat", "/proc/zoneinfo", "/proc/diskstats", "/proc/softirqs", "/proc/interrupts",
+                 "/proc/sys/fs/dentry-state", "/proc/sys/fs/inode-nr", "/proc/sys/fs/inode-state")
+_NUMBER = re.compile(r"(?<![\w.-])\d+(?![\w.:-])")  # a number on its own: not the 0 of cpu0, the 2 of 2-edge or an interrupt line 9:
 SHELL = "/bin/sh"  # subprocess(..., shell=True) runs it: bound alone, so a command it names that is not Python fails by name
 SCRATCH_INODES = 16384  # files and folders the scratch tmpfs holds: each is kernel memory too
 _BUILD_AT = "/tmp"  # where the new root is assembled in the slot's own mount namespace, before pivot_root
@@ -214,11 +219,14 @@ def build_root() -> dict[str, int]:
 
 def _bind_counters_at_zero(path: str) -> None:
     """Bind over a /proc file of the machine's counters a copy of it whose every number is 0 (btime kept: the boot
-    time, a constant). The copy is written in the new root, bound, then unlinked: no path names it."""
-    with open(path) as f:
-        lines = [line.split() for line in f if line.strip()]
-    text = "".join(" ".join(fields if fields[0] == "btime" else fields[:1] + ["0"] * (len(fields) - 1)) + "\n"
-                   for fields in lines)
+    time, a constant; names such as cpu0, sda or 2-edge kept). The copy is written in the new root, bound, then
+    unlinked: no path names it. A file this kernel lacks is left out."""
+    try:
+        with open(path) as f:
+            lines = f.read().splitlines()
+    except FileNotFoundError:
+        return
+    text = "".join((line if line.startswith("btime") else _NUMBER.sub("0", line)) + "\n" for line in lines)
     copy = "/.counters"
     with open(copy, "w") as f:
         f.write(text)
@@ -456,13 +464,13 @@ class MemoryWatch:
             self.killed = self.killed or total - self.base_kb > cap_kb
         return self.killed
 
-    def _kernel_kb(self, pid: str, fields: dict[str, str]) -> float:
+    def _kernel_kb(self, pid: str, fields: dict[str, int]) -> float:
         """A process's kernel memory: status's counts (_KERNEL_KB) and its mappings at their last count."""
         if pid not in self.mappings:  # a fork copies its parent's mappings
-            self.mappings[pid] = self.mappings.get(fields.get("PPid", "").strip(), self.mappings[str(os.getpid())])
+            self.mappings[pid] = self.mappings.get(str(fields.get("PPid")), self.mappings[str(os.getpid())])
         return sum(_sum_kb(fields, (name,)) * kb for name, kb in _KERNEL_KB.items()) + self.mappings[pid] * VMA_KB
 
-    def _count_one(self, status: dict[str, dict[str, str]], until: float) -> None:
+    def _count_one(self, status: dict[str, dict[str, int]], until: float) -> None:
         """Count the mappings of one process a tick, new ones first, then the one counted longest ago: reading a
         process's maps costs as much as it has mappings (tens of ms for 65,000), too much for every process each tick."""
         me = str(os.getpid())
@@ -494,27 +502,49 @@ _KERNEL_KB = {"VmPTE": 1.0, "Threads": 16.0, "FDSize": 0.5}
 VMA_KB = 0.25  # a mapping (VMA): its vm_area_struct and share of the maple tree, about 0.2 kB measured
 
 
-def _sum_kb(fields: dict[str, str], names: tuple[str, ...]) -> int:
-    return sum(int(fields[name].split()[0]) for name in names if name in fields)
+def _sum_kb(fields: dict[str, int], names: tuple[str, ...]) -> int:
+    return sum(fields.get(name, 0) for name in names)
+
+
+# The watch reads /proc files into this buffer alone, and zeroes what it read: maps and status hold names the code
+# chooses (a file it maps, the name of a thread), which in the slot's heap every later call would inherit by its fork.
+_PROC_BUFFER = bytearray(1 << 16)
+
+
+def _read_into_buffer(proc: int, path: str, each) -> bool:
+    """Read proc/path chunk by chunk into _PROC_BUFFER, calling each(size) on every chunk; False where the file is
+    gone or refused. The buffer is zeroed after every chunk."""
+    try:
+        fd = os.open(path, os.O_RDONLY, dir_fd=proc)
+    except OSError:
+        return False
+    size = 0
+    try:
+        while True:
+            size = os.readv(fd, [_PROC_BUFFER])
+            if not size:
+                return True
+            each(size)
+            _PROC_BUFFER[:size] = bytes(size)
+    except OSError:
+        return False
+    finally:
+        _PROC_BUFFER[:size] = bytes(size)
+        os.close(fd)
 
 
 def _count_mappings(proc: int, pid: str) -> int | None:
     """How many mappings (VMAs) a process has: lines of its maps; None once it is gone, or where it is refused."""
     for path in _task_paths(proc, pid, "maps"):
-        try:
-            fd = os.open(path, os.O_RDONLY, dir_fd=proc)
-        except OSError:
+        lines = [0]
+
+        def count(size: int) -> None:
+            lines[0] += _PROC_BUFFER.count(b"\n", 0, size)
+
+        if not _read_into_buffer(proc, path, count):
             return None
-        try:
-            count, chunk = 0, os.read(fd, 1 << 20)
-            while chunk:
-                count, chunk = count + chunk.count(b"\n"), os.read(fd, 1 << 20)
-        except OSError:
-            return None
-        finally:
-            os.close(fd)
-        if count:
-            return count
+        if lines[0]:
+            return lines[0]
     return None
 
 
@@ -535,12 +565,12 @@ def _held_kb(proc: int, pid: str, kind: tuple[str, tuple[str, ...]]) -> int | No
     return _sum_kb(fields, held) if held[0] in fields else None
 
 
-def _fields(proc: int, pid: str, name: str, first: str) -> dict[str, str]:
-    """The fields of /proc/PID/name, such as status. A thread group whose leader exited goes on in its other
-    threads, and the leader's files then show no memory: one of its threads' shows the group's."""
+def _fields(proc: int, pid: str, name: str, first: str) -> dict[str, int]:
+    """The numbers the watch uses of /proc/PID/name, such as status (_WATCHED). A thread group whose leader exited
+    goes on in its other threads, and the leader's files then show no memory: one of its threads' shows the group's."""
     fields = {}
     for path in _task_paths(proc, pid, name):
-        fields = _status(proc, path)
+        fields = _numbers(proc, path)
         if fields.get(first) is not None:
             break
     return fields
@@ -561,8 +591,26 @@ def _task_paths(proc: int, pid: str, name: str):
         yield f"{pid}/task/{tid}/{name}"
 
 
-def _status(proc: int, path: str) -> dict[str, str]:
-    return dict(line.split(":", 1) for line in _read(proc, path).splitlines() if ":" in line)
+# The fields the watch reads of status and smaps_rollup: numbers only, never a name
+_WATCHED = (*_RESIDENT[1], *_PROPORTIONAL[1], *_KERNEL_KB, "PPid", "VmSize")
+
+
+def _numbers(proc: int, path: str) -> dict[str, int]:
+    """The _WATCHED fields of a status-like file ("Name:\tvalue kB" lines) found in it, as numbers ({} where it is
+    gone). Only digits are taken out of the buffer: the file's other lines stay in it until it is zeroed."""
+    found = {}
+
+    def parse(size: int) -> None:
+        for name in _WATCHED:
+            at = _PROC_BUFFER.find(b"\n" + name.encode() + b":", 0, size)
+            if at >= 0:
+                start = at + len(name) + 2
+                end = _PROC_BUFFER.find(b"\n", start, size)
+                digits = _PROC_BUFFER[start:end if end >= 0 else size].split()
+                if digits and digits[0].isdigit():
+                    found[name] = int(digits[0])
+
+    return found if _read_into_buffer(proc, path, parse) else {}
 
 
 def _read(dir_fd: int, path: str) -> str:

@@ -676,29 +676,7 @@ def test_a_later_call_finds_nothing_of_an_earlier_call_in_its_memory():
     # Tens of KB each, as real code and output are: small buffers are soon reused, these linger.
     earlier = f"secret = '{code_marker * 1000}'\nprint(''.join(reversed({output_marker[::-1]!r})) * 300)"
     halves = [(m[:16], m[16:]) for m in (code_marker, output_marker)]
-    scan = (
-        "import ctypes, os, uuid\n"
-        "ctypes.CDLL(None).prctl(4, 1)  # PR_SET_DUMPABLE: what a determined reader would do first\n"
-        "control = uuid.uuid4().hex\n"
-        f"wanted = {halves!r} + [(control[:16], control[16:])]\n"
-        "found = [False] * len(wanted)\n"
-        "mem = os.open('/proc/self/mem', os.O_RDONLY)\n"
-        "for line in open('/proc/self/maps').read().splitlines():\n"
-        "    span, perms = line.split()[:2]\n"
-        "    if perms[0] != 'r' or line.endswith(('[vvar]', '[vsyscall]', '[vvar_vclock]')):\n"
-        "        continue\n"
-        "    start, end = (int(x, 16) for x in span.split('-'))\n"
-        "    try:\n"
-        "        data = os.pread(mem, end - start, start)\n"
-        "    except OSError:\n"
-        "        continue\n"
-        "    for i, (head, tail) in enumerate(wanted):\n"
-        "        at = data.find(head.encode())\n"
-        "        while at >= 0 and not found[i]:\n"
-        "            found[i] = data.startswith(tail.encode(), at + 16)\n"
-        "            at = data.find(head.encode(), at + 1)\n"
-        "print(found)\n"
-    )
+    scan = SCAN.format(halves=halves)
     with Sandbox(make_config("local", concurrency=1, preload=("math",), max_output_bytes=64 * 1024)) as sb:  # one slot
         first = sb.run(earlier)
         assert first.ok and first.stdout == output_marker * 300 + "\n"
@@ -706,6 +684,33 @@ def test_a_later_call_finds_nothing_of_an_earlier_call_in_its_memory():
             r = sb.run(scan)
             assert r.ok, r
             assert r.stdout == "[False, False, True]\n"  # neither marker; the control is found
+
+
+# A scan of the code's own memory for strings given as halves (head, tail) that must be adjacent, so that the scan
+# never holds a whole string itself; a control string it builds at run time shows that it finds what is there.
+SCAN = (
+    "import ctypes, os, uuid\n"
+    "ctypes.CDLL(None).prctl(4, 1)  # PR_SET_DUMPABLE: what a determined reader would do first\n"
+    "control = uuid.uuid4().hex\n"
+    "wanted = {halves!r} + [(control[:16], control[16:])]\n"
+    "found = [False] * len(wanted)\n"
+    "mem = os.open('/proc/self/mem', os.O_RDONLY)\n"
+    "for line in open('/proc/self/maps').read().splitlines():\n"
+    "    span, perms = line.split()[:2]\n"
+    "    if perms[0] != 'r' or line.endswith(('[vvar]', '[vsyscall]', '[vvar_vclock]')):\n"
+    "        continue\n"
+    "    start, end = (int(x, 16) for x in span.split('-'))\n"
+    "    try:\n"
+    "        data = os.pread(mem, end - start, start)\n"
+    "    except OSError:\n"
+    "        continue\n"
+    "    for i, (head, tail) in enumerate(wanted):\n"
+    "        at = data.find(head.encode())\n"
+    "        while at >= 0 and not found[i]:\n"
+    "            found[i] = data.startswith(tail.encode(), at + len(head))\n"
+    "            at = data.find(head.encode(), at + 1)\n"
+    "print(found)\n"
+)
 
 
 def test_the_code_sees_only_an_allow_listed_file_system():
@@ -1398,7 +1403,7 @@ def unprivileged(unprivileged_folder):
     each call, and what this (root) process saw: the listener's connections, leftover files and processes."""
     python, folder = unprivileged_folder
     own, secret = os.path.join(folder, "own"), "hf_" + uuid.uuid4().hex
-    daemon, bomb, host_process = marker(), marker(), marker()
+    daemon, bomb, host_process, watched, named = marker(), marker(), marker(), uuid.uuid4().hex, uuid.uuid4().hex[:15]
     listener = socket.create_server(("127.0.0.1", 0))
     abstract = socket.socket(socket.AF_UNIX)
     abstract.bind(f"\0{host_process}")  # an abstract Unix socket of the machine's network namespace
@@ -1471,6 +1476,17 @@ def unprivileged(unprivileged_folder):
         "find": ("import ctypes, os, socket\n"
                  "print(os.getpid(), os.listdir('/tmp'), os.listdir('/var/tmp'), os.listdir('/dev/shm'), os.listdir('.'),\n"
                  "      ctypes.CDLL(None).semget(0x5A5A5A, 0, 0) >= 0)\n", None, None, []),
+        "name_in_maps": ("import mmap, os, time\n"  # names the code chose, in the maps and status the watch reads
+                         "held = []\n"
+                         f"for i in range(100):\n"
+                         f"    with open('{watched}%03d' % i, 'wb') as f:\n"
+                         "        f.write(b'x')\n"
+                         f"    with open('{watched}%03d' % i, 'rb') as f:\n"
+                         "        held.append(mmap.mmap(f.fileno(), 1, prot=mmap.PROT_READ))\n"
+                         f"ctypes = __import__('ctypes'); ctypes.CDLL(None).prctl(15, b'{named}')\n"
+                         "time.sleep(0.5)\n"  # 50 looks of the watch
+                         "print('mapped')\n", None, None, []),
+        "find_name": (SCAN.format(halves=[(watched[:16], watched[16:]), (named[:8], named[8:])]), None, None, []),
         "heap": ("x = bytearray(512 * 1024**2)", None, None, []),
         "memfd": ("import os\nos.memfd_create('hold')", None, None, []),
         "shm": ("import ctypes, errno\nlibc = ctypes.CDLL(None, use_errno=True)\n"  # System V memory, messages, semaphores
@@ -1549,8 +1565,16 @@ def test_unprivileged_the_isolation_is_a_user_namespace_and_the_controls_work(un
 def test_unprivileged_the_code_is_not_the_user_has_no_capability_and_cannot_become_root(unprivileged):
     r = unprivileged["results"]["identity"]
     assert r["ok"], r
-    assert r["stdout"].splitlines() == ["65534 65534 65534 0000000000000000 1 2", "setuid(0) EINVAL", "setgroups EPERM",
-                                        "flock EPERM", "ns_last_pid EPERM", "unshare(user) EPERM"]
+    assert r["stdout"].splitlines() == ["65534 65534 65534 0000000000000000 1 2", "setuid(0) EPERM", "setgroups EPERM",
+                                        "flock allowed", "ns_last_pid EPERM", "unshare(user) EPERM"]
+
+
+def test_unprivileged_the_memory_watch_leaves_no_name_the_code_chose_for_a_later_call(unprivileged):
+    """The slot's watch reads each process's maps and status, which hold names the code chose (the files it maps,
+    its own name), into a buffer it zeroes after each read: none reaches the slot's heap, which the next call inherits."""
+    assert unprivileged["results"]["name_in_maps"]["stdout"] == "mapped\n", unprivileged["results"]["name_in_maps"]
+    r = unprivileged["results"]["find_name"]
+    assert r["ok"] and r["stdout"] == "[False, False, True]\n", r  # neither the file names nor the name; the control
 
 
 def test_unprivileged_the_code_cannot_read_the_users_files_or_environment(unprivileged):
