@@ -489,6 +489,57 @@ def test_idle_connections_past_the_open_files_limit_neither_starve_a_call_nor_sp
         stop_server(proc)
 
 
+def _rss_mb(pid: int) -> float:
+    return int(Path(f"/proc/{pid}/status").read_text().split("VmRSS:")[1].split()[0]) / 1024
+
+
+@pytest.mark.e2e
+def test_requests_waiting_for_a_slot_are_held_as_bytes_not_decoded():
+    """JSON takes many times its bytes once decoded: a request is decoded only when a call may run. While one call
+    holds the only slot, 30 requests of 0.9 MB each (an object of 300,000 empty objects: about 20 MB decoded) wait:
+    the server holds their bytes, not 600 MB of objects."""
+    if os.geteuid() != 0:
+        pytest.skip("serve.py runs the local sandbox, whose namespaces and cgroups need root")
+    proc, url = start_server("--preload", "", "--concurrency", "1", "--max-request-kb", "1024")
+    busy = concurrent.futures.ThreadPoolExecutor(1).submit(run_code, url, "import time; time.sleep(6)", run_timeout=8)
+    parts, held = urllib.parse.urlsplit(url), []
+    try:
+        time.sleep(1)  # the slot is taken
+        before = _rss_mb(proc.pid)
+        body = b'{"code": "pass", "language": "python", "pad": [' + b"{}," * 300000 + b"{}]}"
+        for _ in range(30):
+            conn = socket.create_connection((parts.hostname, parts.port), timeout=60)
+            conn.sendall(post(body))
+            held.append(conn)
+        time.sleep(2)  # read whole, handed to answering threads
+        grown = _rss_mb(proc.pid) - before
+        assert busy.result(timeout=60)["run_result"]["return_code"] == 0
+        answers = [json.loads(conn.makefile("rb").read().split(b"\r\n\r\n", 1)[1]) for conn in held]
+        assert [a["status"] for a in answers] == ["Success"] * 30
+        assert grown < 30 * 0.9 + 100, f"the server grew by {grown:.0f} MB while 30 requests of 0.9 MB waited"
+    finally:
+        for conn in held:
+            conn.close()
+        stop_server(proc)
+
+
+@pytest.mark.e2e
+def test_the_log_escapes_what_a_client_sent():
+    """A request line's bytes reach the log line only as printable ASCII: ESC and BEL would act on the terminal
+    that shows it."""
+    if os.geteuid() != 0:
+        pytest.skip("serve.py runs the local sandbox, whose namespaces and cgroups need root")
+    proc, url = start_server("--preload", "", "--log")
+    try:
+        status, _, _ = raw_exchange(url, b"GET /\x1b]0;owned\x07\x1b[2J\\x1b HTTP/1.1\r\n\r\n")
+        assert status == 404
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        _, log = proc.communicate(timeout=60)
+    line = [line for line in log.splitlines() if " 404" in line]
+    assert line == ["127.0.0.1 GET /\\x1b]0;owned\\x07\\x1b[2J\\x5cx1b 404"], log
+
+
 def _cpu_seconds(pid: int) -> float:
     """User and system CPU time of a process, all its threads (the fields after its name in /proc/PID/stat)."""
     fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
