@@ -259,11 +259,14 @@ def measured_counterparts(timing: dict) -> dict:
 
     import torch
 
+    reserved = {}
     if torch.cuda.is_available():
         peak_gb = torch.cuda.max_memory_allocated() / 1e9
+        # what torch's allocator held at most, its cached blocks included: what vLLM's wake had beside it
+        reserved = {"peak_reserved_gb": torch.cuda.max_memory_reserved() / 1e9}
     else:
         peak_gb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9  # Linux: kilobytes
-    return {"peak_memory_gb": peak_gb,
+    return {"peak_memory_gb": peak_gb, **reserved,
             "decode_tokens_per_s": timing["generated_tokens"] / timing["generate_s"] if timing["generate_s"] else 0.0}
 
 

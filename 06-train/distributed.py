@@ -304,7 +304,7 @@ def combine_metrics(per_rank: list[dict]) -> dict:
         return dict(per_rank[0])
     sums = {"trajectories", "tokens", "sequences", "degenerate_groups", "errors", "generated_tokens", "rows_skipped",
             "computed_tokens"}
-    maxima = {"mismatch_max", "ratio_max", "peak_memory_gb"}  # the plan must fit the fullest rank
+    maxima = {"mismatch_max", "ratio_max", "peak_memory_gb", "peak_reserved_gb"}  # the plan must fit the fullest rank
     per_token = {"entropy", "mismatch_abs", "mismatch_kl", "clip_low_frac", "clip_high_frac", "ratio_mean", "approx_kl",
                  "informative_frac", "tis_masked_frac"}
 

@@ -239,7 +239,17 @@ def make_optimizer(model, cfg: GRPOConfig) -> torch.optim.Optimizer:
             "(a 1e-6 step rounds away in bf16); load with load_policy or dtype=torch.float32"
         )
     fused = params[0].device.type == "cuda"
-    return torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay, fused=fused)
+    optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay, fused=fused)
+    # AdamW makes its moments at its first step, inside the update's fragmented memory; made here, before vLLM takes
+    # its share, they are where the plan puts them (docs/06-scaling.md). The same zeros and step count as its own.
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            on_device = group["fused"] or group["capturable"]
+            step_dtype = torch.float64 if torch.get_default_dtype() == torch.float64 and not group["fused"] else torch.float32
+            optimizer.state[p] = {"step": torch.zeros((), dtype=step_dtype, device=p.device if on_device else "cpu"),
+                                  "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
+                                  "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format)}
+    return optimizer
 
 
 # --------------------------------------------------------------------------- the batch

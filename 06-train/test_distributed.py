@@ -459,6 +459,20 @@ def test_combined_metrics_weigh_ranks_by_what_each_metric_counts():
     assert m["tis_masked_frac"] == pytest.approx(0.3) and m["tis_masked_seq_frac"] == pytest.approx(0.375)
 
 
+def test_each_step_logs_the_allocators_reserved_peak_on_cuda_and_the_fullest_rank_counts(monkeypatch):
+    """max_memory_reserved counts torch's cached blocks too: what vLLM's wake had beside it (weight_sync.py)."""
+    from run_record import measured_counterparts
+
+    timing = {"generated_tokens": 10.0, "generate_s": 2.0}
+    assert "peak_reserved_gb" not in measured_counterparts(timing)  # CPU: the process's peak alone
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda: 30e9)
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda: 41e9)
+    step = measured_counterparts(timing)
+    assert (step["peak_memory_gb"], step["peak_reserved_gb"]) == (30.0, 41.0)
+    assert combine_metrics([step, {**step, "peak_reserved_gb": 52.0}])["peak_reserved_gb"] == 52.0
+
+
 def test_one_failing_rank_ends_the_run_instead_of_a_hang(tmp_path, preloaded_python):
     """Rank 1 raises while rank 0 waits for it in a collective: torchrun stops rank 0 and names rank 1.
 

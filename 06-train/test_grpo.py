@@ -448,6 +448,32 @@ def test_metrics_are_flat_floats(policy):
     assert metrics["tokens"] == sum(sum(t.loss_mask) for t in random_trajectories(3))
 
 
+def test_adamws_moments_exist_before_the_first_step_and_train_exactly_as_its_own(policy):
+    """make_optimizer makes AdamW's state at once (before vLLM takes its share of the GPU, not inside the first
+    update); two steps from it give the same weights and state, to the bit, as AdamW's lazily made state."""
+    cfg = GRPOConfig(lr=1e-3, num_minibatches=2, micro_batch_size=2)
+    eager_model, lazy_model = policy, copy.deepcopy(policy)
+    initial = [p.detach().clone() for p in policy.parameters()]
+    eager = make_optimizer(eager_model, cfg)
+    params = list(eager_model.parameters())
+    assert len(eager.state) == len(params)
+    for p in params:
+        state = eager.state[p]
+        assert float(state["step"]) == 0 and not state["exp_avg"].any() and not state["exp_avg_sq"].any()
+        assert state["exp_avg"].shape == p.shape and state["exp_avg"].device == p.device
+    lazy = torch.optim.AdamW(lazy_model.parameters(), lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
+    assert not lazy.state
+    for seed in (0, 1):
+        for model, optimizer in ((eager_model, eager), (lazy_model, lazy)):
+            trajectories = random_trajectories(4, seed=seed)
+            grpo_step(model, optimizer, trajectories, cfg)
+    assert all(torch.equal(a, b) for a, b in zip(eager_model.parameters(), lazy_model.parameters()))
+    assert max(float((a - b).abs().max()) for a, b in zip(params, initial)) > 1e-4  # the steps moved the weights
+    for a, b in zip(params, lazy_model.parameters()):
+        for key in ("step", "exp_avg", "exp_avg_sq"):
+            assert torch.equal(eager.state[a][key], lazy.state[b][key]), key
+
+
 def test_bf16_master_weights_are_refused(policy):
     with pytest.raises(ValueError, match="float32"):
         make_optimizer(policy.to(torch.bfloat16), GRPOConfig())
@@ -882,6 +908,52 @@ def test_a_failing_weight_load_still_joins_every_gather_and_raises(policy, monke
         weight_sync.sync_weights(policy, llm)
     assert "did not expect" in str(e.value.__cause__)
     assert len(gathered) == len(list(policy.parameters()))
+
+
+def test_a_sleeping_sampler_is_woken_weights_first_after_torchs_cache_is_freed_then_loaded_then_its_kv_cache(
+        policy, monkeypatch):
+    """The order of vLLM's calls on CUDA (a fake engine records them; only their order matters): the update sleeps
+    vLLM at level 2 (weights and KV cache dropped); the sync frees torch's cache before the weights' wake (vLLM maps
+    that memory outside torch's allocator), loads every weight, frees the load's copies, then wakes the KV cache,
+    and the prefix cache is reset."""
+    from types import SimpleNamespace
+
+    import vllm.v1.engine.core_client as core_client
+
+    import weight_sync
+
+    calls, state = [], {"asleep": False}
+
+    class Core:
+        pass
+
+    monkeypatch.setattr(core_client, "InprocClient", Core)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append("empty_cache"))
+
+    def sleep(level):
+        calls.append(f"sleep level {level}")
+        state["asleep"] = True
+
+    def wake_up(tags):
+        calls.append(f"wake {','.join(tags)}")
+        state["asleep"] = tags != ["kv_cache"]
+
+    def load(fn, args):
+        calls.append(f"load {len(list(args[0]))} weights")
+
+    config = SimpleNamespace(dtype=torch.bfloat16, enable_sleep_mode=True)
+    engine = SimpleNamespace(engine_core=Core(), is_sleeping=lambda: state["asleep"],
+                             vllm_config=SimpleNamespace(model_config=config))
+    llm = SimpleNamespace(llm_engine=engine, sleep=sleep, wake_up=wake_up, collective_rpc=load,
+                          reset_prefix_cache=lambda: calls.append("reset prefix cache") or True)
+    assert weight_sync.sleep_sampler(llm) is True
+    assert weight_sync.sync_weights(policy, llm) == 1
+    assert calls == ["sleep level 2", "empty_cache", "wake weights", f"load {len(list(policy.parameters()))} weights",
+                     "empty_cache", "wake kv_cache", "reset prefix cache"]
+    calls.clear()  # awake (no sleep mode, or the CPU): the load alone
+    weight_sync.sync_weights(policy, llm)
+    assert calls == [f"load {len(list(policy.parameters()))} weights", "reset prefix cache"]
 
 
 # --------------------------------------------------------------------------- the objectives after DAPO

@@ -17,8 +17,9 @@ def sync_weights(model, llm) -> int:
         raise RuntimeError("sync_weights needs the vLLM engine in this process: build it with make_llm "
                            "(VLLM_ENABLE_V1_MULTIPROCESSING=0)")
     asleep = llm.llm_engine.is_sleeping()
-    if asleep:
-        llm.wake_up(tags=["weights"])  # the weights' memory first; the KV cache after the copy
+    if asleep:  # vLLM maps its memory outside torch's allocator: torch's cached blocks go back to the driver first
+        release_trainer_cache()
+        llm.wake_up(tags=["weights"])  # level 2: the weights' memory, filled by the load below; buffers restored
     weights = engine_weights(model, llm.llm_engine.vllm_config.model_config.dtype)
     failure = None
     try:
@@ -29,14 +30,21 @@ def sync_weights(model, llm) -> int:
             pass
     if any_rank_failed(failure is not None):
         raise RuntimeError("sync_weights: vLLM's loader failed on a rank; every rank stops here") from failure
-    if asleep:
-        gc.collect()
-        torch.cuda.empty_cache()  # hand the trainer's cached blocks back before vLLM maps its KV cache
+    if asleep:  # the KV cache, most of vLLM's share, last: once the weights are whole and the load's copies freed
+        release_trainer_cache()
         llm.wake_up(tags=["kv_cache"])
     if not llm.reset_prefix_cache():  # its blocks hold keys and values of the old weights
         raise RuntimeError("vLLM refused to reset its prefix cache: requests are still running")
     llm.weight_version = getattr(llm, "weight_version", 0) + 1  # rollout stamps this on trajectories
     return llm.weight_version
+
+
+def release_trainer_cache() -> None:
+    """Hand the blocks torch's caching allocator holds back to the driver (CUDA; nothing on CPU): what vLLM wakes
+    next is mapped outside that allocator, so blocks torch keeps cached would be counted twice."""
+    gc.collect()  # tensors held only by reference cycles
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def engine_weights(model, dtype):
@@ -59,13 +67,14 @@ def any_rank_failed(failed: bool) -> bool:
 
 
 def sleep_sampler(llm) -> bool:
-    """On CUDA, put vLLM to sleep for the update: its KV cache (most of its memory) is freed for the trainer, and
-    level 1 moves its weights to host memory (3 GB at 1.5B); `sync_weights` wakes it. Returns whether it slept: on
-    CPU, vLLM has no sleep mode."""
+    """On CUDA, put vLLM to sleep for the update: its KV cache and its weights are dropped (level 2), their memory
+    the trainer's; `sync_weights` wakes it. Level 2 fits this loop alone: it syncs every weight after every update,
+    before the next generate. Level 1 would copy the weights to pinned host memory (15.2 GB an engine at 7B) and
+    back at the wake, only for the sync to overwrite them. Returns whether it slept: on CPU, vLLM has no sleep mode."""
     config = llm.llm_engine.vllm_config.model_config
     if not (torch.cuda.is_available() and config.enable_sleep_mode):
         return False
-    llm.sleep(level=1)
+    llm.sleep(level=2)
     return True
 
 
