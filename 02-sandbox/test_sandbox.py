@@ -8,6 +8,7 @@ namespace tests skip when not root, the one case where the kernel refuses them.
 """
 from __future__ import annotations
 
+import errno
 import glob
 import json
 import os
@@ -623,6 +624,113 @@ def test_the_seccomp_filter_denies_what_math_code_never_needs():
         assert_still_answers(sb)
 
 
+def filter_answer(program: bytes, number: int, *args: int, arch: int | None = None) -> str:
+    """What a seccomp program (the instructions seccomp_program writes) answers one call: 'allow', 'kill', or the
+    errno's name ('0': answered 0 without running). The kernel's own reading of the same bytes, in Python."""
+    arch = confinement._AUDIT_ARCH[platform.machine()] if arch is None else arch
+    data = struct.pack("<iIQ6Q", number, arch, 0, *args, *[0] * (6 - len(args)))
+    instructions = [struct.unpack_from("HBBI", program, at) for at in range(0, len(program), 8)]
+    at = accumulator = 0
+    while True:
+        code, if_true, if_false, constant = instructions[at]
+        if code == 0x06:  # return
+            if constant in (0x7FFF0000, 0x80000000):
+                return "allow" if constant == 0x7FFF0000 else "kill"
+            assert constant & 0xFFFF0000 == 0x00050000, hex(constant)
+            return errno.errorcode.get(constant & 0xFFFF, "0")
+        if code == 0x20:  # load a word of the call's data
+            accumulator, at = struct.unpack_from("<I", data, constant)[0], at + 1
+            continue
+        holds = {0x15: accumulator == constant, 0x35: accumulator >= constant, 0x45: bool(accumulator & constant)}[code]
+        at += 1 + (if_true if holds else if_false)
+
+
+BY_ARGUMENT = ("fcntl", "ioctl", "prctl", "madvise", "fadvise64", "socket", "socketpair", "preadv2", "pwritev2", "clone",
+               "clone3", *confinement.SIGNAL_SENDERS, *confinement.SELF_ONLY)
+
+
+@pytest.mark.skipif(platform.machine() not in confinement._TABLES, reason="no system-call table for this machine")
+def test_the_filter_allows_its_list_fails_every_other_call_and_answers_newer_calls_enosys():
+    """Every number the kernel may be called with, through the program itself: the listed calls run, the calls
+    judged by an argument get their table's answer, every other call of the kernel the list was made against fails
+    with EPERM, and every call added since with ENOSYS, as a kernel without it answers."""
+    c, table = confinement, confinement.SYSCALLS
+    with_cgroup, without = c.seccomp_program(), c.seccomp_program(cgroup=False)
+    named = {table[name]: name for name in c.ALLOWED + c.CGROUP_ONLY + c.NO_EFFECT + c.NO_XATTRS + BY_ARGUMENT if name in table}
+    for number in range(c.NEWEST + 1):
+        name = named.get(number)
+        expected = ("allow" if name in c.ALLOWED else "0" if name in c.NO_EFFECT else "ENOTSUP" if name in c.NO_XATTRS
+                    else "EPERM")
+        if name in BY_ARGUMENT:
+            continue
+        assert filter_answer(with_cgroup, number) == ("allow" if name in c.CGROUP_ONLY else expected), (number, name)
+        assert filter_answer(without, number) == expected, (number, name)
+    for number in (c.NEWEST + 1, c.NEWEST + 100, 0x3FFFFFFF):
+        assert filter_answer(with_cgroup, number) == "ENOSYS"
+    assert filter_answer(with_cgroup, table["getpid"], arch=0x40000003) == "kill"  # the 32-bit ABI
+    fcntl, locks = c.FCNTL_ALLOWED, c.FCNTL_LOCKS
+    judged = [("fcntl", (0, fcntl["F_GETFL"]), "allow"), ("fcntl", (0, locks["F_SETLK"]), "0"),
+              ("fcntl", (0, locks["F_OFD_GETLK"]), "0"), ("fcntl", (0, 1031), "EPERM"),  # F_SETPIPE_SZ
+              ("fcntl", (0, 1024), "EPERM"), ("fcntl", (0, 10), "EPERM"),  # F_SETLEASE, F_SETSIG
+              ("ioctl", (1, c.IOCTL_ALLOWED["TCGETS"]), "allow"), ("ioctl", (1, c.IOCTL_ALLOWED["FIOCLEX"]), "allow"),
+              ("ioctl", (1, 0x5412), "ENOTTY"), ("ioctl", (3, 0xB701), "ENOTTY"),  # TIOCSTI, NS_GET_USERNS
+              ("prctl", (c.PRCTL_ALLOWED["PR_SET_NAME"],), "allow"), ("prctl", (78, 1, 1 << 20), "EINVAL"),  # PR_FUTEX_HASH
+              ("prctl", (0x53564D41,), "EINVAL"), ("prctl", (22, 2), "EINVAL"),  # PR_SET_VMA, PR_SET_SECCOMP
+              ("madvise", (0, 4096, c.MADVISE_ALLOWED["MADV_DONTNEED"]), "allow"), ("madvise", (0, 4096, 21), "EINVAL"),
+              ("madvise", (0, 4096, 12), "EINVAL"),  # MADV_PAGEOUT, MADV_MERGEABLE
+              ("fadvise64", (0, 0, 0, c.FADVISE_ALLOWED["POSIX_FADV_WILLNEED"]), "allow"),
+              ("fadvise64", (0, 0, 0, 4), "0"),  # POSIX_FADV_DONTNEED: answered, ignored
+              ("socket", (2, 1, 0), "ENETUNREACH"), ("socket", (1, 1, 0), "EAFNOSUPPORT"), ("socketpair", (1, 1, 0), "EAFNOSUPPORT"),
+              ("preadv2", (0, 0, 1, 0, 0, 0), "allow"), ("preadv2", (0, 0, 1, 0, 0, c.RWF_NOWAIT), "ENOTSUP"),
+              ("clone", (17,), "allow"), ("clone", (c.CLONE_NEWUSER | 17,), "EPERM"), ("clone", (34,), "EPERM"),
+              ("clone3", (), "ENOSYS"), ("kill", (5, 9), "allow"), ("kill", (5, 34), "EPERM"),
+              ("prlimit64", (0, 7), "allow"), ("prlimit64", (1, 7), "EPERM"), ("setpriority", (0, 0, 5), "allow"),
+              ("setpriority", (2, 0, 5), "EPERM")]
+    for name, args, expected in judged:
+        assert filter_answer(with_cgroup, table[name], *args) == expected, (name, args)
+
+
+@pytest.mark.e2e
+def test_every_legitimate_workload_runs_under_the_filter_at_the_defaults(sandbox):
+    """What the allow list was made from, at the default limits: sympy and numpy, fractions, subprocess (Python and
+    the shell), multiprocessing's Pool and Queue, 16 threads doing numpy work, files in the scratch dir (fsync,
+    shutil.copy2), sqlite3 in memory and on a file, selectors, numpy's files."""
+    needs_root()
+    assert sandbox.config == SandboxConfig()
+    r = sandbox.run(WORKLOADS + "import numpy, sympy\n"
+                    "print(sympy.factorint(2**32 + 1), sympy.integrate(sympy.Symbol('x') ** 2))\n"
+                    "print(subprocess.run([sys.executable, '-c', 'import sympy; print(sympy.prime(100))'],"
+                    " capture_output=True, text=True).stdout.strip())\n"
+                    "with concurrent.futures.ThreadPoolExecutor(16) as pool:\n"
+                    "    print(sum(pool.map(lambda n: int(numpy.ones((n, n)).dot(numpy.ones(n)).sum()), range(64))))\n"
+                    "numpy.save('a.npy', numpy.arange(4))\nprint(numpy.load('a.npy').sum())\n")
+    assert r.ok, r
+    assert r.stdout.splitlines() == WORKLOADS_SEEN + ["{641: 1, 6700417: 1} x**3/3", "541", "85344", "6"]
+
+
+# The standard library's part of the legitimate workloads (unprivileged, the interpreter may be Debian's, without numpy)
+WORKLOADS = ("import concurrent.futures, fractions, multiprocessing, os, selectors, shutil, sqlite3, subprocess, sys, threading\n"
+             "def square(x):\n    return x * x\n"
+             "print(fractions.Fraction(3, 4) + fractions.Fraction(1, 6))\n"
+             "print(subprocess.run('echo shell', shell=True, capture_output=True, text=True).stdout.strip())\n"
+             "with multiprocessing.Pool(2) as pool:\n    print(sum(pool.map(square, range(10))))\n"
+             "queue = multiprocessing.Queue()\n"
+             "child = multiprocessing.Process(target=queue.put, args=('queue',))\n"
+             "child.start(); print(queue.get()); child.join()\n"
+             "with concurrent.futures.ThreadPoolExecutor(8) as pool:\n    print(sum(pool.map(square, range(10))))\n"
+             "barrier = threading.Barrier(16)\n"
+             "threads = [threading.Thread(target=barrier.wait) for _ in range(16)]\n"
+             "[t.start() for t in threads]; [t.join() for t in threads]; print('16 threads')\n"
+             "with open('data.txt', 'w') as f:\n    f.write('x' * 1000); f.flush(); os.fsync(f.fileno())\n"
+             "shutil.copy2('data.txt', 'copy.txt'); print(os.path.getsize('copy.txt'))\n"
+             "for name in (':memory:', 'scratch.db'):\n"
+             "    db = sqlite3.connect(name)\n"
+             "    db.execute('create table t (x)'); db.executemany('insert into t values (?)', [(i,) for i in range(10)])\n"
+             "    db.commit(); print(db.execute('select sum(x) from t').fetchone()[0]); db.close()\n"
+             "with selectors.DefaultSelector() as selector:\n    print('selector')\n")
+WORKLOADS_SEEN = ["11/12", "shell", "285", "queue", "285", "16 threads", "1000", "45", "45", "selector"]
+
+
 def test_the_code_cannot_create_a_user_namespace_or_mount_a_tmpfs():
     """A user namespace would give the code mounts of its own (a tmpfs is memory outside any cap)."""
     needs_root()
@@ -1133,12 +1241,26 @@ COUNTERS = ("import ctypes, errno, mmap, os\n"  # the page cache read without ti
             "    os._exit(0)\n"
             "print('clone CLONE_PIDFD', 'ok' if child > 0 else errno.errorcode[ctypes.get_errno()])\n"
             "print(*[line.strip() for line in open('/proc/stat') if line.startswith(('processes', 'ctxt'))])\n"
-            "print(*[line.strip() for line in open('/proc/vmstat') if line.startswith(('pgfault', 'pgmajfault '))])\n")
+            "print(*[line.strip() for line in open('/proc/vmstat') if line.startswith(('pgfault', 'pgmajfault '))])\n"
+            # calls and options the kernel gained after the deny list was written: the allow list never named them
+            "attempt('landlock', lambda: libc.syscall(444, None, 0, 1))\n"  # LANDLOCK_CREATE_RULESET_VERSION
+            "attempt('setxattrat', lambda: libc.syscall(463, -100, b'.', 0, b'user.x', None, 0))\n"
+            f"attempt('a call newer than the list', lambda: libc.syscall({confinement.NEWEST + 1}, 0, 0, 0))\n"
+            "attempt('PR_FUTEX_HASH', lambda: libc.prctl(78, 1, 1 << 16, 0, 0))\n"  # PR_FUTEX_HASH_SET_SLOTS
+            "for name in ('dentry-state', 'inode-nr', 'inode-state'):\n"  # moved by every lookup, file and inode
+            "    print(name, *open(f'/proc/sys/fs/{name}').read().split())\n"
+            "for name in ('diskstats', 'softirqs', 'interrupts', 'zoneinfo'):\n"  # block I/O, interrupts, pages
+            "    print(name, sum(int(word) for word in open(f'/proc/{name}').read().split() if word.isdigit()))\n")
 # RWF_NOWAIT answers EAGAIN for a page the cache lacks, mincore and cachestat say which pages it holds: one call reads
 # pages, the next finds them, 96 of 96 bits. /proc/stat's "processes" (forks since boot), the inode number of a pidfd
-# (pidfs counts every PID the machine allocates) and aio-nr are counters of the machine one call moves and the next reads.
+# (pidfs counts every PID the machine allocates) and aio-nr are counters of the machine one call moves and the next reads;
+# so are the dentry and inode caches (exactly: 96 of 96 bits), block I/O and interrupts. Landlock's rulesets and
+# PR_FUTEX_HASH's table are kernel memory no cgroup charges unprivileged.
 COUNTERS_SEEN = ["preadv2 RWF_NOWAIT ENOTSUP", "preadv2 ok", "mincore EPERM", "cachestat EPERM", "io_setup EPERM",
-                 "pidfd_open EPERM", "clone CLONE_PIDFD EPERM", "ctxt 0 processes 0", "pgfault 0 pgmajfault 0"]
+                 "pidfd_open EPERM", "clone CLONE_PIDFD EPERM", "ctxt 0 processes 0", "pgfault 0 pgmajfault 0",
+                 "landlock EPERM", "setxattrat EPERM", "a call newer than the list ENOSYS", "PR_FUTEX_HASH EINVAL",
+                 "dentry-state 0 0 0 0 0 0", "inode-nr 0 0", "inode-state 0 0 0 0 0 0 0", "diskstats 0", "softirqs 0",
+                 "interrupts 0", "zoneinfo 0"]
 
 
 def test_the_page_cache_and_the_machines_counters_cannot_be_read_as_a_channel():
@@ -1487,6 +1609,7 @@ def unprivileged(unprivileged_folder):
                          "time.sleep(0.5)\n"  # 50 looks of the watch
                          "print('mapped')\n", None, None, []),
         "find_name": (SCAN.format(halves=[(watched[:16], watched[16:]), (named[:8], named[8:])]), None, None, []),
+        "workloads": (WORKLOADS, None, None, []),
         "heap": ("x = bytearray(512 * 1024**2)", None, None, []),
         "memfd": ("import os\nos.memfd_create('hold')", None, None, []),
         "shm": ("import ctypes, errno\nlibc = ctypes.CDLL(None, use_errno=True)\n"  # System V memory, messages, semaphores
@@ -1567,6 +1690,11 @@ def test_unprivileged_the_code_is_not_the_user_has_no_capability_and_cannot_beco
     assert r["ok"], r
     assert r["stdout"].splitlines() == ["65534 65534 65534 0000000000000000 1 2", "setuid(0) EPERM", "setgroups EPERM",
                                         "flock allowed", "ns_last_pid EPERM", "unshare(user) EPERM"]
+
+
+def test_unprivileged_every_legitimate_workload_of_the_standard_library_runs(unprivileged):
+    r = unprivileged["results"]["workloads"]  # at 256 MB, without a cgroup: epoll refused, selectors polls
+    assert r["ok"] and r["stdout"].splitlines() == WORKLOADS_SEEN, r
 
 
 def test_unprivileged_the_memory_watch_leaves_no_name_the_code_chose_for_a_later_call(unprivileged):
