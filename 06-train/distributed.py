@@ -51,8 +51,11 @@ def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
 
 def gradient_sync(model, sync: bool):
     """DDP: average gradients across ranks on the mini-batch's last micro-batch only (one exchange per optimizer
-    step); wrap its forward, where DDP arms the exchange. FSDP2 reduce-scatters after every backward on purpose:
-    skipping it would hold an unsharded float32 gradient (28 GiB at 7B) on every GPU."""
+    step); wrap its forward, where DDP arms the exchange. FSDP2 reduce-scatters within the node after every backward
+    on purpose: skipping it would hold an unsharded float32 gradient (28 GiB at 7B) on every GPU. Across nodes
+    (HSDP) it all-reduces each shard with its replicas on the last micro-batch only, the sum of the earlier ones kept."""
+    if hasattr(model, "set_requires_all_reduce"):  # FSDP2; with one node there is nothing to all-reduce
+        model.set_requires_all_reduce(sync)
     return model.no_sync() if hasattr(model, "no_sync") and not sync else nullcontext()
 
 
@@ -76,8 +79,10 @@ def gradients_to_none(model) -> bool:
 class DataParallel:
     """This process's place in the world: rank, world size, device, and the collectives the loop needs."""
 
-    def __init__(self, rank: int = 0, world_size: int = 1, local_rank: int = 0, strategy: str = "ddp"):
+    def __init__(self, rank: int = 0, world_size: int = 1, local_rank: int = 0, strategy: str = "ddp",
+                 per_node: int | None = None):
         self.rank, self.world_size, self.local_rank = rank, world_size, local_rank
+        self.per_node = per_node or world_size  # ranks a node (torchrun's LOCAL_WORLD_SIZE)
         self.strategy = strategy  # "ddp" or "fsdp"
         self.loaded_weights = None  # load_policy: whether this rank read the weights (False: built on meta)
         self._weights_for_wrap = None  # load_policy under FSDP2: rank 0's full state dict ({} elsewhere) for wrap
@@ -90,6 +95,11 @@ class DataParallel:
     @property
     def distributed(self) -> bool:
         return self.world_size > 1
+
+    @property
+    def nodes(self) -> int:
+        """Nodes of equal size: FSDP2 shards within each and replicates across them (HSDP); 1 otherwise."""
+        return self.world_size // self.per_node if self.world_size % self.per_node == 0 else 1
 
     # ----------------------------------------------------------------- the batch
 
@@ -170,9 +180,15 @@ class DataParallel:
             # (as autocast does without FSDP); CPU: float32 throughout, as everywhere on CPU
             on_cuda = self.device.type == "cuda"
             policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if on_cuda else None, reduce_dtype=torch.float32)
+            mesh = None  # one node: torch's 1-D mesh over every rank
+            if self.nodes > 1:  # HSDP: shard within a node, replicate across nodes, so weights cross nodes only as
+                from torch.distributed.device_mesh import init_device_mesh  # one gradient all-reduce a mini-batch
+
+                mesh = init_device_mesh(self.device.type, (self.nodes, self.per_node),
+                                        mesh_dim_names=("replicate", "shard"))
             for layer in model.model.layers:  # one all-gather per decoder layer, freed after use
-                fully_shard(layer, mp_policy=policy)
-            fully_shard(model, mp_policy=policy)
+                fully_shard(layer, mesh=mesh, mp_policy=policy)
+            fully_shard(model, mesh=mesh, mp_policy=policy)
             if self._weights_for_wrap is not None:  # built by load_policy: weights on rank 0 only
                 self._fill_from_rank0(model)
             return model
@@ -285,7 +301,7 @@ def setup(strategy: str = "ddp") -> DataParallel:
         backend = "gloo"
     if not dist.is_initialized():
         dist.init_process_group(backend, timeout=COLLECTIVE_TIMEOUT)
-    return DataParallel(rank, world, local, strategy)
+    return DataParallel(rank, world, local, strategy, per_node=int(os.environ.get("LOCAL_WORLD_SIZE", world)))
 
 
 def cores_per_rank() -> int:

@@ -56,8 +56,10 @@ def by_problem(trajectories):
 
 def _step_on_ranks(rank, world, model_path, global_denominator, strategy, staging, skip=False, minibatches=2):
     """One grpo_step on this rank's half of the groups; the weights (FSDP2: gathered), the combined metrics,
-    and this rank's own: its metrics, forwards (rows in each), and its gradients' storages after the step."""
-    dp = DataParallel(rank, world, strategy=strategy)
+    and this rank's own: its metrics, forwards (rows in each), its gradients' storages after the step, and the
+    device mesh of its shards. "hsdp": FSDP2 over two nodes of one rank each (sharded within, replicated across)."""
+    dp = DataParallel(rank, world, strategy="fsdp" if strategy == "hsdp" else strategy,
+                      per_node=1 if strategy == "hsdp" else None)
     torch.manual_seed(0)
     model = dp.wrap(load_policy(model_path, device="cpu"))
     cfg = replace(SKIP_CFG if skip else CFG, num_minibatches=minibatches)
@@ -70,8 +72,10 @@ def _step_on_ranks(rank, world, model_path, global_denominator, strategy, stagin
     own = grpo_step(model, optimizer, local, cfg, global_normalizer=dp.global_normalizer if global_denominator else None)
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     storages = {g.untyped_storage().data_ptr() for g in grads}  # DDP's buckets: a few storages for every gradient
+    mesh = getattr(next(model.parameters()), "device_mesh", None)
     per_rank = dp.gather([{"metrics": own, "forwards": forwards, "grads": len(grads), "storages": len(storages),
-                           "parameters": len(list(model.parameters()))}])
+                           "parameters": len(list(model.parameters())),
+                           "mesh": mesh and (tuple(mesh.mesh_dim_names or ()), tuple(mesh.shape))}])
     metrics = dp.reduce_metrics(own)
     weights = dp.checkpoint_parts(model, optimizer, staging)[0].state_dict()  # FSDP2: gathered
     return {"weights": weights, "metrics": metrics, "per_rank": per_rank}
@@ -175,7 +179,8 @@ def _rank(rank, world, store, model_path, run_dir, out):
     try:
         results = {f"{strategy}-{denominator}": _step_on_ranks(rank, world, model_path, denominator == "global", strategy,
                                                                f"{out}.{strategy}-{denominator}.optimizer")
-                   for strategy, denominator in [("ddp", "global"), ("fsdp", "global"), ("ddp", "per-rank")]}
+                   for strategy, denominator in [("ddp", "global"), ("fsdp", "global"), ("hsdp", "global"),
+                                                 ("ddp", "per-rank")]}
         for strategy in ("ddp", "fsdp"):
             for minibatches in (2, 1):  # 1: pi_old from the update's forward, a pass of its own for skipped rows only
                 results[f"{strategy}-skip-{minibatches}"] = _step_on_ranks(
@@ -228,6 +233,7 @@ def one_process_skipping(tiny_model_path):
     return out
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_ranks_skip_zero_advantage_rows_unevenly_run_the_same_passes_and_take_one_process_step(
         two_ranks, one_process_skipping, tiny_model_path, strategy):
@@ -249,6 +255,7 @@ def test_ranks_skip_zero_advantage_rows_unevenly_run_the_same_passes_and_take_on
         assert ranks["metrics"][key] == pytest.approx(single_metrics[key], rel=1e-4, abs=1e-6), key
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_with_one_minibatch_ranks_pad_the_skipped_rows_pass_and_the_update_alike(
         two_ranks, one_process_skipping, strategy):
@@ -266,6 +273,7 @@ def test_with_one_minibatch_ranks_pad_the_skipped_rows_pass_and_the_update_alike
         assert ranks["metrics"][key] == pytest.approx(single_metrics[key], rel=1e-4, abs=1e-6), key
 
 
+@pytest.mark.e2e
 def test_ddp_gradients_stay_views_of_its_buckets_after_a_step(two_ranks):
     """zero_grad(set_to_none=True) would free them: the next no_sync backward would allocate a second copy."""
     for result in two_ranks[0]["ddp-global"]["per_rank"]:
@@ -273,6 +281,7 @@ def test_ddp_gradients_stay_views_of_its_buckets_after_a_step(two_ranks):
         assert result["storages"] < result["parameters"] / 4  # a few buckets hold them all
 
 
+@pytest.mark.e2e
 def test_fsdp_checkpoints_keep_each_ranks_optimizer_shard_and_load_them_back(two_ranks):
     results, run = two_ranks
     result = results["checkpoint"]
@@ -285,6 +294,7 @@ def test_fsdp_checkpoints_keep_each_ranks_optimizer_shard_and_load_them_back(two
             assert torch.equal(torch.as_tensor(saved[name][key]), torch.as_tensor(loaded[name][key])), (name, key)
 
 
+@pytest.mark.e2e
 def test_fsdp_reads_the_weights_on_rank_0_only_and_every_rank_ends_with_one_process_model(two_ranks, tiny_model_path):
     per_rank = two_ranks[0]["loading"]
     assert [r["loaded_weights"] for r in per_rank] == [True, False]  # rank 1 built the model on meta, read no weights
@@ -303,11 +313,13 @@ def test_fsdp_reads_the_weights_on_rank_0_only_and_every_rank_ends_with_one_proc
         assert torch.allclose(result["logits"], logits, atol=1e-5, rtol=0), (rank, float((result["logits"] - logits).abs().max()))
 
 
+@pytest.mark.e2e
 def test_ddp_exchanges_gradients_once_per_minibatch_not_per_micro_batch(two_ranks):
     # each rank: 16 rows in 2 mini-batches of 8, micro-batches of 3 (3 per mini-batch): 6 exchanges if no_sync leaked
     assert two_ranks[0]["ddp-exchanges"] == CFG.num_minibatches
 
 
+@pytest.mark.e2e
 def test_fsdp_weight_sync_casts_each_shard_before_the_gather(two_ranks):
     result = two_ranks[0]["engine-weights"]
     assert result["gathered_dtypes"] == {torch.bfloat16}  # the gather moves bf16, not float32
@@ -401,6 +413,7 @@ def test_shard_deals_each_rank_a_slice_of_every_minibatch():
         DataParallel(0, 2).shard(list(range(6)), 2)
 
 
+@pytest.mark.e2e
 def test_evaluation_shares_are_dealt_in_turn_and_gathered_back_in_the_problems_order(two_ranks):
     items = list("abcde")
     assert DataParallel(0, 2).share(items) == ([0, 2, 4], ["a", "c", "e"])
@@ -414,11 +427,16 @@ def test_evaluation_shares_are_dealt_in_turn_and_gathered_back_in_the_problems_o
                                           for i in range(5)]
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+@pytest.mark.e2e
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp", "hsdp"])
 def test_two_ranks_on_half_batches_take_the_same_step_as_one_process_on_the_whole(two_ranks, one_process,
                                                                                   tiny_model_path, strategy):
+    """hsdp: two "nodes" of one rank (a 2-D mesh, replicate x shard): each micro-batch reduce-scatters within the
+    node, and the gradient crosses nodes once a mini-batch, in the last micro-batch's all-reduce."""
     single, single_metrics = one_process
     ranks = two_ranks[0][f"{strategy}-global"]
+    meshes = {"ddp": None, "fsdp": ((), (2,)), "hsdp": (("replicate", "shard"), (2, 1))}
+    assert [r["mesh"] for r in ranks["per_rank"]] == [meshes[strategy]] * 2
     initial = load_policy(tiny_model_path, device="cpu").state_dict()
     assert max_difference(single, initial) > 1e-3  # the step moved the weights
     # float32 sums in another order (FSDP2 reduces after every micro-batch); a wrong denominator gives > 1e-4
@@ -428,6 +446,7 @@ def test_two_ranks_on_half_batches_take_the_same_step_as_one_process_on_the_whol
         assert ranks["metrics"][key] == pytest.approx(single_metrics[key], rel=1e-4, abs=1e-6), key
 
 
+@pytest.mark.e2e
 def test_dividing_by_each_ranks_own_token_count_gives_a_different_step(two_ranks, one_process):
     """The rule the equivalence rests on: the token-mean denominator is global, not per rank."""
     naive = two_ranks[0]["ddp-per-rank"]
@@ -473,6 +492,7 @@ def test_each_step_logs_the_allocators_reserved_peak_on_cuda_and_the_fullest_ran
     assert combine_metrics([step, {**step, "peak_reserved_gb": 52.0}])["peak_reserved_gb"] == 52.0
 
 
+@pytest.mark.e2e
 def test_one_failing_rank_ends_the_run_instead_of_a_hang(tmp_path, preloaded_python):
     """Rank 1 raises while rank 0 waits for it in a collective: torchrun stops rank 0 and names rank 1.
 
@@ -512,6 +532,7 @@ def ranks_environment(world: int = 2) -> list[dict]:
     return [{**common, "RANK": str(rank), "LOCAL_RANK": str(rank)} for rank in range(world)]
 
 
+@pytest.mark.e2e
 @pytest.mark.vllm
 def test_two_ranks_write_one_run_with_the_global_batch(tmp_path, tiny_model_path, preloaded_python):
     """Two CPU ranks, each with its own vLLM engine: one metrics.jsonl of the global batch, then a resume.
@@ -569,6 +590,7 @@ def test_two_ranks_write_one_run_with_the_global_batch(tmp_path, tiny_model_path
         assert len(samples[run].splitlines()) == 3 * 2, name
 
 
+@pytest.mark.e2e
 @pytest.mark.vllm
 def test_each_ranks_engine_draws_its_own_samples_for_the_same_prompt(tmp_path, tiny_model_path, preloaded_python):
     """Two ranks (torchrun's environment, as above) start their engines as the loop does (rank_seed) and sample one prompt, unseeded.
@@ -620,6 +642,7 @@ def node_environment(node, world_size: int = 2) -> dict:
             "OMP_NUM_THREADS": "1"}
 
 
+@pytest.mark.e2e
 @pytest.mark.vllm
 def test_two_nodes_on_loopback_make_the_run_two_ranks_on_one_node_make(tmp_path, tiny_model_path, preloaded_python):
     """Two torchrun launchers, one rank each, meet by c10d rendezvous on loopback, as two nodes of a cluster would.
