@@ -21,7 +21,8 @@ def keep_informative_groups(trajectories, results, sample, rollout_cfg, more_pro
         return groups_of(*sample(more_problems(extra_round), extra_cfg), cfg.group_size)
 
     groups, drawn, rounds = informative_groups(groups_of(trajectories, results, cfg.group_size), extra_groups,
-                                               len(trajectories) // cfg.group_size, cfg.dynamic_sampling_rounds)
+                                               len(trajectories) // cfg.group_size, cfg.dynamic_sampling_rounds,
+                                               any_rank_needs)
     trajectories = [t for group in groups for t, _ in group]
     results = [r for group in groups for _, r in group]
     return trajectories, results, {"problems_drawn": float(drawn), "dynamic_rounds": float(rounds)}
@@ -33,10 +34,13 @@ def groups_of(trajectories, results, group_size: int) -> list[list[tuple]]:
     return [pairs[i: i + group_size] for i in range(0, len(pairs), group_size)]
 
 
-def informative_groups(groups, more, want: int, max_rounds: int):
+def informative_groups(groups, more, want: int, max_rounds: int, any_rank=bool):
     """DAPO's dynamic sampling: keep groups whose rewards differ until `want` are held; (groups, problems drawn,
     extra rounds). `groups` are the step's own; `more(r)` gives extra round r's (1..max_rounds). If the bound is
     hit first, degenerate groups fill the step in the order they were drawn, so a step always has `want` groups.
+    `any_rank(need)` says whether any rank needs another round (under torchrun an all-reduce): every rank then
+    runs the same rounds, a rank that has its groups drawing none, so no rank waits in a collective for more
+    than one round of another's.
 
         rewards per group  [+1 +1] [-1 +1] [-1 -1]   want 2, more() gives [[+1 -1]]
         kept               [-1 +1] [+1 -1]           drawn 4 problems, 1 extra round
@@ -47,12 +51,25 @@ def informative_groups(groups, more, want: int, max_rounds: int):
             rewards = {t.reward for t, _ in group}
             (informative if len(rewards) > 1 else degenerate).append(group)
         drawn += len(groups)
-        if len(informative) >= want or rounds >= max_rounds:
+        if rounds >= max_rounds or not any_rank(len(informative) < want):
             break
         rounds += 1
-        groups = more(rounds)
+        groups = more(rounds) if len(informative) < want else []
     kept = informative[:want]
     return kept + degenerate[: want - len(kept)], drawn, rounds
+
+
+def any_rank_needs(need: bool) -> bool:
+    """Whether this rank or any other needs another round: one all-reduce under torchrun, else this rank's answer."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return need
+    import torch
+
+    flag = torch.tensor([int(need)], dtype=torch.int64)  # gloo carries CPU tensors, also on GPU nodes
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item())
 
 
 def extra_seed(seed: int | None, extra_round: int) -> int | None:

@@ -492,6 +492,68 @@ def test_each_step_logs_the_allocators_reserved_peak_on_cuda_and_the_fullest_ran
     assert combine_metrics([step, {**step, "peak_reserved_gb": 52.0}])["peak_reserved_gb"] == 52.0
 
 
+DYNAMIC_SAMPLING_RANK = """
+import json, sys
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+import torch.distributed as dist
+
+from batch_filters import keep_informative_groups
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+
+
+@dataclass
+class Rollout:
+    seed: int = 7
+
+
+def scored(problems, rollout_cfg):  # a problem is its group's rewards; a trajectory carries its reward
+    trajectories = [SimpleNamespace(reward=r) for rewards in problems for r in rewards]
+    return trajectories, [None] * len(trajectories)
+
+
+# rank 0 holds two informative groups at once; rank 1 none, and only its second extra round gives two
+own = [[1, -1], [-1, 1]] if rank == 0 else [[1, 1], [-1, -1]]
+asked = []
+
+
+def more_problems(extra_round):
+    asked.append(extra_round)
+    return [[1, -1], [1, -1]] if extra_round == 2 else [[1, 1], [1, 1]]
+
+
+cfg = SimpleNamespace(dynamic_sampling=True, group_size=2, dynamic_sampling_rounds=4)
+trajectories, _, metrics = keep_informative_groups(*scored(own, None), scored, Rollout(), more_problems, cfg)
+print("RESULT", json.dumps({"rounds": metrics["dynamic_rounds"], "asked": asked,
+                            "rewards": [t.reward for t in trajectories]}), flush=True)
+dist.barrier()
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.e2e
+def test_ranks_agree_on_dynamic_samplings_extra_rounds(tmp_path):
+    """A rank whose groups are all informative still runs the round the others need (drawing nothing), so no rank
+    waits in the next collective for more than one round of another's (gloo, two ranks)."""
+    import json
+    import subprocess
+    import sys
+
+    script = tmp_path / "rounds.py"
+    script.write_text(DYNAMIC_SAMPLING_RANK)
+    ranks = [subprocess.Popen([sys.executable, script], env=env, cwd=tmp_path, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for env in ranks_environment()]
+    outputs = [rank.communicate(timeout=120) for rank in ranks]
+    assert all(rank.returncode == 0 for rank in ranks), [err[-2000:] for _, err in outputs]
+    results = [json.loads(out.split("RESULT ", 1)[1].splitlines()[0]) for out, _ in outputs]
+    assert [r["rounds"] for r in results] == [2.0, 2.0]  # alone, rank 0 would have stopped at 0
+    assert results[0]["asked"] == [] and results[1]["asked"] == [1, 2]
+    assert results[0]["rewards"] == [1, -1, -1, 1] and results[1]["rewards"] == [1, -1, 1, -1]
+
+
 @pytest.mark.e2e
 def test_one_failing_rank_ends_the_run_instead_of_a_hang(tmp_path, preloaded_python):
     """Rank 1 raises while rank 0 waits for it in a collective: torchrun stops rank 0 and names rank 1.
