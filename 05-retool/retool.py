@@ -191,9 +191,12 @@ def start_sandbox(cfg: Config):
         check_preload(sandbox, cfg)  # one real call: the backend is ready and the warm modules imported, or say why not
         print(f"sandbox: {cfg.sandbox_backend}, isolation {sandbox.isolation}")
     except SandboxError as e:
-        where = ("" if cfg.sandbox_backend != "local" else "; this run's flags for the other ways: --sandbox-backend "
-                 "docker, --sandbox-backend sandboxfusion --sandbox-urls URL[,URL...], or --sandbox-isolation plain")
-        raise SystemExit(f"error: the sandbox cannot start: {e}{where}; see docs/02-sandbox.md") from None
+        where = ("" if cfg.sandbox_backend != "local" else "; where namespaces cannot be made (a container without "
+                 "root cgroups or unprivileged user namespaces, as most GPU containers), what works: --sandbox-backend "
+                 "docker with the host's Docker, a SandboxFusion-compatible service (--sandbox-backend sandboxfusion "
+                 "--sandbox-urls URL[,URL...]) such as 02-sandbox/serve.py on a host that allows namespaces, or "
+                 "--sandbox-isolation plain (weaker)")
+        raise SystemExit(f"error: the sandbox cannot start: {e}{where}; see docs/02-sandbox.md, docs/06-scaling.md") from None
     return sandbox
 
 

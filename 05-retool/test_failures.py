@@ -260,6 +260,7 @@ def test_a_sandbox_that_cannot_contain_code_here_is_refused_naming_the_flags_tha
     assert message.startswith("error: the sandbox cannot start: isolation='namespaces' cannot be set up here")
     assert "\n" not in message and "--sandbox-backend docker" in message and "--sandbox-isolation plain" in message
     assert "--sandbox-backend sandboxfusion --sandbox-urls" in message
+    assert "02-sandbox/serve.py on a host that allows namespaces" in message and "docs/06-scaling.md" in message
 
 
 def test_a_number_flag_refuses_nan_whatever_its_bounds():
