@@ -132,3 +132,24 @@ def test_every_test_file_is_one_pytest_collects():
     files = [p.relative_to(REPO) for p in REPO.glob("**/test_*.py") if not p.relative_to(REPO).parts[0].startswith(".")]
     lost = [str(f) for f in files if not any(str(f) == t or f.parts[0] == t for t in paths)]
     assert not lost, f"not under pyproject's testpaths: {lost}"
+
+
+def test_the_end_to_end_tier_names_real_tests_and_make_test_leaves_it_out():
+    """A renamed test would silently leave the tier conftest.py lists it in: each name must still be a test of its
+    file. `make test` deselects the tier and `make test-all` runs both, the learner's suite first."""
+    import subprocess
+
+    import conftest
+
+    for path, names in conftest.E2E.items():
+        source = (REPO / path).read_text()
+        for name in names:
+            assert f"def {name.split('[')[0]}(" in source, f"{path}: no test {name}"
+
+    def commands(target):
+        said = subprocess.run(["make", "-n", "--no-print-directory", target, "STAMP="], cwd=REPO, capture_output=True,
+                              text=True, check=True).stdout
+        return [line for line in said.splitlines() if "-m pytest" in line]
+
+    assert [line.split("pytest", 1)[1].split() for line in commands("test")] == [["-m", '"not', 'e2e"']]
+    assert [line.split("pytest", 1)[1].split()[:2] for line in commands("test-all")] == [["-m", '"not'], ["-m", "e2e"]]

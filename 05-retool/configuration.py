@@ -50,7 +50,7 @@ class Config:
     eval_max_response_tokens: int = 96  # the response budget in evaluations
     save_every: int = 1  # steps between checkpoints
     # --- the starting policy: one explicit rule (problems_and_policy.py) ---
-    cold_start: str = "scratch"  # released: the task's released base (model ""); scratch: train a tiny model first (model ""); finetune: tune `model` on tool traces; none
+    cold_start: str = "released"  # released: the task's released base (model ""); scratch: train a tiny model first (model ""); finetune: tune `model` on tool traces; none
     cold_start_steps: int = 300  # supervised steps on tool traces before RL
     cold_start_tool_fraction: float = 0.3  # share of traces that call the tool (the rest box a guess)
     cold_start_tool_only_steps: int = 200  # the first steps on tool traces alone
@@ -411,12 +411,16 @@ def model_problems(cfg) -> list[str]:
 
         problems += [p for p in [traces_problem(cfg.train_file, cfg.cold_start_tool_fraction, cfg.template, cfg.seed,
                                                 cfg.cold_start_batch_size, cfg.cold_start_tool_only_steps)] if p]
-    model = cfg.model or "the tiny model the cold start builds"
-    if cfg.cold_start == "released" and not released_problem(cfg.train_file):
+    model, limit = cfg.model or "the tiny model the cold start builds", None
+    if cfg.model:
+        limit = position_limit(cfg.model)
+    elif cfg.cold_start == "released" and not released_problem(cfg.train_file):
         from released_base import release_for
 
-        model = str(release_for(cfg.train_file).folder)
-    limit = position_limit(model) if model != "the tiny model the cold start builds" else scratch_positions()
+        folder = release_for(cfg.train_file).folder
+        model, limit = f"the released base {folder.parent.name}/{folder.name}", position_limit(str(folder))
+    else:
+        limit = scratch_positions()
     if not problems and limit is not None and cfg.max_model_len > limit:
         problems.append(f"max_model_len {cfg.max_model_len} is above the position limit of {model}, "
                         f"{limit} tokens (max_position_embeddings): pass --max-model-len {limit} or less")

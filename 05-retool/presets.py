@@ -11,7 +11,7 @@ from __future__ import annotations
 PRESETS: dict[str, dict] = {
     # RL from the toy task's released base (05-retool/base: a tiny model that `make base-05` cold-starts from
     # scratch, cold_start.py), in about two minutes on a 2-core CPU; --cold-start scratch trains that base first.
-    "cpu-demo": dict(cold_start="released"),
+    "cpu-demo": {},
     # ToRL's scripts/torl_1.5b.sh. Every value is the script's (or, where the script
     # is silent, its verl's default), and the few memory settings that are this lab's
     # because it keeps the trainer on the GPU beside vLLM (no offload), one rank per GPU.

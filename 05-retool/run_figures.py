@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 from checkpoints import read_rows
-from lab_cli import one_line_errors
+from lab_cli import at_least, one_line_errors
 from results import save
 
 # The first step's metrics a page reads, with the decimals they are shown with.
@@ -110,12 +110,18 @@ def main() -> int:
     parser.add_argument("--stretches", nargs="+", type=stretch, default=[], metavar="FIRST-LAST",
                         help="also the means over these stretches of steps (reward, degenerate groups, informative_frac, "
                         "grad_norm, update_s)")
+    parser.add_argument("--wall-s", type=at_least(1, float), help="the run command's wall time in seconds, measured "
+                        "around it (e.g. by /usr/bin/time), recorded as wall_s")
     args = parser.parse_args()
     command = (f"{args.run_command}; .venv/bin/python 05-retool/run_figures.py {args.run_dir} {args.name} "
                f"--run-command {shlex.quote(args.run_command)}")
     if args.stretches:
         command += " --stretches " + " ".join(f"{first}-{last}" for first, last in args.stretches)
-    print(f"wrote {save(args.name, command, figures(args.run_dir, args.stretches))}")
+    found = figures(args.run_dir, args.stretches)
+    if args.wall_s:
+        command += f" --wall-s {args.wall_s:g}"
+        found["wall_s"] = round(args.wall_s)
+    print(f"wrote {save(args.name, command, found)}")
     return 0
 
 

@@ -250,5 +250,5 @@ def test_the_chained_presets_own_data_passes_the_cold_starts_check_and_a_foreign
     assert config_problems(make_config("cpu-chained", {})) == []
     train[9] = {"question": "What is 3 * 4?", "answer": "12"}
     write_jsonl(train, tmp_path / "data" / "chained_train.jsonl")
-    problems = config_problems(make_config("cpu-chained", {"cold_start_tool_fraction": 1.0}))
+    problems = config_problems(make_config("cpu-chained", {"cold_start": "scratch", "cold_start_tool_fraction": 1.0}))
     assert len(problems) == 1 and "row 10: the cold start cannot write a trace for it (not a question" in problems[0]

@@ -81,7 +81,7 @@ def test_a_training_file_the_cold_start_cannot_use_is_refused_at_load(rows, says
     write_jsonl(rows, tmp_path / "train.jsonl")
     with pytest.raises(SystemExit) as e:
         retool.main(["--train-file", str(tmp_path / "train.jsonl"), "--run-dir", str(tmp_path / "run"),
-                     "--problems-per-step", "4"])
+                     "--problems-per-step", "4", "--cold-start", "scratch"])
     assert says in str(e.value) and "--cold-start none --model MODEL" in str(e.value) and "\n" not in str(e.value)
     assert not (tmp_path / "run").exists()
 

@@ -48,8 +48,12 @@ RUN_MISTAKES = {
     # values vLLM checks only after the cold start (item 2 of the issue)
     "a negative seed": (["--seed", "-1"], SEED_LINE.format(-1)),
     "a seed past 32 bits": ([*TINY, "--seed", str(2**32)], SEED_LINE.format(2**32)),
-    "a context longer than the cold-started model's": (
+    "a context longer than the released base's": (
         ["--max-model-len", "100000"],
+        "error: max_model_len 100000 is above the position limit of the released base 05-retool/base, 1024 tokens "
+        "(max_position_embeddings): pass --max-model-len 1024 or less"),
+    "a context longer than the cold-started model's": (
+        ["--cold-start", "scratch", "--max-model-len", "100000"],
         "error: max_model_len 100000 is above the position limit of the tiny model the cold start builds, 1024 tokens "
         "(max_position_embeddings): pass --max-model-len 1024 or less"),
     "a context longer than the given model's": (
