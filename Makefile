@@ -44,7 +44,7 @@ NPROC ?= $(or $(filter-out 0,$(shell if [ -n "$${CUDA_VISIBLE_DEVICES+set}" ]; t
 endif
 NPROC ?= 1
 
-.PHONY: setup smollm2 test test-all docs-results run-01 run-05 run-06 base-05 base-06 eval-05 bench-sandbox bench-reward bench-rollout bench-train bench-06 clean
+.PHONY: setup smollm2 test test-all docs-results run-01 run-05 run-06 base-05 base-06 eval-05 bench-sandbox bench-reward bench-rollout bench-train bench-06 clean gpu-check
 setup: $(STAMP)
 
 $(STAMP): requirements/common.txt requirements/$(DEVICE).txt
@@ -152,3 +152,10 @@ bench-06: $(STAMP)
 
 clean:
 	rm -rf $(VENV) .pytest_cache
+
+# The trainer's side of the GPU path on one CUDA GPU (06-train/gpu_check.py): grpo_step at torl-1.5b's micro-batch on
+# a random-init 1.5B, FSDP2 on one rank, memory beside the dry run's plan, tokens/s; a few minutes, no vLLM. As
+# bench-train, it runs without the venv: make gpu-check PY=python3 STAMP=
+gpu-check: $(STAMP)
+	PYTHONPATH=$(CURDIR):$(CURDIR)/01-data:$(CURDIR)/02-sandbox:$(CURDIR)/03-rollout:$(CURDIR)/04-reward:$(CURDIR)/05-retool:$(CURDIR)/06-train \
+	  $(PY) 06-train/gpu_check.py $(ARGS)

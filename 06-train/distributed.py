@@ -174,30 +174,34 @@ class DataParallel:
         if not self.distributed:
             return model
         if self.strategy == "fsdp":
-            from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-            # GPU: bf16 compute on the gathered weights, float32 shards and gradient reduction
-            # (as autocast does without FSDP); CPU: float32 throughout, as everywhere on CPU
-            on_cuda = self.device.type == "cuda"
-            policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if on_cuda else None, reduce_dtype=torch.float32)
-            mesh = None  # one node: torch's 1-D mesh over every rank
-            if self.nodes > 1:  # HSDP: shard within a node, replicate across nodes, so weights cross nodes only as
-                from torch.distributed.device_mesh import init_device_mesh  # one gradient all-reduce a mini-batch
-
-                mesh = init_device_mesh(self.device.type, (self.nodes, self.per_node),
-                                        mesh_dim_names=("replicate", "shard"))
-            for layer in model.model.layers:  # one all-gather per decoder layer, freed after use
-                fully_shard(layer, mesh=mesh, mp_policy=policy)
-            fully_shard(model, mesh=mesh, mp_policy=policy)
-            if self._weights_for_wrap is not None:  # built by load_policy: weights on rank 0 only
-                self._fill_from_rank0(model)
-            return model
+            return self.fully_shard(model)
         from torch.nn.parallel import DistributedDataParallel
 
         ids = [self.local_rank] if self.device.type == "cuda" else None
         # gradients live in DDP's all-reduce buckets instead of beside them: one copy, not two (6.2 GB at 1.5B),
         # as long as zero_grad keeps them (`gradients_to_none`)
         return DistributedDataParallel(model, device_ids=ids, gradient_as_bucket_view=True)
+
+    def fully_shard(self, model):
+        """FSDP2 in place, every decoder layer and then the root; also in a world of one (make gpu-check)."""
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        # GPU: bf16 compute on the gathered weights, float32 shards and gradient reduction
+        # (as autocast does without FSDP); CPU: float32 throughout, as everywhere on CPU
+        on_cuda = self.device.type == "cuda"
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if on_cuda else None, reduce_dtype=torch.float32)
+        mesh = None  # one node: torch's 1-D mesh over every rank
+        if self.nodes > 1:  # HSDP: shard within a node, replicate across nodes, so weights cross nodes only as
+            from torch.distributed.device_mesh import init_device_mesh  # one gradient all-reduce a mini-batch
+
+            mesh = init_device_mesh(self.device.type, (self.nodes, self.per_node),
+                                    mesh_dim_names=("replicate", "shard"))
+        for layer in model.model.layers:  # one all-gather per decoder layer, freed after use
+            fully_shard(layer, mesh=mesh, mp_policy=policy)
+        fully_shard(model, mesh=mesh, mp_policy=policy)
+        if self._weights_for_wrap is not None:  # built by load_policy: weights on rank 0 only
+            self._fill_from_rank0(model)
+        return model
 
     unwrap = staticmethod(unwrap)
 
