@@ -82,16 +82,24 @@ def run(args) -> None:
             run_arm(args.base, Path(args.out) / f"{arm}-s{seed}", arm, seed, args.steps, args.preset)
 
 
+SAVE_EVERY = 10  # steps between an arm's checkpoints: Ctrl-C loses at most these (a tiny model's save: a fraction of a second)
+
+
 def run_arm(base: str, run_dir: Path, arm: str, seed: int, steps: int, preset: str | None, flags=()) -> None:
     """One RL run of `arm` from `base` (retool.py, its console quiet), unless it finished before; `flags` are
     retool.py's, before the arm's own."""
     if finished(run_dir):
         print(f"{run_dir}: done already")
         return
-    shutil.rmtree(run_dir, ignore_errors=True)  # a run cut short starts over: same base, same seed
+    if list((run_dir / "checkpoints").glob("step-*")):  # a run cut short goes on from its last checkpoint
+        print(f"{run_dir}: going on from its last checkpoint")
+        subprocess.run([sys.executable, str(RETOOL), "--resume", str(run_dir)], check=True, stdout=subprocess.DEVNULL)
+        return
+    shutil.rmtree(run_dir, ignore_errors=True)  # cut short before its first checkpoint: it starts over
     cmd = [sys.executable, str(RETOOL), *(["--preset", preset] if preset else []), "--model", base, "--cold-start",
            "none", "--run-dir", str(run_dir), "--seed", str(seed), "--steps", str(steps), "--eval-every", "0",
-           "--keep-checkpoints", "1", "--save-every", str(steps), "--seed-rollouts", "true", *flags, *ARMS[arm][0]]
+           "--keep-checkpoints", "1", "--save-every", str(min(SAVE_EVERY, steps)), "--seed-rollouts", "true", *flags,
+           *ARMS[arm][0]]
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
 
 

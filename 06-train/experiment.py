@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> Path:
         from stopping import Stopped
 
         print(f"run-06: stopped by SIGINT (Ctrl-C); the same command goes on in {out}: finished stages are kept, "
-              "a run cut short starts over", file=sys.stderr)
+              "a run cut short goes on from its last checkpoint", file=sys.stderr)
         raise Stopped(2) from None  # exit 130, as every script of the lab stopped by Ctrl-C
     print(f"run-06: done in {clock.finish(out)}; the report: {report}")
     return report

@@ -101,6 +101,32 @@ def test_run_06_end_to_end_at_toy_sizes(tmp_path, monkeypatch, capsys):
     assert {p: p.stat().st_mtime_ns for p in (ROOT / "docs").rglob("*")} == docs  # nothing under docs/
 
 
+@pytest.mark.e2e
+def test_an_arm_cut_short_goes_on_from_its_last_checkpoint_and_redoes_no_step(tmp_path, monkeypatch):
+    """run-06 after Ctrl-C: the arm in progress resumes from its checkpoint (every SAVE_EVERY steps, and the one a
+    stop saves), so the steps before it are not run again."""
+    import subprocess
+
+    import ablation
+
+    monkeypatch.chdir(tmp_path)
+    chained_data(tmp_path)
+    monkeypatch.setattr(ablation, "SAVE_EVERY", 2)
+    flags = ["--problems-per-step", "2", "--group-size", "2", "--eval-problems", "4"]
+    run = Path("runs/baseline-s0")
+    monkeypatch.setenv("RETOOL_TEST_SIGNAL", "KILL@4")  # killed as step 4 begins: the checkpoint of step 2 is the last
+    with pytest.raises(subprocess.CalledProcessError):
+        ablation.run_arm(experiment.RELEASE.folder, run, "baseline", 0, 5, "cpu-chained", flags)
+    monkeypatch.delenv("RETOOL_TEST_SIGNAL")
+    first = (run / "metrics.jsonl").read_text().splitlines()
+    assert len(first) == 3 and [p.name for p in (run / "checkpoints").iterdir()] == ["step-000002"]
+    ablation.run_arm(experiment.RELEASE.folder, run, "baseline", 0, 5, "cpu-chained", flags)
+    after = (run / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(row)["step"] for row in after] == [1, 2, 3, 4, 5]
+    assert after[:2] == first[:2]  # steps 1 and 2 kept as they were, not run again
+    assert ablation.finished(run)
+
+
 def test_ctrl_c_during_a_run_stops_with_one_line_saying_the_same_command_goes_on(tmp_path, monkeypatch, capsys):
     import subprocess
 
@@ -117,6 +143,7 @@ def test_ctrl_c_during_a_run_stops_with_one_line_saying_the_same_command_goes_on
     assert stopped.value.code == 130
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and "stopped by SIGINT (Ctrl-C); the same command goes on in runs/experiment-06" in err
+    assert "a run cut short goes on from its last checkpoint" in err
     assert (Path("runs/experiment-06") / "experiment.json").exists()  # the folder is kept, claimed for this recipe
 
 
@@ -141,6 +168,12 @@ def test_bad_arms_and_flags_are_refused_in_one_line_before_any_model(tmp_path, m
     assert not Path("runs").exists()
 
 
+def ablation_save_every() -> int:
+    import ablation
+
+    return ablation.SAVE_EVERY
+
+
 def test_the_pages_say_what_run_06_does_and_how_long_it_takes():
     from doc_pages import says
 
@@ -149,7 +182,7 @@ def test_the_pages_say_what_run_06_does_and_how_long_it_takes():
     cfg, words = make_config("cpu-chained", {}), {3: "three"}
     says("06-experiments.md", f"preset's\n{words[1 + len(cfg.cold_start_schedules.split())]} cold starts with the kernels held",
          f"one RL run of {cfg.steps} steps per arm and seed", f"{', '.join(map(str, [1, 2]))} and 4",
-         "runs four stages")
+         "runs four stages", f"checkpoint (one every {ablation_save_every()} steps)")
     bench = results.load("06-bench-experiment")["figures"]
     assert bench["runs"] == len(experiment.BUDGET_ARMS)
     assert f"one seed, about {round(bench['total_min'])} min on two cores" in (ROOT / "README.md").read_text()
