@@ -28,7 +28,7 @@ from distributed import unwrap
 from logprob_chunks import chunked_logprobs
 from objectives import aggregate, cispo_loss, gspo_loss, loss_denominator, objective_aggregation, objective_problems
 from update_metrics import UpdateTally, ratio_stats, sampler_mismatch
-from update_options import tis_weights, update_gives_pi_old, zero_gradients
+from update_options import make_adamw_state, set_gradient_checkpointing, tis_weights, update_gives_pi_old, zero_gradients
 from weight_sync import sleep_sampler, sync_weights  # re-exported: the loop takes the chapter's parts from here
 
 
@@ -149,7 +149,7 @@ def grpo_step(model, optimizer, trajectories, cfg: GRPOConfig, exclude=None, glo
     ranks = None
     if torch.distributed.is_initialized():  # torchrun: distributed.py keeps this rank's passes in step with the others'
         import distributed as ranks
-    _set_gradient_checkpointing(ranks.unwrap(model) if ranks else model, cfg.gradient_checkpointing)
+    set_gradient_checkpointing(ranks.unwrap(model) if ranks else model, cfg.gradient_checkpointing)
     model.train()  # Qwen2 has no dropout; train mode is what switches checkpointing on
     batch = build_batch(trajectories)
     if exclude is not None:  # rows that neither train nor count in the denominator (part 3's filters)
@@ -240,15 +240,7 @@ def make_optimizer(model, cfg: GRPOConfig) -> torch.optim.Optimizer:
         )
     fused = params[0].device.type == "cuda"
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay, fused=fused)
-    # AdamW makes its moments at its first step, inside the update's fragmented memory; made here, before vLLM takes
-    # its share, they are where the plan puts them (docs/06-scaling.md). The same zeros and step count as its own.
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            on_device = group["fused"] or group["capturable"]
-            step_dtype = torch.float64 if torch.get_default_dtype() == torch.float64 and not group["fused"] else torch.float32
-            optimizer.state[p] = {"step": torch.zeros((), dtype=step_dtype, device=p.device if on_device else "cpu"),
-                                  "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
-                                  "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format)}
+    make_adamw_state(optimizer)  # its moments now, before vLLM takes its share, not inside the first update
     return optimizer
 
 
@@ -391,7 +383,7 @@ def _old_logprobs_and_entropy(model, batch: Batch, cfg: GRPOConfig, runs: torch.
     return old, entropy
 
 
-# --------------------------------------------------------------------------- checks and switches
+# --------------------------------------------------------------------------- checks
 
 
 def _check_step_inputs(trajectories, cfg: GRPOConfig, exclude) -> None:
@@ -404,14 +396,6 @@ def _check_step_inputs(trajectories, cfg: GRPOConfig, exclude) -> None:
         raise ValueError("aggregation token-sum divides by the response budget: set GRPOConfig.max_response_tokens")
     if exclude is not None and len(exclude) != len(trajectories):
         raise ValueError(f"exclude has {len(exclude)} entries for {len(trajectories)} trajectories")
-
-
-def _set_gradient_checkpointing(model, on: bool) -> None:
-    if on and not model.is_gradient_checkpointing:
-        # non-reentrant: works when the inputs (token ids) need no gradient
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    elif not on and model.is_gradient_checkpointing:
-        model.gradient_checkpointing_disable()
 
 
 if __name__ == "__main__":  # the advantage examples, printed

@@ -2,7 +2,9 @@
 
 Each changes one thing: a token weight (truncated or masked importance sampling, `tis_weights`), pi_old from
 the update's own forward (`update_gives_pi_old`), and AdamW's step when every row was skipped
-(`zero_gradients`). Why each exists: docs/06-train.md and docs/06-beyond-torl.md.
+(`zero_gradients`). Why each exists: docs/06-train.md and docs/06-beyond-torl.md. Two more serve memory on a
+GPU: gradient checkpointing switched as the config says (`set_gradient_checkpointing`), and AdamW's state made
+with the optimizer (`make_adamw_state`): docs/06-scaling.md.
 """
 from __future__ import annotations
 
@@ -65,3 +67,25 @@ def zero_gradients(model) -> None:
     for p in model.parameters():
         if p.requires_grad:
             p.grad = torch.zeros_like(p)
+
+
+def set_gradient_checkpointing(model, on: bool) -> None:
+    """Keep only each decoder layer's input and recompute the layer in backward, or keep every activation."""
+    if on and not model.is_gradient_checkpointing:
+        # non-reentrant: works when the inputs (token ids) need no gradient
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    elif not on and model.is_gradient_checkpointing:
+        model.gradient_checkpointing_disable()
+
+
+def make_adamw_state(optimizer: torch.optim.AdamW) -> None:
+    """AdamW's moments and step count, the same zeros it makes itself at its first step. Made there, they would
+    land inside the update's fragmented memory; made with the optimizer, before vLLM takes its share of the GPU,
+    they are where the memory plan puts them (docs/06-scaling.md)."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            on_device = group["fused"] or group["capturable"]
+            step_dtype = torch.float64 if torch.get_default_dtype() == torch.float64 and not group["fused"] else torch.float32
+            optimizer.state[p] = {"step": torch.zeros((), dtype=step_dtype, device=p.device if on_device else "cpu"),
+                                  "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
+                                  "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format)}
