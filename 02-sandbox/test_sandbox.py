@@ -2038,7 +2038,8 @@ def test_the_page_states_the_defaults_and_constants_of_the_code():
          ", ".join(f"`{os.path.basename(device)}`" for device in confinement.DEVICES) + " (bound)",
          ", ".join(f"`{file}`" for file in confinement._ETC) + " written by the sandbox")
     says(name, f"| (descriptors, pending signals) | {runner.CALL_NOFILE}, {runner.CALL_SIGPENDING} |")
-    says("02-isolation.md", f"the tests call {NUMBER_WORDS[len(SECCOMP_DENIED)]} of the denied calls")
+    says(name, f"the code runs with {runner.MALLOC_ARENAS} malloc arenas (`runner.MALLOC_ARENAS`)")
+    says("02-isolation.md", f"The tests call {NUMBER_WORDS[len(SECCOMP_DENIED)]} of the unlisted calls")
     says("02-isolation.md", f"knows the system-call numbers of {' and '.join(confinement._TABLES)}")
     if platform.machine() == "x86_64":
         says("02-isolation.md", f"{len(confinement.seccomp_program()) // 8} instructions on x86_64")
@@ -2064,6 +2065,9 @@ def test_the_isolation_page_states_the_constants_of_the_code():
     says(name, f"{runner.CALL_SIGPENDING} queued (timers' signals)", f"the {runner.CALL_NOFILE} descriptors each may hold",
          f"{runner.CALL_NOFILE} descriptors a process", "`prlimit64`, `setpriority`, `sched_setaffinity`, `sched_setscheduler`, "
          "`sched_setparam`, `sched_setattr` on any process but the caller")
+    says(name, f"(`confinement.NEWEST`, `file_setattr` of Linux 6.17)", "The tests call fourteen of the unlisted calls")
+    if platform.machine() in confinement._TABLES:
+        assert confinement.SYSCALLS["file_setattr"] == confinement.NEWEST == max(confinement.SYSCALLS.values())
     assert set(confinement.SELF_ONLY) == {"prlimit64", "setpriority", "sched_setaffinity", "sched_setscheduler",
                                           "sched_setparam", "sched_setattr"}
 

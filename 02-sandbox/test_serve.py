@@ -739,6 +739,7 @@ def test_the_page_states_the_services_defaults():
          f"{serve.FD_HEADROOM} descriptors kept free (`serve.FD_HEADROOM`)", f"or for {serve.ACCEPT_RETRY_SECONDS:g} s",
          f"at most {serve.ACCEPT_BATCH} connections at once (`serve.ACCEPT_BATCH`",
          f"`runner.ANSWER_GRACE` ({runner.ANSWER_GRACE:g} s)",
+         "| requests decoded at once | as many as calls run | `--concurrency` |",
          f"headers at most {sandboxfusion_backend.HEAD_BYTES // 1024} KB",
          "timeouts at most a day" if serve.MAX_SECONDS == 24 * 3600 else f"timeouts at most {serve.MAX_SECONDS:g} s")
 
