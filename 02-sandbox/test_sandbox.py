@@ -25,6 +25,7 @@ import tempfile
 import threading
 import time
 import uuid
+from pathlib import Path
 
 import pytest
 
@@ -1598,14 +1599,15 @@ def unprivileged(unprivileged_folder):
         "find": ("import ctypes, os, socket\n"
                  "print(os.getpid(), os.listdir('/tmp'), os.listdir('/var/tmp'), os.listdir('/dev/shm'), os.listdir('.'),\n"
                  "      ctypes.CDLL(None).semget(0x5A5A5A, 0, 0) >= 0)\n", None, None, []),
-        "name_in_maps": ("import mmap, os, time\n"  # names the code chose, in the maps and status the watch reads
+        "name_in_maps": ("import ctypes, mmap, os, time\n"  # names the code chose, in the maps and status the watch reads
+                         "ctypes.CDLL(None).prctl(4, 1)\n"  # PR_SET_DUMPABLE: the slot may read its maps
                          "held = []\n"
                          f"for i in range(100):\n"
                          f"    with open('{watched}%03d' % i, 'wb') as f:\n"
                          "        f.write(b'x')\n"
                          f"    with open('{watched}%03d' % i, 'rb') as f:\n"
                          "        held.append(mmap.mmap(f.fileno(), 1, prot=mmap.PROT_READ))\n"
-                         f"ctypes = __import__('ctypes'); ctypes.CDLL(None).prctl(15, b'{named}')\n"
+                         f"ctypes.CDLL(None).prctl(15, b'{named}')\n"
                          "time.sleep(0.5)\n"  # 50 looks of the watch
                          "print('mapped')\n", None, None, []),
         "find_name": (SCAN.format(halves=[(watched[:16], watched[16:]), (named[:8], named[8:])]), None, None, []),
@@ -1695,6 +1697,22 @@ def test_unprivileged_the_code_is_not_the_user_has_no_capability_and_cannot_beco
 def test_unprivileged_every_legitimate_workload_of_the_standard_library_runs(unprivileged):
     r = unprivileged["results"]["workloads"]  # at 256 MB, without a cgroup: epoll refused, selectors polls
     assert r["ok"] and r["stdout"].splitlines() == WORKLOADS_SEEN, r
+
+
+def test_the_memory_watch_reads_proc_through_a_buffer_it_zeroes():
+    """The watch's reads of this process's own files: the right counts, and nothing of the files left in the buffer,
+    which a slot's later calls would inherit."""
+    proc, me = os.open("/proc", os.O_RDONLY | os.O_DIRECTORY), str(os.getpid())
+    try:
+        mappings = len(Path(f"/proc/{me}/maps").read_text().splitlines())
+        assert abs(confinement._count_mappings(proc, me) - mappings) <= 8  # the interpreter maps a few more meanwhile
+        fields = confinement._fields(proc, me, "status", "RssAnon")
+        assert set(fields) == {"RssAnon", "RssShmem", "VmSwap", "VmPTE", "Threads", "FDSize", "PPid", "VmSize"}, fields
+        assert fields["PPid"] == os.getppid() and fields["Threads"] >= 1
+        assert set(confinement._fields(proc, me, "smaps_rollup", "Pss_Anon")) == {"Pss_Anon", "Pss_Shmem", "SwapPss"}
+        assert not any(confinement._PROC_BUFFER)
+    finally:
+        os.close(proc)
 
 
 def test_unprivileged_the_memory_watch_leaves_no_name_the_code_chose_for_a_later_call(unprivileged):
