@@ -278,9 +278,8 @@ def main(argv: list[str] | None = None) -> Path:
 
 def parse_args(argv):
     """(args, overrides): the run's own flags, and the Config fields given on the command line."""
-    parser = argparse.ArgumentParser(
-        description="Tool-integrated RL: rollout with a sandbox, ±1 reward, GRPO, weights back into vLLM. On a 2-core "
-                    "CPU the cpu-demo preset takes about 9 minutes (6 of them the cold start), smollm2 about 18.")
+    parser = argparse.ArgumentParser(description="Tool-integrated RL: rollout with a sandbox, ±1 reward, GRPO, weights "
+                                     f"back into vLLM. {measured_durations()}")
     parser.add_argument("--preset", default="cpu-demo", help=f"one of: {', '.join(PRESETS)} [default: cpu-demo]; "
                                                              "the defaults below are the chosen preset's")
     parser.add_argument("--run-dir", help="run folder [default: runs/PRESET-TIMESTAMP]")
@@ -296,6 +295,15 @@ def parse_args(argv):
         setattr(args, name, getattr(args, name) and os.path.expanduser(getattr(args, name)))
     fill_plan_defaults(args)  # --plan-gpus by the preset (dry_run.py)
     return args, overrides
+
+
+def measured_durations() -> str:
+    """The demos' wall times as the pages measured them (docs/results), for --help."""
+    import results
+
+    demo, smollm2 = results.load("05-cpu-demo")["figures"], results.load("05-smollm2")["figures"]
+    return (f"On a 2-core CPU the cpu-demo preset takes about {demo['wall_s']} s from its released base (docs/05-retool.md), "
+            f"smollm2 about {smollm2['wall_min']} min (docs/05-smollm2.md).")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,8 @@
 """docs/05 restates presets and defaults: each number here is read from the code, so the pages cannot drift."""
 from __future__ import annotations
 
+import pytest
+
 from doc_pages import says
 from presets import PRESETS
 from configuration import Config, make_config
@@ -110,3 +112,15 @@ def test_the_step_on_the_page_is_train_step_s_own_code():
 
     block = re.search(r"## One step.*?```python\n(.*?)```", (DOCS / "05-retool.md").read_text(), re.S).group(1)
     assert "grpo_step(" in block and block in (Path(__file__).parent / "retool.py").read_text()
+
+
+def test_the_help_states_the_demos_times_the_pages_measured(capsys):
+    import results
+    import retool
+
+    with pytest.raises(SystemExit):
+        retool.parse_args(["--help"])
+    said = " ".join(capsys.readouterr().out.split())
+    demo, smollm2 = results.load("05-cpu-demo")["figures"], results.load("05-smollm2")["figures"]
+    assert f"cpu-demo preset takes about {demo['wall_s']} s from its released base" in said
+    assert f"smollm2 about {smollm2['wall_min']} min" in said
