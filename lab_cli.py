@@ -178,11 +178,77 @@ def disk_problem(error: BaseException) -> str | None:
     import errno
 
     fixes = {errno.ENOSPC: "free space", errno.EDQUOT: "free space", errno.EROFS: "choose a folder on a writable disk",
-             errno.EACCES: "choose a folder you may write to", errno.EFBIG: "raise the shell's file-size limit (ulimit -f)"}
+             errno.EACCES: "choose a folder you may write to", errno.EFBIG: file_size_fix(),
+             errno.ENAMETOOLONG: "choose a shorter name"}
     if not isinstance(error, OSError) or error.errno not in fixes:
         return None
+    what = error.strerror or os.strerror(error.errno)
+    if str(error.filename).startswith(STREAM_PREFIX):  # the console's output itself: a file the shell named for it
+        stream, target = str(error.filename)[len(STREAM_PREFIX):].split(" ", 1)
+        return (f"error: {what} writing {stream} to {target}: send {stream} to another file "
+                f"(> FILE) or {fixes[error.errno]} there")
     where = f" ({error.filename})" if error.filename else ""
-    return f"error: {error.strerror or os.strerror(error.errno)}{where}: {fixes[error.errno]}"
+    return f"error: {what}{where}: {fixes[error.errno]}"
+
+
+def write_fix(error: BaseException) -> str:
+    """What to do when a write failed: raise the file-size limit if one is set and could be the cause (EFBIG, or a
+    library's write error that names no errno), else free space."""
+    import errno
+
+    if getattr(error, "errno", None) == errno.EFBIG or (file_size_limit() and getattr(error, "errno", None) is None):
+        return file_size_fix()
+    return "free space"
+
+
+def file_size_limit() -> int | None:
+    """The shell's file-size limit (`ulimit -f`) in bytes; None when there is none."""
+    import resource
+
+    soft = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    return None if soft == resource.RLIM_INFINITY else soft
+
+
+def file_size_fix() -> str:
+    limit = file_size_limit()
+    now = f", now {limit // 1024} KiB a file" if limit is not None else ""
+    return f"raise the shell's file-size limit (ulimit -f{now}; ulimit -f unlimited)"
+
+
+def name_too_long(path) -> str | None:
+    """Why `path` cannot be made because a name in it is longer than its file system allows; None if none is."""
+    existing = os.path.abspath(path)
+    while not os.path.isdir(existing):
+        existing = os.path.dirname(existing)
+    try:
+        limit = os.pathconf(existing, "PC_NAME_MAX")
+    except (OSError, ValueError):
+        limit = 255
+    for name in str(path).split(os.sep):
+        if len(os.fsencode(name)) > limit:
+            return (f"the name {name[:24]}... is {len(os.fsencode(name))} bytes long, and this file system allows "
+                    f"at most {limit}")
+    return None
+
+
+STREAM_PREFIX = "<console> "  # an OSError's filename for a write to stdout or stderr (_Closable)
+
+
+def stream_target(stream) -> str:
+    """Where a console stream goes, for a message: the file the shell opened for it (/dev/full, a log)."""
+    try:
+        return os.readlink(f"/proc/self/fd/{stream.fileno()}")
+    except (OSError, ValueError, AttributeError):
+        return "its file"
+
+
+def missing_console() -> str | None:
+    """The line for a console stream the shell closed (`>&-`, `2>&-`); None when both are open."""
+    closed = [name for name in ("stdout", "stderr") if getattr(sys, name) is None]
+    if not closed:
+        return None
+    return (f"error: {' and '.join(closed)} {'is' if len(closed) == 1 else 'are'} closed (>&-): the lab writes its "
+            f"lines there; send {'it' if len(closed) == 1 else 'them'} to a file instead (> out.log, or > /dev/null)")
 
 
 def quiet_console() -> None:
@@ -190,6 +256,10 @@ def quiet_console() -> None:
     Face's bars (a model's load and save: a second each) and torch's C++ warnings (vLLM's CPU worker's NUMA note) are
     off unless their variables say otherwise; written to a file or a pipe, stdout goes out line by line, so the lab's
     lines and the bars' lines (`progress`) keep their order."""
+    if line := missing_console():  # before anything would write to a stream that is not there
+        if sys.stderr is not None:
+            print(line, file=sys.stderr)
+        os._exit(2)
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     import signal
@@ -228,6 +298,8 @@ class _Closable:
             self.stream = open(os.devnull, "w")
             _output["gone"] = True
             return len(text)
+        except OSError as e:  # /dev/full, past `ulimit -f`: the error names the stream and where it goes
+            raise self._named(e) from None
         finally:
             self._say_closed()
 
@@ -237,8 +309,16 @@ class _Closable:
         except BrokenPipeError:
             self.stream = open(os.devnull, "w")
             _output["gone"] = True
+        except OSError as e:
+            raise self._named(e) from None
         finally:
             self._say_closed()
+
+    def _named(self, error: OSError) -> OSError:
+        name = "stderr" if self.stream is sys.__stderr__ else "stdout"
+        named = OSError(error.errno, error.strerror, f"{STREAM_PREFIX}{name} {stream_target(self.stream)}")
+        self.stream = open(os.devnull, "w")  # the line that says so goes to stderr; this stream takes no more
+        return named
 
     @staticmethod
     def _say_closed() -> None:

@@ -318,7 +318,10 @@ def number_problems(cfg, world: int) -> list[str]:
         if getattr(cfg, name) < 0:
             problems.append(f"{name} must be 0 or more, got {getattr(cfg, name)}")
     seed_max = SEED_LIMIT - 1_000_003 * (world - 1) - max(cfg.steps, 0)  # each rank's engine and each step add to it
-    if not 0 <= cfg.seed <= seed_max:
+    if seed_max < 0:  # the steps alone leave no seed: they, not the seed, are what to change
+        problems.append(f"steps {cfg.steps} is more than a run can take: each step adds one to the 32-bit seed "
+                        f"(vLLM and numpy take 32 bits); pass --steps {seed_max + max(cfg.steps, 0) - max(cfg.seed, 0)} or less")
+    elif not 0 <= cfg.seed <= seed_max:
         problems.append(f"seed must be from 0 to {seed_max} (vLLM and numpy take 32-bit seeds; each rank and step "
                         f"adds to the run's), got {cfg.seed}")
     if cfg.dynamic_sampling and cfg.dynamic_sampling_rounds < 1:

@@ -236,18 +236,40 @@ def main(argv: list[str] | None = None) -> dict:
     result = {"model": args.model, "data": args.data, **result}
     (out / "summary.json").write_text(json.dumps(json_safe(result), indent=1))
     print(markdown_table(result))
+    if line := no_answer_note(result, args):
+        print(line, file=sys.stderr)
     if comparison := paper_table(result):
         print("\n" + comparison)
     print(f"samples: {out / 'samples.jsonl'}  summary: {out / 'summary.json'}")
     return result
 
 
+def no_answer_note(result: dict, args) -> str | None:
+    """A note when no response ended in an answer the scorer reads: accuracy 0 then says nothing of the model, and
+    the usual cause is a prompt it was not trained with."""
+    if any(summary["format_rate"] > 0 for summary in result["sets"].values()):
+        return None
+    return (f"note: not one response gave an answer in the form the scorer reads (format_rate 0), so every score is 0: "
+            f"was the model trained with the template {result['template']}? pass the one it was trained with "
+            f"(--template; one of {', '.join(template_names())})")
+
+
+def template_names() -> list[str]:
+    from rollout import TEMPLATES
+
+    return list(TEMPLATES)
+
+
 def load_sets(sources: list[str], limit: int | None) -> list[dict]:
     """The problems of every source, at most `limit` per data set (a file of several sets is cut per set)."""
     from prepare_data import DataError, load_problems
 
-    problems = []
+    problems, seen = [], {}
     for source in sources:
+        same = str(Path(source).resolve()) if Path(source).exists() else source
+        if same in seen:  # its problems would be loaded twice and scored once (their ids are the same)
+            sys.exit(f"error: --data names {seen[same]} twice ({source}): pass each data set once")
+        seen[same] = source
         try:
             rows, dropped = load_problems(source)
         except DataError as e:

@@ -65,6 +65,11 @@ def check_resume_dir(run_dir: Path) -> None:
     """Refuse, in one line, a --resume of anything but a run folder, naming what it is and what to pass."""
     if is_run(run_dir):
         return
+    if why := run_config_damage(run_dir):  # a run's records without its settings
+        steps = sorted(run_dir.glob("checkpoints/step-*"))
+        raise SystemExit(f"error: --resume {run_dir}: {why}, and a resume takes the run's settings from it: put back "
+                         "a copy of the file, or " + (f"start a new run from its latest checkpoint with --model "
+                                                      f"{steps[-1]} --cold-start none" if steps else "start the run again"))
     kind = what_is(run_dir)
     if kind.startswith("a checkpoint") and is_run(run_dir.parent.parent):
         hint = f"pass its run, --resume {run_dir.parent.parent} (or evaluate it with eval.py --model {run_dir})"
@@ -88,8 +93,10 @@ def check_eval_out(out: Path, overwrite: bool) -> None:
 def to_replace(folder: Path, overwrite: bool, flag: str, kind: str, is_kind, entries: set[str], keep: str) -> bool:
     """Whether `folder` must be removed before the lab writes it: False if it is new or empty; True if it is
     `kind` (`is_kind`), holds only `entries` and `overwrite` asks; else a one-line refusal (`keep` if not asked)."""
-    from lab_cli import cannot_write
+    from lab_cli import cannot_write, name_too_long
 
+    if why := name_too_long(folder):  # else a traceback from the first look at it (File name too long)
+        raise SystemExit(f"error: {flag} {str(folder)[:40]}...: {why}; choose a shorter {flag}")
     if why := cannot_write(folder):  # a read-only disk, /proc: refused in seconds, not after the work
         raise SystemExit(f"error: {flag} {folder}: cannot write there ({why}); choose a folder on a writable disk")
     if not folder.is_dir() or not any(folder.iterdir()):
@@ -124,6 +131,24 @@ def is_run(folder: Path) -> bool:
     return config is not None and all(name in config for name in RUN_MARKS)
 
 
+def run_config_damage(folder: Path) -> str | None:
+    """What is wrong with the config.json of a folder that holds a run's records (checkpoints/, metrics.jsonl)
+    but is no run by is_run; None for a folder with no such records, or a whole config.json."""
+    if not folder.is_dir() or not any((folder / name).exists() for name in ("checkpoints", "metrics.jsonl", ".lock")):
+        return None
+    config = folder / "config.json"
+    if not config.exists():
+        return f"{config} is missing"
+    try:
+        value = json.loads(config.read_text())
+    except (OSError, ValueError) as e:
+        return f"{config} cannot be read as JSON ({str(e).splitlines()[0] if str(e) else type(e).__name__})"
+    if not isinstance(value, dict) or not all(name in value for name in RUN_MARKS):
+        missing = [name for name in RUN_MARKS if not isinstance(value, dict) or name not in value]
+        return f"{config} lacks {', '.join(missing)}"
+    return None
+
+
 def is_evaluation(folder: Path) -> bool:
     summary = read_object(folder / "summary.json") if folder.is_dir() and not folder.is_symlink() else None
     return summary is not None and "sets" in summary
@@ -146,6 +171,8 @@ def what_is(folder: Path) -> str:
         return "a checkpoint (a model folder)" if (folder / "state.json").exists() else "a model folder"
     if (folder / ".git").exists():
         return "a git clone (it has .git)"
+    if why := run_config_damage(folder):
+        return f"a run whose {why}"
     held = [p.name for p in sorted(folder.iterdir()) if is_run(p) or is_evaluation(p)]
     if held:
         return f"a folder of runs ({', '.join(held[:3])}{', ...' if len(held) > 3 else ''})"
@@ -204,6 +231,16 @@ def take_run_settings(args) -> None:
     (a tiny model's context, the demo's 512 tokens, is far below eval.py's defaults, which are ToRL's)."""
     model = Path(args.model)
     run = read_object(model.parent.parent / "config.json") if is_run(model.parent.parent) else None
+    needed = [f"--{name.replace('_', '-')}" for name in ("max_model_len", "max_response_tokens", "template")
+              if getattr(args, name) is None]
+    if model.parent.name == "checkpoints" and needed and (why := run_config_damage(model.parent.parent)):
+        raise SystemExit(f"error: --model {model} is a checkpoint of a run whose {why}: eval.py takes the run's "
+                         f"context, response budget and template from it; put back a copy of the file, or pass "
+                         f"{', '.join(needed)}")
+    if run and args.mode == "tir" and args.template is not None and run.get("template", args.template) != args.template:
+        print(f"note: --template {args.template}, and the run {model.parent.parent} was trained with the template "
+              f"{run['template']}: a prompt its model never saw may score 0 (leave --template out to take the run's)",
+              file=sys.stderr)
     taken = {}
     for name, field in (("max_model_len", "max_model_len"), ("max_response_tokens", "eval_max_response_tokens"),
                         ("template", "template")):
