@@ -196,8 +196,11 @@ def write_fix(error: BaseException) -> str:
     library's write error that names no errno), else free space."""
     import errno
 
-    if getattr(error, "errno", None) == errno.EFBIG or (file_size_limit() and getattr(error, "errno", None) is None):
+    code = getattr(error, "errno", None)
+    if code == errno.EFBIG:
         return file_size_fix()
+    if code is None and file_size_limit() is not None:  # torch's failed write names no errno: either may be the cause
+        return f"{file_size_fix()} or free space"
     return "free space"
 
 

@@ -213,7 +213,9 @@ def parse_args(argv):
                                             "minutes on an idle 2-core CPU with the defaults (a warm-up and --repeats "
                                             "runs of each workload); a busy machine takes many times longer.")
     p.add_argument("--model", help="model folder or name (default: build the tiny random model)")
-    p.add_argument("--dtype", default="float32", help="float32 for the tiny model on CPU; bfloat16 on a GPU")
+    from configuration import DTYPES  # the run's own names and check (05-retool)
+
+    p.add_argument("--dtype", choices=DTYPES, default="float32", help="float32 for the tiny model on CPU; bfloat16 on a GPU")
     p.add_argument("--problems", type=int, default=4, help="problems of the equal-length workload")
     p.add_argument("--group-size", type=int, default=8)
     p.add_argument("--max-response-tokens", type=int, default=256, help="budget of the equal-length workload")
@@ -235,7 +237,21 @@ def parse_args(argv):
         p.error("--tool-sleep must be 0 or more")
     if 2 * args.tail_shortest * 2 ** (args.tail_classes - 1) + 256 > args.max_model_len - 256:
         p.error("--max-model-len is too small for two turns of the longest length class (raise it or shorten the tail)")
+    check_model(args.model, args.max_model_len)
     return args
+
+
+def check_model(model: str | None, max_model_len: int) -> None:
+    """The run's checks of --model, before vLLM loads it (05-retool/configuration.py): one line, not vLLM's traceback."""
+    from configuration import model_problem, position_limit
+
+    if model is None:
+        return
+    if problem := model_problem(model):
+        raise SystemExit(f"error: --{problem}")
+    if (limit := position_limit(model)) is not None and max_model_len > limit:
+        raise SystemExit(f"error: --max-model-len {max_model_len} is above the position limit of {model}, {limit} "
+                         f"tokens (max_position_embeddings): pass --max-model-len {limit} or less")
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ import signal
 import sys
 from pathlib import Path
 
+from lab_cli import write_fix
 from stopping import STOPPER, Stopped, StopRequested
 
 
@@ -55,7 +56,7 @@ def save_checkpoint(run_dir: Path, step: int, model, optimizer, tokenizer, keep:
             why = f"the disk is full: {free / 2**20:.0f} MiB free" + (
                 f", a checkpoint takes {'' if last else 'about '}{size / 2**20:.0f} MiB" if size else "")
         kept = f"the last good checkpoint, {last['path']}, is kept" if last else "no checkpoint was saved yet"
-        raise SystemExit(f"error: writing checkpoint {final} failed ({why}); {kept}: free space, "
+        raise SystemExit(f"error: writing checkpoint {final} failed ({why}); {kept}: {write_fix(e)}, "
                          f"then go on with --resume {run_dir}") from None
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)
@@ -236,7 +237,7 @@ def append_jsonl(path: Path, row: dict) -> None:
             f.flush()
             os.fsync(f.fileno())
     except OSError as e:  # a full disk: one line; the torn line it may leave is dropped on resume
-        raise SystemExit(f"error: writing {path} failed ({e.strerror or e}): free space, then go on with "
+        raise SystemExit(f"error: writing {path} failed ({e.strerror or e}): {write_fix(e)}, then go on with "
                          f"--resume {path.parent}") from None
 
 

@@ -204,7 +204,10 @@ def copy_whole(source: Path, to: Path) -> None:
     """Copy the folder `source` to `to`, whole or not at all; a disk that fills on the way is one line, and leaves
     nothing a resume would take for a finished base."""
     if why := copied(source, to):
-        raise SystemExit(f"error: copying {source} to {to} failed ({why}): free space, then run the same command again")
+        from lab_cli import file_size_fix
+
+        fix = file_size_fix() if "[Errno 27]" in why else "free space"  # EFBIG: past `ulimit -f`, not a full disk
+        raise SystemExit(f"error: copying {source} to {to} failed ({why}): {fix}, then run the same command again")
 
 
 def keep_in_cache(base: Path, cached: Path) -> None:

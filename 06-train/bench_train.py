@@ -41,6 +41,7 @@ if __name__ == "__main__":  # before torch loads: the libraries' bars and torch'
 import torch
 
 import results
+from configuration import model_problem  # the run's check of --model (05-retool)
 from grpo import (GRPOConfig, build_batch, group_advantages, grpo_step, load_policy, make_optimizer, sleep_sampler,
                   sync_weights, token_logprobs)
 from update_metrics import sampler_mismatch
@@ -128,8 +129,8 @@ def run(args, model_path: str) -> None:
           f" gradient checkpointing {'on' if args.gradient_checkpointing else 'off'}")
     print(f"grpo_step           : {step_s:.3f} s (median of {args.steps}; min {min(times):.3f} s)")
     print(f"training throughput : {all_tokens / step_s:,.0f} tokens/s ({model_tokens / step_s:,.0f} model tokens/s)")
-    print(f"skip zero advantage : {step_s:.3f} s with, {no_skip_s:.3f} s without (median of {args.steps}; saves"
-          f" {1 - step_s / no_skip_s:.0%}; {zero_rows} of {len(trajectories)} rows have advantage 0)")
+    print(f"skip zero advantage : {step_s:.3f} s with, {no_skip_s:.3f} s without (median of {args.steps}; "
+          f"{skip_saving(step_s, no_skip_s, zero_rows)}; {zero_rows} of {len(trajectories)} rows have advantage 0)")
     if on_cuda:
         print(f"peak memory         : {peak / 2**30:.2f} GiB allocated by torch during the steps"
               f" (weights+grads+AdamW alone: {16 * n_params / 2**30:.2f} GiB)")
@@ -168,6 +169,16 @@ def run(args, model_path: str) -> None:
                         "mismatch_after_sync_mean": float(f"{gap[0]:.3e}"), "mismatch_after_sync_max": float(f"{gap[1]:.3e}")})
     if args.results:  # the figures of this run into docs/results/NAME.json, with the command that measured them
         print(f"wrote {results.save(args.results, results.make_command('bench-train', sys.argv[1:]), figures)}")
+
+
+def skip_saving(with_s: float, without_s: float, zero_rows: int) -> str:
+    """The share of the step's time skipping saves, or why there is none to state: no row to skip, or a
+    difference the machine's noise made (skipping never adds work)."""
+    if zero_rows == 0:
+        return "nothing to skip, so no saving"
+    if with_s >= without_s:
+        return f"no saving measured: the {with_s / without_s - 1:.0%} difference is the machine's noise"
+    return f"saves {1 - with_s / without_s:.0%}"
 
 
 def run_shape(args) -> None:
@@ -339,27 +350,35 @@ def parse_args(argv):
     p.add_argument("--shape", choices=sorted(SHAPES),
                    help="random-init model of this shape, trainer only, no vLLM (default on CUDA without --model)")
     # batch
-    p.add_argument("--sequences", type=int, default=16, help="trajectories per step (default 16)")
-    p.add_argument("--group-size", type=int, default=8, help="trajectories per problem (default 8)")
-    p.add_argument("--prompt-len", type=int, help="prompt tokens per trajectory (default 128; 400 with --shape)")
-    p.add_argument("--response-len", type=int, help="response tokens per trajectory (default 384; 3072 with --shape)")
+    from lab_cli import at_least, one_line_errors
+
+    p.add_argument("--sequences", type=at_least(1), default=16, help="trajectories per step (default 16)")
+    p.add_argument("--group-size", type=at_least(2), default=8, help="trajectories per problem (default 8)")
+    p.add_argument("--prompt-len", type=at_least(1), help="prompt tokens per trajectory (default 128; 400 with --shape)")
+    p.add_argument("--response-len", type=at_least(1), help="response tokens per trajectory (default 384; 3072 with --shape)")
     # the step
-    p.add_argument("--num-minibatches", type=int, help="optimizer updates per step (default 2; 1 with --shape)")
-    p.add_argument("--micro-batch-size", type=int, help="sequences per forward/backward (default 4; 8 with --shape)")
+    p.add_argument("--num-minibatches", type=at_least(1), help="optimizer updates per step (default 2; 1 with --shape)")
+    p.add_argument("--micro-batch-size", type=at_least(1), help="sequences per forward/backward (default 4; 8 with --shape)")
     p.add_argument("--gradient-checkpointing", action=argparse.BooleanOptionalAction,
                    help="recompute activations in backward (default: on with --shape, off otherwise)")
-    p.add_argument("--steps", type=int, default=3, help="timed steps after one warm-up step (default 3)")
-    p.add_argument("--degenerate-frac", type=float, default=0.5,
+    p.add_argument("--steps", type=at_least(1), default=3, help="timed steps after one warm-up step (default 3)")
+    p.add_argument("--degenerate-frac", type=at_least(0.0, float, 1), default=0.5,
                    help="share of groups whose rewards are all equal, so their rows have advantage 0 (default 0.5)")
     # the sampler
     p.add_argument("--no-sync", action="store_true", help="do not build vLLM; skip the sync timing")
-    p.add_argument("--syncs", type=int, default=3, help="timed weight syncs (default 3)")
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.3, help="vLLM's share of the GPU (default 0.3)")
+    p.add_argument("--syncs", type=at_least(1), default=3, help="timed weight syncs (default 3)")
+    p.add_argument("--gpu-memory-utilization", type=at_least(0.01, float, 1), default=0.3,
+                   help="vLLM's share of the GPU (default 0.3)")
     p.add_argument("--results", metavar="NAME", type=results.name_argument,
                    help="also write the figures to docs/results/NAME.json, for the docs (the tiny model's run)")
-    from lab_cli import one_line_errors
-
-    return one_line_errors(p).parse_args(argv)
+    args = one_line_errors(p).parse_args(argv)
+    if args.sequences % args.group_size:  # the loop's batch is whole groups; a partial one has no advantages
+        low = args.sequences - args.sequences % args.group_size
+        p.error(f"argument --sequences: {args.sequences} is not whole groups of --group-size {args.group_size}: pass "
+                f"--sequences {' or '.join(str(n) for n in (low, low + args.group_size) if n)}")
+    if args.model is not None and (problem := model_problem(args.model)):  # the run's check (05-retool), before loading
+        raise SystemExit(f"error: --{problem}")
+    return args
 
 
 if __name__ == "__main__":  # vLLM may spawn processes: keep the guard
