@@ -146,7 +146,9 @@ def dry_run(cfg, preset: str, args, start_sandbox, run_dir: Path) -> int:
     print(f"  configuration: {'ok' if not problems else f'{len(problems)} problem(s) above'}")
     try:
         check_new_run_dir(run_dir, args.overwrite, remove=False)
-        print(f"  run folder: {run_dir} (ok)")
+        from lab_cli import shown  # absolute outside the lab's folder, where runs/ is not the lab's
+
+        print(f"  run folder: {shown(run_dir)} (ok)")
     except SystemExit as refusal:
         print(f"  refused: {str(refusal.code).removeprefix('error: ')}")
         problems.append(str(refusal.code))
@@ -425,6 +427,7 @@ def model_shape(model: str) -> dict | None:
 def _data_counts(cfg) -> dict[str, int]:
     """Problems per data file, and the prompt filter's count where the model's tokenizer is on this machine;
     returns each readable file's count (0 where it is missing)."""
+    from lab_cli import shown  # absolute outside the lab's folder: a dry run says where the data would go
     from prepare_data import DataError, load_problems
     from problems_and_policy import drop_long_prompts, task_files, tasks_to_write
 
@@ -436,7 +439,7 @@ def _data_counts(cfg) -> dict[str, int]:
         except DataError:
             continue  # already refused above, with 01-data's message
         counts[name] = len(rows)
-        print(f"  {name} {path}: " + (f"{len(rows)} problems" if Path(path).exists() else
+        print(f"  {name} {shown(path)}: " + (f"{len(rows)} problems" if Path(path).exists() else
                                       "written at the run's start" if path in written else "missing"))
         if name == "train_file" and rows and cfg.max_prompt_tokens:
             try:
