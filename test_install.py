@@ -32,15 +32,27 @@ def make_setup_cuda(venv: Path, bin_dir: Path, driver: str | None, *settings: st
                           env=env, capture_output=True, text=True, timeout=60)
 
 
-@pytest.mark.parametrize("driver", ["570.124.06", "535.54.03", None])
+@pytest.mark.parametrize("driver", ["570.124.06", "535.54.03"])
 def test_a_driver_too_old_for_the_cuda_13_wheels_is_refused_before_the_install(tmp_path, driver):
     venv = tmp_path / "venv"
     done = make_setup_cuda(venv, tmp_path / "bin", driver)
     assert done.returncode != 0
     errors = [line for line in done.stdout.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "older than 580" in errors[0] and "DEVICE=cpu" in errors[0], done.stdout
-    assert (driver or "(none found by nvidia-smi)") in errors[0]
+    assert driver in errors[0]
     assert not venv.exists()  # nothing created, nothing downloaded
+
+
+def test_cuda_on_a_machine_without_a_gpu_says_there_is_none_before_anything_else(tmp_path):
+    """Even beside a CPU venv, whose own refusal would otherwise come first and blame the venv."""
+    venv = tmp_path / "venv"
+    venv.mkdir()
+    (venv / ".installed-cpu").touch()
+    done = make_setup_cuda(venv, tmp_path / "bin", None)
+    assert done.returncode != 0 and done.stdout.splitlines() == [
+        "error: DEVICE=cuda, and this machine has no NVIDIA GPU (nvidia-smi finds none): leave DEVICE out to install "
+        "for the CPU, or run on a machine with a GPU"], done.stdout
+    assert sorted(p.name for p in venv.iterdir()) == [".installed-cpu"]
 
 
 def test_the_minimum_driver_is_the_one_the_makefile_checks_against_and_the_readme_states():
@@ -79,11 +91,16 @@ def test_the_cuda_and_cpu_builds_pin_one_vllm_version():
 
 
 def test_a_driver_of_580_or_newer_passes_to_the_install(tmp_path):
-    """Past the checks, make goes on to create the venv (here PYTHON=false stops it there, before any download)."""
+    """Past the checks, make goes on to create the venv (here a Python that passes the version check and fails
+    `-m venv` stops it there, before any download)."""
     venv = tmp_path / "venv"
+    python = tmp_path / "python-without-venv"
+    python.write_text(f'#!/bin/sh\ncase "$1" in -m) exit 3;; esac\nexec {sys.executable} "$@"\n')
+    python.chmod(0o755)
     for driver in ("580.65.06", "590.10"):
-        done = make_setup_cuda(venv, tmp_path / f"bin-{driver}", driver, "PYTHON=false")
-        assert done.returncode != 0 and done.stdout == "", done.stdout  # no refusal: it stopped at `false -m venv`
+        done = make_setup_cuda(venv, tmp_path / f"bin-{driver}", driver, f"PYTHON={python}")
+        assert done.returncode != 0 and done.stdout == "", done.stdout  # no refusal: it stopped at `-m venv`
+        assert not venv.exists()
 
 
 @pytest.mark.parametrize("driver, refused", [("570.124.06", True), ("580.65.06", False), ("", True), (None, False)])
@@ -96,3 +113,32 @@ def test_the_dry_run_refuses_a_driver_too_old_in_one_line(tmp_path, monkeypatch,
     assert (problem is not None) == refused
     if refused:
         assert "\n" not in problem and f"is older than {dry_run.MIN_DRIVER}" in problem
+
+
+@pytest.mark.e2e
+def test_a_clone_in_a_folder_with_a_space_and_an_umlaut_installs_and_finds_every_chapter(tmp_path):
+    """The Makefile's own setup recipe in a clone under "my lab ü", with a venv whose pip does nothing (no download):
+    the recipe ends, and the .pth it writes puts the lab's root and every chapter on that venv's path."""
+    if shutil.which("git") is None:
+        pytest.skip("no git on this machine")
+    lab = tmp_path / "my lab ü"
+    subprocess.run(["git", "clone", "--quiet", "--depth", "1", f"file://{REPO}", str(lab)], check=True, timeout=120)
+    shutil.copy(REPO / "Makefile", lab / "Makefile")  # this tree's Makefile, committed or not
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(lab / ".venv")], check=True, timeout=120)
+    python = lab / ".venv" / "bin" / "python"
+    python.rename(python.with_name("python-real"))
+    python.write_text('#!/bin/sh\ncase "$1 $2" in "-m pip") exit 0;; esac\n'  # pip: nothing to fetch here
+                      'exec "$(dirname "$0")/python-real" "$@"\n')
+    python.chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    done = subprocess.run(["make", "--no-print-directory", "setup", "DEVICE=cpu"], cwd=lab, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and "ambiguous redirect" not in done.stderr, done.stdout + done.stderr
+    assert (lab / ".venv" / ".installed-cpu").exists()
+    found = subprocess.run([str(python), "-c", "import sys; print('\\n'.join(sys.path))"], cwd=tmp_path, env=env,
+                           capture_output=True, text=True, timeout=60).stdout.splitlines()
+    for folder in ("", "01-data", "02-sandbox", "03-rollout", "04-reward", "05-retool", "06-train"):
+        assert str((lab / folder).resolve()).rstrip("/") in found, (folder, found)
+    listed = subprocess.run(["make", "--no-print-directory", "-n", "bench-train"], cwd=lab, env=env,
+                            capture_output=True, text=True, timeout=60).stdout
+    assert f'PYTHONPATH="{lab}:{lab}/01-data:' in listed  # one word, however many spaces the folder has
