@@ -26,7 +26,7 @@ from pathlib import Path
 
 from ablation import ARMS, load_runs, run_arm
 from ablation import report as arms_report
-from configuration import Config, check_config, make_config, parse_with_field_flags
+from configuration import Config, check_config, make_config, number_problems, parse_with_field_flags
 from lab_cli import one_line_errors
 from presets import PRESETS
 from released_base import RELEASES, released_base, sha256
@@ -43,6 +43,9 @@ SECONDS = {"moves_check": 10.0, "rl_step": 5.0, "rl_run_fixed": 45.0}
 def main(argv: list[str] | None = None) -> Path:
     args = parse_args(argv)
     cfg = chained_config(args.flags)  # refused here, in one line, before any model loads
+    for seed in args.seeds:  # each run's seed as its retool.py checks it, before the data stage (a minute and more)
+        if problems := number_problems(dataclasses.replace(cfg, seed=seed), world=1):
+            raise SystemExit(f"error: --seeds {seed}: {problems[0]}")
     base = args.base or released_base(RELEASE)  # the released base's files checked against their sha256
     out = Path(args.out)
     # the recipe, what makes the folder's runs what they are: every Config field, the flags and the base (not seeds
