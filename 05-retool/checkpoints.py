@@ -3,7 +3,7 @@
 Key decisions: a checkpoint folder is complete or absent; metrics.jsonl and
 eval.jsonl are appended and flushed line by line, and a resume cuts the lines
 of steps after its checkpoint; a stop saves the last finished step first.
-The story: docs/05-retool.md, "Checkpoints, resume, stop, bad configuration".
+The story: docs/05-runs.md, "Checkpoints" and "Resume".
 """
 from __future__ import annotations
 

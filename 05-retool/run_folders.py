@@ -3,7 +3,7 @@
 Key decision: `--overwrite` removes only a folder the lab wrote, recognised by
 its marker file and holding nothing but the names the lab writes there; anything
 else is refused in one line and left as it was. `--resume` takes only a run
-folder. The story: docs/05-retool.md, "Checkpoints, resume, stop".
+folder. The story: docs/05-runs.md, "The run folder".
 """
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ verbs: open (or resume) the folder, `stops_saved` around the work, `steps()`
 (evaluations between them), `record_step` after each, `finish`. Under torchrun
 every rank holds one; rank 0 alone writes files. metrics.jsonl and eval.jsonl
 are the record, cut back to the checkpoint on resume. The story:
-docs/05-retool.md, "Checkpoints, resume, stop".
+docs/05-runs.md; the loop's view of it: docs/05-retool.md.
 """
 from __future__ import annotations
 

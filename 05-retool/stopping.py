@@ -3,7 +3,7 @@
 A signal raises `StopRequested` at once, or, while a step's update is held
 (`STOPPER.hold()` to `release()`), once the step is recorded; the run record
 saves the last finished step and exits with 128 + the signal number
-(checkpoints.stop_with_checkpoint). The story: docs/05-retool.md, "Checkpoints, resume, stop".
+(checkpoints.stop_with_checkpoint). The story: docs/05-runs.md, "Stops".
 """
 from __future__ import annotations
 

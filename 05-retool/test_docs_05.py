@@ -22,8 +22,21 @@ def test_the_cpu_demo_page_states_the_demo_defaults():
     says("05-retool.md",
          f"{cfg.cold_start_tool_fraction:.0%} of them open a code block",
          f"over {cfg.steps} RL steps",
-         f"Every `save_every` steps ({cfg.save_every} in the demo)",
          f"{cfg.problems_per_step} problems x {cfg.group_size} samples")
+    says("05-runs.md", f"Every `save_every` steps ({cfg.save_every} in the demo)")
+
+
+def test_the_run_log_states_the_default_s_held_out_accuracy_as_its_results_files_hold_it():
+    """The run log restates the chapter's table for the step count's choice: the same three seeds, from their files."""
+    import results
+
+    steps = Config().steps
+    seeds = [results.load(name)["figures"][f"heldout_accuracy_step_{steps}"]
+             for name in ("05-cpu-demo", "05-cpu-demo-s1", "05-cpu-demo-s2")]
+    says("appendix/05-retool-run-log.md",
+         f"- {steps} RL steps.",
+         f"three seeds reached {seeds[0]}, {seeds[1]} and {seeds[2]} at step {steps} (seeds 0, 1 and 2",
+         "from the results files `05-cpu-demo`, `05-cpu-demo-s1` and `05-cpu-demo-s2`")
 
 
 def test_the_smollm2_recipe_table_is_the_preset():
@@ -100,7 +113,7 @@ def test_the_tool_s_share_is_measured_on_the_demo_s_final_checkpoint():
 
 
 def test_the_unknown_preset_refusal_lists_every_preset():
-    says("05-retool.md", f"error: unknown preset 'gpt-5' (choose from {', '.join(PRESETS)})")
+    says("05-runs.md", f"error: unknown preset 'gpt-5' (choose from {', '.join(PRESETS)})")
 
 
 def test_the_step_on_the_page_is_train_step_s_own_code():

@@ -6,7 +6,7 @@
 
 metrics.jsonl and eval.jsonl stay the record; a tracker gets each row as it is
 written, under the same keys (eval rows as `eval/<set>/<metric>`). A missing
-package is a one-line error at start. The story: docs/05-retool.md, "Logs".
+package is a one-line error at start. The story: docs/05-runs.md, "Logs".
 """
 from __future__ import annotations
 
