@@ -61,7 +61,14 @@ def main(argv: list[str] | None = None) -> Path:
     name = release_to.command.split()[-1]
     print(f"{name}: the recipe's {1 + len(cfg.cold_start_schedules.split())} cold start(s) into {out / 'base'}, "
           f"kernels held to one path ({' '.join(f'{k}={v}' for k, v in kernels.items())}, {THREADS} thread{'s' * (THREADS > 1)})", flush=True)
-    base = Path(cold_started_model(cfg, out))
+    try:
+        base = Path(cold_started_model(cfg, out))
+    except KeyboardInterrupt:  # the schedules done are kept, and the one cut short has its last checkpoint
+        from stopping import Stopped
+
+        print(f"{name}: stopped by SIGINT (Ctrl-C); the same command ({release_to.command}) goes on in {out}: "
+              "finished cold starts are kept, the one cut short goes on from its last checkpoint", file=sys.stderr)
+        raise Stopped(2) from None  # exit 130, as every script of the lab stopped by Ctrl-C
     moves = json.loads((base / "cold_start.json").read_text()).get("moves", {})  # the chained task's check only
     made = results.RESULTS / f"{release_to.results}.json"
     released = results.load(release_to.results)["figures"] if made.exists() else {}
