@@ -39,6 +39,16 @@ STRATEGIES = ("ddp", "fsdp")  # how the trainer is spread over ranks: replicated
 # ------------------------------------------------------------------- a wrapped or sharded model, seen by the update
 
 
+def load_policy(model_path, device: str | torch.device | None = None):
+    """The trainer's copy of the model: float32 weights on `device` (CUDA if there is one); one rank's share of
+    the work under torchrun is `DataParallel.load_policy`'s. grpo.py takes it from here."""
+    from transformers import AutoModelForCausalLM
+
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    return model.to(device)
+
+
 def unwrap(model):
     """The Hugging Face model inside a DDP wrapper; any other model as it is (FSDP2 shards in place: no wrapper)."""
     return getattr(model, "module", model)
@@ -74,6 +84,36 @@ def gradients_to_none(model) -> bool:
     """Whether zero_grad may free the gradients: not under DDP, whose gradients are views of its
     all-reduce buckets (`wrap`); freed, the next no_sync backward would allocate them again beside the buckets."""
     return unwrap(model) is model
+
+
+class RanksInStep:
+    """What grpo_step does alike on every rank under torchrun, one call at each place it matters. In one process
+    (no process group) each call is the single-process one: the local count, no padding, no exchange to arm."""
+
+    def __init__(self, model, global_normalizer=None):
+        self.model, self.global_normalizer = model, global_normalizer
+        self.several = dist.is_available() and dist.is_initialized()
+
+    def denominator(self, local: float) -> float:
+        """A mini-batch's loss denominator: this rank's count, or with `global_normalizer` (decision 3) every
+        rank's count over N, since DDP and FSDP2 average the ranks' gradients."""
+        return local if self.global_normalizer is None else self.global_normalizer(local)
+
+    def zero_grad(self, optimizer) -> None:
+        """Zero the gradients; freed, except under DDP, whose buckets hold them (`gradients_to_none`)."""
+        optimizer.zero_grad(set_to_none=not self.several or gradients_to_none(self.model))
+
+    def pad(self, passes: list, filler, at_least: int = 1) -> list:
+        """As many passes as the busiest rank (`pad_to_every_rank`); this rank's own in one process."""
+        return pad_to_every_rank(self.model, passes, filler, at_least) if self.several else passes
+
+    def exchange(self, last: bool):
+        """Wraps a micro-batch's forward: DDP exchanges gradients on the mini-batch's last one only (`gradient_sync`)."""
+        return gradient_sync(self.model, sync=last) if self.several else nullcontext()
+
+    def whole_norm(self, grad_norm: torch.Tensor) -> torch.Tensor:
+        """The gradient norm over every rank's shard (FSDP2: a collective); the norm itself otherwise."""
+        return full_tensor(grad_norm) if self.several else grad_norm
 
 
 class DataParallel:
@@ -139,8 +179,6 @@ class DataParallel:
         the CPU), the others build the model on the meta device, and `wrap` fills their shards from rank 0's: every
         rank loading would hold 244 GB of host memory on an 8-GPU node at 7B. DDP loads on every rank (its wrap
         broadcasts rank 0's replica anyway). `loaded_weights` says which."""
-        from grpo import load_policy
-
         sharded = self.strategy == "fsdp" and self.distributed
         self.loaded_weights = not sharded or self.is_main
         if not sharded:

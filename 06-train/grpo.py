@@ -9,12 +9,13 @@ no std); only tokens the model wrote carry gradient (`loss_mask`); pi_old is
 recomputed by the trainer, so the first mini-batch's ratio is exactly 1 and the
 gap to vLLM's log-probs is logged as a mismatch; clip-higher by default (0.2
 below, 0.28 above); token-mean aggregation; no KL term; float32 master weights.
-PPO-clip with token-mean is written out here, its denominator included; any
-other objective or aggregation (GSPO, CISPO, sequence-mean, token-sum) is
-chosen in objectives.py. Each option is one call behind one `if` in grpo_step
-(update_options.py); so are the passes every rank must run alike under
-torchrun (distributed.py), and the log-probs come a chunk at a time
-(logprob_chunks.py).
+PPO-clip with token-mean is written out here; any other objective or
+aggregation (GSPO, CISPO, sequence-mean, token-sum) is chosen in objectives.py,
+and so is every aggregation's denominator, token-mean's included
+(`loss_denominator`). Each option is one call behind one `if` in grpo_step
+(update_options.py). What every rank must do alike under torchrun is one call
+of `ranks` at each place it matters, the single-process step in one process
+(distributed.py). The log-probs come a chunk at a time (logprob_chunks.py).
 """
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from distributed import unwrap
+from distributed import RanksInStep, load_policy, unwrap  # load_policy re-exported: the trainer's model
 from logprob_chunks import chunked_logprobs
 from objectives import aggregate, cispo_loss, gspo_loss, loss_denominator, objective_aggregation, objective_problems
 from update_metrics import UpdateTally, ratio_stats, sampler_mismatch
@@ -143,13 +144,11 @@ def grpo_step(model, optimizer, trajectories, cfg: GRPOConfig, exclude=None, glo
     pi_old with the weights as they are, then `cfg.num_minibatches` AdamW updates, each over micro-batches of
     `cfg.micro_batch_size` sequences: loss and backward for each, then the gradient's norm clipped and one step.
     `exclude` (a bool per trajectory) keeps rows out of the loss and its denominator; `global_normalizer` makes a
-    mini-batch's denominator the data-parallel one (distributed.py). Metrics: docs/06-train.md, "Metrics".
+    mini-batch's denominator the data-parallel one (distributed.py's `RanksInStep`). Metrics: docs/06-train.md, "Metrics".
     """
     _check_step_inputs(trajectories, cfg, exclude)
-    ranks = None
-    if torch.distributed.is_initialized():  # torchrun: distributed.py keeps this rank's passes in step with the others'
-        import distributed as ranks
-    set_gradient_checkpointing(ranks.unwrap(model) if ranks else model, cfg.gradient_checkpointing)
+    ranks = RanksInStep(model, global_normalizer)  # torchrun: this rank in step with the others (distributed.py)
+    set_gradient_checkpointing(unwrap(model), cfg.gradient_checkpointing)
     model.train()  # Qwen2 has no dropout; train mode is what switches checkpointing on
     batch = build_batch(trajectories)
     if exclude is not None:  # rows that neither train nor count in the denominator (part 3's filters)
@@ -173,18 +172,16 @@ def grpo_step(model, optimizer, trajectories, cfg: GRPOConfig, exclude=None, glo
     # PPO-clip with token-mean (clipped_policy_loss), unless the run chose another: objectives.py.
     objective, aggregation = OBJECTIVES[cfg.objective], objective_aggregation(cfg)
     for rows in batch.minibatches(cfg.num_minibatches):
-        # Token-mean's denominator: the mini-batch's tokens in the loss, the skipped rows' included, so that skipping
-        # changes nothing. Under torchrun every rank's count over N: DDP and FSDP average the ranks' gradients.
-        normalizer = loss_denominator(batch.loss_mask[rows], aggregation, cfg.max_response_tokens)
-        if global_normalizer is not None:
-            normalizer = global_normalizer(normalizer)
-        optimizer.zero_grad(set_to_none=not ranks or ranks.gradients_to_none(model))  # DDP: its buckets stay
+        # Token-mean's denominator (objectives.py): the mini-batch's tokens in the loss, the skipped rows' included,
+        # so that skipping changes nothing. Under torchrun every rank's count over N.
+        normalizer = ranks.denominator(loss_denominator(batch.loss_mask[rows], aggregation, cfg.max_response_tokens))
+        ranks.zero_grad(optimizer)
         passes = [(micro_rows, False) for micro_rows in _micro_batches(rows[runs[rows]], cfg.micro_batch_size)]
-        if ranks:  # as many passes as the busiest rank: a filler (the shortest row, its loss times 0) joins exchanges
-            passes = ranks.pad_to_every_rank(model, passes, (rows[-1:], True))
+        # as many passes as the busiest rank: a filler (the shortest row, its loss times 0) joins the exchanges
+        passes = ranks.pad(passes, (rows[-1:], True))
         for i, (micro_rows, filler) in enumerate(passes):
             micro = batch.select(micro_rows)
-            with ranks.gradient_sync(model, sync=i == len(passes) - 1) if ranks else nullcontext():  # DDP: one exchange
+            with ranks.exchange(last=i == len(passes) - 1):  # DDP: one gradient exchange a mini-batch
                 logprobs, micro_entropy = _target_logprobs(model, micro.input_ids, micro.attention_mask,
                                                            cfg.temperature, with_entropy=one_forward)
             device, width = logprobs.device, logprobs.shape[1]
@@ -205,28 +202,16 @@ def grpo_step(model, optimizer, trajectories, cfg: GRPOConfig, exclude=None, glo
         if not passes:  # every row skipped: AdamW still steps (momentum, weight decay), as it would unskipped
             zero_gradients(model)
         # Clip the gradient's norm, then step, unless the norm is NaN or inf: that would poison every weight it touches.
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
-        if ranks:  # FSDP2: the norm of the whole gradient, from every rank's shard
-            grad_norm = ranks.full_tensor(grad_norm)
+        grad_norm = ranks.whole_norm(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm))
         stepped = math.isfinite(grad_norm.item())
         if stepped:
             optimizer.step()
         tally.add_update(grad_norm.item(), stepped)
-    optimizer.zero_grad(set_to_none=not ranks or ranks.gradients_to_none(model))  # frees them before vLLM wakes
+    ranks.zero_grad(optimizer)  # frees them before vLLM wakes
     return tally.metrics(sampler_mismatch(old, entropy, observed))
 
 
 # --------------------------------------------------------------------------- the trainer's model and optimizer
-
-
-def load_policy(model_path, device: str | torch.device | None = None):
-    """The trainer's copy of the model: float32 weights on `device` (CUDA if there is one); one rank's share of
-    the work under torchrun is `DataParallel.load_policy`'s (distributed.py)."""
-    from transformers import AutoModelForCausalLM
-
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
-    return model.to(device)
 
 
 def make_optimizer(model, cfg: GRPOConfig) -> torch.optim.Optimizer:
@@ -365,7 +350,7 @@ def _micro_batches(rows: torch.Tensor, size: int) -> list[torch.Tensor]:
 
 
 @torch.no_grad()
-def _old_logprobs_and_entropy(model, batch: Batch, cfg: GRPOConfig, runs: torch.Tensor, ranks=None):
+def _old_logprobs_and_entropy(model, batch: Batch, cfg: GRPOConfig, runs: torch.Tensor, ranks: RanksInStep):
     """Log-probs and entropies of the targets of the rows the update `runs`, under the current weights, on CPU
     (zeros elsewhere). In the update's own micro-batches: the same shapes give the same bits, so the first
     mini-batch's ratio is exactly 1."""
@@ -373,8 +358,8 @@ def _old_logprobs_and_entropy(model, batch: Batch, cfg: GRPOConfig, runs: torch.
     entropy = torch.zeros(batch.loss_mask.shape)
     chunks = [micro for rows in batch.minibatches(cfg.num_minibatches)
               for micro in _micro_batches(rows[runs[rows]], cfg.micro_batch_size)]
-    if ranks:  # FSDP2 gathers weights in every forward: as many as the other ranks, the extra ones on the shortest row
-        chunks = ranks.pad_to_every_rank(model, chunks, next(batch.minibatches(1))[-1:], at_least=0)
+    # FSDP2 gathers weights in every forward: as many as the other ranks, the extra ones on the shortest row
+    chunks = ranks.pad(chunks, next(batch.minibatches(1))[-1:], at_least=0)
     for chunk in chunks:
         micro = batch.select(chunk)
         lp, ent = _target_logprobs(model, micro.input_ids, micro.attention_mask, cfg.temperature, with_entropy=True)
