@@ -153,3 +153,34 @@ def test_the_end_to_end_tier_names_real_tests_and_make_test_leaves_it_out():
 
     assert [line.split("pytest", 1)[1].split() for line in commands("test")] == [["-m", '"not', 'e2e"']]
     assert [line.split("pytest", 1)[1].split()[:2] for line in commands("test-all")] == [["-m", '"not'], ["-m", "e2e"]]
+
+
+def test_no_import_circle_among_the_labs_modules():
+    """Every import counts, a function's own too: a circle hidden inside functions still ties its modules together,
+    so none reads, tests or moves alone. The lab's modules are the non-test files of the root and the chapters."""
+    folders = [REPO] + sorted(p for p in REPO.glob("0[0-9]-*") if p.is_dir())
+    files = {f.stem: f for folder in folders for f in folder.glob("*.py")
+             if not f.name.startswith("test_") and f.name != "conftest.py"}
+    imports = {}
+    for name, file in files.items():
+        found = set()
+        for node in ast.walk(ast.parse(file.read_text())):
+            if isinstance(node, ast.Import):
+                found |= {alias.name.split(".")[0] for alias in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                found.add(node.module.split(".")[0])
+        imports[name] = found & files.keys() - {name}
+    circles = []
+    for start in sorted(files):  # a path from `start` back to itself; each circle found once, from its least module
+        paths = [[start]]
+        seen = set()
+        while paths:
+            path = paths.pop()
+            for nxt in sorted(imports[path[-1]]):
+                if nxt == start:
+                    circles.append(" -> ".join(path + [start]))
+                elif nxt > start and nxt not in seen:
+                    seen.add(nxt)
+                    paths.append(path + [nxt])
+    assert len(files) > 20 and imports["grpo"] and imports["retool"]  # the scan found the lab and its imports
+    assert not circles, f"import circles: {circles}"

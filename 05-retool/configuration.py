@@ -191,7 +191,7 @@ def config_problems(cfg, world: int | None = None, first_only: bool = False) -> 
 def data_problems(cfg) -> list[str]:
     """The data files: each exists (or is a task the run writes on first use) and loads, with enough problems."""
     from prepare_data import DataError, load_problems
-    from problems_and_policy import task_files, tasks_to_write
+    from problems_and_policy import task_files, tasks_to_write, too_few_problems
 
     problems, written = [], {str(p) for name in tasks_to_write(cfg) for p in task_files(name)}  # made at load
     for name in ("train_file", "eval_file"):
@@ -210,15 +210,6 @@ def data_problems(cfg) -> list[str]:
             if name == "train_file":
                 problems += [p for p in [too_few_problems(cfg, len(rows))] if p]
     return problems
-
-
-def too_few_problems(cfg, count: int) -> str | None:
-    """Why `count` training problems cannot fill a step of cfg.problems_per_step distinct problems; None if they can."""
-    if count >= cfg.problems_per_step:
-        return None
-    return (f"problems_per_step {cfg.problems_per_step} is more than the {count} problem{'s' * (count != 1)} of train_file "
-            f"{cfg.train_file}: a step would hold one problem twice; pass --problems-per-step {count} or less, "
-            "or a larger --train-file")
 
 
 def policy_problems(cfg) -> list[str]:

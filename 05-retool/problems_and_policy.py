@@ -21,7 +21,6 @@ def load_data(cfg, dp=None) -> tuple[list[dict], list[dict]]:
     if dp is not None:
         with dp.main_first():
             return load_data(cfg)
-    from configuration import too_few_problems
     from prepare_data import DataError, load_problems, write_jsonl
 
     for name in tasks_to_write(cfg):  # what `make run-01` or the task's own script writes
@@ -44,6 +43,15 @@ def load_data(cfg, dp=None) -> tuple[list[dict], list[dict]]:
     if problem := too_few_problems(cfg, len(loaded[0])):
         raise SystemExit(f"error: {problem}")
     return loaded[0], loaded[1]
+
+
+def too_few_problems(cfg, count: int) -> str | None:
+    """Why `count` training problems cannot fill a step of cfg.problems_per_step distinct problems; None if they can."""
+    if count >= cfg.problems_per_step:
+        return None
+    return (f"problems_per_step {cfg.problems_per_step} is more than the {count} problem{'s' * (count != 1)} of train_file "
+            f"{cfg.train_file}: a step would hold one problem twice; pass --problems-per-step {count} or less, "
+            "or a larger --train-file")
 
 
 GENERATED_TASKS = ("toy", "word", "chained")  # data/NAME_train.jsonl and data/NAME_test.jsonl, made on first use
