@@ -74,9 +74,9 @@ def objective_aggregation(cfg) -> str:
 
 
 def loss_denominator(loss_mask: torch.Tensor, aggregation: str, max_response_tokens: int) -> float:
-    """A mini-batch's loss denominator, counting all its rows: its tokens in the loss (token-mean, as
-    grpo_step writes it out), its sequences that have any (sequence-mean), or the response budget times
-    its sequences (token-sum)."""
+    """A mini-batch's loss denominator for every aggregation, the default's included, counting all its rows: its
+    tokens in the loss (token-mean), its sequences that have any (sequence-mean), or the response budget times its
+    sequences (token-sum)."""
     if aggregation == "token-sum":
         return float(max_response_tokens * loss_mask.shape[0])
     if aggregation == "token-mean":

@@ -10,7 +10,8 @@ from distributed import full_tensor, unwrap
 
 def sync_weights(model, llm) -> int:
     """Copy the trainer's weights into the running vLLM engine, as tensors (no checkpoint is written); return the
-    new version. vLLM's in-place reload also redoes any kernel-specific repacking."""
+    new version. vLLM's in-place reload repacks each weight it receives for its kernels; a tied lm_head receives
+    none, so on CPU `reload_weights_in_worker` repacks that one by hand."""
     from vllm.v1.engine.core_client import InprocClient
 
     if not isinstance(llm.llm_engine.engine_core, InprocClient):
