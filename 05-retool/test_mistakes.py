@@ -95,6 +95,15 @@ RUN_MISTAKES = {
     "a folder as the training file": (
         [*TINY, "--train-file", "folder"],
         "error: train_file: folder: a folder, not a data file (pass one of its .jsonl or .parquet files)"),
+    # the fourth round (issue 67)
+    "more steps than a 32-bit seed can count": (
+        [*TINY, "--steps", "99999999999"],
+        "error: steps 99999999999 is more than a run can take: each step adds one to the 32-bit seed (vLLM and numpy "
+        "take 32 bits); pass --steps 4294967295 or less"),
+    "a run folder name past the file system's limit": (
+        [*TINY, "--run-dir", "x" * 300],
+        re.compile(r"error: --run-dir x{40}\.\.\.: the name x{24}\.\.\. is 300 bytes long, and this file system allows "
+                   r"at most \d+; choose a shorter --run-dir")),
     # disks (item 6)
     "runs/ a dangling symbolic link": (
         [*TINY, "--run-dir", "runs/x"],
@@ -249,7 +258,8 @@ def test_a_cached_base_that_cannot_be_copied_is_one_line_and_leaves_no_half_base
     with pytest.raises(SystemExit) as refusal, small_files():
         copy_whole(cached, base)
     assert re.fullmatch(rf"error: copying {cached} to {base} failed \(\[Errno 27\] File too large: '.*'; \d+ MiB free "
-                        r"there\): free space, then run the same command again", refusal.value.code), refusal.value.code
+                        r"there\): raise the shell's file-size limit \(ulimit -f, now 64 KiB a file; ulimit -f "
+                        r"unlimited\), then run the same command again", refusal.value.code), refusal.value.code
     assert sorted(p.name for p in base.parent.iterdir()) == []
 
 
@@ -284,7 +294,8 @@ def test_any_script_past_the_file_size_limit_or_on_a_full_disk_says_so_in_one_li
     with pytest.raises(SystemExit) as e, small_files():
         lab_cli.run_script(write_big)
     assert e.value.code == 2 and capsys.readouterr().err == (
-        "error: File too large: raise the shell's file-size limit (ulimit -f), then run the same command again\n")
+        "error: File too large: raise the shell's file-size limit (ulimit -f, now 64 KiB a file; ulimit -f unlimited), "
+        "then run the same command again\n")
     with pytest.raises(SystemExit) as e:
         lab_cli.run_script(write_full)
     assert e.value.code == 2 and capsys.readouterr().err == (
@@ -442,3 +453,210 @@ def test_make_refuses_a_device_it_has_no_requirements_for_in_one_line():
     assert done.stderr.strip().splitlines() == [
         "Makefile:13: *** DEVICE=gpu is not one this Makefile installs for: pass DEVICE=cpu or DEVICE=cuda (left out: "
         "cuda where nvidia-smi finds a GPU, else cpu).  Stop."]
+
+
+# --------------------------------------------------------------------------- the fourth round (issue 67)
+
+
+BENCH_MISTAKES = {  # the benches refuse with the run's own checks (lab_cli.at_least, configuration.model_problem)
+    "no timed steps": ("train", ["--steps", "0", "--no-sync"], "error: argument --steps: must be at least 1, got 0 (see --help)"),
+    "no sequences": ("train", ["--sequences", "0", "--no-sync"],
+                     "error: argument --sequences: must be at least 1, got 0 (see --help)"),
+    "a model that is not there": ("train", ["--model", "/nonexistent", "--no-sync"],
+                                  "error: --model '/nonexistent' is not a folder here"),
+    "a batch that is not whole groups": ("train", ["--group-size", "3", "--no-sync"],
+                                         "error: argument --sequences: 16 is not whole groups of --group-size 3: pass "
+                                         "--sequences 15 or 18 (see --help)"),
+    "a rollout model that is not there": ("rollout", ["--model", "/nonexistent"],
+                                          "error: --model '/nonexistent' is not a folder here"),
+    "a dtype vLLM has no name for": ("rollout", ["--dtype", "float8"],
+                                     "error: argument --dtype: invalid choice: 'float8' (choose from 'float32', "
+                                     "'bfloat16', 'float16', 'auto') (see --help)"),
+}
+
+
+@pytest.mark.parametrize("case", list(BENCH_MISTAKES))
+def test_each_mistake_of_a_bench_is_its_one_line_before_anything_loads(case, capsys):
+    import bench_rollout
+    import bench_train
+
+    bench, argv, line = BENCH_MISTAKES[case]
+    with pytest.raises(SystemExit) as refusal:
+        (bench_train if bench == "train" else bench_rollout).parse_args(argv)
+    said = refusal.value.code if isinstance(refusal.value.code, str) else capsys.readouterr().err.rstrip("\n")
+    assert said == line
+
+
+def test_the_bench_states_a_saving_only_where_skipping_saved_time():
+    from bench_train import skip_saving
+
+    assert skip_saving(0.5, 1.0, zero_rows=8) == "saves 50%"
+    assert skip_saving(1.71, 1.0, zero_rows=8) == "no saving measured: the 71% difference is the machine's noise"
+    assert skip_saving(0.9, 1.0, zero_rows=0) == "nothing to skip, so no saving"
+
+
+def test_a_closed_stdout_is_one_line_on_stderr(monkeypatch, capsys):
+    """`retool.py --dry-run >&-`: Python starts with sys.stdout None; every script's first call says so."""
+    import lab_cli
+
+    monkeypatch.setattr(sys, "stdout", None)
+    monkeypatch.setattr(lab_cli.os, "_exit", lambda code: (_ for _ in ()).throw(SystemExit(code)))
+    with pytest.raises(SystemExit) as e:
+        lab_cli.quiet_console()
+    assert e.value.code == 2 and capsys.readouterr().err == (
+        "error: stdout is closed (>&-): the lab writes its lines there; send it to a file instead (> out.log, or > "
+        "/dev/null)\n")
+
+
+@pytest.mark.e2e
+def test_a_script_with_its_stdout_closed_says_so_for_real():
+    done = subprocess.run(["bash", "-c", f"'{sys.executable}' 05-retool/retool.py --dry-run >&-"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and done.stderr.startswith("error: stdout is closed (>&-)"), done.stderr[-2000:]
+    assert len(done.stderr.splitlines()) == 1
+
+
+def test_stdout_on_a_full_file_names_the_stream_and_where_it_goes(monkeypatch, capsys):
+    import lab_cli
+
+    monkeypatch.setattr(lab_cli, "quiet_console", lambda: None)
+    monkeypatch.setattr(lab_cli, "exit_now", lambda code: (_ for _ in ()).throw(SystemExit(code)))
+    monkeypatch.setattr(sys, "stdout", lab_cli._Closable(open("/dev/full", "w", buffering=1)))
+    with pytest.raises(SystemExit) as e:
+        lab_cli.run_script(lambda: print("a line"))
+    assert e.value.code == 2 and capsys.readouterr().err == (
+        "error: No space left on device writing stdout to /dev/full: send stdout to another file (> FILE) or free "
+        "space there, then run the same command again\n")
+
+
+def test_a_checkpoint_past_the_file_size_limit_advises_the_limit_not_space(tmp_path):
+    import torch
+
+    class TooLarge(torch.nn.Linear):
+        def save_pretrained(self, folder):
+            raise OSError(errno.EFBIG, "File too large")
+
+    with pytest.raises(SystemExit) as refusal, small_files():
+        checkpoints.save_checkpoint(tmp_path, 1, TooLarge(4, 4), None, None, keep=1)
+    assert refusal.value.code == (f"error: writing checkpoint {tmp_path}/checkpoints/step-000001 failed (File too "
+                                  "large); no checkpoint was saved yet: raise the shell's file-size limit (ulimit -f, "
+                                  f"now 64 KiB a file; ulimit -f unlimited), then go on with --resume {tmp_path}")
+
+
+@pytest.mark.parametrize("damage, why", [
+    (lambda run: (run / "config.json").unlink(), "{run}/config.json is missing"),
+    (lambda run: (run / "config.json").write_text('{"steps": 2'),
+     "{run}/config.json cannot be read as JSON (Expecting ',' delimiter: line 1 column 12 (char 11))"),
+])
+def test_a_run_whose_config_json_is_gone_or_corrupt_names_the_file_on_resume_and_in_eval(damage, why, lab, tmp_path):
+    run = make_run(tmp_path / "run")
+    damage(run)
+    why = why.format(run=run)
+    with pytest.raises(SystemExit) as refusal:
+        retool.main(["--resume", str(run)])
+    assert refusal.value.code == (f"error: --resume {run}: {why}, and a resume takes the run's settings from it: put "
+                                  "back a copy of the file, or start a new run from its latest checkpoint with --model "
+                                  f"{run}/checkpoints/step-000002 --cold-start none")
+    step = run / "checkpoints" / "step-000002"
+    with pytest.raises(SystemExit) as refusal:
+        evaluation.main(["--model", str(step), "--data", "test.jsonl", "--out", str(tmp_path / "eval")])
+    assert refusal.value.code == (f"error: --model {step} is a checkpoint of a run whose {why}: eval.py takes the "
+                                  "run's context, response budget and template from it; put back a copy of the file, or "
+                                  "pass --max-model-len, --max-response-tokens, --template")
+    assert not (tmp_path / "eval").exists()
+
+
+def test_eval_given_one_file_twice_refuses_before_the_model(lab, tmp_path):
+    with pytest.raises(SystemExit) as refusal:
+        evaluation.main(["--model", lab["tiny"], "--data", "test.jsonl", "./test.jsonl", "--out", str(tmp_path / "e")])
+    assert refusal.value.code == "error: --data names test.jsonl twice (./test.jsonl): pass each data set once"
+    assert not (tmp_path / "e").exists()
+
+
+def test_eval_says_when_its_template_is_not_the_runs_and_when_no_answer_was_readable(lab, tmp_path, capsys):
+    import argparse
+
+    from run_folders import take_run_settings
+
+    run = make_run(tmp_path / "run", template="torl")
+    args = argparse.Namespace(model=str(run / "checkpoints" / "step-000002"), mode="tir", template="qwen-chat",
+                              max_model_len=None, max_response_tokens=None)
+    take_run_settings(args)
+    assert (f"note: --template qwen-chat, and the run {run} was trained with the template torl: a prompt its model "
+            "never saw may score 0 (leave --template out to take the run's)\n") in capsys.readouterr().err
+    nothing = {"template": "qwen-chat", "sets": {"toy": {"format_rate": 0.0}}}
+    assert evaluation.no_answer_note(nothing, args) == (
+        "note: not one response gave an answer in the form the scorer reads (format_rate 0), so every score is 0: was "
+        "the model trained with the template qwen-chat? pass the one it was trained with (--template; one of "
+        "torl, qwen-chat, cot, qwen-chat-cot, smollm2-chat)")
+    assert evaluation.no_answer_note({**nothing, "sets": {"toy": {"format_rate": 0.1}}}, args) is None
+
+
+def test_run_06_refuses_a_seed_its_runs_would_refuse_before_the_data_stage(tmp_path, monkeypatch):
+    import experiment
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as refusal:
+        experiment.main(["--seeds", "0", "-1", "--out", "exp"])
+    assert refusal.value.code == ("error: --seeds -1: seed must be from 0 to 4294967235 (vLLM and numpy take 32-bit "
+                                  "seeds; each rank and step adds to the run's), got -1")
+    assert sorted(p.name for p in tmp_path.iterdir()) == []  # no data, no experiment folder
+
+
+def test_a_dry_run_outside_the_labs_folder_names_where_its_run_and_data_go(lab, tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        retool.main([*(arg.format(**lab) for arg in TINY), "--dry-run", "--run-dir", "r"])
+    out = capsys.readouterr().out
+    assert f"  run folder: {tmp_path}/r (ok)\n" in out and f"  train_file {tmp_path}/train.jsonl: 40 problems\n" in out
+
+
+def make(*argv: str) -> subprocess.CompletedProcess:
+    import shutil
+
+    if shutil.which("make") is None:
+        pytest.skip("no make on this machine")
+    return subprocess.run(["make", "--no-print-directory", "-n", *argv], cwd=ROOT, capture_output=True, text=True,
+                          timeout=60)
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("argv, line", [
+    (["run-05", "NPROC=0"], "NPROC=0 is not a number of processes: pass a whole number, 1 or more (one per GPU), e.g. "
+                            "make run-05 NPROC=2"),
+    (["run-05", "NPROC=abc"], "NPROC=abc is not a number of processes: pass a whole number, 1 or more (one per GPU), "
+                              "e.g. make run-05 NPROC=2"),
+    (["run-06", "PRESET=smollm2"], "PRESET=smollm2 is read only by make run-05, so make run-06 would ignore it: drop "
+                                   "it, or run make run-05 PRESET=smollm2"),
+    (["run-05", "SEEDS=3"], "SEEDS=3 is read only by make run-06, so make run-05 would ignore it: drop it, or run make "
+                            "run-06 SEEDS=3"),
+    (["test", "PRESET=smollm2"], "PRESET=smollm2 is read only by make run-05, so make test would ignore it: drop it, "
+                                 "or run make run-05 PRESET=smollm2"),
+])
+def test_make_refuses_a_variable_its_target_would_ignore_or_misread(argv, line):
+    done = make(*argv)
+    assert done.returncode != 0 and done.stdout == ""
+    assert re.fullmatch(r"Makefile:\d+: \*\*\* (.*)\.  Stop\.", done.stderr.strip()).group(1) == line, done.stderr
+
+
+@pytest.mark.e2e
+def test_make_passes_the_variables_its_target_reads():
+    assert make("run-06", "SEEDS=3", "ARMS=all").stdout.strip().endswith("06-train/experiment.py --seeds 3 --arms all")
+    assert "--nproc-per-node 2 05-retool/retool.py" in make("run-05", "NPROC=2").stdout
+
+
+def test_make_base_after_ctrl_c_says_the_same_command_goes_on(tmp_path, monkeypatch, capsys):
+    import make_base
+    import problems_and_policy
+    from stopping import Stopped
+
+    def interrupted(cfg, out):
+        raise KeyboardInterrupt
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(problems_and_policy, "cold_started_model", interrupted)
+    monkeypatch.setattr(problems_and_policy, "load_data", lambda cfg: None)
+    with pytest.raises(Stopped) as stop:
+        make_base.main(["--preset", "cpu-demo", "--out", "b"])
+    assert stop.value.code == 130 and capsys.readouterr().err == (
+        "base-05: stopped by SIGINT (Ctrl-C); the same command (make base-05) goes on in b: finished cold starts are "
+        "kept, the one cut short goes on from its last checkpoint\n")
