@@ -366,9 +366,15 @@ def test_make_refuses_to_install_cuda_packages_into_an_environment_built_for_the
     import subprocess
     from pathlib import Path
 
+    import os
+
     (tmp_path / ".installed-cpu").touch()  # what `make setup` leaves in a venv it built for the CPU
+    gpu = tmp_path.with_name(tmp_path.name + "-bin") / "nvidia-smi"  # a GPU machine's: else make says first that
+    gpu.parent.mkdir()  # there is no GPU
+    gpu.write_text("#!/bin/sh\necho 'GPU 0: H100'\n")
+    gpu.chmod(0o755)
     done = subprocess.run(["make", "setup", "DEVICE=cuda", f"VENV={tmp_path}"], cwd=Path(__file__).parents[1],
-                          capture_output=True, text=True)
+                          capture_output=True, text=True, env={**os.environ, "PATH": f"{gpu.parent}:{os.environ['PATH']}"})
     assert done.returncode != 0
     assert f"error: {tmp_path} was built for cpu, not cuda" in done.stdout
     assert sorted(p.name for p in tmp_path.iterdir()) == [".installed-cpu"]  # nothing installed
