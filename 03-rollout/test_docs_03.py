@@ -102,3 +102,14 @@ def test_every_test_a_page_names_exists():
     for name in PAGES:
         named = set(re.findall(r"`(test_\w+)`", page(name)))
         assert named <= defined, f"docs/{name} names tests that do not exist: {sorted(named - defined)}"
+
+
+def test_the_default_schedule_on_the_page_is_run_overlapped_s_own_code():
+    """The page quotes the default schedule's loop as rollout.py has it, every engine call in it: a change shows."""
+    text = (DOCS / "03-rollout.md").read_text(encoding="utf-8")
+    block = re.search(r"## The main line.*?```python\n.*?```.*?```python\n(.*?)```", text, re.S).group(1)
+    source = (HERE / "rollout.py").read_text()
+    assert block in source, "docs/03-rollout.md quotes run_overlapped's loop as rollout.py no longer has it"
+    calls = ("engine.add_request(", "engine.step()", "engine.abort_request(", "FINAL_ONLY", "tokens_input(")
+    assert all(call in block for call in calls), [call for call in calls if call not in block]
+    assert source.rindex("\ndef ", 0, source.index(block)) == source.index("\ndef run_overlapped(")  # its body
