@@ -200,8 +200,9 @@ def main(argv: list[str] | None = None) -> dict:
     limit = position_limit(args.model)
     max_model_len = args.max_model_len or limit or 4096  # the model's own context by default
     if args.max_response_tokens >= max_model_len:
+        room = "" if limit is not None and max_model_len >= limit else " or a larger --max-model-len"
         sys.exit(f"error: --max-response-tokens {args.max_response_tokens} leaves no room for the prompt in "
-                 f"--max-model-len {max_model_len}")
+                 f"--max-model-len {max_model_len}: pass a smaller --max-response-tokens (e.g. {max_model_len // 2}){room}")
     if limit is not None and max_model_len > limit:
         sys.exit(f"error: --max-model-len {max_model_len} is above the position limit of {args.model}, "
                  f"{limit} tokens (max_position_embeddings)")
@@ -264,12 +265,14 @@ def load_sets(sources: list[str], limit: int | None) -> list[dict]:
     """The problems of every source, at most `limit` per data set (a file of several sets is cut per set)."""
     from prepare_data import DataError, load_problems
 
-    problems, seen = [], {}
+    seen = {}
     for source in sources:
         same = str(Path(source).resolve()) if Path(source).exists() else source
         if same in seen:  # its problems would be loaded twice and scored once (their ids are the same)
             sys.exit(f"error: --data names {seen[same]} twice ({source}): pass each data set once")
         seen[same] = source
+    problems = []
+    for source in sources:
         try:
             rows, dropped = load_problems(source)
         except DataError as e:

@@ -660,3 +660,10 @@ def test_make_base_after_ctrl_c_says_the_same_command_goes_on(tmp_path, monkeypa
     assert stop.value.code == 130 and capsys.readouterr().err == (
         "base-05: stopped by SIGINT (Ctrl-C); the same command (make base-05) goes on in b: finished cold starts are "
         "kept, the one cut short goes on from its last checkpoint\n")
+
+
+def test_eval_with_no_room_for_the_prompt_says_what_to_pass(lab):
+    with pytest.raises(SystemExit) as refusal:
+        evaluation.main(["--model", lab["tiny"], "--data", "test.jsonl", "--max-model-len", "512"])
+    assert refusal.value.code == ("error: --max-response-tokens 3072 leaves no room for the prompt in --max-model-len "
+                                  "512: pass a smaller --max-response-tokens (e.g. 256) or a larger --max-model-len")
