@@ -250,8 +250,11 @@ def missing_console() -> str | None:
     closed = [name for name in ("stdout", "stderr") if getattr(sys, name) is None]
     if not closed:
         return None
-    return (f"error: {' and '.join(closed)} {'is' if len(closed) == 1 else 'are'} closed (>&-): the lab writes its "
-            f"lines there; send {'it' if len(closed) == 1 else 'them'} to a file instead (> out.log, or > /dev/null)")
+    shell = {"stdout": (">&-", "> out.log"), "stderr": ("2>&-", "2> err.log")}
+    return (f"error: {' and '.join(closed)} {'is' if len(closed) == 1 else 'are'} closed "
+            f"({' '.join(shell[name][0] for name in closed)}): the lab writes its lines there; send "
+            f"{'it' if len(closed) == 1 else 'them'} to a file instead ({', '.join(shell[name][1] for name in closed)}; "
+            "or /dev/null)")
 
 
 def quiet_console() -> None:
@@ -260,8 +263,8 @@ def quiet_console() -> None:
     off unless their variables say otherwise; written to a file or a pipe, stdout goes out line by line, so the lab's
     lines and the bars' lines (`progress`) keep their order."""
     if line := missing_console():  # before anything would write to a stream that is not there
-        if sys.stderr is not None:
-            print(line, file=sys.stderr)
+        if (open_one := sys.stderr or sys.stdout) is not None:
+            print(line, file=open_one, flush=True)
         os._exit(2)
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")

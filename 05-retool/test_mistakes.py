@@ -504,7 +504,7 @@ def test_a_closed_stdout_is_one_line_on_stderr(monkeypatch, capsys):
     with pytest.raises(SystemExit) as e:
         lab_cli.quiet_console()
     assert e.value.code == 2 and capsys.readouterr().err == (
-        "error: stdout is closed (>&-): the lab writes its lines there; send it to a file instead (> out.log, or > "
+        "error: stdout is closed (>&-): the lab writes its lines there; send it to a file instead (> out.log; or "
         "/dev/null)\n")
 
 
