@@ -35,7 +35,7 @@ $(error $(IGNORED)=$(value $(IGNORED)) is read only by make $(READ_BY_$(IGNORED)
 endif
 # NPROC is a count of processes: 0 or a word would reach torchrun as a traceback.
 ifneq ($(filter command line,$(origin NPROC)),)
-ifneq ($(shell echo '$(NPROC)' | grep -x '[1-9][0-9]*'),$(NPROC))
+ifeq ($(shell echo '$(NPROC)' | grep -x '[1-9][0-9]*'),)
 $(error NPROC=$(NPROC) is not a number of processes: pass a whole number, 1 or more (one per GPU), e.g. make run-05 NPROC=2)
 endif
 endif

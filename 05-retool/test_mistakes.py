@@ -625,6 +625,8 @@ def make(*argv: str) -> subprocess.CompletedProcess:
                             "make run-05 NPROC=2"),
     (["run-05", "NPROC=abc"], "NPROC=abc is not a number of processes: pass a whole number, 1 or more (one per GPU), "
                               "e.g. make run-05 NPROC=2"),
+    (["run-05", "NPROC="], "NPROC= is not a number of processes: pass a whole number, 1 or more (one per GPU), e.g. "
+                           "make run-05 NPROC=2"),
     (["run-06", "PRESET=smollm2"], "PRESET=smollm2 is read only by make run-05, so make run-06 would ignore it: drop "
                                    "it, or run make run-05 PRESET=smollm2"),
     (["run-05", "SEEDS=3"], "SEEDS=3 is read only by make run-06, so make run-05 would ignore it: drop it, or run make "
