@@ -146,13 +146,11 @@ def run_script(main) -> None:
     except KeyboardInterrupt:  # Ctrl-C before a script's own handler is installed (its first seconds)
         print("stopped by SIGINT (Ctrl-C)", file=sys.stderr)
         exit_now(130)
-    except OSError as e:
-        if (line := disk_problem(e)) is None:
+    except Exception as e:  # the disk's fault is one line; the lab's or a library's, its traceback without the
+        if (line := disk_problem(e)) is None:  # teardown's noise
             report_and_exit(e)
         print(line + ", then run the same command again", file=sys.stderr)
         exit_now(2)
-    except Exception as e:  # a fault of the lab's or a library's: its traceback, without the teardown's noise
-        report_and_exit(e)
     except SystemExit as refusal:
         if isinstance(refusal.code, str):
             print(refusal.code, file=sys.stderr)
@@ -180,7 +178,12 @@ def disk_problem(error: BaseException) -> str | None:
     fixes = {errno.ENOSPC: "free space", errno.EDQUOT: "free space", errno.EROFS: "choose a folder on a writable disk",
              errno.EACCES: "choose a folder you may write to", errno.EFBIG: file_size_fix(),
              errno.ENAMETOOLONG: "choose a shorter name"}
-    if not isinstance(error, OSError) or error.errno not in fixes:
+    if not isinstance(error, OSError):  # torch's and safetensors' own types for a failed write name no errno
+        text = (str(error).splitlines() or [""])[0]
+        if "File too large" in text or (file_size_limit() is not None and "unexpected pos" in text):
+            return f"error: a write failed past the file-size limit ({text[:100]}): {file_size_fix()}"
+        return None
+    if error.errno not in fixes:
         return None
     what = error.strerror or os.strerror(error.errno)
     if str(error.filename).startswith(STREAM_PREFIX):  # the console's output itself: a file the shell named for it

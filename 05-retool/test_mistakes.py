@@ -669,3 +669,22 @@ def test_eval_with_no_room_for_the_prompt_says_what_to_pass(lab):
         evaluation.main(["--model", lab["tiny"], "--data", "test.jsonl", "--max-model-len", "512"])
     assert refusal.value.code == ("error: --max-response-tokens 3072 leaves no room for the prompt in --max-model-len "
                                   "512: pass a smaller --max-response-tokens (e.g. 256) or a larger --max-model-len")
+
+
+def test_a_librarys_write_past_the_file_size_limit_is_one_line_that_names_the_limit(tmp_path, monkeypatch, capsys):
+    """torch and safetensors raise their own types (no errno) for a write `ulimit -f` cut short: the limit is named,
+    not a full disk."""
+    import lab_cli
+    import torch
+    from safetensors.torch import save_file
+
+    monkeypatch.setattr(lab_cli, "quiet_console", lambda: None)
+    monkeypatch.setattr(lab_cli, "exit_now", lambda code: (_ for _ in ()).throw(SystemExit(code)))
+    for write in (lambda: torch.save({"w": torch.zeros(1 << 16)}, tmp_path / "w.pt"),
+                  lambda: save_file({"w": torch.zeros(1 << 16)}, tmp_path / "w.safetensors")):
+        with pytest.raises(SystemExit) as e, small_files():
+            lab_cli.run_script(write)
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and err.startswith("error: a write failed past the file-size limit (") and err.endswith(
+            "): raise the shell's file-size limit (ulimit -f, now 64 KiB a file; ulimit -f unlimited), then run the "
+            "same command again\n") and len(err.splitlines()) == 1, err
