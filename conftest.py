@@ -88,11 +88,20 @@ E2E = {
         "test_the_backend_round_trip_gives_the_in_process_sandboxs_results",
         "test_under_load_every_request_is_answered_exactly_once",
     ),
+    "03-rollout/test_rollout.py": (  # the second schedule's slowest variants; its equivalence test stays
+        "test_tool_budget_caps_executions_then_output_no_longer_stops[rounds-2]",
+        "test_stop_string_ending_inside_a_token_keeps_the_whole_token[rounds]",
+        "test_samples_of_one_group_differ[rounds]",
+        "test_printed_special_tokens_stay_text[rounds-",
+    ),
     "05-retool/test_chained_task.py": (
         "test_a_cold_start_on_the_chained_task_trains_on_its_chained_traces",
         "test_cold_start_traces_show_each_move_at_the_low_rate_with_the_sandboxs_real_output",
         "test_every_answer_is_scored_plus_one_and_the_multi_call_policy_earns_it_in_the_sandbox",
         "test_the_single_call_policy_solves_only_the_one_step_unpadded_problems",
+    ),
+    "05-retool/test_cold_start.py": (
+        "test_a_stopped_cold_start_goes_on_from_its_partial_checkpoint_to_the_same_model",
     ),
     "05-retool/test_failures.py": (
         "test_a_run_written_to_a_file_holds_the_labs_lines_and_nothing_of_the_libraries",
