@@ -3,8 +3,7 @@
 Key decisions: every field of `Config` is a flag of the same name (a preset,
 presets.py, sets some; flags override); a configuration that would fail later, or
 silently do the wrong thing, stops at start with one line, before any model
-or engine loads. The story: docs/05-retool.md, "Checkpoints, resume, stop,
-bad configuration".
+or engine loads. The story: docs/05-runs.md, "Bad configuration".
 """
 from __future__ import annotations
 
