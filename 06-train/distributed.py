@@ -420,7 +420,10 @@ class _FullModel:
         return self.full_state
 
     def save_pretrained(self, path, **kwargs):
-        self.model.save_pretrained(path, state_dict=self.full_state, **kwargs)
+        state = self.full_state
+        if getattr(self.model.config, "tie_word_embeddings", False):  # one tensor, saved once as an unsharded model's
+            state = {k: v for k, v in state.items() if k != "lm_head.weight"}  # is, however the gather copied it
+        self.model.save_pretrained(path, state_dict=state, **kwargs)
 
 
 class _OptimizerShards:
