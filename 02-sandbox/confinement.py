@@ -89,15 +89,10 @@ def enter_user_namespace() -> None:
     prctl(PR_SET_PDEATHSIG, 9)  # SIGKILL: if the caller kills the process it started, the server goes too
 
 
-def enter_call_namespaces(userns: bool) -> None:
-    """In the code's process, after it joined its cgroup: namespaces of the call's own.
-    A cgroup namespace, so that /proc/self/cgroup shows "/" and not the host's paths.
-    userns: a user namespace of the call's own, where the code is CALL_UID (mapped to the
-    slot's uid 0, the caller outside) with no capability: it holds no right over the slot's
-    namespaces, and the kernel counts RLIMIT_NPROC per user namespace, so per call."""
-    unshare(CLONE_NEWCGROUP)
-    if not userns:
-        return
+def enter_call_user_namespace() -> None:
+    """In the code's process (userns), after its cgroup namespace: a user namespace of the call's own, where the
+    code is CALL_UID (mapped to the slot's uid 0, the caller outside) with no capability: it holds no right over the
+    slot's namespaces, and the kernel counts RLIMIT_NPROC per user namespace, so per call."""
     unshare(CLONE_NEWUSER)
     _write(None, "/proc/self/uid_map", f"{CALL_UID} 0 1")
     _write(None, "/proc/self/setgroups", "deny")
@@ -239,9 +234,10 @@ def mount_proc() -> tuple[int, int]:
     """A /proc of the slot's own PID namespace; hidepid=2: the code sees only its own processes.
     Mounted over the machine's /proc, in the slot's own mount namespace, before build_root binds it into the new root:
     in a user namespace the kernel allows a new proc only where the machine's is visible. Returns descriptors of the
-    namespace's PID counter (for reset_pids) and of a second proc of the same namespace without hidepid, which only the
-    slot holds: hidepid=2 hides a process that made itself non-dumpable from the slot too (it would need CAP_SYS_PTRACE
-    on the machine), and the slot's memory watch must see every process of the call."""
+    namespace's PID counter (sandbox.serve_call resets it per call: a PID is otherwise a counter one call can advance
+    and the next can read) and of a second proc of the same namespace without hidepid, which only the slot holds:
+    hidepid=2 hides a process that made itself non-dumpable from the slot too (it would need CAP_SYS_PTRACE on the
+    machine), and the slot's memory watch must see every process of the call."""
     mount(None, "/", None, MS_REC | MS_PRIVATE)  # nothing mounted here reaches the host
     try:
         mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
@@ -251,12 +247,6 @@ def mount_proc() -> tuple[int, int]:
         raise PermissionError(e.errno, f"{e.strerror} (in a user namespace the kernel mounts a new /proc only where "
                               "the machine's is wholly visible, not masked as in many containers)") from None
     return os.open("/proc/sys/kernel/ns_last_pid", os.O_WRONLY), every_process
-
-
-def reset_pids(last_pid: int) -> None:
-    """Per call, once the last call's processes are reaped: the next PID is 2 again, whatever the last call forked.
-    A PID is otherwise a counter one call can advance and the next can read (os.getpid())."""
-    os.pwrite(last_pid, b"1", 0)
 
 
 _MOUNTED_SCRATCH: list[str] = []  # this slot's scratch mounts, in the order they were made

@@ -11,8 +11,9 @@ chapter 03's rollout.torl_observation).
     .venv/bin/python 02-sandbox/sandbox.py -c "print(1+1)"           # the same from a shell
 
 The file opens with the caller's side (what chapter 03 uses), then the containment
-sequence, one named call a step: slot_main, a warm slot's life, runs enter_slot once,
-then serve_call and code_process for every call. The steps' detail lives beside it:
+sequence in its seven steps: the slot's start (enter_slot, once), then for every call
+namespaces, limits, the filter and the run (serve_call, code_process), the answer and the
+clean-up. Each step's hardening detail lives beside it, behind the call this file makes:
 confinement.py, runner.py, fork_server.py and local_backend.py (the warm server).
 
 Key decisions (the why, the threat model and the figures: docs/02-sandbox.md):
@@ -268,13 +269,15 @@ def _clip_middle(text: str, limit: int) -> str:
 
 
 # --------------------------------------------------------------------------------------
-# The containment sequence. It runs in the fork server's slots: local_backend.py loads this
-# file into the server (fork_server.py), which forks each slot and runs slot_main in it.
+# The containment sequence: one call's path, in seven steps. local_backend.py loads this file
+# into the fork server (fork_server.py), which imports the preload modules once, builds the
+# seccomp program once, then forks each slot into a PID namespace of its own (unshare(CLONE_NEWPID),
+# then fork) and runs slot_main there. The detail behind each named call: confinement.py, runner.py.
 # --------------------------------------------------------------------------------------
 
 
 def slot_main(slot) -> None:
-    """A slot's life: enter_slot once, then serve_call for each call, one at a time, until it served slot.calls
+    """A slot's life: its start once, then serve_call for each call, one at a time, until it served slot.calls
     calls (it then retires, and the server forks a new slot) or the server is gone."""
     enter_slot(slot)
     slot.ready()  # the server waits for this, or for the exception that stopped enter_slot
@@ -285,27 +288,29 @@ def slot_main(slot) -> None:
 
 
 def enter_slot(slot) -> None:
-    """Once per slot. With namespaces (root, or "userns": inside the server's user namespace) the
-    fork server forked it into a PID namespace of its own, where it is PID 1: its kill(-1)
-    after each call reaches every process the call left."""
-    if slot.mode != "plain":
-        confinement.unshare(confinement.CLONE_NEWNS)  # namespaces: mounts of the slot's own
-        slot.last_pid, slot.proc = confinement.mount_proc()  # a /proc of this PID namespace: the code sees only its own processes
-        slot.interpreter_in_scratch = confinement.build_root()  # the file view: pivot into a read-only root of only what Python needs
-    else:  # plain: no namespaces; the code's orphans are re-parented to the slot, which kills them
+    """Step 1, the slot's start, once. With namespaces (root, or "userns": inside the server's user namespace)
+    the slot is PID 1 of its PID namespace: its kill(-1) after each call reaches every process the call left."""
+    if slot.mode == "plain":  # no namespaces: the code's orphans are re-parented to the slot, which kills them
         confinement.prctl(confinement.PR_SET_CHILD_SUBREAPER, 1)
+        return
+    confinement.unshare(confinement.CLONE_NEWNS)  # mounts of the slot's own: nothing it mounts reaches the machine
+    slot.last_pid, slot.proc = confinement.mount_proc()  # /proc of this PID namespace, hidepid=2: the code sees only its own processes
+    # pivot_root into a small tmpfs, read-only once built, that holds only the allow list: the interpreter's files, the
+    # system libraries, a minimal /etc, /dev/null, /dev/zero, /dev/urandom and that /proc. The lab (its answers) is not there.
+    slot.interpreter_in_scratch = confinement.build_root()
 
 
 def serve_call(slot, call_index: int) -> bool:
-    """One call, every step in order; False when the server went away before a call came.
+    """Steps 2 to 7 for one call, in order; False when the server went away before a call came.
     slot: a fork_server.Slot (mode, the calls' uid, cgroups, seccomp program, listener).
     call_index: how many calls this slot served before; it names the call's cgroup."""
-    # Prepared before the call arrives, so that none of it is in the call's latency:
+    # Step 2, namespaces, and the call's part of step 3, limits: made before the call arrives, out of its latency.
     if slot.mode != "plain":
-        confinement.unshare(confinement.CLONE_NEWNET | confinement.CLONE_NEWIPC)  # namespaces: no network, no earlier IPC
-        confinement.reset_pids(slot.last_pid)  # namespaces: the code is PID 2 again, whatever the last call forked
-        workdir = confinement.fresh_scratch(slot.max_file_mb, slot.interpreter_in_scratch, slot.uid)  # the file view: empty scratch tmpfs
-        # limits: the call's memory and pids cgroup; unprivileged where none can be had, the slot watches its memory
+        confinement.unshare(confinement.CLONE_NEWNET | confinement.CLONE_NEWIPC)  # no interface up, no IPC of an earlier call
+        os.pwrite(slot.last_pid, b"1", 0)  # the PID counter (ns_last_pid) back to 1: the code is PID 2, whatever the last call forked
+        # one empty tmpfs of 4 x max_file_mb behind /tmp, /var/tmp and /dev/shm; the work dir is /tmp/work
+        workdir = confinement.fresh_scratch(slot.max_file_mb, slot.interpreter_in_scratch, slot.uid)
+        # the call's memory and pids cgroup; where none can be had (unprivileged), the slot watches the call's memory
         limiter = slot.cgroups.prepare(f"call-{slot.token}-{call_index}") if slot.cgroups else confinement.MemoryWatch(slot.proc)
     else:
         workdir, limiter = confinement.plain_workdir(slot.uid), None  # plain: a temporary folder, no cgroup
@@ -314,34 +319,46 @@ def serve_call(slot, call_index: int) -> bool:
         if conn is None:
             return False
         with conn:
-            files = runner.CallFiles()  # stdout and stderr as memory files, and a pipe for three numbers (time limit, output and memory caps)
+            files = runner.CallFiles()  # stdout and stderr as memfds, and a pipe for three numbers (time limit, output and memory caps)
             pid = os.fork()  # the one fork per call: a copy of this warm slot becomes the code
             if pid == 0:
-                runner.exit_after(code_process, conn.fileno(), files, workdir, slot, limiter)  # never returns
+                runner.exit_after(code_process, conn.fileno(), files, workdir, slot, limiter)  # steps 3 to 5; never returns
+            # Step 6, the answer: wait up to the timeout in sigtimedwait, asking the limiter every TICK whether the call is
+            # past its memory; kill(-1) what is left and reap it; then a header and head and tail of each memfd, which
+            # sendfile copies to the socket in the kernel: the output never enters the slot's memory.
             try:
-                runner.collect(pid, files, conn.fileno(), limiter)  # collect: wait up to the timeout, kill the rest, answer
+                runner.collect(pid, files, conn.fileno(), limiter)
             except (BrokenPipeError, ConnectionResetError):
                 pass  # the caller gave up waiting; the call's processes are already gone
         return True
-    finally:
-        if limiter is not None:
-            limiter.remove()  # the call's cgroup goes (its namespaces go when the slot enters fresh ones)
-        if slot.mode == "plain":  # in namespaces the tmpfs goes with the next call or the slot
+    finally:  # Step 7, the clean-up: the call's processes are gone (step 6); its cgroup goes now, its tmpfs and namespaces
+        if limiter is not None:  # when the next call gets fresh ones (or the slot exits)
+            limiter.remove()
+        if slot.mode == "plain":
             shutil.rmtree(workdir, ignore_errors=True)
 
 
 def code_process(request_fd: int, files: runner.CallFiles, workdir: str, slot, limiter) -> int:
-    """The forked process that becomes the code; returns its exit status. It reads its own request (decision 3 above)."""
-    request = runner.take_request(request_fd, files)  # the slot learns only the time limit and the output and memory caps
+    """The forked process that becomes the code; returns its exit status. Each step needs a right that a later one
+    takes away (root for the cgroup, unshare for the namespaces, setuid for the uid), hence the order."""
+    request = runner.take_request(request_fd, files)  # it reads its own request (decision 3); the slot learns the time limit and two caps
+    # Step 3, limits, the process's part
     if limiter is not None:
-        limiter.join(request["memory_mb"], request["max_processes"])  # limits: the cgroup, joined while still root
-    if slot.mode != "plain":  # namespaces: its own view of cgroups; userns: also a user namespace, uid 65534, no capability
-        confinement.enter_call_namespaces(userns=slot.mode == "userns")
-    runner.detach(workdir)  # a session of its own, stdin /dev/null, no descriptor of the sandbox, in the work dir
-    runner.set_rlimits(request, slot.uid, slot.mode)  # limits: every rlimit, for this call (address space, CPU, files...)
-    runner.drop_privileges(slot.uid)  # an unprivileged uid, no_new_privs, death with the slot
-    confinement.install_seccomp(slot.program)  # seccomp, last: the steps above need calls it denies
-    return runner.run_code(request["code"], workdir)  # run: clean env, a fresh interpreter's state, exec
+        limiter.join(request["memory_mb"], request["max_processes"])  # memory.max and pids.max written, then it moves in, still root
+    if slot.mode != "plain":
+        confinement.unshare(confinement.CLONE_NEWCGROUP)  # step 2 again: its own view of cgroups (/proc/self/cgroup says "/")
+        if slot.mode == "userns":
+            confinement.enter_call_user_namespace()  # uid 65534 in a user namespace of the call's own, with no capability
+    runner.detach(workdir)  # setsid, stdin /dev/null, every descriptor of the sandbox closed, chdir into the work dir
+    # every rlimit, soft = hard: RLIMIT_AS = memory_mb, RLIMIT_CPU = timeout + 2 s, RLIMIT_FSIZE = max_file_mb (memfds too),
+    # RLIMIT_NPROC = max_processes, the call's RLIMIT_NOFILE and RLIMIT_SIGPENDING, 0 for core, MEMLOCK and MSGQUEUE
+    runner.set_rlimits(request, slot.uid, slot.mode)
+    runner.drop_privileges(slot.uid)  # setgroups([]), setgid and setuid to the slot's uid; PR_SET_NO_NEW_PRIVS; PR_SET_PDEATHSIG
+    # Step 4, the filter, last: the steps above make calls it denies (unshare, mount, setuid), and it needs no_new_privs.
+    # slot.program is confinement.seccomp_program: an allow list of the calls math code makes; every other call fails.
+    confinement.install_seccomp(slot.program)
+    # Step 5, the run: an environment built from nothing, a fresh interpreter's state, exec(code) in a new __main__
+    return runner.run_code(request["code"], workdir)
 
 
 # --------------------------------------------------------------------------------------
