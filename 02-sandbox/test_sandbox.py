@@ -2037,7 +2037,7 @@ def test_the_page_states_the_defaults_and_constants_of_the_code():
     cfg, name = SandboxConfig(), "02-sandbox.md"
     assert cfg.concurrency == (os.cpu_count() or 2)
     says(name, "| `concurrency` | CPU count |", f'`SandboxConfig(isolation="{cfg.isolation}")` is the default',
-         f"imported {', '.join(cfg.preload)} once")
+         f"imports `preload` ({', '.join(cfg.preload)}) once")
     says(name, f"| `timeout` | {cfg.timeout:g} s |", f"`TimeoutError: execution exceeded the {cfg.timeout:g} s time limit`",
          f"needs more than {cfg.timeout:g} s on one core")
     says(name, f"| `memory_mb` | {cfg.memory_mb} |", f"more than its {cfg.memory_mb} MB and was killed`",
