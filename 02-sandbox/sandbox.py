@@ -324,7 +324,7 @@ def serve_call(slot, call_index: int) -> bool:
             if pid == 0:
                 runner.exit_after(code_process, conn.fileno(), files, workdir, slot, limiter)  # steps 3 to 5; never returns
             # Step 6, the answer: wait up to the timeout in sigtimedwait, asking the limiter every TICK whether the call is
-            # past its memory; kill(-1) what is left and reap it; then a header and head and tail of each memfd, which
+            # past its memory; kill what is left (one kill(-1) as PID 1) and reap it; then a header and head and tail of each memfd, which
             # sendfile copies to the socket in the kernel: the output never enters the slot's memory.
             try:
                 runner.collect(pid, files, conn.fileno(), limiter)
@@ -334,7 +334,7 @@ def serve_call(slot, call_index: int) -> bool:
     finally:  # Step 7, the clean-up: the call's processes are gone (step 6); its cgroup goes now, its tmpfs and namespaces
         if limiter is not None:  # when the next call gets fresh ones (or the slot exits)
             limiter.remove()
-        if slot.mode == "plain":
+        if slot.mode == "plain":  # plain: the temporary folder goes now
             shutil.rmtree(workdir, ignore_errors=True)
 
 
@@ -344,17 +344,17 @@ def code_process(request_fd: int, files: runner.CallFiles, workdir: str, slot, l
     request = runner.take_request(request_fd, files)  # it reads its own request (decision 3); the slot learns the time limit and two caps
     # Step 3, limits, the process's part
     if limiter is not None:
-        limiter.join(request["memory_mb"], request["max_processes"])  # memory.max and pids.max written, then it moves in, still root
+        limiter.join(request["memory_mb"], request["max_processes"])  # the memory and pids limits written, then it moves in, still root
     if slot.mode != "plain":
         confinement.unshare(confinement.CLONE_NEWCGROUP)  # step 2 again: its own view of cgroups (/proc/self/cgroup says "/")
         if slot.mode == "userns":
             confinement.enter_call_user_namespace()  # uid 65534 in a user namespace of the call's own, with no capability
     runner.detach(workdir)  # setsid, stdin /dev/null, every descriptor of the sandbox closed, chdir into the work dir
     # every rlimit, soft = hard: RLIMIT_AS = memory_mb, RLIMIT_CPU = timeout + 2 s, RLIMIT_FSIZE = max_file_mb (memfds too),
-    # RLIMIT_NPROC = max_processes, the call's RLIMIT_NOFILE and RLIMIT_SIGPENDING, 0 for core, MEMLOCK and MSGQUEUE
+    # RLIMIT_NPROC = max_processes (plain: on top of its uid's), the call's RLIMIT_NOFILE and RLIMIT_SIGPENDING, 0 for core, MEMLOCK and MSGQUEUE
     runner.set_rlimits(request, slot.uid, slot.mode)
-    runner.drop_privileges(slot.uid)  # setgroups([]), setgid and setuid to the slot's uid; PR_SET_NO_NEW_PRIVS; PR_SET_PDEATHSIG
-    # Step 4, the filter, last: the steps above make calls it denies (unshare, mount, setuid), and it needs no_new_privs.
+    runner.drop_privileges(slot.uid)  # setgroups([]), setgid, setuid to the slot's uid (if any); PR_SET_NO_NEW_PRIVS; PR_SET_PDEATHSIG
+    # Step 4, the filter, last: the steps above make calls it denies (unshare, capset, setuid), and it needs no_new_privs.
     # slot.program is confinement.seccomp_program: an allow list of the calls math code makes; every other call fails.
     confinement.install_seccomp(slot.program)
     # Step 5, the run: an environment built from nothing, a fresh interpreter's state, exec(code) in a new __main__
