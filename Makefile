@@ -137,7 +137,7 @@ run-06: $(STAMP)
 	$(PY) 06-train/experiment.py --seeds $(SEEDS) --arms $(ARMS) $(ARGS)
 
 # The released bases' recipe (06-train/make_base.py): a preset's cold starts with the kernels held to one path;
-# ARGS=--release releases the base. base-05: the demo's (about 5 min); base-06: the chained task's, then its moves
+# ARGS=--release releases the base. base-05: the demo's (about 7 min); base-06: the chained task's, then its moves
 # check beside the released base's (about 1 h 45 min).
 base-05: $(STAMP)
 	$(PY) 06-train/make_base.py --preset cpu-demo $(ARGS)

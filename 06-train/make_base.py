@@ -1,6 +1,6 @@
 """The recipe of a released base in one command: a preset's cold starts with the kernels held, then the release.
 
-    make base-05                       # the demo's base (cpu-demo's cold start) into runs/base-05, about 5 min
+    make base-05                       # the demo's base (cpu-demo's cold start) into runs/base-05, about 7 min
     make base-06                       # the chained task's base (cpu-chained's three cold starts and the moves
                                        # check) into runs/base-06, about 1 h 45 min on two cores
     make base-06 ARGS="--release"      # ... and release it: 06-train/base/ and docs/results/06-base.json
