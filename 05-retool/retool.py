@@ -1,6 +1,6 @@
 """Chapter 05: the training loop, a plain Python loop that turns the earlier chapters into RL.
 
-    make run-05                      # cpu-demo: cold start + RL on the toy task, on the CPU
+    make run-05                      # cpu-demo: RL on the toy task from its released base, on the CPU
     make run-05 PRESET=smollm2       # SmolLM2-135M learns to hand arithmetic to Python, on the CPU
     make run-05 PRESET=torl-1.5b     # Qwen2.5-Math-1.5B with ToRL's recipe, on a GPU
     .venv/bin/python 05-retool/retool.py --steps 60 --lr 1e-5     # every Config field is a flag (configuration.py)
@@ -52,7 +52,7 @@ def train(cfg: Config, run_dir: Path, resume: bool = False, dp=None) -> None:
         return sandbox.close()
     train_problems, eval_problems = load_data(cfg, dp)
 
-    # The policy to train: the latest checkpoint, or the first policy (cold-started or as given).
+    # The policy to train: the latest checkpoint, or the first policy (released, cold-started or as given).
     model_path = run.state["path"] if run.state else first_policy(cfg, run_dir, dp)
     train_problems = fit_prompts(train_problems, eval_problems, model_path, cfg)  # --max-prompt-tokens, or refused
     model = trainer_policy(cfg, model_path, dp)  # float32; under torchrun DDP's replica or FSDP2's shard
