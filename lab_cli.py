@@ -301,24 +301,20 @@ class _Closable:
         self.stream = stream
 
     def write(self, text: str) -> int:
-        try:
-            return self.stream.write(text)
-        except BrokenPipeError:
-            self.stream = open(os.devnull, "w")
-            _output["gone"] = True
-            return len(text)
-        except OSError as e:  # /dev/full, past `ulimit -f`: the error names the stream and where it goes
-            raise self._named(e) from None
-        finally:
-            self._say_closed()
+        return self._guarded(lambda: self.stream.write(text), len(text))
 
     def flush(self) -> None:
+        self._guarded(lambda: self.stream.flush(), None)
+
+    def _guarded(self, call, if_gone):
+        """`call()` on the stream; a gone reader makes it, and every later one, a no-op answering `if_gone`."""
         try:
-            self.stream.flush()
+            return call()
         except BrokenPipeError:
             self.stream = open(os.devnull, "w")
             _output["gone"] = True
-        except OSError as e:
+            return if_gone
+        except OSError as e:  # /dev/full, past `ulimit -f`: the error names the stream and where it goes
             raise self._named(e) from None
         finally:
             self._say_closed()
