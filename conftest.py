@@ -56,15 +56,16 @@ ONE_CORE_FIRST = ("test_spine.py", "test_results.py", "01-data/", "04-reward/")
 
 
 # The end-to-end tier (`make test-all`, pytest -m e2e), besides every test marked @pytest.mark.e2e where it is
-# written: each test that runs a lab script (it forks the preloaded interpreter) or probes the unprivileged mode
-# as its own user, and these, which each take a second or more on two cores: real cold starts and bases, ranks
-# and nodes, sockets under load, deadlines that must pass. A name is a test or the start of a parametrized one's id.
-# `make test` leaves them out; every chapter's contracts stay in it.
+# written: each test that runs a lab script (it forks the preloaded interpreter), probes the unprivileged mode as
+# its own user or runs code in the Docker backend's containers, and these, which each take a second or more on two
+# cores: real cold starts and bases, ranks and nodes, sockets under load, deadlines that must pass. A name is a test
+# or the start of a parametrized one's id. `make test` leaves them out; every chapter's contracts stay in it.
 E2E_FIXTURES = ("preloaded_python", "unprivileged", "attacks")
 E2E = {
     "02-sandbox/test_sandbox.py": (
         "test_a_call_is_answered_at_its_deadline_however_long_its_processes_take_to_exit",
-        "test_concurrent_calls_mixing_good_and_hostile_code_keep_their_own_results[local]",
+        "test_concurrent_calls_mixing_good_and_hostile_code_keep_their_own_results",  # local and docker
+        "test_calls_from_many_threads_each_get_their_own_result[docker]",
         "test_kernel_memory_of_mappings_and_epoll_watches_is_charged_to_the_call_and_stops_at_its_cap[epoll",
         "test_kernel_memory_of_mappings_and_epoll_watches_is_charged_to_the_call_and_stops_at_its_cap[mappings-code0]",
         "test_pipes_and_the_other_kernel_queues_hold_nothing_past_the_cap",
@@ -87,6 +88,9 @@ E2E = {
         "test_slow_clients_hold_neither_the_accept_loop_nor_a_thread_and_each_gets_408_at_its_deadline",
         "test_the_backend_round_trip_gives_the_in_process_sandboxs_results",
         "test_under_load_every_request_is_answered_exactly_once",
+    ),
+    "04-reward/test_torl_scorer.py": (  # the scorer's command line, a script of its own
+        "test_command_line_scores_a_jsonl_file_in_order",
     ),
     "03-rollout/test_rollout.py": (  # the second schedule's slowest variants; its equivalence test stays
         "test_tool_budget_caps_executions_then_output_no_longer_stops[rounds-2]",
@@ -147,7 +151,9 @@ E2E = {
 def is_e2e(item) -> bool:
     path, _, name = item.nodeid.partition("::")
     fixtures = getattr(item, "fixturenames", ())
-    return any(f in fixtures for f in E2E_FIXTURES) or any(name.startswith(test) for test in E2E.get(path, ()))
+    on_docker = item.get_closest_marker("docker") or getattr(item, "callspec", None) and \
+        item.callspec.params.get("backend") == "docker"  # a container per call: the Docker backend end to end
+    return bool(on_docker) or any(f in fixtures for f in E2E_FIXTURES) or any(name.startswith(t) for t in E2E.get(path, ()))
 
 
 def pytest_collection_modifyitems(session, config, items):

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Make the Docker backend of 02-sandbox testable: install the engine, start it, build the image.
 #
-#   .ci/docker.sh          run by .ci/run before `make test`; idempotent, about 1 s when all is there
+#   .ci/docker.sh          run by .ci/run before `make test-all`; idempotent, about 1 s when all is there
 #
 # It never fails the CI: when Docker cannot be made to work it says why and exits 0, and the
 # docker tests then skip with their own reason. The dockerd it starts keeps running after it
