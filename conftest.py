@@ -66,8 +66,7 @@ E2E = {
         "test_a_call_is_answered_at_its_deadline_however_long_its_processes_take_to_exit",
         "test_concurrent_calls_mixing_good_and_hostile_code_keep_their_own_results",  # local and docker
         "test_calls_from_many_threads_each_get_their_own_result[docker]",
-        "test_kernel_memory_of_mappings_and_epoll_watches_is_charged_to_the_call_and_stops_at_its_cap[epoll",
-        "test_kernel_memory_of_mappings_and_epoll_watches_is_charged_to_the_call_and_stops_at_its_cap[mappings-code0]",
+        "test_kernel_memory_of_mappings_and_epoll_watches_is_charged_to_the_call_and_stops_at_its_cap",  # both kinds
         "test_pipes_and_the_other_kernel_queues_hold_nothing_past_the_cap",
         "test_plain_isolation_still_kills_an_escaped_daemon_and_stops_runaway_code",
         "test_sleeping_past_the_timeout_is_stopped_and_keeps_what_was_printed[local]",

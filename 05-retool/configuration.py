@@ -387,10 +387,10 @@ def memory_available_gib() -> float | None:
 
 def released_problem(train_file: str) -> str | None:
     """Why no released base fits this training file (released_base.py's RELEASES), or None."""
-    from released_base import RELEASES, release_for
+    from released_base import RELEASES, release_for, shown
 
     if release_for(train_file) is None:
-        tasks = ", ".join(f"{r.train_file} ({r.folder.parent.name}/{r.folder.name})" for r in RELEASES.values())
+        tasks = ", ".join(f"{r.train_file} ({shown(r.folder)})" for r in RELEASES.values())
         return (f"cold_start 'released' has no released base for {train_file}: the lab releases one for {tasks}; "
                 "pass --cold-start scratch to cold-start a tiny model on it")
     return None
@@ -408,10 +408,10 @@ def model_problems(cfg) -> list[str]:
     if cfg.model:
         limit = position_limit(cfg.model)
     elif cfg.cold_start == "released" and not released_problem(cfg.train_file):
-        from released_base import release_for
+        from released_base import release_for, shown
 
         folder = release_for(cfg.train_file).folder
-        model, limit = f"the released base {folder.parent.name}/{folder.name}", position_limit(str(folder))
+        model, limit = f"the released base {shown(folder)}", position_limit(str(folder))
     else:
         limit = scratch_positions()
     if not problems and limit is not None and cfg.max_model_len > limit:

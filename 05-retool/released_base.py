@@ -20,17 +20,15 @@ FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenize
 
 @dataclass(frozen=True)
 class Release:
-    preset: str  # the preset whose cold start made it (05-retool/presets.py)
     folder: Path  # where its files are shipped
     results: str  # docs/results/NAME.json: each file's sha256 and how the base was made
-    command: str  # the command that makes it again
+    target: str  # the make target that makes it again (06-train/make_base.py)
     train_file: str  # the task it was cold-started on: a run on this file starts from it with --cold-start released
 
 
-RELEASES = {
-    "cpu-demo": Release("cpu-demo", results.ROOT / "05-retool" / "base", "05-base", "make base-05", "toy_train.jsonl"),
-    "cpu-chained": Release("cpu-chained", results.ROOT / "06-train" / "base", "06-base", "make base-06",
-                           "chained_train.jsonl"),
+RELEASES = {  # by the preset whose cold start made it (05-retool/presets.py)
+    "cpu-demo": Release(results.ROOT / "05-retool" / "base", "05-base", "base-05", "toy_train.jsonl"),
+    "cpu-chained": Release(results.ROOT / "06-train" / "base", "06-base", "base-06", "chained_train.jsonl"),
 }
 
 
@@ -46,18 +44,21 @@ def released_base(release: Release) -> str:
     for name in FILES:
         problem = file_problem(release.folder / name, expected[sha256_key(name)])
         if problem:
-            shown = release.folder.relative_to(results.ROOT) if release.folder.is_relative_to(results.ROOT) else release.folder
-            raise SystemExit(f"error: {problem}: not the released base (git checkout -- {shown} restores it)")
+            raise SystemExit(f"error: {problem}: not the released base (git checkout -- {shown(release.folder)} restores it)")
     return str(release.folder)
 
 
 def file_problem(path: Path, want: str) -> str | None:
     """Why `path` is not the file whose sha256 is `want`; None if it is."""
-    shown = path.relative_to(results.ROOT) if path.is_relative_to(results.ROOT) else path
     if not path.is_file():
-        return f"{shown} is missing (the release's sha256 {want})"
+        return f"{shown(path)} is missing (the release's sha256 {want})"
     got = sha256(path)
-    return None if got == want else f"{shown} has sha256 {got[:16]}... ({path.stat().st_size:,} bytes), not the release's {want}"
+    return None if got == want else f"{shown(path)} has sha256 {got[:16]}... ({path.stat().st_size:,} bytes), not the release's {want}"
+
+
+def shown(path: Path) -> Path:
+    """The path as a line names it: from the lab's root where it lies inside it."""
+    return path.relative_to(results.ROOT) if path.is_relative_to(results.ROOT) else path
 
 
 def sha256(path: Path) -> str:

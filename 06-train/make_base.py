@@ -52,13 +52,13 @@ def main(argv: list[str] | None = None) -> Path:
     preset = chained_config([]) if args.preset == "cpu-chained" else make_config(args.preset, {})
     cfg = dataclasses.replace(preset, cold_start="scratch", model="", cold_start_cache=False, trainer_threads=THREADS)
     kernels = {name: os.environ.get(name, "") for name in KERNELS}  # as set for this process (tests leave them)
-    out = Path(args.out or f"runs/{release_to.command.split()[-1]}")
+    out = Path(args.out or f"runs/{release_to.target}")
     claim(out, {"config": dataclasses.asdict(cfg), "kernels": kernels, "commit": commit()})
     from moves_check import DECISIONS, MOVES
     from problems_and_policy import cold_started_model, load_data
 
     load_data(cfg)
-    name = release_to.command.split()[-1]
+    name = release_to.target
     print(f"{name}: the recipe's {1 + len(cfg.cold_start_schedules.split())} cold start(s) into {out / 'base'}, "
           f"kernels held to one path ({' '.join(f'{k}={v}' for k, v in kernels.items())}, {THREADS} thread{'s' * (THREADS > 1)})", flush=True)
     try:
@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> Path:
     except KeyboardInterrupt:  # the schedules done are kept, and the one cut short has its last checkpoint
         from stopping import Stopped
 
-        print(f"{name}: stopped by SIGINT (Ctrl-C); the same command ({release_to.command}) goes on in {out}: "
+        print(f"{name}: stopped by SIGINT (Ctrl-C); the same command (make {name}) goes on in {out}: "
               "finished cold starts are kept, the one cut short goes on from its last checkpoint", file=sys.stderr)
         raise Stopped(2) from None  # exit 130, as every script of the lab stopped by Ctrl-C
     moves = json.loads((base / "cold_start.json").read_text()).get("moves", {})  # the chained task's check only
@@ -122,7 +122,7 @@ def write_release(base: Path, moves: dict, made: dict, argv: list[str], release_
                "threads": THREADS, **{k.lower(): v for k, v in made["kernels"].items()},
                "machine_kernels": native_kernels(), "cpu": cpu_name()[:40], "torch": torch.__version__,
                "transformers": transformers.__version__, "python": platform.python_version()}
-    name = release_to.command.split()[-1]  # the make target, which names the preset itself
+    name = release_to.target  # the make target, which names the preset itself
     shown = [a for i, a in enumerate(argv) if a != "--preset" and (i == 0 or argv[i - 1] != "--preset")]
     results.save(release_to.results, results.make_command(name, shown), figures)
     print(f"{name}: released into {folder} ({figures['size_mb']} MB) and {results.RESULTS / release_to.results}.json")
