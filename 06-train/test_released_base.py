@@ -70,6 +70,7 @@ def test_the_recipe_is_the_presets_cold_starts_at_one_thread_resumed_and_refused
     toy_data(tmp_path)
     monkeypatch.setattr(make_base, "chained_config", lambda flags: make_config("cpu-chained", TOY))
     monkeypatch.setattr(moves_check, "CHECK_PROBLEMS", 4)
+    monkeypatch.setattr(make_base, "commit", lambda: "a" * 40)  # a committed tree, whatever the checkout's state
     base = make_base.main(["--out", "runs/b"])  # --preset cpu-chained, the default
     argvs = [json.loads((folder / "cold_start.json").read_text())
              for folder in (Path("runs/b/base-schedules/1"), Path("runs/b/base-schedules/2"), base)]
