@@ -92,7 +92,7 @@ class CostPlan:
     response_tokens: int  # each trajectory's, as assumed
     decode_tokens: int  # a step's rollout: generated tokens (tool output counted too: an upper bound)
     update_tokens: int  # a step's update: every token of every trajectory, prompt and response
-    flops_per_update_token: int  # in units of N: 2 (old log-probs, if a pass) + 6 (forward, backward) + 2 (recompute)
+    flops_per_update_token: float  # in units of N: 2 x the rows whose old log-probs take a pass + 6 (forward, backward) + 2 (recompute)
     decode_flops: float
     update_flops: float
     decode_rate: float  # tokens/s a GPU, over the rollout
@@ -202,13 +202,13 @@ def cost_plan(cfg, shape: dict, gpus: int, gpu: str = "H100", decode_rate: float
     are counted at their bound, each a rollout like the step's own; across nodes (`per_node` GPUs a node) HSDP's
     gradient all-reduce is added to the update. Not counted: prompt prefill, the weight sync. The model:
     docs/05-torl.md, "The cost before the run"."""
-    from update_options import update_gives_pi_old
+    from update_options import old_pass_share
 
     n, peak = shape["parameters"], PEAK_TFLOPS[gpu] * 1e12
     response = response_tokens or cfg.max_response_tokens
     prompt = cfg.max_model_len - cfg.max_response_tokens  # the prompt's share of the context
     trajectories = cfg.problems_per_step * cfg.group_size
-    old_pass = 0 if update_gives_pi_old(cfg) else 2  # grpo_step's old log-probs, when a pass of their own
+    old_pass = 2 * old_pass_share(cfg)  # grpo_step's old log-probs, for the rows that take a pass of their own
     per_token = old_pass + 6 + (2 if cfg.gradient_checkpointing else 0)  # forward and backward, recompute
     decode_tokens, update_tokens = trajectories * response, trajectories * (prompt + response)
     calls_s = cfg.tool_budget * call_s
@@ -259,9 +259,11 @@ def kv_bytes_per_token(shape: dict) -> int:
 
 
 def cost_table(cfg, cost: CostPlan, gpus: int, gpu: str, train_mfu: float) -> str:
-    from update_options import update_gives_pi_old
+    from update_options import old_pass_share
 
-    old = "" if update_gives_pi_old(cfg) else "2N old log-probs, "
+    share = old_pass_share(cfg)
+    old = (f"{2 * share:g}N old log-probs ({'every row' if share == 1 else 'the later mini-batches'}), " if share
+           else "")
     recompute = ", 2N gradient checkpointing's recompute" if cfg.gradient_checkpointing else ""
     how = (f"{cost.decode_rate:,.0f} tokens/s a GPU (--assume-decode-rate)" if cost.decode_rate_assumed else
            f"{cost.decode_rate:,.0f} tokens/s a GPU: a step reads the weights and the batch's KV cache, "
@@ -275,7 +277,7 @@ def cost_table(cfg, cost: CostPlan, gpus: int, gpu: str, train_mfu: float) -> st
         f"    rollout: {cost.trajectories:,} trajectories x {cost.response_tokens:,} tokens = "
         f"{cost.decode_tokens:,} decode tokens a step, 2N FLOPs each: {cost.decode_flops / 1e15:,.1f} PFLOP",
         f"    update: {cost.trajectories:,} x {cfg.max_model_len - cfg.max_response_tokens + cost.response_tokens:,} "
-        f"tokens = {cost.update_tokens:,} tokens a step, {cost.flops_per_update_token}N FLOPs each ({old}"
+        f"tokens = {cost.update_tokens:,} tokens a step, {cost.flops_per_update_token:g}N FLOPs each ({old}"
         f"6N forward and backward{recompute}{'' if old else '; old log-probs from the same forward'}): {cost.update_flops / 1e15:,.1f} PFLOP",
         f"    decode at {how}; the longest trajectory's {cfg.tool_budget} tool call(s) add {cost.tool_calls_s:,.1f} s",
         *([f"    dynamic sampling: up to {cost.extra_rounds} extra round(s) a step, each a rollout of "

@@ -14,36 +14,39 @@ RETOOL = Path(__file__).with_name("retool.py")
 SHAPE = {"parameters": 1_000_000, "num_hidden_layers": 2, "num_key_value_heads": 1, "head_dim": 64}
 
 
-def test_the_cost_of_a_step_is_two_n_a_generated_token_and_eight_n_a_trained_one():
+def test_the_cost_of_a_step_is_two_n_a_generated_token_and_seven_n_a_trained_one():
     cfg = Config()  # cpu-demo: 8 problems x 8 samples, 96 response tokens of a 512-token context, 20 steps
     cost = cost_plan(cfg, SHAPE, gpus=2, gpu="A100", decode_rate=1000.0, train_mfu=0.5, call_s=0.5)
     assert (cost.trajectories, cost.decode_tokens, cost.update_tokens) == (64, 64 * 96, 64 * 512)
     assert cost.decode_flops == 2 * 1e6 * 64 * 96
-    assert cost.flops_per_update_token == 8 and cost.update_flops == 8 * 1e6 * 64 * 512  # old log-probs 2N + 6N
+    # two mini-batches: the second's old log-probs take a pass (2N over half the rows), then 6N forward and backward
+    assert cost.flops_per_update_token == 7 and cost.update_flops == 7 * 1e6 * 64 * 512
     assert cost.decode_s == pytest.approx(32 * 96 / 1000.0 + cfg.tool_budget * 0.5)  # one GPU's half, then its calls
-    assert cost.update_s == pytest.approx(8 * 1e6 * 64 * 512 / (2 * PEAK_TFLOPS["A100"] * 1e12 * 0.5))
+    assert cost.update_s == pytest.approx(7 * 1e6 * 64 * 512 / (2 * PEAK_TFLOPS["A100"] * 1e12 * 0.5))
     assert cost.gpu_hours == pytest.approx((cost.decode_s + cost.update_s) * 20 * 2 / 3600)  # no eval file: none
 
 
-def test_the_old_log_prob_pass_is_counted_only_when_grpo_step_runs_it():
-    """One mini-batch and no TIS: the update's own forward gives pi_old (grpo_step), 6N a trained token, not 8N."""
+def test_the_old_log_prob_pass_is_counted_only_where_grpo_step_runs_it():
+    """Without TIS the first mini-batch's own forwards give pi_old (grpo_step): a pass of its own only for the later
+    mini-batches' rows; with TIS for every row."""
     import update_options
 
-    for minibatches, tis_cap, per_token in [(1, 0.0, 6), (2, 0.0, 8), (1, 2.0, 8)]:
+    for minibatches, tis_cap, per_token, said in [(1, 0.0, 6, None), (2, 0.0, 7, "1N old log-probs (the later"),
+                                                   (4, 0.0, 7.5, "1.5N old log-probs (the later"),
+                                                   (1, 2.0, 8, "2N old log-probs (every row")]:
         cfg = dataclasses.replace(Config(), num_minibatches=minibatches, tis_cap=tis_cap)
         cost = cost_plan(cfg, SHAPE, gpus=1, gpu="H100", decode_rate=1000.0)
         assert cost.flops_per_update_token == per_token and cost.update_flops == per_token * 1e6 * 64 * 512
-        assert update_options.update_gives_pi_old(cfg) == (per_token == 6)  # the rule the dry run prices
+        assert 2 * update_options.old_pass_share(cfg) + 6 == per_token  # the rule the dry run prices
         line = next(line for line in cost_table(cfg, cost, 1, "H100", 0.35).splitlines() if "update:" in line)
-        assert ("2N old log-probs" in line) == (per_token == 8), line
-        assert ("old log-probs from the same forward" in line) == (per_token == 6), line
+        assert (said is not None and said in line) or (said is None and "old log-probs from the same forward" in line), line
 
 
 def test_decode_reads_the_weights_and_every_sequences_kv_cache_once_a_step():
     """Bandwidth, not FLOPs, bounds decode; a batch the KV cache cannot hold decodes in waves."""
     cfg = dataclasses.replace(Config(), gradient_checkpointing=True, dtype="bfloat16")  # the engine: 2 bytes a parameter
     cost = cost_plan(cfg, SHAPE, gpus=1, gpu="H100", response_tokens=48, call_s=2.0)
-    assert cost.flops_per_update_token == 10 and not cost.decode_rate_assumed
+    assert cost.flops_per_update_token == 9 and not cost.decode_rate_assumed
     step_s = (2 * 1e6 + 64 * 512 * (416 + 48 / 2)) / (HBM_TBPS["H100"] * 1e12 * DECODE_BANDWIDTH_SHARE)
     assert cost.decode_step_ms == pytest.approx(1000 * step_s) and cost.waves == 1
     assert cost.decode_s == pytest.approx(48 * step_s + cfg.tool_budget * 2.0)  # the longest trajectory's calls

@@ -29,7 +29,7 @@ from distributed import RanksInStep, load_policy, unwrap  # load_policy re-expor
 from logprob_chunks import chunked_logprobs
 from objectives import aggregate, cispo_loss, gspo_loss, loss_denominator, objective_aggregation, objective_problems
 from update_metrics import UpdateTally, ratio_stats, sampler_mismatch
-from update_options import make_adamw_state, set_gradient_checkpointing, tis_weights, update_gives_pi_old, zero_gradients
+from update_options import make_adamw_state, set_gradient_checkpointing, tis_weights, first_minibatch_gives_pi_old, zero_gradients
 from weight_sync import sleep_sampler, sync_weights  # re-exported: the loop takes the chapter's parts from here
 
 
@@ -158,12 +158,11 @@ def grpo_step(model, optimizer, trajectories, cfg: GRPOConfig, exclude=None, glo
     runs = batch.rows_with_gradient() if cfg.skip_zero_advantage else torch.ones(len(trajectories), dtype=torch.bool)
     tally.rows_skipped = int((~runs).sum())
     observed = batch.keeping(runs)  # what the metrics of pi_old describe: no forward runs for a metric alone
-    # pi_old: the weights before any update of this step, so the first mini-batch's ratio is exactly 1. A pass of
-    # its own over the rows the update runs; with one mini-batch and no importance weights, the update's own forward.
-    one_forward = update_gives_pi_old(cfg)
-    old, entropy = torch.zeros(batch.loss_mask.shape), torch.zeros(batch.loss_mask.shape)
-    if not one_forward:
-        old, entropy = _old_logprobs_and_entropy(model, batch, cfg, runs, ranks)
+    # pi_old: the weights before any update of this step, so the first mini-batch's ratio is exactly 1. The first
+    # mini-batch's own forwards give it for their rows (the weights have not moved yet); a pass of its own gives it
+    # for the later mini-batches' rows, and for every row when importance weights need it before any forward.
+    own_forward = first_minibatch_gives_pi_old(cfg)
+    old, entropy = _old_logprobs_and_entropy(model, batch, cfg, runs, ranks, skip_first=own_forward)
     token_weights = None
     if cfg.tis_cap > 0:  # importance weights for the sampler/trainer gap (part 3)
         token_weights, tis_metrics = tis_weights(old, observed, cfg.tis_cap, cfg.tis_mode)
@@ -171,7 +170,8 @@ def grpo_step(model, optimizer, trajectories, cfg: GRPOConfig, exclude=None, glo
 
     # PPO-clip with token-mean (clipped_policy_loss), unless the run chose another: objectives.py.
     objective, aggregation = OBJECTIVES[cfg.objective], objective_aggregation(cfg)
-    for rows in batch.minibatches(cfg.num_minibatches):
+    for index, rows in enumerate(batch.minibatches(cfg.num_minibatches)):
+        own = own_forward and index == 0  # this mini-batch's forwards are pi_old
         # Token-mean's denominator (objectives.py): the mini-batch's tokens in the loss, the skipped rows' included,
         # so that skipping changes nothing. Under torchrun every rank's count over N.
         normalizer = ranks.denominator(loss_denominator(batch.loss_mask[rows], aggregation, cfg.max_response_tokens))
@@ -183,9 +183,9 @@ def grpo_step(model, optimizer, trajectories, cfg: GRPOConfig, exclude=None, glo
             micro = batch.select(micro_rows)
             with ranks.exchange(last=i == len(passes) - 1):  # DDP: one gradient exchange a mini-batch
                 logprobs, micro_entropy = _target_logprobs(model, micro.input_ids, micro.attention_mask,
-                                                           cfg.temperature, with_entropy=one_forward)
+                                                           cfg.temperature, with_entropy=own)
             device, width = logprobs.device, logprobs.shape[1]
-            if one_forward:  # pi_old is this forward's own log-probs, detached: the weights have not moved yet
+            if own:  # pi_old is this forward's own log-probs, detached
                 old[micro_rows, :width], entropy[micro_rows, :width] = logprobs.detach().cpu(), micro_entropy.cpu()
             loss, stats = objective(
                 logprobs, old[micro_rows, :width].to(device), micro.advantages.to(device), micro.loss_mask.to(device),
@@ -350,14 +350,15 @@ def _micro_batches(rows: torch.Tensor, size: int) -> list[torch.Tensor]:
 
 
 @torch.no_grad()
-def _old_logprobs_and_entropy(model, batch: Batch, cfg: GRPOConfig, runs: torch.Tensor, ranks: RanksInStep):
+def _old_logprobs_and_entropy(model, batch: Batch, cfg: GRPOConfig, runs: torch.Tensor, ranks: RanksInStep,
+                              skip_first: bool = False):
     """Log-probs and entropies of the targets of the rows the update `runs`, under the current weights, on CPU
-    (zeros elsewhere). In the update's own micro-batches: the same shapes give the same bits, so the first
-    mini-batch's ratio is exactly 1."""
+    (zeros elsewhere, and in the first mini-batch's rows if `skip_first`: its own forwards fill them). In the
+    update's own micro-batches: the same shapes give the same bits."""
     old = torch.zeros(batch.loss_mask.shape)
     entropy = torch.zeros(batch.loss_mask.shape)
-    chunks = [micro for rows in batch.minibatches(cfg.num_minibatches)
-              for micro in _micro_batches(rows[runs[rows]], cfg.micro_batch_size)]
+    minibatches = list(batch.minibatches(cfg.num_minibatches))[1 if skip_first else 0:]
+    chunks = [micro for rows in minibatches for micro in _micro_batches(rows[runs[rows]], cfg.micro_batch_size)]
     # FSDP2 gathers weights in every forward: as many as the other ranks, the extra ones on the shortest row
     chunks = ranks.pad(chunks, next(batch.minibatches(1))[-1:], at_least=0)
     for chunk in chunks:

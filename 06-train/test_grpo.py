@@ -402,13 +402,15 @@ def test_no_forward_runs_for_a_metric_alone_entropy_and_mismatch_describe_the_ro
     assert all(math.isnan(metrics[key]) for key in ("entropy", "mismatch_abs", "mismatch_max", "mismatch_kl"))
 
 
-@pytest.mark.parametrize("skip", [True, False])
-def test_one_minibatch_takes_pi_old_from_the_updates_forward_and_takes_the_same_step(policy, monkeypatch, skip):
-    """num_minibatches 1, no TIS: the old log-probs are the update's own, detached; loss, weights and every
-    metric are the step with a pass of their own (forced here), minus that pass's forwards."""
+@pytest.mark.parametrize("skip,minibatches", [(True, 1), (False, 1), (True, 2)])
+def test_the_first_minibatch_takes_pi_old_from_its_own_forward_and_the_step_is_the_same(policy, monkeypatch, skip,
+                                                                                         minibatches):
+    """No TIS: the first mini-batch's old log-probs are its own forwards', detached; only the later mini-batches'
+    rows take a pass of their own. Loss, weights and every metric are the step with a pass for every row (forced
+    here), minus the first mini-batch's share of that pass."""
     trajectories = random_trajectories(5)
     trajectories[1].advantage = 0.0  # skipped: no forward, neither for the update nor for a metric
-    cfg = GRPOConfig(num_minibatches=1, micro_batch_size=2, skip_zero_advantage=skip, max_grad_norm=1e9)
+    cfg = GRPOConfig(num_minibatches=minibatches, micro_batch_size=2, skip_zero_advantage=skip, max_grad_norm=1e9)
 
     def step():  # SGD at lr 1: the weights move by the gradient itself (AdamW's first step is its sign)
         model, forwards = copy.deepcopy(policy), []
@@ -417,16 +419,20 @@ def test_one_minibatch_takes_pi_old_from_the_updates_forward_and_takes_the_same_
         return flat_weights(model), metrics, forwards
 
     weights, metrics, forwards = step()
-    monkeypatch.setattr("grpo.update_gives_pi_old", lambda cfg: False)  # the step as it was: pi_old from a pass of its own
+    monkeypatch.setattr("grpo.first_minibatch_gives_pi_old", lambda cfg: False)  # a pass of their own for every row
     weights_before, metrics_before, forwards_before = step()
-    assert sorted(forwards) == ([2, 2] if skip else [1, 2, 2])  # skip: the 4 rows with gradient; else all 5
-    assert sum(forwards_before) == 2 * sum(forwards)  # the old pass runs the update's passes, no more
+    # two mini-batches: rows 0-2 (row 1 skipped) and rows 3-4, a micro-batch of 2 each
+    update = {(True, 1): [2, 2], (False, 1): [1, 2, 2], (True, 2): [2, 2]}[skip, minibatches]
+    later = {1: [], 2: [2]}[minibatches]  # the old pass: the second mini-batch's rows only
+    assert sorted(forwards) == sorted(update + later)
+    assert sorted(forwards_before) == sorted(update + update)  # the forced pass runs the update's passes, no more
     assert (weights - flat_weights(policy)).abs().max() > 1e-4
     assert torch.allclose(weights, weights_before, atol=1e-6, rtol=0)
     assert metrics.keys() == metrics_before.keys()
     for key in metrics:
         assert metrics[key] == pytest.approx(metrics_before[key], rel=1e-5, abs=1e-6), key
-    assert metrics["ratio_max"] == 1.0 and metrics["approx_kl"] == 0.0  # exactly: the same forward
+    if minibatches == 1:
+        assert metrics["ratio_max"] == 1.0 and metrics["approx_kl"] == 0.0  # exactly: the same forward
 
 
 def test_later_minibatches_see_the_policy_move(policy):

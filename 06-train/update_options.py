@@ -1,7 +1,7 @@
 """The update's options and safeguards, each one call `grpo_step` makes behind one `if`.
 
 Each changes one thing: a token weight (truncated or masked importance sampling, `tis_weights`), pi_old from
-the update's own forward (`update_gives_pi_old`), and AdamW's step when every row was skipped
+the first mini-batch's own forward (`first_minibatch_gives_pi_old`), and AdamW's step when every row was skipped
 (`zero_gradients`). Why each exists: docs/06-train.md and docs/06-beyond-torl.md. Two more serve memory on a
 GPU: gradient checkpointing switched as the config says (`set_gradient_checkpointing`), and AdamW's state made
 with the optimizer (`make_adamw_state`): docs/06-scaling.md.
@@ -54,11 +54,17 @@ def masked_importance_weights(log_ratio: torch.Tensor, mask: torch.Tensor, cap: 
                      "tis_masked_seq_frac": masked_mean(outside.any(dim=1), in_loss)}
 
 
-def update_gives_pi_old(cfg) -> bool:
-    """Whether the update's own forward is pi_old: one mini-batch (one update, all its forwards before it)
-    and no importance sampling (whose weights need pi_old before the first forward). Its log-probs, detached,
-    then stand in for the old ones: a ratio of exactly 1, without a forward of their own (2N of 10N a token)."""
-    return cfg.num_minibatches == 1 and cfg.tis_cap <= 0
+def first_minibatch_gives_pi_old(cfg) -> bool:
+    """Whether the first mini-batch's own forwards are pi_old for its rows: the weights have not moved before its
+    optimizer step, so its log-probs, detached, stand in for the old ones (a ratio of exactly 1), and only the later
+    mini-batches' rows need a pass of their own (2N a token; none with one mini-batch). Not with importance
+    sampling, whose weights need every row's pi_old before the first forward."""
+    return cfg.tis_cap <= 0
+
+
+def old_pass_share(cfg) -> float:
+    """The share of the update's rows whose pi_old takes a forward of its own (the dry run prices it)."""
+    return (cfg.num_minibatches - 1) / cfg.num_minibatches if first_minibatch_gives_pi_old(cfg) else 1.0
 
 
 def zero_gradients(model) -> None:
