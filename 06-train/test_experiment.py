@@ -184,5 +184,5 @@ def test_the_pages_say_what_run_06_does_and_how_long_it_takes():
          f"one RL run of {cfg.steps} steps per arm and seed", f"{', '.join(map(str, [1, 2]))} and 4",
          "runs four stages", f"checkpoint (one every {ablation_save_every()} steps)")
     bench = results.load("06-bench-experiment")["figures"]
-    assert bench["runs"] == len(experiment.BUDGET_ARMS)
+    assert bench["runs"] == len(experiment.DEFAULT_ARMS)
     assert f"one seed, about {round(bench['total_min'])} min on two cores" in (ROOT / "README.md").read_text()
