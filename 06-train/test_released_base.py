@@ -87,6 +87,15 @@ def test_the_recipe_is_the_presets_cold_starts_at_one_thread_resumed_and_refused
         make_base.main(["--out", "runs/b"])
 
 
+def test_a_release_from_a_tree_with_uncommitted_edits_is_refused_before_the_recipe_runs(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(make_base, "commit", lambda: "a" * 40 + "-dirty")
+    monkeypatch.setattr(make_base, "chained_config", lambda flags: pytest.fail("the recipe started"))
+    with pytest.raises(SystemExit, match="^error: the tree has uncommitted edits, and a release records the commit"):
+        make_base.main(["--out", "runs/b", "--release"])
+    assert list(tmp_path.iterdir()) == []  # nothing written
+
+
 def test_a_release_writes_the_files_whole_and_the_hashes_that_then_check_them(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     source = Path("made")
