@@ -1,15 +1,13 @@
 """What contains a call of the local backend: namespaces, an allow-listed root, cgroups, seccomp.
 
-sandbox.py's containment sequence calls these in the fork server's slots, which the
-server forks into PID namespaces of their own (fork_server.py); docs/02-sandbox.md and
-docs/02-isolation.md say why each exists and what each stops. Every function fails with
-an exception naming what could not be set up: the sandbox never runs code with less
-than it promised.
+sandbox.py's containment sequence calls these in the fork server's slots; docs/02-isolation.md says why each exists.
+Each raises naming what could not be set up: the sandbox never runs code with less than it promised.
 """
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import os
 import platform
 import re
@@ -64,12 +62,9 @@ CALL_UID = 65534  # the code's uid inside its own user namespace ("nobody"); out
 
 
 def enter_user_namespace() -> None:
-    """The fork server, when not root: a user namespace where it is uid 0, mapped to the caller's uid.
-    There it may make PID, mount, network and IPC namespaces, mount and pivot, over namespaces of its own only; outside
-    it is still the caller, with no more rights. It goes on as PID 1 of a PID namespace of that user namespace (a fork;
-    this process waits for it and exits with it), because the server must come back to its own PID namespace after
-    forking each slot into a new one, which it may only in one it owns. Raises OSError naming what the kernel refused
-    (the sandbox then refuses to start)."""
+    """The fork server, when not root: uid 0 of a user namespace mapped to the caller's uid, and PID 1 of a PID
+    namespace of it (a fork; this process waits and exits with it): the server must come back to its own PID namespace
+    after forking each slot into a new one, which it may only in one it owns. Raises OSError naming the refusal."""
     uid, gid = os.geteuid(), os.getegid()
     try:
         unshare(CLONE_NEWUSER | CLONE_NEWPID)
@@ -90,9 +85,8 @@ def enter_user_namespace() -> None:
 
 
 def enter_call_user_namespace() -> None:
-    """In the code's process (userns), after its cgroup namespace: a user namespace of the call's own, where the
-    code is CALL_UID (mapped to the slot's uid 0, the caller outside) with no capability: it holds no right over the
-    slot's namespaces, and the kernel counts RLIMIT_NPROC per user namespace, so per call."""
+    """In the code's process (userns): a user namespace of the call's own, where the code is CALL_UID with no
+    capability: no right over the slot's namespaces, and RLIMIT_NPROC (counted per user namespace) is per call."""
     unshare(CLONE_NEWUSER)
     _write(None, "/proc/self/uid_map", f"{CALL_UID} 0 1")
     _write(None, "/proc/self/setgroups", "deny")
@@ -107,14 +101,10 @@ SYSTEM_LIBRARIES = ("/lib", "/lib64", "/lib32", "/libx32", "/usr/lib", "/usr/lib
 DEVICES = ("/dev/null", "/dev/zero", "/dev/urandom")
 SCRATCH_DIRS = ("/tmp", "/var/tmp", "/dev/shm")  # the only places the code may write: one empty tmpfs behind all three, per call
 WORKDIR = "/tmp/work"
-# Files of /proc that describe the kernel's keys: the caller's session keyring and every key its uid may
-# view (names and sizes), and each user's key counts. The filter denies the key calls; these it cannot.
+# /proc's views of the kernel's keys (the caller's keyring, each user's counts): the filter denies key calls, not reads
 PROC_MASKED = ("/proc/keys", "/proc/key-users")
-# The machine's counters, which one call moves and the next reads: stat's forks, context switches and interrupts;
-# vmstat's and zoneinfo's page faults and pages; the dentry and inode caches (a call that looks up names that do not
-# exist moves dentry-state by exactly as many); block I/O (diskstats, softirqs' BLOCK) and interrupts, which reads
-# that miss the page cache move. A copy of each with every number 0 is bound over it (its lines and names kept, for
-# what counts CPUs by them).
+# The machine's counters, which one call moves and the next reads (docs/02-isolation.md, channels): a copy of each
+# with every number 0 is bound over it, its lines and names kept for what counts CPUs by them.
 PROC_COUNTERS = ("/proc/stat", "/proc/vmstat", "/proc/zoneinfo", "/proc/diskstats", "/proc/softirqs", "/proc/interrupts",
                  "/proc/sys/fs/dentry-state", "/proc/sys/fs/inode-nr", "/proc/sys/fs/inode-state")
 _NUMBER = re.compile(r"(?<![\w.-])\d+(?![\w.:-])")  # a number on its own: not the 0 of cpu0, the 2 of 2-edge or an interrupt line 9:
@@ -129,9 +119,8 @@ _ETC = {  # a minimal /etc: who is who, and the loader's cache so that native li
 
 
 def interpreter_paths() -> list[str]:
-    """The interpreter's files: its executable, shared library, standard library and site-packages.
-    A virtual environment's prefix comes whole (it holds nothing else); a system prefix
-    such as /usr only through its Python folders, which the system libraries cover anyway."""
+    """The interpreter's files: executable, shared library, standard library, site-packages. A venv's prefix comes
+    whole (it holds nothing else); a system prefix such as /usr only through its Python folders."""
     paths = {os.path.realpath(sys.executable)}
     for scheme_vars in ({}, {"base": sys.base_prefix, "platbase": sys.base_exec_prefix}):
         found = sysconfig.get_paths(vars=scheme_vars)
@@ -148,12 +137,9 @@ def interpreter_paths() -> list[str]:
 
 
 def build_root() -> dict[str, int]:
-    """Once per slot, in its new mount namespace: pivot into a root that holds only the allow list.
-    The root is a small tmpfs, read-only once built: the interpreter's files, the system libraries, a minimal /etc,
-    three devices, the slot's /proc (mount_proc, called first) and mount points for the scratch dirs. Everything else on
-    the machine (the lab, other folders, /dev/fuse, /sys) does not exist for the code. Returns O_PATH descriptors of
-    interpreter folders that lie inside a scratch dir (a venv under /tmp), which every call's fresh scratch must bind
-    back."""
+    """Once per slot, in its new mount namespace (after mount_proc): pivot into a small tmpfs, read-only once built,
+    that holds only the allow list (docs/02-isolation.md). Returns O_PATH descriptors of interpreter folders inside a
+    scratch dir (a venv under /tmp), which every call's fresh scratch binds back."""
     system = [p for p in SYSTEM_LIBRARIES if os.path.isdir(p) and not os.path.islink(p)]
     # A system Python's own folders (/usr/lib/python3.11) come with the system libraries.
     binds = [p for p in interpreter_paths() if not any(p == d or _inside(p, d) for d in system)] + system
@@ -213,9 +199,8 @@ def build_root() -> dict[str, int]:
 
 
 def _bind_counters_at_zero(path: str) -> None:
-    """Bind over a /proc file of the machine's counters a copy of it whose every number is 0 (btime kept: the boot
-    time, a constant; names such as cpu0, sda or 2-edge kept). The copy is written in the new root, bound, then
-    unlinked: no path names it. A file this kernel lacks is left out."""
+    """Bind over a /proc file of counters a copy with every number 0 (btime and names such as cpu0 kept), unlinked
+    once bound: no path names it. A file this kernel lacks is left out."""
     try:
         with open(path) as f:
             lines = f.read().splitlines()
@@ -231,13 +216,10 @@ def _bind_counters_at_zero(path: str) -> None:
 
 
 def mount_proc() -> tuple[int, int]:
-    """A /proc of the slot's own PID namespace; hidepid=2: the code sees only its own processes.
-    Mounted over the machine's /proc, in the slot's own mount namespace, before build_root binds it into the new root:
-    in a user namespace the kernel allows a new proc only where the machine's is visible. Returns descriptors of the
-    namespace's PID counter (sandbox.serve_call resets it per call: a PID is otherwise a counter one call can advance
-    and the next can read) and of a second proc of the same namespace without hidepid, which only the slot holds:
-    hidepid=2 hides a process that made itself non-dumpable from the slot too (it would need CAP_SYS_PTRACE on the
-    machine), and the slot's memory watch must see every process of the call."""
+    """A /proc of the slot's PID namespace with hidepid=2, over the machine's before build_root binds it (in a user
+    namespace a new proc may be mounted only where the machine's is visible). Returns descriptors of its PID counter
+    (reset per call, else a channel) and of a second proc without hidepid that only the slot holds: hidepid=2 hides a
+    non-dumpable process from the slot too, and the memory watch must see every process of the call."""
     mount(None, "/", None, MS_REC | MS_PRIVATE)  # nothing mounted here reaches the host
     try:
         mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
@@ -253,10 +235,9 @@ _MOUNTED_SCRATCH: list[str] = []  # this slot's scratch mounts, in the order the
 
 
 def fresh_scratch(max_file_mb: int, interpreter_in_scratch: dict[str, int], uid: int | None) -> str:
-    """Per call: one empty tmpfs behind every scratch dir (the previous call's detached), a work dir for uid.
-    One tmpfs, not one per dir, so that all the code's files together hold at most 4 x max_file_mb, in at most
-    SCRATCH_INODES files and folders. It is mounted on /tmp, each scratch dir gets a folder of it bound over it, /tmp's
-    last: the tmpfs's own root stays hidden under /tmp."""
+    """Per call: one empty tmpfs behind every scratch dir (the previous call's detached), a work dir for uid. One, so
+    that all the code's files together hold at most 4 x max_file_mb; mounted on /tmp, a folder of it bound over each
+    scratch dir, /tmp's last: the tmpfs's own root stays hidden."""
     while _MOUNTED_SCRATCH:
         umount(_MOUNTED_SCRATCH.pop())
     below = SCRATCH_DIRS[0]
@@ -310,10 +291,8 @@ def call_uid(token: int) -> int:
 
 
 class Cgroups:
-    """A group per call under a group of this server's own, in cgroup v1 (memory + pids) or v2.
-    Created with descriptors opened before pivot_root, so that slots, whose root holds no
-    /sys, can still make and remove groups. The code's process joins its call's group
-    itself, as root, before it drops its privileges (join())."""
+    """A group per call under a group of this server's own, in cgroup v1 (memory + pids) or v2, made through
+    descriptors opened before pivot_root (a slot's root holds no /sys). The code's process joins it, still root."""
 
     def __init__(self, name: str) -> None:
         self.version, self.paths = _find_cgroups()
@@ -381,12 +360,10 @@ class CallGroup:
     TICK = 0.01  # seconds between two looks at the call's OOM kills
 
     def over(self, memory_mb: int, until: float) -> bool:
-        """Was a process of the call OOM-killed? Then the whole call ends: on cgroup v1 the kernel kills only the
-        process it picked, and the call's other processes (its main one waiting for a killed child) would go on."""
+        """An OOM kill ends the whole call: cgroup v1 kills only the process it picked, and the rest would go on."""
         return self.oom_killed()
 
     def oom_killed(self) -> bool:
-        """Did the kernel kill a process of this call for exceeding its memory limit?"""
         name = "memory.oom_control" if self.groups.version == 1 else "memory.events"
         try:
             counts = dict(line.split() for line in _read(self.dirs[0], name).splitlines() if line.strip())
@@ -409,15 +386,10 @@ class CallGroup:
 
 
 class MemoryWatch:
-    """Where no cgroup can be had (not root, no delegated cgroup v2): the slot samples the call's memory.
-    RLIMIT_AS caps each process, not the call: a call of N processes could map N times memory_mb. Every TICK seconds of
-    the wait, the slot sums what a cgroup would charge the call and kills it past memory_mb, in a /proc where no process
-    can hide (mount_proc): each process's share of its pages (_PROPORTIONAL: a page shared is split), less once the
-    slot's own share, which every fork of it starts with (one that exec'd shares nothing: it counts whole); and the
-    kernel memory no process's pages show, as _kernel_kb counts it (page tables, kernel stacks, descriptors, mappings).
-    What it cannot count is denied or bounded instead: memfds, System V IPC, epoll and sockets by the filter
-    (seccomp_program(cgroup=False) and every mode's); POSIX message queues and locked memory by their rlimits
-    (runner.set_rlimits); files by the scratch tmpfs."""
+    """Where no cgroup can be had: every TICK seconds of the wait the slot sums what a cgroup would charge the call
+    (each process's proportional share of its pages, less the slot's own share once, and _kernel_kb's kernel memory)
+    and kills it past memory_mb. What it cannot count the filter, rlimits and scratch tmpfs deny or bound
+    (docs/02-isolation.md, "Memory without a cgroup")."""
 
     TICK = 0.01
 
@@ -432,11 +404,9 @@ class MemoryWatch:
         """Nothing to join: the slot watches (the code's process calls this where it would join a cgroup)."""
 
     def over(self, memory_mb: int, until: float = float("inf")) -> bool:
-        """Does the call hold more than memory_mb? Once it does, it stays "OOM-killed"; past `until` (the call's
-        deadline) it stops reading and answers what it knows, so that a call whose files are slow to read still ends.
-        A process's resident and swapped pages bound its proportional share from above: only when their sum passes the
-        cap are the dearer smaps_rollup files read (about 0.5 ms a process with sympy loaded, against 10 us for status).
-        A process that made itself non-dumpable refuses the slot its smaps_rollup and maps: it counts whole."""
+        """Does the call hold more than memory_mb (once it did, it stays "OOM-killed")? Past `until`, the deadline,
+        it answers what it knows. The dear smaps_rollup is read only when status's counts, an upper bound, pass the cap;
+        a non-dumpable process refuses it and counts whole."""
         me, cap_kb, status = str(os.getpid()), memory_mb * 1024, {}
         for pid in os.listdir(self.proc):
             if pid.isdigit() and pid != me:
@@ -461,8 +431,8 @@ class MemoryWatch:
         return sum(_sum_kb(fields, (name,)) * kb for name, kb in _KERNEL_KB.items()) + self.mappings[pid] * VMA_KB
 
     def _count_one(self, status: dict[str, dict[str, int]], until: float) -> None:
-        """Count the mappings of one process a tick, new ones first, then the one counted longest ago: reading a
-        process's maps costs as much as it has mappings (tens of ms for 65,000), too much for every process each tick."""
+        """Count one process's mappings a tick, new ones first, then the one counted longest ago: a maps file costs as
+        much as it has mappings, too much for every process each tick."""
         me = str(os.getpid())
         for pid in [pid for pid in self.mappings if pid != me and pid not in status]:
             del self.mappings[pid]
@@ -482,12 +452,11 @@ class MemoryWatch:
         pass
 
 
-# (file, fields): private and shared anonymous memory (shmem: MAP_SHARED, /dev/zero), resident or swapped;
-# status counts every page the process maps whole, smaps_rollup its share of each
+# (file, fields): anonymous memory, private or shared (MAP_SHARED, /dev/zero), resident or swapped; status counts each
+# page whole, smaps_rollup the process's share of it
 _RESIDENT = ("status", ("RssAnon", "RssShmem", "VmSwap"))
 _PROPORTIONAL = ("smaps_rollup", ("Pss_Anon", "Pss_Shmem", "SwapPss"))
-# Kernel memory a cgroup charges and no process's pages show, in kB a unit of a status field: page tables (VmPTE, in
-# kB), a kernel stack of 16 kB a thread, and the descriptor table with the files it can hold (0.5 kB a slot of FDSize)
+# Kernel memory a cgroup charges and no page shows, kB per unit of a status field: page tables, stacks, descriptor slots
 _KERNEL_KB = {"VmPTE": 1.0, "Threads": 16.0, "FDSize": 0.5}
 VMA_KB = 0.25  # a mapping (VMA): its vm_area_struct and share of the maple tree, about 0.2 kB measured
 
@@ -496,14 +465,13 @@ def _sum_kb(fields: dict[str, int], names: tuple[str, ...]) -> int:
     return sum(fields.get(name, 0) for name in names)
 
 
-# The watch reads /proc files into this buffer alone, and zeroes what it read: maps and status hold names the code
-# chooses (a file it maps, the name of a thread), which in the slot's heap every later call would inherit by its fork.
+# The watch reads /proc into this buffer alone and zeroes what it read: maps and status hold names the code chose,
+# which in the slot's heap every later call would inherit by its fork.
 _PROC_BUFFER = bytearray(1 << 16)
 
 
 def _read_into_buffer(proc: int, path: str, each) -> bool:
-    """Read proc/path chunk by chunk into _PROC_BUFFER, calling each(size) on every chunk; False where the file is
-    gone or refused. The buffer is zeroed after every chunk."""
+    """Read proc/path into _PROC_BUFFER, each(size) on every chunk, zeroed after it; False where gone or refused."""
     try:
         fd = os.open(path, os.O_RDONLY, dir_fd=proc)
     except OSError:
@@ -526,26 +494,18 @@ def _read_into_buffer(proc: int, path: str, each) -> bool:
 def _count_mappings(proc: int, pid: str) -> int | None:
     """How many mappings (VMAs) a process has: lines of its maps; None once it is gone, or where it is refused."""
     for path in _task_paths(proc, pid, "maps"):
-        lines = [0]
-
-        def count(size: int) -> None:
-            lines[0] += _PROC_BUFFER.count(b"\n", 0, size)
-
-        if not _read_into_buffer(proc, path, count):
+        lines: list[int] = []
+        if not _read_into_buffer(proc, path, lambda size: lines.append(_PROC_BUFFER.count(b"\n", 0, size))):
             return None
-        if lines[0]:
-            return lines[0]
+        if sum(lines):
+            return sum(lines)
     return None
 
 
-_MAP_COUNT: list[int] = []
-
-
+@functools.cache
 def _max_map_count(proc: int) -> int:
     """vm.max_map_count, the most mappings a process may have; read once."""
-    if not _MAP_COUNT:
-        _MAP_COUNT.append(int(_read(proc, "sys/vm/max_map_count") or 65530))
-    return _MAP_COUNT[0]
+    return int(_read(proc, "sys/vm/max_map_count") or 65530)
 
 
 def _held_kb(proc: int, pid: str, kind: tuple[str, tuple[str, ...]]) -> int | None:
@@ -556,8 +516,7 @@ def _held_kb(proc: int, pid: str, kind: tuple[str, tuple[str, ...]]) -> int | No
 
 
 def _fields(proc: int, pid: str, name: str, first: str) -> dict[str, int]:
-    """The numbers the watch uses of /proc/PID/name, such as status (_WATCHED). A thread group whose leader exited
-    goes on in its other threads, and the leader's files then show no memory: one of its threads' shows the group's."""
+    """The _WATCHED numbers of /proc/PID/name; where the leader exited (its files show no memory), a thread's."""
     fields = {}
     for path in _task_paths(proc, pid, name):
         fields = _numbers(proc, path)
@@ -586,8 +545,7 @@ _WATCHED = (*_RESIDENT[1], *_PROPORTIONAL[1], *_KERNEL_KB, "PPid", "VmSize")
 
 
 def _numbers(proc: int, path: str) -> dict[str, int]:
-    """The _WATCHED fields of a status-like file ("Name:\tvalue kB" lines) found in it, as numbers ({} where it is
-    gone). Only digits are taken out of the buffer: the file's other lines stay in it until it is zeroed."""
+    """The _WATCHED fields of a status-like file as numbers ({} where gone): only digits leave the buffer."""
     found = {}
 
     def parse(size: int) -> None:
@@ -632,8 +590,7 @@ def _write(dir_fd: int | None, name: str, text: str, optional: bool = False) -> 
 
 
 def _find_cgroups() -> tuple[int, list[str]]:
-    """(version, [folders to create groups in]): v1 memory and pids, else v2 with both controllers.
-    Raises OSError saying why neither works here (the sandbox then refuses to start)."""
+    """(version, [folders to create groups in]): v1 memory and pids, else v2 with both; OSError saying why neither."""
     mounts: dict[str, tuple[str, str]] = {}  # controller or "v2" -> (mount point, root of the mount)
     with open("/proc/self/mountinfo") as f:
         for line in f:
@@ -699,51 +656,71 @@ def _find_cgroups() -> tuple[int, list[str]]:
 
 # -------------------------------------- Seccomp: a small BPF program, installed through prctl in the code's own process
 
-# The calls the filter allows; every other one fails. The list is what the lab's workloads call (sympy, numpy,
-# fractions, subprocess, multiprocessing's Pool and Queue, threads, files in the scratch dir, sqlite3 in memory and on
-# a file), grouped as Docker's default profile groups them; docs/02-isolation.md compares the two row by row.
-ALLOWED = (
+# The calls the filter allows, what the lab's workloads call, with their numbers, name=(x86_64, aarch64) of
+# asm/unistd_64.h and asm-generic/unistd.h (None: the machine lacks it); every other call fails. Grouped as Docker's
+# default profile groups them: docs/02-isolation.md compares the two row by row.
+_ALLOWED = dict(
     # files and descriptors: the scratch tmpfs, the read-only root, pipes
-    "read", "write", "readv", "writev", "pread64", "pwrite64", "preadv", "pwritev", "open", "openat", "openat2",
-    "creat", "close", "close_range", "dup", "dup2", "dup3", "lseek", "stat", "fstat", "lstat", "newfstatat", "statx",
-    "statfs", "fstatfs", "access", "faccessat", "faccessat2", "readlink", "readlinkat", "getdents", "getdents64",
-    "getcwd", "chdir", "fchdir", "mkdir", "mkdirat", "rmdir", "rename", "renameat", "renameat2", "unlink", "unlinkat",
-    "link", "linkat", "symlink", "symlinkat", "chmod", "fchmod", "fchmodat", "fchmodat2", "chown", "fchown",
-    "fchownat", "lchown", "umask", "truncate", "ftruncate", "fallocate", "utime", "utimes", "utimensat", "futimesat",
-    "mknod", "mknodat", "sendfile", "copy_file_range", "splice", "tee", "pipe", "pipe2", "readahead",
+    read=(0, 63), write=(1, 64), readv=(19, 65), writev=(20, 66), pread64=(17, 67), pwrite64=(18, 68), preadv=(295, 69),
+    pwritev=(296, 70), open=(2, None), openat=(257, 56), openat2=(437, 437), creat=(85, None), close=(3, 57),
+    close_range=(436, 436), dup=(32, 23), dup2=(33, None), dup3=(292, 24), lseek=(8, 62), stat=(4, None), fstat=(5, 80),
+    lstat=(6, None), newfstatat=(262, 79), statx=(332, 291), statfs=(137, 43), fstatfs=(138, 44), access=(21, None),
+    faccessat=(269, 48), faccessat2=(439, 439), readlink=(89, None), readlinkat=(267, 78), getdents=(78, None),
+    getdents64=(217, 61), getcwd=(79, 17), chdir=(80, 49), fchdir=(81, 50), mkdir=(83, None), mkdirat=(258, 34),
+    rmdir=(84, None), rename=(82, None), renameat=(264, 38), renameat2=(316, 276), unlink=(87, None),
+    unlinkat=(263, 35), link=(86, None), linkat=(265, 37), symlink=(88, None), symlinkat=(266, 36), chmod=(90, None),
+    fchmod=(91, 52), fchmodat=(268, 53), fchmodat2=(452, 452), chown=(92, None), fchown=(93, 55), fchownat=(260, 54),
+    lchown=(94, None), umask=(95, 166), truncate=(76, 45), ftruncate=(77, 46), fallocate=(285, 47), utime=(132, None),
+    utimes=(235, None), utimensat=(280, 88), futimesat=(261, None), mknod=(133, None), mknodat=(259, 33),
+    sendfile=(40, 71), copy_file_range=(326, 285), splice=(275, 76), tee=(276, 77), pipe=(22, None), pipe2=(293, 59),
+    readahead=(187, 213),
     # waiting on descriptors
-    "select", "pselect6", "poll", "ppoll", "epoll_ctl", "epoll_wait", "epoll_pwait", "epoll_pwait2", "eventfd",
-    "eventfd2", "signalfd", "signalfd4", "timerfd_create", "timerfd_settime", "timerfd_gettime",
+    select=(23, None), pselect6=(270, 72), poll=(7, None), ppoll=(271, 73), epoll_ctl=(233, 21), epoll_wait=(232, None),
+    epoll_pwait=(281, 22), epoll_pwait2=(441, 441), eventfd=(284, None), eventfd2=(290, 19), signalfd=(282, None),
+    signalfd4=(289, 74), timerfd_create=(283, 85), timerfd_settime=(286, 86), timerfd_gettime=(287, 87),
     # memory of its own
-    "brk", "mmap", "munmap", "mremap", "mprotect",
+    brk=(12, 214), mmap=(9, 222), munmap=(11, 215), mremap=(25, 216), mprotect=(10, 226),
     # processes and threads (clone by its flags, below)
-    "fork", "vfork", "execve", "execveat", "exit", "exit_group", "wait4", "waitid", "getpid", "getppid", "gettid",
-    "getpgrp", "getpgid", "setpgid", "getsid", "setsid", "set_tid_address", "set_robust_list", "rseq", "futex",
-    "sched_yield", "sched_getaffinity", "sched_getparam", "sched_getscheduler", "sched_getattr",
-    "sched_get_priority_max", "sched_get_priority_min", "sched_rr_get_interval", "getpriority", "getrlimit",
-    "setrlimit", "getrusage", "times", "getuid", "geteuid", "getgid", "getegid", "getgroups", "getresuid",
-    "getresgid", "capget", "uname", "sysinfo", "getrandom", "getcpu", "arch_prctl", "restart_syscall",
+    fork=(57, None), vfork=(58, None), execve=(59, 221), execveat=(322, 281), exit=(60, 93), exit_group=(231, 94),
+    wait4=(61, 260), waitid=(247, 95), getpid=(39, 172), getppid=(110, 173), gettid=(186, 178), getpgrp=(111, None),
+    getpgid=(121, 155), setpgid=(109, 154), getsid=(124, 156), setsid=(112, 157), set_tid_address=(218, 96),
+    set_robust_list=(273, 99), rseq=(334, 293), futex=(202, 98), sched_yield=(24, 124), sched_getaffinity=(204, 123),
+    sched_getparam=(143, 121), sched_getscheduler=(145, 120), sched_getattr=(315, 275),
+    sched_get_priority_max=(146, 125), sched_get_priority_min=(147, 126), sched_rr_get_interval=(148, 127),
+    getpriority=(140, 141), getrlimit=(97, 163), setrlimit=(160, 164), getrusage=(98, 165), times=(100, 153),
+    getuid=(102, 174), geteuid=(107, 175), getgid=(104, 176), getegid=(108, 177), getgroups=(115, 158),
+    getresuid=(118, 148), getresgid=(120, 150), capget=(125, 90), uname=(63, 160), sysinfo=(99, 179),
+    getrandom=(318, 278), getcpu=(309, 168), arch_prctl=(158, None), restart_syscall=(219, 128),
     # signals and time
-    "rt_sigaction", "rt_sigprocmask", "rt_sigreturn", "rt_sigpending", "rt_sigtimedwait", "rt_sigsuspend",
-    "sigaltstack", "pause", "alarm", "getitimer", "setitimer", "timer_create", "timer_settime", "timer_gettime",
-    "timer_getoverrun", "timer_delete", "clock_gettime", "clock_getres", "clock_nanosleep", "nanosleep",
-    "gettimeofday", "time",
+    rt_sigaction=(13, 134), rt_sigprocmask=(14, 135), rt_sigreturn=(15, 139), rt_sigpending=(127, 136),
+    rt_sigtimedwait=(128, 137), rt_sigsuspend=(130, 133), sigaltstack=(131, 132), pause=(34, None), alarm=(37, None),
+    getitimer=(36, 102), setitimer=(38, 103), timer_create=(222, 107), timer_settime=(223, 110),
+    timer_gettime=(224, 108), timer_getoverrun=(225, 109), timer_delete=(226, 111), clock_gettime=(228, 113),
+    clock_getres=(229, 114), clock_nanosleep=(230, 115), nanosleep=(35, 101), gettimeofday=(96, 169), time=(201, None),
 )
-# Allowed only where a cgroup counts the call's memory: memory held outside every process's pages (memfds, epoll's
-# watches, as many as the user's fs.epoll.max_user_watches, which the calls share; System V IPC, in the call's own
-# IPC namespace). Without a cgroup, selectors.DefaultSelector is poll's (runner.run_code).
-CGROUP_ONLY = ("memfd_create", "epoll_create", "epoll_create1", "shmget", "shmat", "shmdt", "shmctl", "semget", "semop",
-               "semtimedop", "semctl", "msgget", "msgsnd", "msgrcv", "msgctl")
-# Answered 0 without reaching the kernel. A sync: whatever the code can write lives in memory (the scratch tmpfs),
-# where it does nothing, and a file of the machine it may read is on the machine's disk, where a loop of syncs slows
-# every writer of the machine. A lock: every slot binds the same files (the interpreter's, /dev/null), where a lock
-# one call holds and a concurrent call tests carries bits; sqlite3 and lockf in one call need only the answer.
-NO_EFFECT = ("fsync", "fdatasync", "sync", "syncfs", "sync_file_range", "msync", "flock")
+# Allowed only where a cgroup counts the call's memory: they hold memory outside every process's pages (memfds,
+# epoll watches, System V IPC). Without a cgroup, selectors.DefaultSelector is poll's (runner.run_code).
+_CGROUP_ONLY = dict(
+    memfd_create=(319, 279), epoll_create=(213, None), epoll_create1=(291, 20), shmget=(29, 194), shmat=(30, 196),
+    shmdt=(67, 197), shmctl=(31, 195), semget=(64, 190), semop=(65, 193), semtimedop=(220, 192), semctl=(66, 191),
+    msgget=(68, 186), msgsnd=(69, 189), msgrcv=(70, 188), msgctl=(71, 187),
+)
+# Answered 0 without reaching the kernel. A sync: what the code can write lives in memory, and a loop of syncs of the
+# machine's disk slows every writer of the machine. A lock: every slot binds the same files, where a lock one call
+# holds and a concurrent call tests carries bits; sqlite3 and lockf in one call need only the answer.
+_NO_EFFECT = dict(
+    fsync=(74, 82), fdatasync=(75, 83), sync=(162, 81), syncfs=(306, 267), sync_file_range=(277, 84), msync=(26, 227),
+    flock=(73, 32),
+)
 # Extended attributes fail as on a file system without them (EOPNOTSUPP: shutil.copy2 goes on without them)
-NO_XATTRS = ("getxattr", "lgetxattr", "fgetxattr", "listxattr", "llistxattr", "flistxattr", "setxattr", "lsetxattr",
-             "fsetxattr", "removexattr", "lremovexattr", "fremovexattr")
-# Calls allowed by an argument. fcntl: these commands; record locks (classic and open-file) answered 0, as flock;
-# the rest (leases, dnotify, F_SETSIG's real-time signals, F_SETPIPE_SZ's larger pipes, F_SETOWN) fail with EPERM.
+_NO_XATTRS = dict(
+    getxattr=(191, 8), lgetxattr=(192, 9), fgetxattr=(193, 10), listxattr=(194, 11), llistxattr=(195, 12),
+    flistxattr=(196, 13), setxattr=(188, 5), lsetxattr=(189, 6), fsetxattr=(190, 7), removexattr=(197, 14),
+    lremovexattr=(198, 15), fremovexattr=(199, 16),
+)
+ALLOWED, CGROUP_ONLY, NO_EFFECT, NO_XATTRS = (tuple(d) for d in (_ALLOWED, _CGROUP_ONLY, _NO_EFFECT, _NO_XATTRS))
+# Calls allowed by an argument. fcntl: these; record locks answered 0, as flock; the rest (leases, dnotify, F_SETSIG's
+# real-time signals, F_SETPIPE_SZ's larger pipes, F_SETOWN) EPERM.
 FCNTL_ALLOWED = {"F_DUPFD": 0, "F_GETFD": 1, "F_SETFD": 2, "F_GETFL": 3, "F_SETFL": 4, "F_DUPFD_CLOEXEC": 1030,
                  "F_GETPIPE_SZ": 1032, "F_ADD_SEALS": 1033, "F_GET_SEALS": 1034}
 FCNTL_LOCKS = {"F_GETLK": 5, "F_SETLK": 6, "F_SETLKW": 7, "F_OFD_GETLK": 36, "F_OFD_SETLK": 37, "F_OFD_SETLKW": 38}
@@ -756,9 +733,8 @@ IOCTL_ALLOWED = {"TCGETS": 0x5401, "TIOCGPGRP": 0x540F, "TIOCGWINSZ": 0x5413, "F
 PRCTL_ALLOWED = {"PR_SET_PDEATHSIG": 1, "PR_GET_PDEATHSIG": 2, "PR_GET_DUMPABLE": 3, "PR_SET_DUMPABLE": 4,
                  "PR_SET_NAME": 15, "PR_GET_NAME": 16, "PR_GET_SECCOMP": 21, "PR_SET_NO_NEW_PRIVS": 38,
                  "PR_GET_NO_NEW_PRIVS": 39}
-# madvise: advice about the process's own memory; any other fails with EINVAL. Left out: MADV_COLD and MADV_PAGEOUT
-# (they evict a file's pages from the machine's page cache, a write into the channel below), MADV_MERGEABLE (pages
-# merged with other processes'), MADV_COLLAPSE, and the root-only ones
+# madvise: advice about the process's own memory; any other EINVAL. Left out: MADV_COLD and MADV_PAGEOUT (they evict
+# a file's pages from the page cache, a channel), MADV_MERGEABLE (merged with others' pages), MADV_COLLAPSE, root's
 MADVISE_ALLOWED = {"MADV_NORMAL": 0, "MADV_RANDOM": 1, "MADV_SEQUENTIAL": 2, "MADV_WILLNEED": 3, "MADV_DONTNEED": 4,
                    "MADV_FREE": 8, "MADV_REMOVE": 9, "MADV_DONTFORK": 10, "MADV_DOFORK": 11, "MADV_HUGEPAGE": 14,
                    "MADV_NOHUGEPAGE": 15, "MADV_DONTDUMP": 16, "MADV_DODUMP": 17, "MADV_WIPEONFORK": 18,
@@ -767,80 +743,37 @@ MADVISE_ALLOWED = {"MADV_NORMAL": 0, "MADV_RANDOM": 1, "MADV_SEQUENTIAL": 2, "MA
 # later call's reads then count) is answered 0 and ignored, as a kernel may ignore any hint
 FADVISE_ALLOWED = {"POSIX_FADV_NORMAL": 0, "POSIX_FADV_RANDOM": 1, "POSIX_FADV_SEQUENTIAL": 2,
                    "POSIX_FADV_WILLNEED": 3, "POSIX_FADV_NOREUSE": 5}
-# Allowed on the calling process only (every argument listed 0: "this process"). The kernel lets a
-# process change these of any process of its uid, and unprivileged the code and its slot are one uid:
-# a limit, niceness or CPU set written on the slot would be inherited by every later call of it.
+# Allowed on the calling process only (each listed argument 0). The kernel lets a process change these of any process
+# of its uid, and unprivileged the code and its slot are one uid: the slot would pass them to every later call.
 SELF_ONLY = {"prlimit64": (0,), "setpriority": (0, 1), "sched_setaffinity": (0,), "sched_setscheduler": (0,),
              "sched_setparam": (0,), "sched_setattr": (0,)}
-# Calls that send a signal, and which argument is its number: real-time signals (32 and up) are denied.
-# The kernel queues every one sent by kill() and the like past RLIMIT_SIGPENDING, on a count per user
-# that every call (and the caller) shares; the 31 standard signals are pending at most once per thread.
+# Calls that send a signal, and which argument is its number: real-time ones (32 and up) are denied, because the kernel
+# queues them past RLIMIT_SIGPENDING on a per-user count all calls share (a standard one is pending once a thread).
 SIGNAL_SENDERS = {"kill": 1, "tkill": 1, "tgkill": 2, "rt_sigqueueinfo": 1, "rt_tgsigqueueinfo": 2}
 _REALTIME = 32
-# No socket may be made: AF_INET and AF_INET6 fail as on a machine without a network (ENETUNREACH), every other
-# family with EAFNOSUPPORT, socketpair too. A socket holds kernel memory no cgroup counts in full (its buffers, and
-# its options: TCP MD5 keys, filters, multicast groups, as much as net.core.optmem_max allows, 128 KB) and moves the
-# machine's counts (the socket cookies, sockstat's TCP "alloc"); AF_UNIX and AF_NETLINK queue memory per message
-# and per descriptor in flight; AF_VSOCK reaches the hypervisor whatever the network namespace. Math code needs none.
+# No socket: AF_INET and AF_INET6 fail as without a network (ENETUNREACH), other families and socketpair EAFNOSUPPORT.
+# A socket holds kernel memory no cgroup counts in full (buffers, queues, options such as TCP MD5 keys) and moves the
+# machine's counts (cookies, sockstat); AF_VSOCK reaches the hypervisor whatever the namespace. Math code needs none.
 NETWORK_FAMILIES = {"AF_INET": 2, "AF_INET6": 10}
 # preadv2 and pwritev2 with RWF_NOWAIT (EOPNOTSUPP): EAGAIN tells a page the cache lacks from one it holds
 RWF_NOWAIT = 8
 CLONE_PIDFD = 0x1000  # a pidfd from clone: its inode number is a counter of the machine
-# The newest call the list was judged against: file_setattr, Linux 6.17 (the same number on both machines). A number
-# past it is a call added to the kernel since: ENOSYS, as a kernel without it answers, so the C library falls back.
+# The newest call the list was judged against (file_setattr, Linux 6.17, on both machines): a newer one gets ENOSYS,
+# as a kernel without it answers, so the C library falls back.
 NEWEST = 469
-# System call numbers, name=(x86_64, aarch64): asm/unistd_64.h and asm-generic/unistd.h (None: the machine lacks it)
+# The numbers of the calls judged by an argument, and of others build_root and the tests make (each fails as unlisted)
 _NUMBERS = dict(
-    read=(0, 63), write=(1, 64), readv=(19, 65), writev=(20, 66), pread64=(17, 67), pwrite64=(18, 68),
-    preadv=(295, 69), pwritev=(296, 70), open=(2, None), openat=(257, 56), openat2=(437, 437), creat=(85, None),
-    close=(3, 57), close_range=(436, 436), dup=(32, 23), dup2=(33, None), dup3=(292, 24), lseek=(8, 62),
-    stat=(4, None), fstat=(5, 80), lstat=(6, None), newfstatat=(262, 79), statx=(332, 291), statfs=(137, 43),
-    fstatfs=(138, 44), access=(21, None), faccessat=(269, 48), faccessat2=(439, 439), readlink=(89, None),
-    readlinkat=(267, 78), getdents=(78, None), getdents64=(217, 61), getcwd=(79, 17), chdir=(80, 49),
-    fchdir=(81, 50), mkdir=(83, None), mkdirat=(258, 34), rmdir=(84, None), rename=(82, None), renameat=(264, 38),
-    renameat2=(316, 276), unlink=(87, None), unlinkat=(263, 35), link=(86, None), linkat=(265, 37),
-    symlink=(88, None), symlinkat=(266, 36), chmod=(90, None), fchmod=(91, 52), fchmodat=(268, 53),
-    fchmodat2=(452, 452), chown=(92, None), fchown=(93, 55), fchownat=(260, 54), lchown=(94, None), umask=(95, 166),
-    truncate=(76, 45), ftruncate=(77, 46), fallocate=(285, 47), utime=(132, None), utimes=(235, None),
-    utimensat=(280, 88), futimesat=(261, None), mknod=(133, None), mknodat=(259, 33), sendfile=(40, 71),
-    copy_file_range=(326, 285), splice=(275, 76), tee=(276, 77), pipe=(22, None), pipe2=(293, 59),
-    readahead=(187, 213), select=(23, None), pselect6=(270, 72), poll=(7, None), ppoll=(271, 73),
-    epoll_ctl=(233, 21), epoll_wait=(232, None), epoll_pwait=(281, 22), epoll_pwait2=(441, 441), eventfd=(284, None),
-    eventfd2=(290, 19), signalfd=(282, None), signalfd4=(289, 74), timerfd_create=(283, 85),
-    timerfd_settime=(286, 86), timerfd_gettime=(287, 87), brk=(12, 214), mmap=(9, 222), munmap=(11, 215),
-    mremap=(25, 216), mprotect=(10, 226), fork=(57, None), vfork=(58, None), execve=(59, 221), execveat=(322, 281),
-    exit=(60, 93), exit_group=(231, 94), wait4=(61, 260), waitid=(247, 95), getpid=(39, 172), getppid=(110, 173),
-    gettid=(186, 178), getpgrp=(111, None), getpgid=(121, 155), setpgid=(109, 154), getsid=(124, 156),
-    setsid=(112, 157), set_tid_address=(218, 96), set_robust_list=(273, 99), rseq=(334, 293), futex=(202, 98),
-    sched_yield=(24, 124), sched_getaffinity=(204, 123), sched_getparam=(143, 121), sched_getscheduler=(145, 120),
-    sched_getattr=(315, 275), sched_get_priority_max=(146, 125), sched_get_priority_min=(147, 126),
-    sched_rr_get_interval=(148, 127), getpriority=(140, 141), getrlimit=(97, 163), setrlimit=(160, 164),
-    getrusage=(98, 165), times=(100, 153), getuid=(102, 174), geteuid=(107, 175), getgid=(104, 176),
-    getegid=(108, 177), getgroups=(115, 158), getresuid=(118, 148), getresgid=(120, 150), capget=(125, 90),
-    uname=(63, 160), sysinfo=(99, 179), getrandom=(318, 278), getcpu=(309, 168), arch_prctl=(158, None),
-    restart_syscall=(219, 128), rt_sigaction=(13, 134), rt_sigprocmask=(14, 135), rt_sigreturn=(15, 139),
-    rt_sigpending=(127, 136), rt_sigtimedwait=(128, 137), rt_sigsuspend=(130, 133), sigaltstack=(131, 132),
-    pause=(34, None), alarm=(37, None), getitimer=(36, 102), setitimer=(38, 103), timer_create=(222, 107),
-    timer_settime=(223, 110), timer_gettime=(224, 108), timer_getoverrun=(225, 109), timer_delete=(226, 111),
-    clock_gettime=(228, 113), clock_getres=(229, 114), clock_nanosleep=(230, 115), nanosleep=(35, 101),
-    gettimeofday=(96, 169), time=(201, None), memfd_create=(319, 279), epoll_create=(213, None),
-    epoll_create1=(291, 20), shmget=(29, 194), shmat=(30, 196), shmdt=(67, 197), shmctl=(31, 195), semget=(64, 190),
-    semop=(65, 193), semtimedop=(220, 192), semctl=(66, 191), msgget=(68, 186), msgsnd=(69, 189), msgrcv=(70, 188),
-    msgctl=(71, 187), fsync=(74, 82), fdatasync=(75, 83), sync=(162, 81), syncfs=(306, 267),
-    sync_file_range=(277, 84), msync=(26, 227), flock=(73, 32), getxattr=(191, 8), lgetxattr=(192, 9),
-    fgetxattr=(193, 10), listxattr=(194, 11), llistxattr=(195, 12), flistxattr=(196, 13), setxattr=(188, 5),
-    lsetxattr=(189, 6), fsetxattr=(190, 7), removexattr=(197, 14), lremovexattr=(198, 15), fremovexattr=(199, 16),
+    **_ALLOWED, **_CGROUP_ONLY, **_NO_EFFECT, **_NO_XATTRS,
     fcntl=(72, 25), ioctl=(16, 29), prctl=(157, 167), madvise=(28, 233), fadvise64=(221, 223), socket=(41, 198),
-    socketpair=(53, 199), preadv2=(327, 286), pwritev2=(328, 287), clone=(56, 220), clone3=(435, 435),
-    kill=(62, 129), tkill=(200, 130), tgkill=(234, 131), rt_sigqueueinfo=(129, 138), rt_tgsigqueueinfo=(297, 240),
-    prlimit64=(302, 261), setpriority=(141, 140), sched_setaffinity=(203, 122), sched_setscheduler=(144, 119),
-    sched_setparam=(142, 118), sched_setattr=(314, 274), keyctl=(250, 219), add_key=(248, 217),
-    request_key=(249, 218), ptrace=(101, 117), mount=(165, 40), umount2=(166, 39), pivot_root=(155, 41),
-    unshare=(272, 97), setns=(308, 268), bpf=(321, 280), perf_event_open=(298, 241), userfaultfd=(323, 282),
-    kexec_load=(246, 104), init_module=(175, 105), io_setup=(206, 0), io_uring_setup=(425, 425), mincore=(27, 232),
-    cachestat=(451, 451), pidfd_open=(434, 434), inotify_init1=(294, 26), landlock_create_ruleset=(444, 444),
-    landlock_add_rule=(445, 445), landlock_restrict_self=(446, 446), memfd_secret=(447, 447), mbind=(237, 235),
-    file_setattr=(469, 469),
+    socketpair=(53, 199), preadv2=(327, 286), pwritev2=(328, 287), clone=(56, 220), clone3=(435, 435), kill=(62, 129),
+    tkill=(200, 130), tgkill=(234, 131), rt_sigqueueinfo=(129, 138), rt_tgsigqueueinfo=(297, 240), prlimit64=(302, 261),
+    setpriority=(141, 140), sched_setaffinity=(203, 122), sched_setscheduler=(144, 119), sched_setparam=(142, 118),
+    sched_setattr=(314, 274), keyctl=(250, 219), add_key=(248, 217), request_key=(249, 218), ptrace=(101, 117),
+    mount=(165, 40), umount2=(166, 39), pivot_root=(155, 41), unshare=(272, 97), setns=(308, 268), bpf=(321, 280),
+    perf_event_open=(298, 241), userfaultfd=(323, 282), kexec_load=(246, 104), init_module=(175, 105),
+    io_setup=(206, 0), io_uring_setup=(425, 425), mincore=(27, 232), cachestat=(451, 451), pidfd_open=(434, 434),
+    inotify_init1=(294, 26), landlock_create_ruleset=(444, 444), landlock_add_rule=(445, 445),
+    landlock_restrict_self=(446, 446), memfd_secret=(447, 447), mbind=(237, 235), file_setattr=(469, 469),
 )
 _TABLES = {machine: {name: pair[i] for name, pair in _NUMBERS.items() if pair[i] is not None}
            for i, machine in enumerate(("x86_64", "aarch64"))}
@@ -856,11 +789,9 @@ _NR, _ARCH, _ARGS = 0, 4, (16, 24, 32, 40, 48, 56)  # offsets in struct seccomp_
 
 
 def seccomp_program(cgroup: bool = True) -> bytes:
-    """The filter, one BPF instruction (code, jump if true, jump if false, constant) per line.
-    A jump skips that many instructions. First the calls judged by an argument, as the tables above say; then a test
-    and a return per call of ALLOWED ("is it number N? then allow it"); every call that reaches the end fails with
-    EPERM. cgroup=False (no cgroup counts the call's memory) leaves CGROUP_ONLY out. The kernel remembers, per call
-    number, a filter that allows it whatever the arguments: those calls never run it."""
+    """The filter, one BPF instruction (code, jump if true, jump if false, constant) a tuple: the calls judged by an
+    argument, then a test and a return per listed call; the rest fail with EPERM. cgroup=False leaves CGROUP_ONLY out.
+    The kernel caches, per call number, an allow whatever the arguments: those calls never run it."""
     machine = platform.machine()
     if machine not in _TABLES:
         raise OSError(_ENOSYS, f"no seccomp system-call table for {machine} (known: {sorted(_TABLES)})")
@@ -907,9 +838,7 @@ def seccomp_program(cgroup: bool = True) -> bytes:
 
 
 def _by_argument(number: int, argument: int, tests: list[tuple[int, int, int]], otherwise: int) -> list[tuple]:
-    """Instructions for "is it call `number`? then return by the value of an argument; else go on".
-    tests: (jump code, constant, what to return if it holds), tried in order; otherwise:
-    what to return when none holds."""
+    """"Is it call `number`? then return by an argument": tests (jump code, constant, result), then `otherwise`."""
     body = [(_LD_ABS, 0, 0, argument)]
     for code, constant, result in tests:
         body += [(code, 0, 1, constant), (_RET, 0, 0, result)]
