@@ -3,30 +3,9 @@
     .venv/bin/python 02-sandbox/bench_channels.py                              # as root: the sandbox's default isolation
     .venv/bin/python 02-sandbox/bench_channels.py --results 02-channels        # also docs/results/02-channels.json
 
-Each channel carries 6-bit values, `--trials` of them: a sender call encodes one, a
-receiver call decodes it, and the script counts the bits the receiver got right (half of
-them by chance). The senders and receivers are ordinary calls of one Sandbox, as a
-policy's rollouts would make them; only the value to send is passed in by this script.
-
-  inode counter   consecutive calls. Every new pipe, socket and anonymous file takes
-                  the machine's next inode number (get_next_ino). The sender makes
-                  pipes until the number is the value (mod 64); the receiver makes one.
-  page cache      consecutive calls. The sender reads one page of a file for each bit
-                  set; the receiver touches each page through a mapping and reads its
-                  own count of major faults (getrusage): a page the cache already held
-                  costs none. The script evicts the file before each trial, as memory
-                  pressure would (a cold file is what a call finds on a machine that ran
-                  other work).
-  tasks           concurrent calls. The sender holds as many threads as the value; the receiver
-                  reads the machine's count of tasks (/proc/loadavg) before and while
-                  it does.
-  forks counter   closed: /proc/stat's "processes" (forks since boot) reads 0.
-  RWF_NOWAIT      closed: the page cache read without timing, as the receiver above.
-  TCP sockets     closed: the sender cannot make the sockets the receiver would count
-                  (sockstat's TCP "alloc"), as "tasks" does with threads.
-
-Other work on the machine moves the first three: run it where that is what you want to
-know. docs/02-isolation.md, "Channels that stay open", quotes the figures.
+Each channel carries `--trials` 6-bit values from a sender call to a receiver call, both ordinary calls of one Sandbox,
+and the script counts the bits the receiver got right (half by chance). Other work on the machine moves the open
+channels: run it where that is what you want to know. docs/02-isolation.md, "Channels that stay open", quotes it.
 """
 from __future__ import annotations
 
@@ -34,14 +13,15 @@ import argparse
 import os
 import random
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from sandbox import Sandbox, SandboxConfig  # noqa: E402
 from results import name_argument, save  # noqa: E402
+from lab_cli import at_least  # noqa: E402
 
 BITS = 6
+_READ_INODE = "import os\nprint(os.fstat(os.pipe()[0]).st_ino % 64)\n"  # a new pipe takes the machine's next inode
 PAGE_GAP = 4 << 20  # pages this far apart: neither the sender's readahead nor the receiver's fault-around reaches the next
 
 
@@ -50,28 +30,20 @@ def inode_counter(sb: Sandbox, value: int, offset: int) -> int:
     sb.run("import os\n"
            f"while os.fstat(os.pipe()[0]).st_ino % 64 != {value}:\n"
            "    pass\n")
-    received = sb.run("import os\nprint(os.fstat(os.pipe()[0]).st_ino % 64)\n")
-    return (int(received.stdout) - offset) % 64
+    return (int(sb.run(_READ_INODE).stdout) - offset) % 64
 
 
 def page_cache(sb: Sandbox, value: int, path: str, first: int) -> int:
     """The sender reads the pages of the bits set; the receiver counts a major fault for each page it must read."""
-    pages = _send_pages(sb, value, path, first)
-    received = sb.run("import mmap, os, resource\n"
-                      f"fd = os.open({path!r}, os.O_RDONLY)\n"
-                      "value = 0\n"
-                      f"for bit, offset in enumerate({pages!r}):\n"
-                      "    page = mmap.mmap(fd, 4096, prot=mmap.PROT_READ, offset=offset)\n"
-                      "    before = resource.getrusage(resource.RUSAGE_SELF).ru_majflt\n"
-                      "    page[0]\n"
-                      "    value |= (resource.getrusage(resource.RUSAGE_SELF).ru_majflt == before) << bit\n"
-                      "print(value)\n")
-    return int(received.stdout)
+    return _through_pages(sb, value, path, first, ", mmap, resource",
+                          "    page = mmap.mmap(fd, 4096, prot=mmap.PROT_READ, offset=offset)\n"
+                          "    before = resource.getrusage(resource.RUSAGE_SELF).ru_majflt\n"
+                          "    page[0]\n"
+                          "    value |= (resource.getrusage(resource.RUSAGE_SELF).ru_majflt == before) << bit\n")
 
 
 def tasks(sb: Sandbox, value: int) -> int:
-    """Two calls at once: the sender holds `value` threads (a call may have 64 tasks) from 0.3 s to 1.5 s; the
-    receiver reads the machine's count of tasks at 0.1 s and at 0.9 s."""
+    """Two calls at once: the sender holds `value` threads from 0.3 s to 1.5 s; the receiver counts the tasks."""
     sender = ("import threading, time\n"
               "time.sleep(0.3)\n"
               f"for _ in range({value}):\n"
@@ -89,8 +61,7 @@ def tcp_sockets(sb: Sandbox, value: int) -> int:
 
 
 def _concurrent(sb: Sandbox, sender: str, count: str, per_unit: int) -> int:
-    """The sender and a receiver that reads `count` (an expression) at 0.1 s and 0.9 s, at once; the value decoded
-    (per_unit: how much the count moves for each unit of the value)."""
+    """The sender beside a receiver of how far `count` (an expression) moved from 0.1 s to 0.9 s, per_unit a unit."""
     receiver = ("import time\n"
                 "time.sleep(0.1)\n"
                 f"before = {count}\n"
@@ -101,6 +72,7 @@ def _concurrent(sb: Sandbox, sender: str, count: str, per_unit: int) -> int:
 
 
 def forks_counter(sb: Sandbox, value: int) -> int:
+    """The sender forks `value` times; the receiver reads /proc/stat's forks since boot: closed, it reads 0."""
     sb.run(f"import os\nfor _ in range({value}):\n    os.fork() or os._exit(0)\n")
     received = sb.run("print([int(l.split()[1]) for l in open('/proc/stat') if l.startswith('processes')][0] % 64)\n")
     return int(received.stdout)
@@ -108,21 +80,17 @@ def forks_counter(sb: Sandbox, value: int) -> int:
 
 def rwf_nowait(sb: Sandbox, value: int, path: str, first: int) -> int:
     """The receiver of page_cache, through preadv2(RWF_NOWAIT): a page it answers without EAGAIN was held."""
-    pages = _send_pages(sb, value, path, first)
-    received = sb.run("import os\n"
-                      f"fd, value = os.open({path!r}, os.O_RDONLY), 0\n"
-                      f"for bit, offset in enumerate({pages!r}):\n"
-                      "    try:\n"
-                      "        os.preadv(fd, [bytearray(1)], offset, os.RWF_NOWAIT)\n"
-                      "        value |= 1 << bit\n"
-                      "    except OSError:\n"
-                      "        pass\n"
-                      "print(value)\n")
-    return int(received.stdout)
+    return _through_pages(sb, value, path, first, "",
+                          "    try:\n"
+                          "        os.preadv(fd, [bytearray(1)], offset, os.RWF_NOWAIT)\n"
+                          "        value |= 1 << bit\n"
+                          "    except OSError:\n"
+                          "        pass\n")
 
 
-def _send_pages(sb: Sandbox, value: int, path: str, first: int) -> list[int]:
-    """The file evicted (as memory pressure would), then a call reads one page for each bit of the value set."""
+def _through_pages(sb: Sandbox, value: int, path: str, first: int, imports: str, probe: str) -> int:
+    """The file evicted (as memory pressure would), a call reads one page for each bit of the value set, then a call
+    runs `probe` on each page (bit, offset), which sets the bit in `value` when the cache held the page."""
     pages = [first + bit * PAGE_GAP for bit in range(BITS)]
     _evict(path)
     sb.run("import os\n"
@@ -130,7 +98,9 @@ def _send_pages(sb: Sandbox, value: int, path: str, first: int) -> list[int]:
            f"for bit, offset in enumerate({pages!r}):\n"
            f"    if {value} >> bit & 1:\n"
            "        os.pread(fd, 1, offset)\n")
-    return pages
+    received = sb.run(f"import os{imports}\nfd, value = os.open({path!r}, os.O_RDONLY), 0\n"
+                      f"for bit, offset in enumerate({pages!r}):\n{probe}print(value)\n")
+    return int(received.stdout)
 
 
 def _evict(path: str) -> None:
@@ -154,15 +124,13 @@ def cold_file() -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--trials", type=int, default=12, help="6-bit values sent through each channel (default: %(default)s)")
+    parser.add_argument("--trials", type=at_least(1), default=12, help="6-bit values sent through each channel (default: %(default)s)")
     parser.add_argument("--results", metavar="NAME", type=name_argument, help="also write docs/results/NAME.json")
     args = parser.parse_args()
-    if args.trials < 1:
-        parser.error("--trials must be positive")
     rng, path = random.Random(59), cold_file()
     with Sandbox(SandboxConfig(concurrency=2, preload=(), timeout=20)) as sb:
-        first = int(sb.run("import os\nprint(os.fstat(os.pipe()[0]).st_ino % 64)\n").stdout)  # what a call's start takes
-        offset = (int(sb.run("import os\nprint(os.fstat(os.pipe()[0]).st_ino % 64)\n").stdout) - first) % 64
+        first = int(sb.run(_READ_INODE).stdout)  # what a call's start takes
+        offset = (int(sb.run(_READ_INODE).stdout) - first) % 64
         channels = {
             "inode_counter": lambda v: inode_counter(sb, v, offset),
             "page_cache": lambda v, n=iter(range(10 ** 6)): page_cache(sb, v, path, next(n) * 4096 % PAGE_GAP),

@@ -3,25 +3,17 @@
     sudo .venv/bin/python 02-sandbox/bench_memory_burst.py                  # as root: runs the sandbox as nobody
     sudo .venv/bin/python 02-sandbox/bench_memory_burst.py --results 02-memory-burst   # also docs/results/02-memory-burst.json
 
-Without a cgroup the slot's MemoryWatch samples the call every 10 ms, and between two looks
-each of the call's processes may fault in up to memory_mb (RLIMIT_AS). The burst: one call
-forks into max_processes processes that each touch as much as RLIMIT_AS lets them, as
-fast as they can. This script runs the sandbox as an unprivileged user (the only way to
-get the watch; Debian's /usr/bin/python3, standard library only), and from outside, as
-root, samples the machine's MemAvailable every millisecond: how far it fell below where
-it stood before the call, and for how long the call held more than its cap. Other work
-on the machine moves MemAvailable too: run it on a quiet machine, and read the median.
+The burst: one call forks into max_processes processes that each touch as much as RLIMIT_AS lets them, at once,
+between two looks of the slot's MemoryWatch. The sandbox runs as an unprivileged user (the only way to get the watch;
+Debian's /usr/bin/python3, standard library only) while root samples MemAvailable every millisecond: how far it fell,
+and how long the call held more than its cap (docs/02-isolation.md). Run it on a quiet machine; read the median.
 """
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import shutil
 import statistics
-import subprocess
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -29,6 +21,8 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 from results import name_argument, save  # noqa: E402  (the lab's root, whichever Python runs this)
+from bench_sandbox import AsUser  # noqa: E402
+from sandbox import format_observation  # noqa: E402
 BURST = ("import os, time\n"  # every process the call may have, each touching what its address space allows, at once
          "start_r, start_w = os.pipe()\n"
          "for _ in range({processes} - 1):\n"
@@ -41,17 +35,6 @@ BURST = ("import os, time\n"  # every process the call may have, each touching w
          "m = bytearray({mb} << 20)\n"
          "m[::4096] = b'x' * len(m[::4096])\n"
          "time.sleep(5)\n")
-DRIVER = r"""
-import json, sys
-sys.path.insert(0, sys.argv[1])
-from sandbox import Sandbox, SandboxConfig, format_observation
-settings = json.loads(sys.stdin.readline())
-with Sandbox(SandboxConfig(concurrency=1, preload=(), timeout=20, **settings)) as sb:
-    print(json.dumps({"isolation": sb.isolation}), flush=True)
-    for line in sys.stdin:  # one call a line, once the caller has its baseline
-        r = sb.run(json.loads(line))
-        print(json.dumps({"observation": format_observation(r), "latency": r.latency}), flush=True)
-"""
 
 
 def available_mb() -> float:
@@ -75,18 +58,11 @@ def main() -> int:
     if os.geteuid() != 0:
         parser.error("run it as root: it starts the sandbox as --user and watches the machine's memory from outside")
     load_before = os.getloadavg()[0]  # other work on the machine moves MemAvailable too
-    folder = tempfile.mkdtemp(prefix="sbx-burst-")
-    os.chmod(folder, 0o755)
-    for name in ("runner", "confinement", "sandbox", "fork_server", "local_backend"):
-        os.chmod(shutil.copy(HERE / f"{name}.py", folder), 0o644)
-    driver = subprocess.Popen([shutil.which("runuser") or "/usr/sbin/runuser", "-u", args.user, "--", args.python, "-I", "-c", DRIVER, folder],
-                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd="/", env={"PATH": "/usr/bin:/bin"})
+    worker = AsUser({"concurrency": 1, "preload": [], "timeout": 20, "memory_mb": args.memory_mb,
+                     "max_processes": args.processes}, args.user, args.python)
     try:
-        driver.stdin.write(json.dumps({"memory_mb": args.memory_mb, "max_processes": args.processes}) + "\n")
-        driver.stdin.flush()
-        isolation = json.loads(driver.stdout.readline())["isolation"]
-        if isolation != "userns":
-            raise SystemExit(f"the sandbox got isolation {isolation!r}, not 'userns': nothing to measure")
+        if worker.isolation != "userns":
+            raise SystemExit(f"the sandbox got isolation {worker.isolation!r}, not 'userns': nothing to measure")
         # what each process may touch: RLIMIT_AS less the interpreter's own mappings (about 30 MB)
         code = BURST.format(processes=args.processes, mb=max(args.memory_mb - 40, 8))
         drops, held_s, observations = [], [], []
@@ -102,19 +78,15 @@ def main() -> int:
 
             watcher = threading.Thread(target=watch)
             watcher.start()
-            driver.stdin.write(json.dumps(code) + "\n")
-            driver.stdin.flush()
-            answer = json.loads(driver.stdout.readline())
+            result = worker.run_many([code])[0]  # one call, once the baseline is taken
             done.set()
             watcher.join()
             over = [t for t, drop in samples if drop > args.memory_mb]
             drops.append(max(drop for _, drop in samples))
             held_s.append(over[-1] - over[0] if over else 0.0)
-            observations.append(answer["observation"])
+            observations.append(format_observation(result))
     finally:
-        driver.stdin.close()
-        driver.wait()
-        shutil.rmtree(folder, ignore_errors=True)
+        worker.close()
     killed = sum(o.startswith("MemoryError") for o in observations)
     print(f"{args.tries} bursts of {args.processes} processes under a {args.memory_mb} MB cap, as {args.user} (userns), "
           f"load average {load_before:.1f} before, {os.getloadavg()[0]:.1f} after:")

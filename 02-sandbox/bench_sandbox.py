@@ -6,26 +6,11 @@
     .venv/bin/python 02-sandbox/bench_sandbox.py --calls 400 --rounds 5
     make bench-sandbox ARGS="--results 02-bench-sandbox"       # also write docs/results/02-bench-sandbox.json
 
-The baseline is the design most labs start with: one `subprocess.run([python, "-c", code])`
-per call, with the same limits (address space, CPU time, file size), a clean environment,
-a fresh temporary work dir, output captured through pipes and a timeout. It pays for a
-new interpreter each time, and `import sympy` (about 0.5 s) on every call that uses it.
-
-The row "service (http)" is the same fork server behind serve.py, called over loopback
-HTTP in SandboxFusion's shape by the sandboxfusion backend (docs/02-service.md).
-
-The designs run the same calls with the same number of threads (the sandbox's
-`concurrency`). Other processes on the machine change both figures, so the designs
-take turns in rounds and each row sums its rounds; the load average is printed
-before and after. calls/s counts correct results only; "wrong" counts calls that did
-not print the expected output (on a loaded machine a baseline call can be starved
-past the timeout). "cpu ms" is CPU time per call of everything involved (this
-process, the server, its slots, the user processes, the baseline's interpreters),
-read from a cgroup this script puts itself into where it can (root, cgroup v1
-cpuacct or v2); the Docker engine's own work is not in it.
-
-Targets: the fork server at least 20x the baseline's calls/s on the sympy
-snippet, and no slower on print(1+1).
+The baseline is one `subprocess.run([python, "-c", code])` per call with the sandbox's limits (docs/02-sandbox.md);
+"service (http)" is the fork server behind serve.py, called by the sandboxfusion backend (docs/02-service.md). The
+designs take turns in rounds, with the same threads. calls/s counts correct results only ("wrong": the rest); "cpu ms"
+is CPU time per call of everything involved, from a cgroup this script joins where it can (not the Docker engine's).
+Targets: the fork server at least 20x the baseline's calls/s on the sympy snippet, and no slower on print(1+1).
 """
 from __future__ import annotations
 
@@ -46,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from runner import clean_env  # noqa: E402
 from sandbox import ExecResult, Sandbox, SandboxConfig, SandboxError  # noqa: E402
 from results import figure_key, make_command, name_argument, save  # noqa: E402
+from lab_cli import at_least  # noqa: E402
 
 WORKLOADS = {  # name: (code, what it prints)
     "print(1+1)": ("print(1+1)", "2\n"),
@@ -55,10 +41,10 @@ WORKLOADS = {  # name: (code, what it prints)
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--calls", type=int, default=200, help="calls per round for the sandbox (default: %(default)s)")
-    parser.add_argument("--baseline-calls", type=int, default=None, help="calls per round for the baseline and docker (default: 50, and 20 on sympy)")
-    parser.add_argument("--rounds", type=int, default=3, help="rounds in which the designs take turns (default: %(default)s)")
-    parser.add_argument("--concurrency", type=int, default=os.cpu_count() or 2, help="threads issuing calls (default: the CPU count, %(default)s)")
+    parser.add_argument("--calls", type=at_least(1), default=200, help="calls per round for the sandbox (default: %(default)s)")
+    parser.add_argument("--baseline-calls", type=at_least(1), default=None, help="calls per round for the baseline and docker (default: 50, and 20 on sympy)")
+    parser.add_argument("--rounds", type=at_least(1), default=3, help="rounds in which the designs take turns (default: %(default)s)")
+    parser.add_argument("--concurrency", type=at_least(1), default=os.cpu_count() or 2, help="threads issuing calls (default: the CPU count, %(default)s)")
     parser.add_argument("--docker", action="store_true", help="also measure the Docker backend")
     parser.add_argument("--as-user", metavar="USER", action="append", default=[],
                         help="as root: also measure the fork server run by USER (not root: isolation userns) with "
@@ -67,8 +53,6 @@ def main() -> int:
     parser.add_argument("--results", metavar="NAME", type=name_argument,
                         help="also write the figures to docs/results/NAME.json, for the docs")
     args = parser.parse_args()
-    if args.calls < 1 or args.rounds < 1 or args.concurrency < 1:
-        parser.error("--calls, --rounds and --concurrency must be positive")
 
     meter = CpuMeter()  # before any child starts: children inherit the cgroup
     config = SandboxConfig(concurrency=args.concurrency)
@@ -80,7 +64,7 @@ def main() -> int:
             print(f"docker rows skipped: {e}")
     for user in args.as_user:
         try:
-            designs[f"as {user}"[:16]] = as_user = AsUser(config, user, args.user_python)
+            designs[f"as {user}"[:16]] = as_user = AsUser({"concurrency": args.concurrency}, user, args.user_python)
             print(f"rows 'as {user}': the fork server run by {user} with {args.user_python}, isolation "
                   f"{as_user.isolation}; it preloads what that Python has (sympy: {as_user.imports})")
         except OSError as e:
@@ -199,28 +183,22 @@ class Service:
 
 
 class AsUser:
-    """The fork server run by another user (not root: isolation "userns"), through a worker of that user.
-    The worker (`runuser -u USER -- PYTHON`) reads the sandbox's modules from a folder USER
-    may read, runs each batch of codes with one Sandbox of this config and sends back what
-    each call printed and its latency. Its CPU is in the meter's cgroup like every child's."""
+    """The fork server run by another user (not root: "userns") with SandboxConfig(**settings), in a worker
+    (`runuser -u USER -- PYTHON`) that runs each batch of codes and sends back their results."""
 
     WORKER = (
-        "import json, sys\nsys.path.insert(0, sys.argv[1])\nfrom sandbox import Sandbox, SandboxConfig\n"
-        "with Sandbox(SandboxConfig(concurrency=int(sys.argv[2]))) as sb:\n"
+        "import dataclasses, json, sys\nsys.path.insert(0, sys.argv[1])\nfrom sandbox import Sandbox, SandboxConfig\n"
+        "settings = json.loads(sys.argv[2])\npreload = tuple(settings.pop('preload', SandboxConfig.preload))\n"
+        "with Sandbox(SandboxConfig(preload=preload, **settings)) as sb:\n"
         "    print(json.dumps(sb.isolation), flush=True)\n"
         "    for line in sys.stdin:\n"
-        "        print(json.dumps([[r.ok, r.stdout, r.latency] for r in sb.run_many(json.loads(line))]), flush=True)\n"
+        "        print(json.dumps([dataclasses.asdict(r) for r in sb.run_many(json.loads(line))]), flush=True)\n"
     )
 
-    def __init__(self, config: SandboxConfig, user: str, python: str) -> None:
-        import local_backend
-
-        self.folder = tempfile.mkdtemp(prefix="bench-unprivileged-")
-        os.chmod(self.folder, 0o755)
-        for name in {*local_backend._SERVER_MODULES, "local_backend"}:
-            os.chmod(shutil.copy(Path(__file__).resolve().parent / f"{name}.py", self.folder), 0o644)
+    def __init__(self, settings: dict, user: str, python: str) -> None:
+        self.folder = readable_modules()
         command = ["runuser", "-u", user, "--", python, "-I"]
-        self.proc = subprocess.Popen(command + ["-c", self.WORKER, self.folder, str(config.concurrency)], cwd="/",
+        self.proc = subprocess.Popen(command + ["-c", self.WORKER, self.folder, json.dumps(settings)], cwd="/",
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         line = self.proc.stdout.readline()
         if not line:
@@ -235,8 +213,7 @@ class AsUser:
     def run_many(self, codes: list[str]) -> list:
         self.proc.stdin.write(json.dumps(codes) + "\n")
         self.proc.stdin.flush()
-        return [ExecResult(ok=ok, stdout=out, stderr="", returncode=0, timed_out=False, truncated=False, latency=latency)
-                for ok, out, latency in json.loads(self.proc.stdout.readline())]
+        return [ExecResult(**fields) for fields in json.loads(self.proc.stdout.readline())]
 
     def close(self) -> None:
         self.proc.stdin.close()
@@ -279,6 +256,17 @@ class CpuMeter:
                     return
                 except OSError:
                     time.sleep(0.1)
+
+
+def readable_modules() -> str:
+    """A new folder every user may read, holding the modules a Sandbox needs: for a Python run as another user."""
+    import local_backend
+
+    folder = tempfile.mkdtemp(prefix="sbx-modules-")
+    os.chmod(folder, 0o755)
+    for name in (*local_backend._SERVER_MODULES, "local_backend"):
+        os.chmod(shutil.copy(Path(__file__).resolve().parent / f"{name}.py", folder), 0o644)
+    return folder
 
 
 def percentile(sorted_values: list[float], q: float) -> float:
