@@ -1,11 +1,8 @@
 """The Docker backend: single-use containers, started ahead of need, each running runner.py.
 
-A container runs `python3 -I -c <runner.py's source> --container OPTIONS` (so the image
-never goes stale), has no network, memory/pids/CPU limits, a read-only root, a tmpfs on
-/tmp, no capabilities, Docker's default seccomp profile and uid 65534. A few are started
-ahead of need (their runner has already imported sympy); each takes one call on stdin and
-is removed afterwards, so there is no state to reset between calls. docs/02-isolation.md
-says when to prefer it; the image is 02-sandbox/Dockerfile (+ build_image.sh).
+A container runs `python3 -I -c <runner.py's source> --container OPTIONS` (so the image never goes stale), takes one
+call and is removed: no state to reset. What it gets and when to prefer it: docs/02-isolation.md; the image:
+02-sandbox/Dockerfile (+ build_image.sh).
 """
 from __future__ import annotations
 
@@ -24,8 +21,6 @@ import runner
 
 
 class DockerBackend:
-    """execute(request) -> answer, like the local backend; see Sandbox for the interface."""
-
     def __init__(self, cfg, error: type[Exception]) -> None:
         try:
             import docker
@@ -97,31 +92,21 @@ class DockerBackend:
     def _start(self):
         """Create and start one container whose runner waits for a request on stdin."""
         cfg, api = self._cfg, self._client.api
-        # The code's own cap is RLIMIT_AS (memory_mb), as in the local backend; the
-        # container adds room for the runner (about 64 MB) and its tmpfs, and no swap.
+        # The code's cap is RLIMIT_AS (memory_mb); the container adds the runner's 64 MB and its tmpfs, no swap.
         memory = f"{cfg.memory_mb + 4 * cfg.max_file_mb + 64}m"
         host_config = api.create_host_config(
-            network_mode="none",
-            mem_limit=memory,
-            memswap_limit=memory,
+            network_mode="none", mem_limit=memory, memswap_limit=memory, nano_cpus=int(cfg.docker_cpus * 1e9),
             pids_limit=cfg.max_processes + 8,  # the runner's own processes on top of the code's
-            nano_cpus=int(cfg.docker_cpus * 1e9),
-            read_only=True,
-            tmpfs={"/tmp": f"size={4 * cfg.max_file_mb}m,mode=1777"},
-            cap_drop=["ALL"],
-            security_opt=["no-new-privileges"],
+            read_only=True, tmpfs={"/tmp": f"size={4 * cfg.max_file_mb}m,mode=1777"},
+            cap_drop=["ALL"], security_opt=["no-new-privileges"],
             auto_remove=True,  # a container whose runner gave up waiting removes itself
             log_config={"type": "none"},  # the answer comes over the attach stream, nothing to keep
         )
+        options = json.dumps({"preload": list(cfg.preload), "seccomp": self._filter})
         created = api.create_container(
-            cfg.image,
-            command=["python3", "-I", "-c", self._source, "--container", json.dumps({"preload": list(cfg.preload), "seccomp": self._filter})],
-            user="65534:65534",
-            environment=runner.clean_env(),
-            working_dir="/tmp",
-            stdin_open=True,  # with detach=False the SDK also sets StdinOnce: stdin closes when we hang up
-            detach=False,
-            host_config=host_config,
+            cfg.image, command=["python3", "-I", "-c", self._source, "--container", options], user="65534:65534",
+            environment=runner.clean_env(), working_dir="/tmp", host_config=host_config,
+            stdin_open=True, detach=False,  # so the SDK also sets StdinOnce: stdin closes when we hang up
             labels={"tool-rl-lab.sandbox": str(os.getpid())},
         )
         api.start(created["Id"])

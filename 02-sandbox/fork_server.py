@@ -1,12 +1,8 @@
 """The local backend's fork server: warm imports once, then slots that serve calls one at a time.
 
-Started by local_backend.py (`python -I -c <loader>`, its source and options on stdin:
-why there). It imports the preload modules once, then keeps `spares` slots running. Not
-root, it first enters a user namespace of its own (isolation "userns"). Each slot is
-forked once (with namespaces, into a PID namespace of its own) and runs sandbox.slot_main:
-enter_slot once, then serve_call call after call, sandbox.py's containment sequence. A
-slot never reads a request or an answer, retires after `slot_calls` calls
-(local_backend.SLOT_CALLS), and the server forks a new one. docs/02-sandbox.md has the why.
+Started by local_backend.py. It keeps `spares` slots running, each forked (with namespaces, into a PID namespace of
+its own) to run sandbox.slot_main until it retires; not root, it first enters a user namespace of its own ("userns").
+The why: docs/02-sandbox.md.
 """
 from __future__ import annotations
 
@@ -24,9 +20,8 @@ import runner
 
 
 def serve(options: dict, slot_main) -> None:
-    """Run until the caller closes our stdin. The first stdout line says what isolation we got, or why none.
-    slot_main(slot): a slot's life, sandbox.py's containment sequence (handed over by the loader: the core
-    imports its machinery, never the other way round)."""
+    """Run until the caller closes our stdin; the first stdout line says what isolation we got, or why none.
+    slot_main(slot): sandbox.py's, handed over by the loader (the core imports its machinery, never the reverse)."""
     runner.preload(options["preload"])
     mode = options["isolation"]
     if mode == "namespaces" and os.geteuid() != 0:

@@ -1,12 +1,8 @@
 """The local backend, caller's side: start the fork server, then one Unix-socket connection per call.
 
-The server (fork_server.py) is a separate interpreter started with `subprocess` from a
-clean environment, never forked from the caller, which may run vLLM threads. Its command
-line, which every process can read (the code's too), names no path and no socket: its
-source and options arrive on stdin (_BOOT).
-Before the first call runs, the server must say that its isolation is in place and a
-probe call must show that the code is not root and can read the interpreter's files;
-otherwise SandboxError, and nothing runs (docs/02-sandbox.md, "Fail closed").
+The server (fork_server.py) is a new interpreter with a clean environment, never a fork of the caller, which may run
+vLLM threads. Its command line, which every process can read, names no path or socket: source and options come on
+stdin (_BOOT). Before the first call, its hello and a probe call must show the isolation in place, else SandboxError.
 """
 from __future__ import annotations
 
@@ -28,8 +24,7 @@ import runner
 
 HERE = Path(__file__).resolve().parent
 
-# The server's whole command line: it loads the modules sent on stdin, in order, then runs fork_server.serve with
-# the core's slot_main (sandbox.py), which each slot runs. Nothing else happens here.
+# The server's whole command line: it loads the modules sent on stdin, then runs fork_server.serve with slot_main.
 _BOOT = (
     "import json, sys, types\n"
     "boot = json.loads(sys.stdin.buffer.readline())\n"
@@ -57,8 +52,7 @@ class LocalBackend:
     """Talks to the fork server; starts a new one if it died. See Sandbox for the interface."""
 
     def __init__(self, cfg, error: type[Exception], make_request) -> None:
-        self._cfg = cfg
-        self._error, self._make_request = error, make_request  # SandboxError; code -> request with cfg's limits
+        self._cfg, self._error, self._make_request = cfg, error, make_request  # make_request: code -> request
         self._lock = threading.Lock()  # one thread at a time (re)starts the server
         self._closed = False
         self._server = _Server(cfg, error, make_request)  # starts importing now; waited for on first use
@@ -104,28 +98,19 @@ class _Server:
             where = f" {e.filename}" if e.filename else ""
             raise error(f"cannot make the fork server's folder{where}: {e.strerror or e} "
                         "(set TMPDIR to a writable folder)") from None
-        # The socket is named through a descriptor of its folder: an AF_UNIX path holds at most 107
-        # bytes, which a deep TMPDIR (a run's private one, pytest's) would pass. The server does the same.
+        # Named through its folder's descriptor: an AF_UNIX path holds at most 107 bytes, which a deep TMPDIR passes.
         self._folder_fd = os.open(self.folder, os.O_PATH | os.O_DIRECTORY)
         self.socket_path = f"/proc/self/fd/{self._folder_fd}/socket"
         self._log = open(os.path.join(self.folder, "server.log"), "wb")
-        options = {
-            "folder": self.folder,
-            "preload": list(cfg.preload),
-            "isolation": cfg.isolation,
-            "spares": cfg.concurrency,  # supervisors kept running: one per concurrent call
-            "max_file_mb": cfg.max_file_mb,
-            "slot_calls": SLOT_CALLS,
-        }
+        options = {"folder": self.folder, "preload": list(cfg.preload), "isolation": cfg.isolation,
+                   "spares": cfg.concurrency,  # supervisors kept running: one per concurrent call
+                   "max_file_mb": cfg.max_file_mb, "slot_calls": SLOT_CALLS}
         modules = [(name, str(HERE / f"{name}.py"), (HERE / f"{name}.py").read_text()) for name in _SERVER_MODULES]
         try:
             self._proc = subprocess.Popen(
-                [cfg.python, "-I", "-c", _BOOT],
+                [cfg.python, "-I", "-c", _BOOT], stderr=self._log, env=runner.clean_env(), cwd="/",
                 stdin=subprocess.PIPE,  # the boot line, then kept open: the server exits at its EOF, when we close or die
                 stdout=subprocess.PIPE,  # one line: what isolation it got, or why none
-                stderr=self._log,
-                env=runner.clean_env(),
-                cwd="/",
                 start_new_session=True,  # a Ctrl-C meant for the caller must not kill calls in flight
             )
             self._proc.stdin.write(json.dumps({"modules": modules, "options": options}).encode() + b"\n")

@@ -1,18 +1,17 @@
-"""The runner: the steps of one call inside the sandbox, from the request to the answer.
+"""The runner: the detail of each step of one call, from the request to the answer (sandbox.py shows the sequence).
 
-sandbox.py shows the sequence (serve_call and code_process, run by the fork server's
-slots); this file holds each step's detail. It needs only the standard library, because
-it is also sent alone, as `python3 -I -c <source> --container OPTIONS`, to every Docker
-container, whose container_main takes the same steps less those Docker provides.
-Why each step exists: docs/02-sandbox.md.
+Standard library only: it is also sent alone, as `python3 -I -c <source> --container OPTIONS`, to every Docker
+container, whose container_main takes the same steps less those Docker provides. Why each step: docs/02-sandbox.md.
 """
 from __future__ import annotations
 
 import argparse
 import atexit
 import builtins
+import contextlib
 import ctypes
 import functools
+import importlib
 import io
 import json
 import linecache
@@ -44,22 +43,16 @@ def clean_env() -> dict:
             "PYTHONDONTWRITEBYTECODE": "1", "MALLOC_ARENA_MAX": str(MALLOC_ARENAS)}
 
 
-# glibc gives each new thread a malloc arena of its own, up to 8 a core, each a 64 MB reservation that RLIMIT_AS
-# counts: under 1 GB a numpy program's 14th thread failed ("can't start new thread"). Two arenas leave room for
-# max_processes threads; the code's interpreter gets it by mallopt (it was forked, its malloc long set up), what
-# it starts by the environment.
+# glibc reserves 64 MB of address space for each thread's malloc arena, which RLIMIT_AS counts (docs/02-sandbox.md);
+# the code's interpreter gets the cap by mallopt (forked, its malloc long set up), what it starts by the environment.
 MALLOC_ARENAS = 2
 _M_ARENA_MAX = -8  # mallopt's parameter, malloc.h
 
 
 def preload(modules: list[str]) -> None:
-    import importlib
-
     for name in modules:
-        try:
+        with contextlib.suppress(ImportError):  # a missing optional library fails in the code, as usual
             importlib.import_module(name)
-        except ImportError:
-            pass  # a missing optional library is imported (and fails) in the code, as usual
 
 
 # ------------------------------------------------------ The steps of a call, in the order sandbox.serve_call takes them
@@ -75,8 +68,7 @@ class CallFiles:
 
 
 def exit_after(body, *args) -> NoReturn:
-    """In a forked process (the code's, or a slot): run body(*args), then exit with the status it returns.
-    Whatever it raises is printed on stderr and exits 1: the process never goes back to the code it was forked from."""
+    """In a forked process: exit with body(*args)'s status, or 1 after printing what it raised: never return."""
     status = 1
     try:
         status = body(*args)
@@ -103,23 +95,21 @@ def take_request(request_fd: int, files: CallFiles) -> dict:
 def detach(workdir: str) -> None:
     """A session of its own, stdin from /dev/null, no descriptor of the sandbox left open, in the work dir."""
     os.setsid()  # a group of its own: a kill of the group never reaches the supervisor
-    stdin = os.open(os.devnull, os.O_RDONLY)
-    os.dup2(stdin, 0)
+    os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
     os.closerange(3, 1 << 30)  # no socket, pipe or cgroup of the sandbox stays reachable
     os.chdir(workdir)
 
 
 CALL_NOFILE = 256  # descriptors per process: bounds the socket and pipe buffers one process can hold
 CALL_SIGPENDING = 64  # signals queued at once, per call: its share of the per-user count every call shares
-# Every other limit, as the server had it when it started: set again for every call, so that nothing
-# of a call's limits comes from an earlier call (unprivileged, the code and its slot are one uid).
+# Every other limit as the server started with it, set again for every call: nothing of a call's limits comes from
+# an earlier call (unprivileged, the code and its slot are one uid).
 _STARTING_LIMITS = {kind: resource.getrlimit(kind) for name, kind in vars(resource).items() if name.startswith("RLIMIT_")}
 
 
 def set_rlimits(request: dict, uid: int | None, mode: str) -> None:
-    """Every rlimit, hard and soft: the request's (address space, CPU time, file size, processes), the
-    call's (descriptors, pending signals, none for core dumps, locked memory or POSIX message queues,
-    which no memory watch sees), and the server's starting value for the rest."""
+    """Every rlimit, soft = hard: the request's, the call's (none for core dumps, and for locked memory and POSIX
+    message queues, which no memory watch sees), and the server's starting value for the rest."""
     for kind, (soft, hard) in _STARTING_LIMITS.items():
         resource.setrlimit(kind, (soft, hard))  # fails where a hard limit was lowered: no call runs with it
     mb = 1024 * 1024
@@ -134,8 +124,7 @@ def set_rlimits(request: dict, uid: int | None, mode: str) -> None:
         _set_limit(resource.RLIMIT_NPROC, request["max_processes"])
     elif mode == "plain":  # the uid is shared with the caller: a budget on top of what it runs
         _set_limit(resource.RLIMIT_NPROC, _tasks_of_uid(os.getuid()) + request["max_processes"])
-    # In a container the pids cgroup is the budget: RLIMIT_NPROC would count every
-    # container's processes together, since they all run as uid 65534.
+    # In a container the pids cgroup is the budget: RLIMIT_NPROC would count all containers' uid 65534 together.
 
 
 def drop_privileges(uid: int | None) -> None:
@@ -153,9 +142,8 @@ def drop_privileges(uid: int | None) -> None:
 
 
 def install_seccomp(program: bytes) -> None:
-    """Install a seccomp filter (confinement.seccomp_program's) on this process and all it starts.
-    Here, not in confinement.py, because runner.py travels alone into every container, where
-    the filter stacks on Docker's profile: a call is allowed only if both allow it."""
+    """Install confinement.seccomp_program's filter on this process and all it starts. Here because runner.py travels
+    alone into every container, where the filter stacks on Docker's profile."""
     class SockFprog(ctypes.Structure):
         _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
 
@@ -175,13 +163,9 @@ def run_code(source: str, workdir: str) -> int:
 
 
 def collect(pid: int, files: CallFiles, answer_fd: int, limiter=None, may_copy: bool = False) -> None:
-    """The supervisor's side: wait for the code's process up to the time limit, kill every
-    process the call left, and send the answer.
-    limiter: the call's cgroup (confinement.CallGroup) or the slot's confinement.MemoryWatch,
-    which says whether the call was OOM-killed, and is asked every limiter.TICK seconds whether
-    to end it (over); None in plain isolation and in a container.
-    may_copy: the output may pass through this process's memory where sendfile is
-    refused; only a single-use container may."""
+    """The supervisor's side: wait for the code's process up to the time limit, kill every process the call left, send
+    the answer. limiter: a confinement.CallGroup or MemoryWatch, asked every limiter.TICK seconds (or None).
+    may_copy: the output may pass through this process's memory where sendfile is refused (a single-use container)."""
     os.close(files.limits_w)
     ready, _, _ = select.select([files.limits_r], [], [], REQUEST_GRACE)  # sent once the code's process read the request
     limits = os.read(files.limits_r, _LIMITS.size) if ready else b""
@@ -211,10 +195,8 @@ def collect(pid: int, files: CallFiles, answer_fd: int, limiter=None, may_copy: 
 
 
 def _wait_for(user: int, timeout: float | None, over_memory=None, tick: float | None = None) -> tuple[int, bool]:
-    """(wait status, timed out): wait for the code's process up to the time limit, then kill it.
-    It sleeps in sigtimedwait for SIGCHLD, never in a signal handler: a signal the code
-    sends its supervisor (which it may, where both are the caller's uid) wakes it at
-    most. over_memory(deadline), if given, is asked every `tick` seconds: True kills the call."""
+    """(wait status, timed out) of the code's process, killed past the time limit or when over_memory(deadline).
+    It sleeps in sigtimedwait, never in a handler: a signal the code sends it wakes it at most."""
     deadline = None if timeout is None else time.monotonic() + timeout
     signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGCHLD])  # from here on, an exit is noted, not lost
     try:
@@ -240,9 +222,8 @@ def _wait_for(user: int, timeout: float | None, over_memory=None, tick: float | 
 
 
 def _send_answer(fd: int, status: int, timed_out: bool, oom_killed: bool, out: int, err: int, cap: int, may_copy: bool) -> None:
-    """A header (sizes, exit status), then head and tail of each stream, at most `cap` bytes each.
-    sendfile copies from the memory file to the socket inside the kernel: the output
-    never enters this process's memory (but with may_copy, where sendfile is refused)."""
+    """A header (sizes, exit status), then head and tail of each stream, at most `cap` bytes each, copied by sendfile
+    in the kernel: the output never enters this process's memory (but with may_copy, where sendfile is refused)."""
     header = {"returncode": os.waitstatus_to_exitcode(status), "timed_out": timed_out, "oom_killed": oom_killed}
     pieces = []
     for name, stream in (("stdout", out), ("stderr", err)):
@@ -284,9 +265,8 @@ def read_exactly(receive, size: int) -> bytes:
 
 
 def read_answer(read_exactly) -> dict:
-    """The caller's side of _send_answer: header, then head and tail of each stream, decoded.
-    read_exactly(n) returns exactly n bytes. Invalid UTF-8 is replaced, never raised; a
-    stream over the cap comes back as head, a line saying how much was cut, and tail."""
+    """The caller's side of _send_answer, through read_exactly(n). Invalid UTF-8 is replaced, never raised; a stream
+    over the cap comes back as head, a line saying how much was cut, and tail."""
     header = json.loads(read_exactly(struct.unpack(">I", read_exactly(4))[0]))
     answer = {"returncode": header["returncode"], "timed_out": header["timed_out"],
               "oom_killed": header["oom_killed"], "truncated": False}
@@ -307,13 +287,9 @@ def failure(reason: str) -> dict:
 
 
 def _kill_the_rest() -> None:
-    """Kill every process the code left behind (daemons, setsid, double forks).
-    A PID namespace's init (a slot, or a container's runner) kills them all with one
-    kill(-1), and reaps them (_reap_the_rest): a killed process never runs again, but its
-    exit, which frees its memory, can take seconds (60 processes of 51,000 mappings each:
-    about 5 s). Without a PID namespace, this supervisor is a child subreaper: every
-    orphan of the code is re-parented to it once its parent is reaped, so it kills and
-    reaps its children until none is left."""
+    """Kill every process the code left behind (daemons, setsid, double forks): one kill(-1) as a PID namespace's init
+    (a slot, a container's runner; _reap_the_rest reaps them). Elsewhere this supervisor is a child subreaper, which
+    the code's orphans are re-parented to: it kills and reaps its children until none is left."""
     if os.getpid() == 1:
         _kill_quietly(-1)
         return
@@ -332,8 +308,7 @@ def _kill_the_rest() -> None:
 
 
 def _reap_the_rest(seconds: float | None = None) -> None:
-    """As a PID namespace's init: wait until every process of the call (kill(-1) killed them) has exited and is
-    reaped, at most `seconds` (None: as long as it takes)."""
+    """As a PID namespace's init: reap every process of the call (killed), at most `seconds` (None: however long)."""
     if os.getpid() != 1:
         return
     deadline = None if seconds is None else time.monotonic() + seconds
@@ -377,10 +352,8 @@ def _proc_files(name: str):
 
 
 def _kill_quietly(pid: int) -> None:
-    try:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
         os.kill(pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
 
 
 # ---------------------------------------------------------------------------------------- The detail of the code's side
@@ -431,8 +404,7 @@ def _exec(source: str) -> int:
 
 def _fresh_interpreter_state() -> None:
     """What a new interpreter would have and a fork does not."""
-    # The server's stream objects own fds 0-2, which are now the code's: collecting
-    # them would close those fds, so they are kept referenced until os._exit.
+    # The server's stream objects own fds 0-2, now the code's: kept referenced, so that collecting them closes nothing.
     _OLD_STREAMS.extend([sys.stdin, sys.stdout, sys.stderr, sys.__stdin__, sys.__stdout__, sys.__stderr__])
     sys.stdin = sys.__stdin__ = _io_text(0, "r")
     sys.stdout = sys.__stdout__ = _io_text(1, "w")
@@ -448,10 +420,7 @@ def _fresh_interpreter_state() -> None:
 
 
 def _poll_where_epoll_is_refused() -> None:
-    """Where the filter refuses epoll (no cgroup counts its watches), selectors.DefaultSelector is poll's, as on a
-    system without epoll: code that waits on pipes through selectors goes on."""
-    import select
-
+    """Where the filter refuses epoll, selectors.DefaultSelector is poll's, as on a system without epoll."""
     try:
         select.epoll().close()
     except OSError:
@@ -472,10 +441,8 @@ def _io_text(fd: int, mode: str):
 
 
 def container_main(options: dict) -> None:
-    """Warm imports, wait for one request on stdin, answer on stdout.
-    The steps of sandbox.serve_call and code_process, less those Docker provides
-    (namespaces, root file system, cgroup, uid, seccomp profile). options["seccomp"]
-    (hex): the local backend's filter, on top of Docker's profile (why: docker_backend.py)."""
+    """Warm imports, one request on stdin, the answer on stdout: sandbox.serve_call's steps less those Docker provides.
+    options["seccomp"] (hex): the local backend's filter, on top of Docker's profile (why: docker_backend.py)."""
     preload(options["preload"])
     ready, _, _ = select.select([0], [], [], IDLE_EXIT)
     if not ready:

@@ -1,31 +1,20 @@
 """The code interpreter: run model-written Python in a fresh, contained process, fast.
 
-Each call runs the code in a fresh process with limits and returns what the model
-reads next (format_observation: the lab's two renderings; ToRL's own rule is
-chapter 03's rollout.torl_observation).
-
     from sandbox import Sandbox, SandboxConfig, format_observation
     with Sandbox(SandboxConfig(timeout=10)) as sb:
         r = sb.run("import sympy; print(sympy.factorint(2**64 - 1))")
         print(format_observation(r))                       # what the model reads
     .venv/bin/python 02-sandbox/sandbox.py -c "print(1+1)"           # the same from a shell
 
-The file opens with the caller's side (what chapter 03 uses), then the containment
-sequence in its seven steps: the slot's start (enter_slot, once), then for every call
-namespaces, limits, the filter and the run (serve_call, code_process), the answer and the
-clean-up. Each step's hardening detail lives beside it, behind the call this file makes:
-confinement.py, runner.py, fork_server.py and local_backend.py (the warm server).
+The file opens with the caller's side (what chapter 03 uses), then the containment sequence in its seven steps.
+Each step's hardening lives behind the call made here: confinement.py, runner.py, fork_server.py, local_backend.py.
 
 Key decisions (the why, the threat model and the figures: docs/02-sandbox.md):
-1. A warm fork server (fork_server.py, started and called by local_backend.py)
-   imports sympy once and runs the sequence below in its slots; a call costs one
-   fork, not a new interpreter. Calls are independent: one connection, one fresh process.
-2. It fails closed: if the isolation asked for cannot be set up, Sandbox raises
-   SandboxError. "plain" is an explicit, weaker choice, and never runs code as root.
-3. The code's process reads its own request and the answer is copied by the kernel,
-   so no call's code or output stays in memory a later call inherits.
-4. Docker (docker_backend.py) is the other backend: runner.py alone in a single-use
-   container, which provides the namespaces, cgroup, uid and seccomp profile itself.
+1. A warm fork server imports sympy once and runs the sequence in its slots: a call costs one fork.
+2. It fails closed: isolation that cannot be set up raises SandboxError; "plain" is an explicit, weaker choice.
+3. The code's process reads its own request and the kernel copies the answer, so no call's code or output stays
+   in memory a later call inherits.
+4. Docker (docker_backend.py) is the other backend: runner.py alone in a single-use container.
 """
 from __future__ import annotations
 
@@ -47,9 +36,7 @@ HERE = Path(__file__).resolve().parent
 LAB_ROOT = str(HERE.parent)  # never visible to the code: it holds the data sets and their answers
 DEFAULT_IMAGE = "tool-rl-lab-sandbox:latest"
 
-# --------------------------------------------------------------------------------------
-# The caller's side
-# --------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------- The caller's side
 
 
 @dataclasses.dataclass(frozen=True)
@@ -178,16 +165,10 @@ class Sandbox:
 
 
 def format_observation(result: ExecResult, style: str = "short", max_chars: int | None = None) -> str:
-    """The text the model reads after its code block, in the lab's two renderings.
-    short (max 256 characters): stdout on success, else only the last line of the
-    error. The last line names the exception and its message, which is what the
-    model needs to fix its code; the frames above it are long, mostly about
-    library internals, and would eat the context and the token budget of a rollout.
-        ok, stdout "4\\n"                      -> "4\\n"
-        NameError traceback                    -> "NameError: name 'a' is not defined"
-        timeout                                -> "TimeoutError: execution exceeded the 10 s time limit"
-    full (max 2048 characters): stdout on success, else stdout then stderr, keeping
-    the tail so that the error itself is never cut."""
+    """The text the model reads after its code block, in the lab's two renderings (ToRL's own rule: chapter 03's
+    rollout.torl_observation). short (max 256 characters): stdout on success, else the error's last line, which names
+    the exception, what the model needs to fix its code; the frames would eat context and tokens. full (max 2048):
+    stdout, then after a failure stderr, keeping the tail so that the error itself is never cut."""
     if style == "short":
         limit = 256 if max_chars is None else max_chars
         text = result.stdout if result.ok else _last_line(result)
@@ -208,22 +189,16 @@ def _request(code: str, cfg: SandboxConfig) -> dict:
 
 
 def _result(answer: dict, request: dict, latency: float) -> ExecResult:
-    """The runner's answer as an ExecResult; stderr ends with the sandbox's reason when it stopped the code,
-    or refused a socket the code needed (Python's own last line, often a warning, would not say why)."""
+    """The runner's answer as an ExecResult, stderr ending with the sandbox's reason when it stopped the code or
+    refused a socket the code needed (Python's own last line, often a warning, would not say why)."""
     stderr, reason = answer["stderr"], answer.get("error") or _reason(answer, request)
     if not reason and answer["returncode"] != 0 and _REFUSED_FAMILY in stderr:
         reason = _NO_SOCKETS
     if reason:
         stderr += ("" if not stderr or stderr.endswith("\n") else "\n") + reason + "\n"
-    return ExecResult(
-        ok=answer["returncode"] == 0 and not answer["timed_out"],
-        stdout=answer["stdout"],
-        stderr=stderr,
-        returncode=answer["returncode"],
-        timed_out=answer["timed_out"],
-        truncated=answer["truncated"],
-        latency=latency,
-    )
+    return ExecResult(ok=answer["returncode"] == 0 and not answer["timed_out"], stdout=answer["stdout"], stderr=stderr,
+                      returncode=answer["returncode"], timed_out=answer["timed_out"], truncated=answer["truncated"],
+                      latency=latency)
 
 
 _REFUSED_FAMILY = "[Errno 97] Address family not supported by protocol"  # EAFNOSUPPORT, from the filter (docs/02-isolation.md)
@@ -269,10 +244,8 @@ def _clip_middle(text: str, limit: int) -> str:
 
 
 # --------------------------------------------------------------------------------------
-# The containment sequence: one call's path, in seven steps. local_backend.py loads this file
-# into the fork server (fork_server.py), which imports the preload modules once, builds the
-# seccomp program once, then forks each slot into a PID namespace of its own (unshare(CLONE_NEWPID),
-# then fork) and runs slot_main there. The detail behind each named call: confinement.py, runner.py.
+# The containment sequence: one call's path, in seven steps, run by the fork server's slots (fork_server.py),
+# each PID 1 of a PID namespace of its own. The detail behind each named call: confinement.py, runner.py.
 # --------------------------------------------------------------------------------------
 
 
@@ -361,9 +334,7 @@ def code_process(request_fd: int, files: runner.CallFiles, workdir: str, slot, l
     return runner.run_code(request["code"], workdir)
 
 
-# --------------------------------------------------------------------------------------
-# Command line
-# --------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------ Command line
 
 
 def main(argv: list[str] | None = None) -> int:

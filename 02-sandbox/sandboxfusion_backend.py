@@ -2,18 +2,10 @@
 
     SandboxConfig(backend="sandboxfusion", urls=("http://127.0.0.1:8080",), token=None)
 
-The server can be the lab's own (02-sandbox/serve.py) or a real SandboxFusion. Calls
-are spread over `urls` (a pool): the least busy server, ties taken in turn (so round
-robin when idle). A server that refuses a connection, or drops one before it answers
-(it died mid-call: while the request went out, or before the answer was whole), is
-skipped for a few seconds and the call runs again on another one: a call's code has
-no effects outside it, and its one answer is the one that arrives.
-
-A member is trusted with nothing (exchange: one deadline per call, however it paces its
-bytes, no redirect followed, a size cap): any other failure is the call's answer, never
-an exception, and its streams come back capped as the local sandbox caps them.
-`unreachable(cfg)` is a run's preflight: every pool member must answer at start. The
-story and the mapping: docs/02-service.md.
+The server can be the lab's own (02-sandbox/serve.py) or a real SandboxFusion. A call goes to the least busy
+member of `urls`, ties in turn; one that refuses or drops its connection is skipped a while and the call runs on
+another. No member is trusted (exchange): any failure is the call's answer, never an exception, with streams capped
+as the local sandbox caps them. `unreachable(cfg)` is a run's preflight. The story and the mapping: docs/02-service.md.
 """
 from __future__ import annotations
 
@@ -39,8 +31,6 @@ class Dropped(ConnectionError):
 
 
 class SandboxFusionBackend:
-    """execute(request) -> answer, like the local backend; see Sandbox for the interface."""
-
     def __init__(self, cfg, error: type[Exception]) -> None:
         self._error = error
         self._urls = [url.rstrip("/") if url.rstrip("/").endswith("/run_code") else url.rstrip("/") + "/run_code"
@@ -86,7 +76,7 @@ class SandboxFusionBackend:
             self._ready = True
 
     def _unanswered(self) -> list[str]:
-        """One line per server that does not answer GET /v1/ping with 200, naming it and what went wrong; each is skipped a while."""
+        """One line per server that does not answer GET /v1/ping with 200, saying why; each is skipped a while."""
         problems = []
         for index, url in enumerate(self._urls):
             try:
@@ -118,8 +108,7 @@ class SandboxFusionBackend:
             return index
 
     def _post(self, index: int, body: dict, deadline: float, limit: int) -> dict:
-        """The server's JSON answer, whole by `deadline` (time.monotonic()); at most `limit` bytes of it
-        (two capped streams, JSON-escaped, and the rest)."""
+        """The server's JSON answer, whole by `deadline`, at most `limit` bytes of it."""
         status, data = exchange(self._urls[index], "POST", json.dumps(body).encode(), self._headers, deadline, limit)
         if status != 200:
             raise ValueError(_status_problem(status, data))
@@ -130,12 +119,9 @@ class SandboxFusionBackend:
 
 
 def exchange(url: str, method: str, body: bytes, headers: dict, deadline: float, limit: int) -> tuple[int, bytes]:
-    """One HTTP/1.1 request and its final answer, (status, body), all of it by `deadline`.
-    urllib's timeout counts each receive, so a server trickling a byte at a time, or sending `100 Continue` without end,
-    holds a call for ever; and urllib follows redirects, sending the token wherever one points. Here every step waits
-    only for what is left of the one deadline (TimeoutError), interim 1xx answers are skipped within it, nothing is
-    followed, no proxy is used, and past `limit` bytes received the answer is refused. A connection that closes before
-    the answer is whole raises Dropped; a refused one ConnectionRefusedError."""
+    """One HTTP/1.1 request and its final answer, (status, body), all by `deadline` (TimeoutError): not urllib's, whose
+    timeout is per receive and which follows redirects with the token. Interim 1xx skipped, nothing followed, no proxy,
+    at most `limit` bytes. A connection closed before the answer is whole raises Dropped."""
     parts = urllib.parse.urlsplit(url)
     host, port = parts.hostname or "", parts.port or (443 if parts.scheme == "https" else 80)
     sock = socket.create_connection((host, port), timeout=_left(deadline))
@@ -247,11 +233,9 @@ def unreachable(cfg) -> list[str]:
 
 
 def to_answer(response, url: str, cap: int) -> dict:
-    """A RunCodeResponse as the answer dict Sandbox turns into an ExecResult (runner.read_answer's keys).
-    Success/Failed with run_result Finished -> its return_code; TimeLimitExceeded -> timed out; SandboxError, no
-    run_result, or fields of the wrong type or size -> a failed call whose stderr says why. A non-empty `message` on a
-    failed call is the reason line (the lab's server puts it there). Each stream keeps at most `cap` bytes, head and
-    tail, as the local sandbox's do."""
+    """A RunCodeResponse as runner.read_answer's dict: anything but Success/Failed with a well-formed run_result is a
+    failed call saying why. A Failed call's `message` is the reason line (the lab's server puts it there). Each stream
+    keeps at most `cap` bytes, head and tail, as the local sandbox's do."""
     response = response if isinstance(response, dict) else {}
     run, status, message = response.get("run_result"), response.get("status"), response.get("message")
     message = message if isinstance(message, str) else None

@@ -4,24 +4,14 @@
     SANDBOX_TOKEN=<secret> .venv/bin/python 02-sandbox/serve.py --host 0.0.0.0    # other addresses need a token
     curl -s 127.0.0.1:8080/run_code -d '{"code": "print(1+1)", "language": "python"}'
 
-ToRL, verl's ReTool recipe and most tool-RL trainers send model code to
-SandboxFusion's `POST /run_code`; pointing their sandbox URL here gives them the
-lab's fork server (about 8 ms a sympy call) instead.
-
 Key decisions (the API, the token rule, limits and figures: docs/02-service.md):
-1. SandboxFusion's request and response shapes, field for field; only Python runs.
-   Anything else is answered in that shape (status SandboxError), never a crash.
-2. It runs code for whoever reaches it: loopback by default, any other address only
-   with a shared token that every request carries (refused at start without one).
-   Without a token, a request must name a loopback Host and no foreign Origin: a
-   web page the user opens cannot post code to it (cross-site, DNS rebinding).
-3. Bounded everywhere: calls at once (the sandbox's concurrency), requests held
-   (more wait in the listen backlog, so none is lost), request size, run timeout,
-   and the time a client has to send its request: one thread reads every request
-   without blocking, so a slow or unauthenticated client never holds a thread.
-   Connections stay below the open-files limit, so idle ones cannot starve accept.
-4. stdin and files reach the code through a prologue that runs inside the sandbox,
-   with the code's own privileges: the server never writes what a request sends.
+1. SandboxFusion's request and response shapes, field for field; only Python runs, and anything else is answered
+   in that shape (status SandboxError), never a crash.
+2. Loopback by default, any other address only with a token every request carries. Without one, a request must
+   name a loopback Host and no foreign Origin: a web page cannot post code to it.
+3. Bounded everywhere: one thread reads every request without blocking, under one deadline, so a slow or
+   unauthenticated client never holds a thread; connections stay below the open-files limit.
+4. stdin and files reach the code through a prologue run inside the sandbox, with the code's own privileges.
 """
 from __future__ import annotations
 
@@ -84,15 +74,8 @@ def run_code(sandbox: Sandbox, body: dict, max_run_timeout: float) -> dict:
 
 
 def to_response(result: ExecResult) -> dict:
-    """An ExecResult in SandboxFusion's shape.
-    stderr is the code's own; the line the sandbox adds when it stopped the code
-    (timeout, a signal) goes to `message`, where SandboxFusion puts its own reasons.
-        ok                   -> Success, run_result Finished, return_code 0
-        exit status 3        -> Failed,  run_result Finished, return_code 3
-        killed by signal 9   -> Failed,  run_result Finished, return_code -9
-        timed out            -> Failed,  run_result TimeLimitExceeded, return_code None
-        no answer from slot  -> SandboxError, run_result Error
-    """
+    """An ExecResult in SandboxFusion's shape (docs/02-service.md's table). stderr is the code's own; the line the
+    sandbox adds when it stopped the code goes to `message`, where SandboxFusion puts its own reasons."""
     stderr, reason = split_reason(result)
     run = {"status": "Finished", "execution_time": result.latency, "return_code": result.returncode,
            "stdout": result.stdout, "stderr": stderr}
@@ -105,8 +88,7 @@ def to_response(result: ExecResult) -> dict:
 
 
 def split_reason(result: ExecResult) -> tuple[str, str]:
-    """(the code's stderr, the sandbox's reason). Sandbox.run ends stderr with one reason
-    line exactly when it stopped the code: a timeout or a signal (docs/02-sandbox.md)."""
+    """(the code's stderr, the sandbox's reason): Sandbox.run adds one line when it stopped the code (time, signal)."""
     if not (result.timed_out or result.returncode < 0):
         return result.stderr, ""
     before, _, last = result.stderr.rstrip("\n").rpartition("\n")
@@ -118,9 +100,8 @@ def _sandbox_error(message: str) -> dict:
             "executor_pod_name": os.environ.get("MY_POD_NAME"), "files": {}}
 
 
-# Runs inside the sandbox, before the code, with the code's privileges: the request's stdin
-# becomes sys.stdin and its files are written to the work dir. The code then runs as
-# `python -c` runs it, and its traceback shows only its own frames and lines.
+# Runs inside the sandbox before the code, with its privileges: stdin becomes sys.stdin, files go to the work dir;
+# then the code runs as `python -c` runs it, its traceback showing only its own frames.
 _PROLOGUE = """\
 def _run(stdin, files, code):
     import base64, io, linecache, os, sys, traceback
@@ -189,11 +170,8 @@ def request_problem(body) -> str:
 
 
 class Server:
-    """The accept loop reads requests itself, without blocking, each under one deadline, and refuses
-    what it can from the head alone (a wrong path or token, a missing or too large Content-Length)
-    before any body is read. Whole requests go to max_connections threads that answer them, in
-    arrival order: a slow client holds a socket for at most request_seconds, and never a thread.
-    The other bounds: the constants above (MAX_SENDING, FD_HEADROOM, ACCEPT_RETRY_SECONDS)."""
+    """The accept loop reads requests without blocking, each under one deadline, and refuses what it can from the head
+    before any body is read; whole requests go to max_connections answering threads, in arrival order."""
 
     def __init__(self, address, sandbox: Sandbox, token: str | None = None, max_connections: int = MAX_CONNECTIONS,
                  max_request_bytes: int = MAX_REQUEST_KB * 1024, max_run_timeout: float = MAX_RUN_TIMEOUT,
@@ -207,8 +185,8 @@ class Server:
         self.sandbox, self.token, self.log, self.request_seconds = sandbox, token, log, request_seconds
         self.max_connections, self.max_request_bytes, self.max_run_timeout = max_connections, max_request_bytes, max_run_timeout
         self._answerers = concurrent.futures.ThreadPoolExecutor(max_connections, thread_name_prefix="answer")
-        # Requests decoded at once: as many as calls run. JSON takes up to 20 times its bytes once decoded (100 held
-        # requests of 1 MB took 1.7 GB): what waits for a slot is its bytes alone.
+        # Requests decoded at once, as many as calls run: a request waiting for a slot holds its bytes alone (JSON takes
+        # up to 20 times its bytes once decoded).
         self._decoding = threading.BoundedSemaphore(sandbox.config.concurrency if sandbox is not None else max_connections)
         self._lock = threading.Lock()
         self._busy = 0  # requests read whole and not yet answered
@@ -265,9 +243,8 @@ class Server:
         os.close(self._wake_w)
 
     def _accept(self, selector) -> None:
-        """Accept up to accept_batch waiting connections; the rest wait in the backlog until the loop has read what
-        the ones it holds sent. Draining all at once would drop connections accepted in the same round, unread, to
-        make room for later ones of that round: under a flood, the legitimate requests among them."""
+        """Accept up to accept_batch waiting connections, the rest wait in the backlog: accepting all at once would drop
+        connections of the same round unread to make room for later ones (under a flood, the legitimate ones)."""
         for _ in range(self.accept_batch):
             try:
                 conn, peer = self.listener.accept()
@@ -316,8 +293,7 @@ class Server:
             self._hand_over(selector, incoming)
 
     def _read_head(self, incoming: _Incoming, head: bytes) -> tuple[int, str] | None:
-        """Parse the request line and headers and check all that can be checked before the body:
-        None to go on, or (status, why) to refuse."""
+        """Check what the request line and headers can tell before the body: None to go on, or (status, why)."""
         line, _, fields = head.partition(b"\r\n")
         parts = line.decode("latin-1").split()
         if len(parts) != 3 or not parts[2].startswith("HTTP/1."):
@@ -366,11 +342,8 @@ class Server:
         return hmac.compare_digest(given.encode(errors="replace"), self.token.encode())
 
     def _cross_site(self, headers) -> str:
-        """Without a token, why a request may come from a web page rather than a local client ('' if not).
-        A page the user opens can POST to 127.0.0.1 (a "simple" text/plain request needs no
-        preflight), and a page under a name that resolves to 127.0.0.1 (DNS rebinding) even
-        reads the answer. Its browser names the page's site in Origin and the name it used in
-        Host; a local client (curl, requests, the backend) sends a loopback Host and no Origin."""
+        """Without a token, why a request may come from a web page, not a local client ('' if not; docs/02-service.md):
+        a browser names the page's site in Origin and the name it used in Host; a local client sends a loopback Host."""
         hosts, origins = headers.get_all("Host") or [], headers.get_all("Origin") or []
         if len(hosts) > 1 or len(origins) > 1:
             return "one Host and at most one Origin header, please"
@@ -435,8 +408,8 @@ class Server:
             return 200, run_code(self.sandbox, body, self.max_run_timeout)
 
     def _refuse(self, incoming: _Incoming, status: int, detail: str) -> None:
-        """Answer from the accept loop, without waiting on the client, then read and drop what it still
-        sends for DRAIN_SECONDS: closing with unread data resets the connection, and it could lose the answer."""
+        """Answer without waiting on the client, then drop what it still sends for DRAIN_SECONDS: closing with unread
+        data resets the connection, which could lose the answer."""
         sent = _send_now(incoming.conn, _http_answer(status, {"detail": detail}))
         self._count(incoming, status, None if sent else "client gone")
         with contextlib.suppress(OSError):
@@ -527,8 +500,8 @@ def max_sending(max_connections: int) -> int:
 
 
 def start_process(*args: str, env: dict | None = None, **popen) -> tuple[subprocess.Popen, str]:
-    """serve.py as a process of its own, on a free loopback port unless args name one: (process, base URL)
-    once it listens. Stop it with SIGTERM: it answers the requests in flight, then prints what it answered."""
+    """serve.py as a process, on a free loopback port unless args name one: (process, base URL) once it listens.
+    SIGTERM stops it: it answers the requests in flight, then prints what it answered."""
     proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--port", "0", *args], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **popen)
     line = proc.stdout.readline()
