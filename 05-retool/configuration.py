@@ -1,9 +1,8 @@
 """A run's configuration, from the command line to the loop: `Config`, one flag per field, one-line refusals.
 
-Key decisions: every field of `Config` is a flag of the same name (a preset,
-presets.py, sets some; flags override); a configuration that would fail later, or
-silently do the wrong thing, stops at start with one line, before any model
-or engine loads. The story: docs/05-runs.md, "Bad configuration".
+Key decisions: every field of `Config` is a flag of the same name (a preset sets some; flags override); a setting
+that would fail later, or silently do the wrong thing, stops at start with one line, before any model or engine loads.
+The story: docs/05-runs.md, "Bad configuration".
 """
 from __future__ import annotations
 
@@ -109,8 +108,7 @@ def make_config(preset: str, overrides: dict) -> Config:
 
 def parse_with_field_flags(parser: argparse.ArgumentParser, config_class, argv, presets: dict | None = None
                            ) -> tuple[argparse.Namespace, dict]:
-    """Add a flag per field of `config_class` to `parser`, parse `argv`: (args, the fields given on the line).
-    Each flag's help is its field's comment and its default the chosen preset's value (`--preset` in argv)."""
+    """A flag per field of `config_class` (help: its comment), parsed: (args, the fields given on the line)."""
     chosen = argparse.ArgumentParser(add_help=False)
     chosen.add_argument("--preset", default="cpu-demo")
     preset = (presets or {}).get(chosen.parse_known_args(argv)[0].preset, {})
@@ -160,10 +158,8 @@ def field_comments(config_class) -> dict[str, str]:
 
 
 def parse_bool(text: str) -> bool:
-    if text.lower() in ("1", "true", "yes", "on"):
-        return True
-    if text.lower() in ("0", "false", "no", "off"):
-        return False
+    if text.lower() in ("1", "true", "yes", "on", "0", "false", "no", "off"):
+        return text.lower() in ("1", "true", "yes", "on")
     raise argparse.ArgumentTypeError(f"'{text}' is not a boolean")
 
 
@@ -174,10 +170,9 @@ def check_config(cfg) -> None:
 
 
 def config_problems(cfg, world: int | None = None, first_only: bool = False) -> list[str]:
-    """Everything wrong with a Config that can be seen without a model, one line each. `world`: the ranks to plan
-    for (default: torchrun's WORLD_SIZE, else 1). With `first_only`, the checks that import torch (two seconds)
-    are skipped once a cheaper one has found a problem, so that most refusals take well under one."""
-    world = world or int(os.environ.get("WORLD_SIZE", "1"))  # torchrun's ranks
+    """Everything wrong with a Config that can be seen without a model, one line each, for `world` ranks (default:
+    torchrun's). `first_only` skips the checks that import torch (two seconds) once a cheaper one has refused."""
+    world = world or int(os.environ.get("WORLD_SIZE", "1"))
     problems = (data_problems(cfg) + policy_problems(cfg) + length_problems(cfg) + choice_problems(cfg)
                 + number_problems(cfg, world) + batch_problems(cfg, world) + recipe_problems(cfg))
     if not (first_only and problems):
@@ -363,26 +358,20 @@ def engine_problems(cfg) -> list[str]:
 
 
 def kv_cache_problem(gib: float) -> str | None:
-    """Why vLLM's CPU engine could not reserve a KV cache of `gib` GiB now (it asks for that much of the host's
-    available memory as it starts); None if it can. VLLM_CPU_KVCACHE_SPACE, where set, is the size vLLM takes."""
+    """Why vLLM's CPU engine could not reserve a KV cache of `gib` GiB (or VLLM_CPU_KVCACHE_SPACE) of the host's
+    available memory now, as it asks at its start; None if it can."""
     setting = "--cpu-kv-cache-gib"
     if os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
         setting, gib = "VLLM_CPU_KVCACHE_SPACE", float(os.environ["VLLM_CPU_KVCACHE_SPACE"])
-    available = memory_available_gib()
-    if available is None or gib <= available:
+    try:  # Linux's MemAvailable: what a new allocation can take
+        with open("/proc/meminfo") as f:
+            available = int(dict(line.split(":", 1) for line in f)["MemAvailable"].split()[0]) / 2**20
+    except (OSError, KeyError, ValueError):  # not known here
+        return None
+    if gib <= available:
         return None
     return (f"{setting} {gib:g}: vLLM's KV cache on the CPU would take {gib:g} GiB, and this machine has "
             f"{available:.1f} GiB available now; pass a smaller {setting} (the demo takes 2)")
-
-
-def memory_available_gib() -> float | None:
-    """The host memory available to a new allocation (Linux's MemAvailable), GiB; None where it is not known."""
-    try:
-        with open("/proc/meminfo") as f:
-            fields = dict(line.split(":", 1) for line in f)
-        return int(fields["MemAvailable"].split()[0]) / 2**20
-    except (OSError, KeyError, ValueError):
-        return None
 
 
 def released_problem(train_file: str) -> str | None:
@@ -412,20 +401,14 @@ def model_problems(cfg) -> list[str]:
 
         folder = release_for(cfg.train_file).folder
         model, limit = f"the released base {shown(folder)}", position_limit(str(folder))
-    else:
-        limit = scratch_positions()
+    else:  # the tiny model cold_start.py builds: 4 x its default --max-len positions (build_base_policy)
+        from cold_start import parse_args
+
+        limit = parse_args([]).max_len * 4
     if not problems and limit is not None and cfg.max_model_len > limit:
         problems.append(f"max_model_len {cfg.max_model_len} is above the position limit of {model}, "
                         f"{limit} tokens (max_position_embeddings): pass --max-model-len {limit} or less")
     return problems
-
-
-def scratch_positions() -> int:
-    """max_position_embeddings of the tiny model cold_start.py builds with its default --max-len (4 x its traces'
-    length, build_base_policy)."""
-    from cold_start import parse_args
-
-    return parse_args([]).max_len * 4
 
 
 def sandbox_config(cfg):
@@ -441,8 +424,8 @@ def sandbox_config(cfg):
 
 
 def check_preload(sandbox, cfg) -> None:
-    """One call in the started sandbox: every module of cfg.sandbox_preload was imported by its warm interpreter
-    (the sandbox skips one that is missing, and each call would then import it, or fail); else one line."""
+    """One call: the warm interpreter imported every module of cfg.sandbox_preload, else one line (the sandbox
+    skips a missing one, and each call would then import it, or fail)."""
     from lab_cli import comma_list
 
     modules = [] if cfg.sandbox_backend == "sandboxfusion" else list(comma_list(cfg.sandbox_preload))  # it preloads none
@@ -500,8 +483,7 @@ def _one_of(choices: tuple[str, ...]) -> str:
 
 
 def position_limit(model: str) -> int | None:
-    """The longest context `model` was built for (max_position_embeddings), read from disk only; None when
-    unknown, or with RoPE scaling (its window is longer, and vLLM judges it itself)."""
+    """`model`'s max_position_embeddings, read from disk; None when unknown or with RoPE scaling (vLLM judges it)."""
     from transformers import AutoConfig
 
     try:

@@ -4,11 +4,9 @@
     .venv/bin/python 05-retool/retool.py --preset torl-7b --dry-run --plan-gpus 1     # refused: say why
     .venv/bin/python 05-retool/retool.py --preset simpletir-7b --dry-run --plan-nodes 2
 
-It checks the configuration, the data files, the sandbox (one real call) and
-the rank layout, plans memory per GPU from the model's shape (`memory_plan`)
-and the cost of the schedule from FLOP counts and assumed rates (`cost_plan`).
-A real run on CUDA makes the same memory checks before it loads anything
-(`check_memory_plan`). The arithmetic: docs/06-scaling.md; GB = 10^9 bytes.
+It checks the configuration, data files, sandbox (one real call) and rank layout, plans memory per GPU from the
+model's shape (`memory_plan`; on CUDA a real run checks it too) and the schedule's cost from FLOPs and assumed rates
+(`cost_plan`). The arithmetic: docs/06-scaling.md; GB = 10^9 bytes.
 """
 from __future__ import annotations
 
@@ -16,48 +14,35 @@ import contextlib
 import io
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 GB = 1e9
 VLLM_WORK_SPACE_GB = 2.0  # vLLM's activations and graphs beside weights and KV cache (an estimate)
-# The logits exist for one chunk of positions at a time (06-train/logprob_chunks.py applies lm_head to each chunk of
-# the final hidden states, and again in backward): their bf16 values and gradient, the float32 copy, logsumexp's
-# softmax and their gradients, CHUNK_BYTES per value of one chunk, measured from bf16 hidden states
-# (test_the_plans_logit_bytes_are_what_the_chunks_hold). What spans the micro-batch is its final hidden states and
-# their gradient, bf16: HIDDEN_BYTES per hidden unit.
+# Logits exist one chunk at a time (logprob_chunks.py): CHUNK_BYTES per value of a chunk, measured
+# (test_the_plans_logit_bytes_are_what_the_chunks_hold); the micro-batch's final hidden states and their gradient, bf16,
+# take HIDDEN_BYTES per hidden unit.
 CHUNK_BYTES = 20
 HIDDEN_BYTES = 4
-
-
-# Dense bf16 peak of one GPU, TFLOP/s, and its memory bandwidth, TB/s: the vendors' data sheets (SXM parts,
-# without sparsity).
+# Dense bf16 peak of one GPU, TFLOP/s, and its memory bandwidth, TB/s: the vendors' data sheets (SXM, no sparsity).
 PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0, "B200": 2250.0}
 HBM_TBPS = {"H100": 3.35, "H200": 4.8, "A100": 2.04, "B200": 8.0}
-# Decoding is bound by memory traffic: every step reads the weights once and each sequence's KV cache. The share of
-# the data-sheet bandwidth a decode step reaches, and a tool call's seconds on the longest trajectory's path, are
-# assumptions until a run measures them (its metrics: decode_tokens_per_s, sandbox_s).
+# Assumed until a run measures them (decode_tokens_per_s, sandbox_s): the share of the data sheet's bandwidth a
+# decode step reaches (decode is bound by memory traffic), and a tool call's seconds on the longest trajectory's path.
 DECODE_BANDWIDTH_SHARE = 0.6
 TOOL_CALL_S = 1.0
 TRAIN_MFU = 0.35  # the update's default share of the peak FLOP/s
-# Memory no allocator counts but every GPU process holds (assumed, to be corrected by a run's peak_memory_gb):
+# Memory no allocator counts (assumed, to be corrected by a run's peak_memory_gb):
 CONTEXT_GB = 1.0  # the CUDA context, cuBLAS and kernel images (more without CUDA's lazy loading)
 NCCL_GB = 1.0  # NCCL's communicators and their buffers, with more than one GPU
 CUDA_GRAPHS_GB = 1.0  # vLLM's captured CUDA graphs (enforce_eager False): their pool stays while vLLM sleeps
-# Between nodes the trainer is sharded within a node and replicated across nodes (HSDP, distributed.py): one float32
-# all-reduce of each GPU's gradient shard a mini-batch crosses the network. A node's bandwidth to the others, GB/s,
-# assumed: 8 x 400 Gb/s InfiniBand, as H100 clusters are built.
-NODE_LINK_GB_S = 400.0
-# Activations of a layer: about 16 float32 values per hidden unit a token (a rough bound).
-LAYER_ACTIVATION_BYTES = 16 * 4
-
-
+NODE_LINK_GB_S = 400.0  # a node's bandwidth to the others, GB/s, assumed: 8 x 400 Gb/s InfiniBand, as H100 clusters
+LAYER_ACTIVATION_BYTES = 16 * 4  # a layer's activations: about 16 float32 values a hidden unit a token (rough)
 PLAN_GPUS = {"gpu": 8, "demo": 1}  # --plan-gpus' default: a node of 8 for a GPU preset; the demos run as one process
 
 
 def add_plan_flags(parser) -> None:
-    """The dry run's flags: the GPUs it plans for without CUDA, and the throughputs its cost assumes
-    (--plan-gpus' default depends on the preset: fill_plan_defaults)."""
+    """The dry run's flags: the GPUs it plans for without CUDA, the rates its cost assumes (fill_plan_defaults)."""
     from lab_cli import at_least
 
     plan = parser.add_argument_group("--dry-run: the GPUs to plan for (without CUDA) and the assumed rates of its cost")
@@ -127,8 +112,7 @@ class MemoryPlan:
 
 def dry_run(cfg, preset: str, args, start_sandbox, run_dir: Path) -> int:
     """Print every check, the memory plan and the cost; 0 when a real run would start, 2 when it would be refused.
-    `args`: retool's parsed flags; `start_sandbox(cfg)`: the loop's own start, with one real call; `run_dir`: the
-    folder the run would write (checked as the run checks it, nothing removed)."""
+    `start_sandbox(cfg)`: the loop's own start; `run_dir` is checked as the run checks it, nothing removed."""
     from configuration import config_problems
     from run_folders import check_new_run_dir
 
@@ -196,12 +180,8 @@ def check_memory_plan(cfg) -> None:
 def cost_plan(cfg, shape: dict, gpus: int, gpu: str = "H100", decode_rate: float = 0.0,
               train_mfu: float = TRAIN_MFU, response_tokens: int = 0, call_s: float = TOOL_CALL_S,
               kv_tokens: int = 0, eval_rows: int = 0, per_node: int | None = None) -> CostPlan:
-    """A step's tokens, FLOPs and seconds on `gpus` GPUs, and the GPU-hours of `cfg.steps` steps. Decode is bound
-    by memory (weights and KV cache read once a step); every rank is planned at the budget, so the plan is the
-    slowest rank's; the update's FLOPs a token are CostPlan.flops_per_update_token's. Dynamic sampling's extra rounds
-    are counted at their bound, each a rollout like the step's own; across nodes (`per_node` GPUs a node) HSDP's
-    gradient all-reduce is added to the update. Not counted: prompt prefill, the weight sync. The model:
-    docs/05-torl.md, "The cost before the run"."""
+    """A step's tokens, FLOPs and seconds on `gpus` GPUs, and the GPU-hours of `cfg.steps` steps, each rank planned
+    at the budget. Each term and what is not counted: docs/05-torl.md, "The cost before the run"."""
     from update_options import old_pass_share
 
     n, peak = shape["parameters"], PEAK_TFLOPS[gpu] * 1e12
@@ -239,11 +219,9 @@ def cost_plan(cfg, shape: dict, gpus: int, gpu: str = "H100", decode_rate: float
 
 
 def node_traffic_gb(cfg, parameters: int, gpus: int, per_node: int) -> float:
-    """GB each node sends to the others a step: the float32 gradient's all-reduce across nodes, once a mini-batch. HSDP
-    (FSDP2 across nodes) all-reduces each GPU's shard with its replicas on the other nodes, and a node's GPUs hold the
-    whole gradient between them; DDP's all-reduce is hierarchical in NCCL, the same bytes between nodes. A ring
-    all-reduce sends 2 (nodes - 1) / nodes of what it reduces. FSDP2 over every GPU of every node (a 1-D mesh) would
-    instead gather the weights twice and reduce-scatter the gradient across nodes in every micro-batch."""
+    """GB each node sends to the others a step: the float32 gradient's all-reduce across nodes, once a mini-batch.
+    A node's GPUs hold the whole gradient between them (HSDP's shards; DDP's all-reduce is hierarchical in NCCL), and
+    a ring all-reduce sends 2 (nodes - 1) / nodes of what it reduces."""
     nodes = max(1, gpus // per_node)
     return cfg.num_minibatches * 2 * (nodes - 1) / nodes * 4 * parameters / GB
 
@@ -294,8 +272,7 @@ def cost_table(cfg, cost: CostPlan, gpus: int, gpu: str, train_mfu: float) -> st
 
 
 def memory_plan(cfg, shape: dict, gpus: int, gpu_gb: float, per_node: int = 8, advise: bool = True) -> MemoryPlan:
-    """GB per GPU during the rollout, the update and the weight sync, and what cannot fit (one line each). FSDP2
-    shards the trainer within a node of `per_node` GPUs and replicates it across nodes (HSDP, distributed.py)."""
+    """GB per GPU during the rollout, the update and the weight sync, and what cannot fit (one line each)."""
     from logprob_chunks import CHUNK_TOKENS
 
     p = shape["parameters"]
@@ -320,16 +297,13 @@ def memory_plan(cfg, shape: dict, gpus: int, gpu_gb: float, per_node: int = 8, a
         plan.update["layer activations (no checkpointing)"] = (
             tokens * shape["num_hidden_layers"] * hidden * LAYER_ACTIVATION_BYTES / GB)
     if cfg.strategy == "fsdp":
-        # The root module (embedding, lm_head) is not resharded after forward, and lm_head's gradient exists from
-        # the backward's first op to the root's reduce-scatter at its end; each layer is gathered while the next one
-        # is prefetched, and its gradients stand unsharded (bf16, and float32 for the reduce) until its reduce-scatter.
+        # What FSDP2 holds unsharded (docs/06-scaling.md): the root, two layers, one layer's gradients.
         root = shape["embedding"] * (1 if shape.get("tied", False) else 2)
         layer = (p - root) / shape["num_hidden_layers"]
         plan.update["FSDP2's unsharded root (embedding, lm_head), bf16, and its bf16 gradient"] = 4 * root / GB
         plan.update["two gathered bf16 layers (the running one and the prefetched next)"] = 4 * layer / GB
         plan.update["a layer's unsharded gradients, bf16 and float32"] = 6 * layer / GB
-    # The sync (weight_sync.py): torch's cache emptied, vLLM's weights woken and loaded one tensor at a time (the
-    # embedding, the largest, gathered and cast), its KV cache still asleep; then the KV cache wakes: the rollout.
+    # The sync (weight_sync.py): vLLM's weights woken and loaded a tensor at a time, its KV cache still asleep.
     plan.sync = {name: gb for name, gb in plan.rollout.items() if not name.startswith("vLLM")}
     plan.sync["vLLM's weights (awake, KV cache asleep)"] = engine_bytes(cfg, p) / GB
     plan.sync["the largest weight in flight (embedding)"] = engine_bytes(cfg, shape["embedding"]) / GB
@@ -362,11 +336,8 @@ def memory_plan(cfg, shape: dict, gpus: int, gpu_gb: float, per_node: int = 8, a
 
 
 def gpus_needed(cfg, shape: dict, gpu_gb: float, per_node: int = 8) -> str:
-    """What makes the plan fit: the fewest GPUs of a node under FSDP2 whose phases all fit, or that none do (across
-    nodes the trainer is replicated, so more nodes do not shrink it)."""
-    import dataclasses
-
-    sharded, largest = dataclasses.replace(cfg, strategy="fsdp"), max(per_node, PLAN_GPUS["gpu"])
+    """What makes the plan fit: the fewest GPUs of a node under FSDP2 (more nodes replicate it), or that none do."""
+    sharded, largest = replace(cfg, strategy="fsdp"), max(per_node, PLAN_GPUS["gpu"])
     for n in range(2, largest + 1):
         plan = memory_plan(sharded, shape, n, gpu_gb, per_node=largest, advise=False)
         if not any(p.startswith(("the trainer state", "the rollout", "the update", "the weight sync"))
@@ -427,8 +398,7 @@ def model_shape(model: str) -> dict | None:
 
 
 def _data_counts(cfg) -> dict[str, int]:
-    """Problems per data file, and the prompt filter's count where the model's tokenizer is on this machine;
-    returns each readable file's count (0 where it is missing)."""
+    """Print each data file's problems (and the prompt filter's count where the tokenizer is here); return them."""
     from lab_cli import shown  # absolute outside the lab's folder: a dry run says where the data would go
     from prepare_data import DataError, load_problems
     from problems_and_policy import drop_long_prompts, task_files, tasks_to_write
