@@ -1,8 +1,6 @@
 """What a run leaves on disk so that it can go on: checkpoints, random state, and its metrics and eval records.
 
-Key decisions: a checkpoint folder is complete or absent; metrics.jsonl and
-eval.jsonl are appended and flushed line by line, and a resume cuts the lines
-of steps after its checkpoint; a stop saves the last finished step first.
+Key decisions: a checkpoint folder is complete or absent; records are flushed line by line and cut back on resume.
 The story: docs/05-runs.md, "Checkpoints" and "Resume".
 """
 from __future__ import annotations
@@ -21,8 +19,7 @@ from stopping import STOPPER, Stopped, StopRequested
 
 
 def save_checkpoint(run_dir: Path, step: int, model, optimizer, tokenizer, keep: int, rng: dict | None = None) -> Path:
-    """Hugging Face weights + tokenizer + optimizer + RNG state (`rng`, default the current one), written to a
-    `.tmp` folder, every file flushed, then renamed: a kill or a power cut leaves no complete-looking half."""
+    """Weights, tokenizer, optimizer and RNG state into a `.tmp` folder, flushed, then renamed: never half of one."""
     import torch
     from transformers.utils import logging as transformers_logging
 
@@ -90,8 +87,7 @@ def latest_checkpoint(run_dir: Path) -> dict | None:
 
 
 def resume_point(run_dir: Path) -> dict | None:
-    """The newest complete checkpoint to resume from, or None; one line if it cannot be read back (a disk that
-    filled, a copy cut short), naming the one a resume would take once it is removed."""
+    """The newest complete checkpoint to resume from, or None; one line if it cannot be read back."""
     state = latest_checkpoint(run_dir)
     if state is None or not (why := checkpoint_damage(Path(state["path"]))):
         return state
@@ -102,8 +98,7 @@ def resume_point(run_dir: Path) -> dict | None:
 
 
 def checkpoint_damage(folder: Path) -> str | None:
-    """What is missing or cut short in a checkpoint folder, in a few words; None if it looks whole. Read from the
-    files' own structure (safetensors' header, the zip directory torch.save writes), without loading anything."""
+    """What is missing or cut short in a checkpoint folder, from the files' own structure, without loading; or None."""
     import zipfile
 
     if why := weights_damage(folder):
@@ -141,9 +136,8 @@ def weights_damage(folder: Path) -> str | None:
 
 
 def load_optimizer(state: dict, optimizer) -> None:
-    """The checkpoint's optimizer state, memory-mapped onto the CPU; `load_state_dict` moves it to the weights'
-    device. On the GPU at once, AdamW's moments (twice the model in float32) would briefly be there twice;
-    memory-mapped, ranks that take rank 0's state (FSDP2) read nothing and ranks on one node share the page cache."""
+    """The checkpoint's optimizer state, memory-mapped onto the CPU (`load_state_dict` moves it): the GPU never holds
+    AdamW's moments twice, and ranks on one node share the page cache."""
     import torch
 
     shards = Path(state["path"]) / "optimizer"
@@ -177,9 +171,8 @@ def restore_rng(rng: dict) -> None:
 
 def stop_with_checkpoint(stop: StopRequested, run_dir: Path, step: int, rng: dict, model, optimizer, tokenizer,
                          keep: int, dp):
-    """Save `step`, the last finished one (`rng`: the random state right after it), unless it is saved already;
-    then exit with 128 + the signal. Rank 0 saves its replica alone, with no collective (the other ranks may be
-    anywhere); FSDP2 shards cannot be gathered then, so such a run resumes from its last save."""
+    """Save `step`, the last finished one, unless saved; exit with 128 + the signal. Rank 0 saves alone, with no
+    collective (the others may be anywhere): FSDP2 shards cannot be gathered, so such a run resumes from its last."""
     final = run_dir / "checkpoints" / f"step-{step:06d}"
     if step > 0 and not (final / "state.json").exists() and dp.is_main and dp.strategy != "fsdp":
         STOPPER.hold()  # a further signal while saving waits (a third one stops at once)
@@ -208,8 +201,7 @@ def has_eval_row(run_dir: Path, step: int, tag: str | None = None) -> bool:
 
 
 def read_rows(path: Path, say_repair: bool = False) -> list[dict]:
-    """The rows of metrics.jsonl or eval.jsonl. A torn last line (a kill or a full disk mid-write) is left out,
-    with a one-line notice when `say_repair`; a bad line anywhere else is refused, naming the file and line."""
+    """The rows of metrics.jsonl or eval.jsonl; a torn last line left out (said if `say_repair`), a bad one refused."""
     lines = path.read_text(errors="replace").splitlines()
     rows = []
     for number, line in enumerate(lines, 1):

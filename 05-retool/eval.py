@@ -6,11 +6,9 @@
     .venv/bin/python 05-retool/eval.py --model ... --mode text      # same model, no tool: the tool's contribution
     .venv/bin/python 05-retool/eval.py --model runs/cpu-demo-.../checkpoints/step-000020 --data data/toy_test.jsonl
 
-Key decisions: the default is ToRL's protocol (greedy, one response per
-problem, AIME24, AIME25 and MATH500, the paper's numbers beside); pass@j is the
-unbiased estimator; every metric is per data set; `--mode text` has no tool and
-a prompt that never mentions one (`cot`). The loop (retool.py) calls `evaluate`
-too. The story: docs/05-torl.md, "Evaluation: eval.py".
+Key decisions: the default is ToRL's protocol (greedy, one response per problem, AIME24, AIME25 and MATH500, the
+paper's numbers beside); pass@j is the unbiased estimator; every metric is per data set; `--mode text` has no tool and
+a prompt that never mentions one. The loop calls `evaluate` too. The story: docs/05-torl.md, "Evaluation: eval.py".
 """
 from __future__ import annotations
 
@@ -24,23 +22,16 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-# The prompt of each mode unless one is given: the tool's instruction, or none of it.
-DEFAULT_TEMPLATE = {"tir": "torl", "text": "cot"}
-
+DEFAULT_TEMPLATE = {"tir": "torl", "text": "cot"}  # each mode's prompt unless one is given: the tool's, or none of it
 # ToRL's reported accuracy (%, greedy, one sample), from its paper's main table.
-PAPER = {
-    "aime24": {"ToRL-1.5B": 26.7, "ToRL-7B": 43.3},
-    "aime25": {"ToRL-1.5B": 26.7, "ToRL-7B": 30.0},
-    "math500": {"ToRL-1.5B": 77.8, "ToRL-7B": 82.2},
-}
-# The sets those numbers are over: MATH500's 77.8 is 389 of 500 (ToRL's released test file holds 134 of them).
-PAPER_SET_SIZE = {"aime24": 30, "aime25": 30, "math500": 500}
+PAPER = {"aime24": {"ToRL-1.5B": 26.7, "ToRL-7B": 43.3}, "aime25": {"ToRL-1.5B": 26.7, "ToRL-7B": 30.0},
+         "math500": {"ToRL-1.5B": 77.8, "ToRL-7B": 82.2}}
+PAPER_SET_SIZE = {"aime24": 30, "aime25": 30, "math500": 500}  # what they are over (ToRL's test file: 134 of MATH500)
 
 
 def evaluate(llm, problems: list[dict], sandbox, samples_path: Path | None = None, dp=None, **settings) -> dict | None:
-    """Sample k responses per problem, score them, and summarise per source and overall (`settings`: sample_scored's).
-    Under torchrun (`dp`) each rank samples its share and rank 0 puts the samples back in the problems' order:
-    the result and the samples file equal one process's. Other ranks get None."""
+    """Sample k responses per problem, score them, summarise per source and overall (`settings`: sample_scored's).
+    Under torchrun each rank samples its share and rank 0 gets what one process would; other ranks get None."""
     from distributed import DataParallel
 
     dp = dp or DataParallel()  # a world of one unless torchrun started several ranks
@@ -68,10 +59,8 @@ def sample_scored(llm, problems: list[dict], sandbox, k: int = 1, mode: str = "t
                   max_response_tokens: int = 3072, tool_budget: int = 1, temperature: float = 0.0,
                   seed: int | None = 0, rollout_overrides: dict | None = None, scorer: str = "lab",
                   indices: list[int] | None = None) -> tuple[dict, list[dict]]:
-    """The evaluation's settings and its samples, k per problem in the problems' order, scored. `temperature` 0 is
-    greedy (then k must be 1). `rollout_overrides`: further RolloutConfig fields (tests force tool calls with it).
-    `indices`: each problem's place in the whole set when these are a share of it (a rank's): the seeds follow it,
-    so a share samples as the whole would."""
+    """The evaluation's settings and its samples, k per problem in order, scored; `temperature` 0 is greedy (k 1).
+    `rollout_overrides`: more RolloutConfig fields; `indices`: a rank's share's places in the whole, for the seeds."""
     from reward import score_batch
     from rollout import RolloutConfig, rollout
 
@@ -86,15 +75,11 @@ def sample_scored(llm, problems: list[dict], sandbox, k: int = 1, mode: str = "t
     trajectories = rollout(llm, problems, sandbox, cfg, indices=indices)
     results = score_batch([t.text for t in trajectories], [t.reference for t in trajectories], scorer=scorer)
     source_of = {str(p["id"]): p.get("source", "data") for p in problems}
-    samples = [
-        {
-            "problem_id": t.problem_id, "source": source_of[t.problem_id], "sample": t.group_index,
-            "reference": t.reference, "answer": r.answer, "correct": r.correct, "valid_format": r.valid_format,
-            "tool_calls": t.num_tool_calls, "code_ok": [c.ok for c in t.tool_calls],
-            "response_tokens": len(t.token_ids), "truncated": t.truncated, "text": t.text,
-        }
-        for t, r in zip(trajectories, results)
-    ]
+    samples = [{"problem_id": t.problem_id, "source": source_of[t.problem_id], "sample": t.group_index,
+                "reference": t.reference, "answer": r.answer, "correct": r.correct, "valid_format": r.valid_format,
+                "tool_calls": t.num_tool_calls, "code_ok": [c.ok for c in t.tool_calls],
+                "response_tokens": len(t.token_ids), "truncated": t.truncated, "text": t.text}
+               for t, r in zip(trajectories, results)]
     return {"mode": mode, "k": k, "temperature": temperature, "template": template, "scorer": scorer}, samples
 
 
@@ -107,14 +92,10 @@ def summarise(samples: list[dict], k: int) -> dict:
            f"avg@{k}": mean([sample["correct"] for sample in samples])}
     for j in sorted({2**i for i in range(k.bit_length())} | {k}):  # 1, 2, 4, ... up to k, and k itself
         out[f"pass@{j}"] = mean([pass_at_k(len(o), sum(o), j) for o in outcomes.values()])
-    out.update({
-        "format_rate": mean([sample["valid_format"] for sample in samples]),
-        "code_ratio": mean([sample["tool_calls"] > 0 for sample in samples]),
-        "code_pass_ratio": mean(calls) if calls else float("nan"),
-        "tool_calls": mean([sample["tool_calls"] for sample in samples]),
-        "response_length": mean([sample["response_tokens"] for sample in samples]),
-    })
-    return out
+    return {**out, "format_rate": mean([sample["valid_format"] for sample in samples]),
+            "code_ratio": mean([sample["tool_calls"] > 0 for sample in samples]), "code_pass_ratio": mean(calls),
+            "tool_calls": mean([sample["tool_calls"] for sample in samples]),
+            "response_length": mean([sample["response_tokens"] for sample in samples])}
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -154,8 +135,8 @@ def markdown_table(result: dict) -> str:
 
 
 def paper_table(result: dict) -> str:
-    """Measured accuracy (%) beside ToRL's, for the sets the paper reports; "" when there are none. The paper's
-    are greedy, one sample, on the full sets (PAPER_SET_SIZE): a measurement on fewer is marked not comparable."""
+    """Measured accuracy (%) beside ToRL's, for the sets the paper reports ("" if none); one on fewer problems than the
+    paper's full set, or not greedy with one sample, is marked not comparable."""
     k = result["k"]
     rows = [(name, summary) for name, summary in result["sets"].items() if name in PAPER]
     if not rows:
@@ -246,19 +227,14 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 def no_answer_note(result: dict, args) -> str | None:
-    """A note when no response ended in an answer the scorer reads: accuracy 0 then says nothing of the model, and
-    the usual cause is a prompt it was not trained with."""
+    """A note when no response ended in an answer the scorer reads: usually a prompt the model was not trained with."""
+    from rollout import TEMPLATES
+
     if any(summary["format_rate"] > 0 for summary in result["sets"].values()):
         return None
     return (f"note: not one response gave an answer in the form the scorer reads (format_rate 0), so every score is 0: "
             f"was the model trained with the template {result['template']}? pass the one it was trained with "
-            f"(--template; one of {', '.join(template_names())})")
-
-
-def template_names() -> list[str]:
-    from rollout import TEMPLATES
-
-    return list(TEMPLATES)
+            f"(--template; one of {', '.join(TEMPLATES)})")
 
 
 def load_sets(sources: list[str], limit: int | None) -> list[dict]:

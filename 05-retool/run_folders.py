@@ -1,9 +1,7 @@
 """What a folder named on the command line is, checked before anything is written: a run, an evaluation, or not ours.
 
-Key decision: `--overwrite` removes only a folder the lab wrote, recognised by
-its marker file and holding nothing but the names the lab writes there; anything
-else is refused in one line and left as it was. `--resume` takes only a run
-folder. The story: docs/05-runs.md, "The run folder".
+Key decision: `--overwrite` removes only a folder the lab wrote, holding nothing but the names the lab writes there.
+The story: docs/05-runs.md, "The run folder".
 """
 from __future__ import annotations
 
@@ -24,9 +22,7 @@ EVAL_ENTRIES = {"summary.json", "samples.jsonl"}  # what eval.py writes into --o
 
 
 def check_new_run_dir(run_dir: Path, overwrite: bool, remove: bool = True) -> None:
-    """Refuse, in one line, a new run into a folder that holds anything: its records would be lost or mixed.
-    With `overwrite` a run folder is removed first (by rank 0, unless `remove` is False: a dry run), unless a
-    live run holds it."""
+    """Refuse a new run into a folder that holds anything; with `overwrite` remove a run folder (if `remove`)."""
     keep = (f"error: run folder {run_dir} is not empty: pass --resume {run_dir} to go on with it, "
             "another --run-dir for a new run, or --overwrite to replace it")
     if to_replace(run_dir, overwrite, "--run-dir", "a run folder", is_run, RUN_ENTRIES, keep) and remove and \
@@ -91,8 +87,8 @@ def check_eval_out(out: Path, overwrite: bool) -> None:
 
 
 def to_replace(folder: Path, overwrite: bool, flag: str, kind: str, is_kind, entries: set[str], keep: str) -> bool:
-    """Whether `folder` must be removed before the lab writes it: False if it is new or empty; True if it is
-    `kind` (`is_kind`), holds only `entries` and `overwrite` asks; else a one-line refusal (`keep` if not asked)."""
+    """False if `folder` is new or empty; True if it is `kind`, holds only `entries` and `overwrite` asks (to be
+    removed); else a one-line refusal (`keep` if not asked)."""
     from lab_cli import cannot_write, name_too_long
 
     if why := name_too_long(folder):  # else a traceback from the first look at it (File name too long)
@@ -132,8 +128,7 @@ def is_run(folder: Path) -> bool:
 
 
 def run_config_damage(folder: Path) -> str | None:
-    """What is wrong with the config.json of a folder that holds a run's records (checkpoints/, metrics.jsonl)
-    but is no run by is_run; None for a folder with no such records, or a whole config.json."""
+    """What is wrong with the config.json of a folder that holds a run's records; None without records or damage."""
     if not folder.is_dir() or not any((folder / name).exists() for name in ("checkpoints", "metrics.jsonl", ".lock")):
         return None
     config = folder / "config.json"
@@ -188,8 +183,7 @@ FREE_ON_RESUME = {"steps", "eval_every", "eval_problems", "eval_k", "eval_temper
 
 
 def resume_config(config_class, run_dir: Path, overrides: dict, argv: list[str] | None, change_recipe: bool):
-    """The Config of the run in `run_dir` with `overrides`, refusing what a resume would ignore or silently change:
-    --preset, --run-dir, --overwrite, and without --change-recipe a recipe setting (not in FREE_ON_RESUME)."""
+    """The Config of the run in `run_dir` with `overrides`, refusing what a resume would ignore or silently change."""
     from configuration import field_flag
 
     check_resume_dir(run_dir)
@@ -227,8 +221,8 @@ def stopped_before_training(stop, run_dir: Path) -> str:
 
 
 def take_run_settings(args) -> None:
-    """eval.py on a run's checkpoint: the context, response budget and template its run used, unless given
-    (a tiny model's context, the demo's 512 tokens, is far below eval.py's defaults, which are ToRL's)."""
+    """eval.py on a run's checkpoint: its run's context, response budget and template unless given (eval.py's are
+    ToRL's, far above a tiny model's context)."""
     model = Path(args.model)
     run = read_object(model.parent.parent / "config.json") if is_run(model.parent.parent) else None
     needed = [f"--{name.replace('_', '-')}" for name in ("max_model_len", "max_response_tokens", "template")

@@ -1,11 +1,8 @@
 """Everything a run writes besides the weights' story: its folder, resume point, records, evaluations and stops.
 
-The loop (retool.py) hands the record-keeping to one `RunRecord` with a few
-verbs: open (or resume) the folder, `stops_saved` around the work, `steps()`
-(evaluations between them), `record_step` after each, `finish`. Under torchrun
-every rank holds one; rank 0 alone writes files. metrics.jsonl and eval.jsonl
-are the record, cut back to the checkpoint on resume. The story:
-docs/05-runs.md; the loop's view of it: docs/05-retool.md.
+The loop hands the record-keeping to one `RunRecord`: open (or resume) the folder, `stops_saved` around the work,
+`steps()` (evaluations between them), `record_step` after each, `finish`. Under torchrun every rank holds one; rank 0
+alone writes files. The story: docs/05-runs.md; the loop's view of it: docs/05-retool.md.
 """
 from __future__ import annotations
 
@@ -23,7 +20,7 @@ from checkpoints import (append_jsonl, capture_rng, has_eval_row, load_optimizer
                          stop_with_checkpoint, truncate_jsonl, weights_damage)
 from configuration import settings_changed
 from eval import evaluate, mean, summary_line
-from lab_cli import shown
+from lab_cli import disk_problem, progress, shown
 from plots import plot_run
 from run_folders import hold_lock, recipe_changes
 from stopping import STOPPER, StopRequested, signal_self_for_tests
@@ -33,7 +30,7 @@ class RunRecord:
     """One run folder: config.json, metrics.jsonl, eval.jsonl, checkpoints/, trackers; resumed when asked."""
 
     def __init__(self, cfg, run_dir: Path, resume: bool, dp, **facts) -> None:
-        """`facts`: what the run found at start (the sandbox's isolation), recorded in config.json beside the Config."""
+        """`facts`: what the run found at start (the sandbox's isolation), recorded in config.json."""
         self.cfg, self.run_dir, self.dp = cfg, run_dir, dp
         if dp.is_main:  # held for the life of the process: a second run into this folder is refused
             run_dir.mkdir(parents=True, exist_ok=True)
@@ -71,8 +68,6 @@ class RunRecord:
 
     def steps(self, llm, sandbox, eval_problems: list[dict]):
         """The steps still to do, under a progress bar (rank 0's), each held-out evaluation when due between them."""
-        from lab_cli import progress
-
         self.evaluate_if_due(self.start_step, llm, sandbox, eval_problems, resumed=True)
         self.bar = progress(range(self.start_step, self.cfg.steps), desc="RL", initial=self.start_step,
                             total=self.cfg.steps, disable=not self.dp.is_main)
@@ -108,8 +103,7 @@ class RunRecord:
         return row
 
     def evaluate_if_due(self, step: int, llm, sandbox, problems: list[dict], resumed: bool = False) -> None:
-        """The held-out evaluation at `step` when one is due: before RL, every eval_every steps, after RL;
-        `resumed`: at the resume point, only if a stop lost it (eval.jsonl has no row)."""
+        """The held-out evaluation at `step` when due; `resumed`: at the resume point, only if a stop lost it."""
         cfg, dp = self.cfg, self.dp
         final = step == cfg.steps
         due = step == 0 or final or (cfg.eval_every > 0 and step % cfg.eval_every == 0)
@@ -163,9 +157,8 @@ class RunRecord:
 
 
 def failure_line(failure: BaseException, run_dir: Path, new: bool) -> str | None:
-    """After a run failed (an error or a refusal, not a stop): the one line to exit with, or None to let an
-    unexpected error show its traceback. A new run's folder goes unless it holds work (a recorded step, a
-    cold-started base or one begun), and only if this process made it; where work is kept the line says how to go on."""
+    """After a run failed (not a stop): the one line to exit with, or None to show an unexpected error's traceback.
+    A new run's folder goes unless it holds work, and only if this process made it; kept work gets its --resume."""
     kept = work_kept(run_dir) if new else "its work"
     if new and not kept and held_by_this_process(run_dir):
         shutil.rmtree(run_dir, ignore_errors=True)
@@ -193,7 +186,7 @@ def work_kept(run_dir: Path) -> str:
 
 
 def held_by_this_process(run_dir: Path) -> bool:
-    """Whether this process holds the run folder's lock (it made the folder): never remove another run's."""
+    """Whether this process holds the run folder's lock: never remove another run's."""
     try:
         return (run_dir / ".lock").read_text().strip() == str(os.getpid())
     except OSError:
@@ -201,8 +194,7 @@ def held_by_this_process(run_dir: Path) -> bool:
 
 
 def drop_broken_base(run_dir: Path) -> None:
-    """On resume before any checkpoint: a cold-started base that was cut short (a full disk while it was written)
-    goes, with a notice, so that the cold start makes it again instead of loading half a model."""
+    """On resume before any checkpoint: a cold-started base cut short (a full disk) goes, so that it is made again."""
     base = run_dir / "base"
     if (base / "cold_start.json").exists() and (why := weights_damage(base)):
         print(f"note: {base} is not whole ({why}); the cold start makes it again")
@@ -210,10 +202,7 @@ def drop_broken_base(run_dir: Path) -> None:
 
 
 def disk_full(failure: BaseException, run_dir: Path) -> str | None:
-    """The line for an error the disk caused (lab_cli.disk_problem; torch's failed write on a nearly full disk, which
-    names no errno), without the advice's end; None for any other error."""
-    from lab_cli import disk_problem
-
+    """The line for an error the disk caused (torch's failed write on a full disk names no errno); else None."""
     if line := disk_problem(failure):
         return line
     free = shutil.disk_usage(next(p for p in (run_dir, *run_dir.absolute().parents) if p.exists())).free
@@ -244,7 +233,7 @@ def outcome_metrics(trajectories, results) -> dict:
 
 
 def start_memory_peak() -> None:
-    """CUDA: count the peak from here, so that a step's peak_memory_gb is its own (CPU: the process's, see below)."""
+    """CUDA: count the peak from here, so that a step's peak_memory_gb is its own."""
     import torch
 
     if torch.cuda.is_available():
@@ -253,8 +242,7 @@ def start_memory_peak() -> None:
 
 def measured_counterparts(timing: dict) -> dict:
     """What the dry run's plan assumed, as this step measured it: the memory peak (CUDA: the allocator's since
-    start_memory_peak; CPU: the process's peak resident memory so far) and the sampler's decode rate.
-    Under torchrun combine_metrics takes the ranks' largest peak and their mean rate (a GPU's)."""
+    start_memory_peak; CPU: the process's peak resident memory so far) and the sampler's decode rate."""
     import resource
 
     import torch
@@ -262,7 +250,7 @@ def measured_counterparts(timing: dict) -> dict:
     reserved = {}
     if torch.cuda.is_available():
         peak_gb = torch.cuda.max_memory_allocated() / 1e9
-        # what torch's allocator held at most, its cached blocks included: what vLLM's wake had beside it
+        # torch's allocator's most, cached blocks included: what vLLM's wake had beside it
         reserved = {"peak_reserved_gb": torch.cuda.max_memory_reserved() / 1e9}
     else:
         peak_gb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9  # Linux: kilobytes

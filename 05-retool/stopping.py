@@ -1,9 +1,7 @@
 """Stopping a training run without losing work: SIGTERM and Ctrl-C become a checkpoint, then an exit.
 
-A signal raises `StopRequested` at once, or, while a step's update is held
-(`STOPPER.hold()` to `release()`), once the step is recorded; the run record
-saves the last finished step and exits with 128 + the signal number
-(checkpoints.stop_with_checkpoint). The story: docs/05-runs.md, "Stops".
+A signal raises `StopRequested` at once, or, while a step's update is held (`STOPPER.hold()` to `release()`), once
+the step is recorded. The story: docs/05-runs.md, "Stops".
 """
 from __future__ import annotations
 
@@ -16,8 +14,7 @@ from lab_cli import when_output_closes
 
 
 class StopRequested(BaseException):
-    """SIGTERM or SIGINT (Ctrl-C) arrived: save a checkpoint of the last finished step and exit. A BaseException,
-    like KeyboardInterrupt, so that no `except Exception` on the way (rollout, sandbox, vLLM) swallows it."""
+    """SIGTERM or Ctrl-C arrived: a BaseException, like KeyboardInterrupt, so that no `except Exception` swallows it."""
 
     def __init__(self, signum: int):
         super().__init__(signal.Signals(signum).name)
@@ -25,16 +22,14 @@ class StopRequested(BaseException):
 
 
 class Stopped(SystemExit):
-    """A run ended by SIGTERM or Ctrl-C as asked, its line said (and its checkpoint saved, where a step had finished):
-    not a failure. Exits with 128 + the signal."""
+    """A run ended by SIGTERM or Ctrl-C as asked, its line said: not a failure. Exits with 128 + the signal."""
 
     def __init__(self, signum: int):
         super().__init__(128 + signum)
 
 
 class Stopper:
-    """Turns SIGTERM and SIGINT into StopRequested, at once or, while a step's update is held (the weights no
-    longer match the last recorded step), at `release`; a second signal while one waits stops at once."""
+    """Turns SIGTERM and SIGINT into StopRequested, at once or, while held, at `release`; a second one stops at once."""
 
     def __init__(self) -> None:
         self.held = False
@@ -85,8 +80,7 @@ STOPPER = Stopper()
 
 
 def signal_self_for_tests(step: int) -> None:
-    """RETOOL_TEST_SIGNAL=TERM@3 (or KILL@3, INT@3): send that signal to this process as step 3 begins, so that
-    tests stop a run at a known point instead of racing it from outside."""
+    """RETOOL_TEST_SIGNAL=TERM@3 (or KILL@3, INT@3): send that signal to this process as step 3 begins (for tests)."""
     spec = os.environ.get("RETOOL_TEST_SIGNAL", "")
     if spec:
         name, _, at = spec.partition("@")

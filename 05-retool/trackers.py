@@ -4,9 +4,7 @@
     .venv/bin/python 05-retool/retool.py --log wandb                # a W&B run (offline without a network)
     .venv/bin/python 05-retool/retool.py --log tensorboard,wandb
 
-metrics.jsonl and eval.jsonl stay the record; a tracker gets each row as it is
-written, under the same keys (eval rows as `eval/<set>/<metric>`). A missing
-package is a one-line error at start. The story: docs/05-runs.md, "Logs".
+metrics.jsonl and eval.jsonl stay the record; a tracker gets each row under the same keys (docs/05-runs.md, "Logs").
 """
 from __future__ import annotations
 
@@ -41,8 +39,7 @@ def missing_package(log: str) -> str | None:
 
 
 def open_trackers(log: str, run_dir: Path, config: dict, start_step: int = 0) -> "Trackers":
-    """The trackers named in `log`, ready to receive rows; `start_step` > 0 when resuming: the run redoes the steps
-    after its checkpoint, so TensorBoard drops the events it had from them (purge_step), W&B resumes the same id."""
+    """The trackers named in `log`; from `start_step` TensorBoard drops redone steps' events, W&B resumes its id."""
     if missing := missing_package(log):  # the start's check (config_problems), for any other caller
         raise SystemExit(f"error: {missing}")
     writers = []  # (write(scalars, step), close) per tracker
