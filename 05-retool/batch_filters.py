@@ -1,8 +1,6 @@
 """The loop's options from the field since ToRL: DAPO's dynamic sampling, and what leaves the loss.
 
-Each is a Config field, off by default and in the torl-* presets, because ToRL
-had none of them. What each does and why: docs/06-beyond-torl.md; the loop:
-docs/05-retool.md.
+Each is a Config field, off by default and in the torl-* presets (ToRL had none). Why: docs/06-beyond-torl.md.
 """
 from __future__ import annotations
 
@@ -10,9 +8,8 @@ import dataclasses
 
 
 def keep_informative_groups(trajectories, results, sample, rollout_cfg, more_problems, cfg):
-    """DAPO's dynamic sampling, if cfg.dynamic_sampling: (trajectories, results, metrics) with as many groups;
-    off, the step's own and no metrics. `sample(problems, rollout_cfg)` samples and scores as the step did;
-    extra round r (1, 2, ...) samples `more_problems(r)` with a seed of its own."""
+    """DAPO's dynamic sampling, if on: (trajectories, results, metrics) with as many groups; extra round r samples
+    `more_problems(r)` with `sample`, a seed of its own. Off: the step's own, no metrics."""
     if not cfg.dynamic_sampling:
         return trajectories, results, {}
 
@@ -35,12 +32,9 @@ def groups_of(trajectories, results, group_size: int) -> list[list[tuple]]:
 
 
 def informative_groups(groups, more, want: int, max_rounds: int, any_rank=bool):
-    """DAPO's dynamic sampling: keep groups whose rewards differ until `want` are held; (groups, problems drawn,
-    extra rounds). `groups` are the step's own; `more(r)` gives extra round r's (1..max_rounds). If the bound is
-    hit first, degenerate groups fill the step in the order they were drawn, so a step always has `want` groups.
-    `any_rank(need)` says whether any rank needs another round (under torchrun an all-reduce): every rank then
-    runs the same rounds, a rank that has its groups drawing none, so no rank waits in a collective for more
-    than one round of another's.
+    """Keep groups whose rewards differ until `want` are held: (groups, problems drawn, extra rounds); `more(r)` gives
+    round r's. At the bound degenerate groups fill the step in drawn order. Every rank runs the rounds any rank needs
+    (`any_rank`), drawing none once it has its groups, so no rank waits in a collective on another's.
 
         rewards per group  [+1 +1] [-1 +1] [-1 -1]   want 2, more() gives [[+1 -1]]
         kept               [-1 +1] [+1 -1]           drawn 4 problems, 1 extra round
@@ -92,9 +86,7 @@ def excluded_from_loss(trajectories, tokenizer, mask_truncated: bool, filter_voi
 
 
 def void_turns(t, tokenizer) -> int:
-    """Model turns (the model's text between observations) that hold neither a complete ```python block nor a
-    \\boxed{} answer (SimpleTIR's void turns). "```python\\nprint(1)\\n```\\n```output" holds a complete block;
-    "Let me think" cut by the budget holds neither; "```python\\nprint(" then ```output, an unclosed block: void."""
+    """Model turns that hold neither a complete ```python block nor a \\boxed{} answer (SimpleTIR's void turns)."""
     from reward import extract_last_boxed
     from rollout import STOP, extract_code
 

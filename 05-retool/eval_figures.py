@@ -3,10 +3,9 @@
     .venv/bin/python 05-retool/eval_figures.py 05-eval-modes --commands 'make run-05 ARGS="--run-dir runs/cpu-demo"' \\
         'VLLM_CPU_KVCACHE_SPACE=1 .venv/bin/python 05-retool/eval.py --model runs/cpu-demo/base ... --out runs/eval-05/base-tir' ...
 
-reads the folder of each eval.py command (its --out) and writes docs/results/NAME.json, whose command is every
-command given, in order, then this one: each as it can be typed again. Per folder (its name, '-' as '_'):
-accuracy (avg@k), code_ratio, and counts of its responses: boxed (a closed \\boxed{}), code_block (it opens a
-```python block), code_then_output (an ```output fence follows that block: in text mode the model wrote it).
+reads each eval.py command's --out folder into docs/results/NAME.json, recorded with every command given, then this
+one. Per folder: accuracy, code_ratio, and counts of responses that box, open a ```python block, or follow it with an
+```output fence (in text mode the model wrote it).
 """
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
 """plots.png of a run, drawn from its metrics.jsonl: reward, accuracy, tool use, response length, entropy per RL step.
 
-Drawn from the record alone, so `retool.py --plot RUN_DIR` redraws any run,
-finished, stopped or still going. The story: docs/05-retool.md.
+Drawn from the record alone, so `retool.py --plot RUN_DIR` redraws any run, finished, stopped or still going.
 """
 from __future__ import annotations
 
@@ -10,8 +9,7 @@ from pathlib import Path
 from checkpoints import read_rows
 
 
-# (title, metrics.jsonl keys drawn in it), left to right
-PANELS = [
+PANELS = [  # (title, metrics.jsonl keys drawn in it), left to right
     ("reward (mean, ±1 scale)", ["reward_mean"]),
     ("accuracy", ["accuracy"]),
     ("tool use", ["code_ratio", "code_pass_ratio"]),

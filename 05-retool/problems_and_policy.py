@@ -1,11 +1,7 @@
 """What a run starts from: its problems and its first policy.
 
-Key decisions: the generated tasks are written on first use (what `make run-01`
-writes), so the demos run without a data step; ToRL's long prompts are dropped
-at load, not cut; the first policy follows Config.cold_start, one explicit
-setting: "scratch" trains a tiny model in the run folder, "finetune" fine-tunes
-the given model on tool traces there (both cold_start.py), "none" takes the
-model as given (SmolLM2's hub id found locally by smollm2.py).
+Key decisions: the generated tasks are written on first use, so the demos run without a data step; ToRL's long
+prompts are dropped at load, not cut; the first policy follows one explicit setting, Config.cold_start.
 The story: docs/05-retool.md.
 """
 from __future__ import annotations
@@ -16,8 +12,7 @@ from pathlib import Path
 
 
 def load_data(cfg, dp=None) -> tuple[list[dict], list[dict]]:
-    """Training and evaluation problems in 01-data's schema; says what 01-data's filter dropped. A generated task
-    is written first if its files are missing (under torchrun by rank 0, the others then read it)."""
+    """Training and evaluation problems in 01-data's schema; a generated task is written first if missing (rank 0)."""
     if dp is not None:
         with dp.main_first():
             return load_data(cfg)
@@ -62,8 +57,7 @@ def task_files(name: str) -> list[Path]:
 
 
 def tasks_to_write(cfg) -> list[str]:
-    """The generated tasks the run names (train_file or eval_file) whose two files are both missing: load_data
-    writes them. One file of a pair alone is not rewritten: it may be the user's."""
+    """The generated tasks the run names whose two files are both missing (one alone may be the user's: kept)."""
     named = {cfg.train_file, cfg.eval_file}
     return [name for name in GENERATED_TASKS
             if named & {str(p) for p in task_files(name)} and not any(p.exists() for p in task_files(name))]
@@ -80,9 +74,8 @@ def make_task(name: str) -> tuple[list[dict], list[dict]]:
 
 
 def fit_prompts(train: list[dict], evaluation: list[dict], model_path: str, cfg) -> list[dict]:
-    """The training problems to use: those over cfg.max_prompt_tokens dropped (if set); then every prompt must fit.
-    One that leaves no room for the response budget would fail at its first step (or evaluation): refused here,
-    naming the flag that drops such prompts."""
+    """The training problems, those over cfg.max_prompt_tokens dropped (if set); a prompt that leaves no room for the
+    response budget would fail at its first step: refused here, naming the flag that drops such prompts."""
     if cfg.max_prompt_tokens:
         train = drop_long_prompts(train, model_path, cfg)
     evaluation = evaluation[: cfg.eval_problems] if cfg.eval_problems else evaluation
@@ -111,8 +104,7 @@ def prompt_lengths(problems: list[dict], model_path: str, template: str) -> list
 
 
 def drop_long_prompts(problems: list[dict], model_path: str, cfg) -> list[dict]:
-    """The problems whose rendered prompt has at most `cfg.max_prompt_tokens` tokens; says how many were dropped.
-    As ToRL's loader (400 - 10 tokens of tir_base_0309): no prompt is cut, every problem has the same budget."""
+    """The problems whose prompt has at most `cfg.max_prompt_tokens` tokens, as ToRL's loader: none cut."""
     lengths = prompt_lengths(problems, model_path, cfg.template)
     kept = [p for p, length in zip(problems, lengths) if length <= cfg.max_prompt_tokens]
     print(f"{cfg.train_file}: kept {len(kept)} of {len(problems)} problems; dropped {len(problems) - len(kept)} "
@@ -128,8 +120,7 @@ def trainer_threads(cfg) -> int:
 
 
 def trainer_policy(cfg, model_path: str, dp):
-    """The trainer's float32 copy of the policy, only its top cfg.train_layers trained if set; under torchrun
-    a DDP replica or an FSDP2 shard (06's distributed.py; FSDP2 reads the weights on rank 0 only)."""
+    """The trainer's float32 policy, only its top cfg.train_layers trained if set; under torchrun DDP's or FSDP2's."""
     policy = dp.load_policy(model_path)
     if cfg.train_layers:
         from cold_start import freeze_all_but_top
@@ -142,13 +133,11 @@ COLD_STARTS = ("released", "scratch", "finetune", "none")
 
 
 def needs_cold_start(cfg) -> bool:
-    """Whether the run trains its base model first (Config.cold_start "scratch" or "finetune")."""
     return cfg.cold_start in ("scratch", "finetune")
 
 
 def first_policy(cfg, run_dir: Path, dp) -> str:
-    """The folder RL starts from: the task's released base (its files' sha256 checked), cold-started in the run
-    folder (rank 0 trains it, the others find it), or as given."""
+    """The folder RL starts from: the task's released base, cold-started in the run folder (by rank 0), or as given."""
     from released_base import release_for, released_base
 
     if cfg.cold_start == "released":
@@ -170,9 +159,8 @@ def local_model(model: str) -> str:
 
 
 def cold_started_model(cfg, run_dir: Path) -> str:
-    """The folder RUN_DIR/base: cold_start.py once per schedule of the Config (cold_start_argvs), each from the
-    last one's weights; the earlier ones in RUN_DIR/base-schedules/N. A schedule already done is kept; with
-    cold_start_cache, one made before from the same inputs (cold_start_key) is copied, not trained again."""
+    """RUN_DIR/base: cold_start.py once per schedule (earlier ones in RUN_DIR/base-schedules/N), each from the last
+    one's weights; one done is kept, one made before from the same inputs (cold_start_cache) copied."""
     import cold_start
     from lab_cli import caches_kept
     from smollm2 import default_cache_dir
@@ -209,8 +197,7 @@ def cold_started_model(cfg, run_dir: Path) -> str:
 
 
 def copy_whole(source: Path, to: Path) -> None:
-    """Copy the folder `source` to `to`, whole or not at all; a disk that fills on the way is one line, and leaves
-    nothing a resume would take for a finished base."""
+    """Copy the folder `source` to `to`, whole or not at all; a disk that fills on the way is one line."""
     if why := copied(source, to):
         from lab_cli import file_size_fix
 
@@ -219,8 +206,7 @@ def copy_whole(source: Path, to: Path) -> None:
 
 
 def keep_in_cache(base: Path, cached: Path) -> None:
-    """Keep a copy of the cold-started `base` for later runs. The cache is optional: if it cannot (a full or
-    read-only disk), a notice, and the run goes on."""
+    """Keep a copy of the cold-started `base` for later runs; the cache is optional: where it cannot, a notice."""
     if why := copied(base, cached):
         print(f"note: the cold-start cache {cached.parent} keeps no copy of this base ({why}); the run goes on")
 
@@ -241,9 +227,8 @@ def copied(source: Path, to: Path) -> str | None:
 
 
 def cold_start_argvs(cfg) -> list[list[str]]:
-    """cold_start.py's flags for each schedule of the base, without --out (and, after the first, its --model):
-    the Config's cold_start_* settings, then each of cold_start_schedules, a cold start of its own from the
-    weights before it, as a separate command would run it (docs/06-experiments.md: the chained base takes three)."""
+    """cold_start.py's flags for each schedule of the base, without --out (and later ones' --model): the Config's
+    cold_start_* settings, then each of cold_start_schedules, as a separate command would run it."""
     first = {"--train-file": cfg.train_file, "--steps": cfg.cold_start_steps,
              "--tool-fraction": cfg.cold_start_tool_fraction, "--template": cfg.template, "--seed": cfg.seed,
              "--tool-only-steps": cfg.cold_start_tool_only_steps, "--lr": cfg.cold_start_lr,
@@ -280,10 +265,8 @@ def further_schedules(text: str) -> list[tuple[int, int, bool]]:
 
 
 def cold_start_key(argv: list[str], train_file: str, source: str | None, before: str) -> str:
-    """A digest of everything that determines a cold-started base, so that a change to any of it is a new base:
-    the settings (argv, without --out yet), the training problems, the code that writes the traces (the chained task's
-    calls too) and builds or loads the model, the template table, the pretrained model's files (names and sizes) when
-    one is tuned, and the key of the schedule `before` this one ("" for the first), whose weights it starts from."""
+    """A digest of everything that determines a cold-started base (a change to any of it is a new base): the
+    settings, the problems, the code, a tuned model's files and the key of the schedule `before` this one ("")."""
     import hashlib
 
     import torch

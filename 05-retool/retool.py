@@ -6,11 +6,9 @@
     .venv/bin/python 05-retool/retool.py --steps 60 --lr 1e-5     # every Config field is a flag (configuration.py)
     .venv/bin/python 05-retool/retool.py --resume RUN_DIR         # (--plot RUN_DIR redraws plots.png)
 
-`train` runs `train_step` once a step: sample groups with the sandbox in the
-loop (03, 02), score them (04), group advantages, the policy update (on-policy) and
-the new weights copied into vLLM in the same process (06). The run folder, resume, stops,
-evaluations and trackers are one `RunRecord` (run_record.py), data parallel one
-`dp` (06's distributed.py). The story: docs/05-retool.md.
+`train` runs `train_step` once a step: sample with the sandbox in the loop (03, 02), score (04), group advantages,
+the on-policy update and the weights copied into vLLM in the same process (06). The run folder, resume, stops and
+records are one `RunRecord` (run_record.py), data parallel one `dp` (06). The story: docs/05-retool.md.
 """
 from __future__ import annotations
 
@@ -75,11 +73,8 @@ def train(cfg: Config, run_dir: Path, resume: bool = False, dp=None) -> None:
 
 def train_step(llm, model, optimizer, problems, sandbox, rollout_cfg, grpo_cfg, cfg: Config, dp=None,
                more_problems=None):
-    """One RL step: sample, score, compare within groups, update, sync. Returns (metrics, trajectories).
-
-    Under torchrun `problems` are this rank's share, and the metrics are this rank's.
-    `more_problems(r)` gives the problems of extra round r (1, 2, ...) for dynamic sampling.
-    """
+    """One RL step: sample, score, compare within groups, update, sync. Returns (metrics, trajectories), this rank's
+    under torchrun; `more_problems(r)` gives dynamic sampling's extra round r's problems."""
     from grpo import group_advantages, grpo_step, sleep_sampler, sync_weights
 
     start_memory_peak()  # so that this step's peak_memory_gb is its own
@@ -202,8 +197,7 @@ def start_sandbox(cfg: Config):
 
 def start_sampler(cfg: Config, model_path: str, state: dict | None, dp=None):
     """The vLLM engine over `model_path`, then the random state (the checkpoint's, or fresh from the seed): in that
-    order because vLLM's engine seeds the global generators when it starts. Under torchrun (`dp`, 06's
-    DataParallel) each rank's engine gets a seed of its own and joins torchrun's world."""
+    order because vLLM's engine seeds the global generators when it starts. Under torchrun a seed per rank."""
     import numpy as np
     import torch
 

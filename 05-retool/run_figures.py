@@ -3,8 +3,7 @@
     make run-05 ARGS="--run-dir runs/cpu-demo"
     .venv/bin/python 05-retool/run_figures.py runs/cpu-demo 05-cpu-demo --run-command 'make run-05 ARGS="--run-dir runs/cpu-demo"'
 
-writes docs/results/05-cpu-demo.json, whose command is the two lines above joined: the run, then this read
-of it, each as it can be typed again. The page that quotes the run is rewritten with `python results.py`. What each figure means:
+writes docs/results/05-cpu-demo.json, its command the two lines above joined. What each figure means:
 docs/05-retool.md (the demo) and docs/06-train.md (its metrics).
 """
 from __future__ import annotations
@@ -20,18 +19,16 @@ from checkpoints import read_rows
 from lab_cli import at_least, one_line_errors
 from results import save
 
-# The first step's metrics a page reads, with the decimals they are shown with.
 FIRST_STEP = {"reward_mean": 2, "accuracy": 2, "code_ratio": 2, "code_ratio_correct": 2, "code_ratio_incorrect": 2,
               "degenerate_groups": 0, "tokens": 0, "ratio_max": 3, "clip_low_frac": 3, "clip_high_frac": 3,
               "mismatch_abs": 4, "entropy": 3, "rollout_s": 2, "sandbox_s": 2, "reward_s": 2, "update_s": 2,
-              "sync_s": 2}
+              "sync_s": 2}  # the first step's metrics a page reads, with the decimals they are shown with
 SECONDS = ("rollout_s", "reward_s", "update_s", "sync_s")  # a step's parts; their medians over the run
 STRETCH = {"reward_mean": 2, "degenerate_groups": 1, "informative_frac": 2, "grad_norm": 3, "update_s": 2}  # means
 
 
 def figures(run_dir: Path, stretches: list[tuple[int, int]] = ()) -> dict:
-    """Held-out accuracy and tool use at each evaluation, the reward's climb, the first step, the clip, step times;
-    and, per stretch of steps (first, last), the means that show degenerate groups diluting the step."""
+    """Held-out accuracy and tool use at each evaluation, the reward's climb, the first step, clip, step times."""
     metrics, evals = (run_dir / "metrics.jsonl"), (run_dir / "eval.jsonl")
     if not metrics.exists() or not evals.exists():
         raise SystemExit(f"error: {run_dir}: no metrics.jsonl and eval.jsonl: not a finished run folder")

