@@ -4,21 +4,9 @@
     make run-05 NPROC=8 PRESET=torl-7b                                       # 8 GPUs, FSDP2
     make run-05 NPROC=2 ARGS="--model runs/x/base --steps 4"                 # 2 CPU processes, gloo
 
-Without torchrun, `setup()` returns a world of one and every method below is
-the identity: the loop in chapter 05 reads the same either way.
-
-Each rank owns one device, its own vLLM engine and its own trainer replica
-(DDP) or shard (FSDP2). Decisions, and why (the page tells each at length):
-
-1. Whole groups on one rank: an advantage needs only its group's rewards, so no communication.
-2. Every rank's k-th mini-batch is a slice of the single-process k-th one (`shard`): the same optimizer steps.
-3. The loss denominator is global (`global_normalizer`): a rank's own count would weigh a token on a rank
-   with short answers more than one on a rank with long answers.
-4. The engines are vLLM's "external launcher" kind: each joins torchrun's process group and samples alone.
-5. Rank 0 alone writes files; metrics are combined from every rank's (`reduce_metrics`); every rank
-   evaluates its `share` of the held-out problems.
-6. A rank that fails exits non-zero (`record` keeps its traceback for torchrun), and torchrun stops the
-   others: no rank is left blocked in a collective.
+Without torchrun, `setup()` returns a world of one and every method below is the identity: the loop in chapter
+05 reads the same either way. Each rank owns one device, its own vLLM engine and its own trainer replica (DDP) or
+shard (FSDP2); the page gives each decision and why.
 """
 from __future__ import annotations
 
@@ -30,8 +18,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-# How long a rank waits in a collective for the others: the slowest rank's share
-# of an evaluation, or rank 0's checkpoint save, must end within it.
+# How long a rank waits in a collective: the slowest rank's evaluation, or rank 0's checkpoint save, must fit in it.
 COLLECTIVE_TIMEOUT = timedelta(minutes=60)
 STRATEGIES = ("ddp", "fsdp")  # how the trainer is spread over ranks: replicated, or sharded (FSDP2)
 
@@ -40,8 +27,8 @@ STRATEGIES = ("ddp", "fsdp")  # how the trainer is spread over ranks: replicated
 
 
 def load_policy(model_path, device: str | torch.device | None = None):
-    """The trainer's copy of the model: float32 weights on `device` (CUDA if there is one); one rank's share of
-    the work under torchrun is `DataParallel.load_policy`'s. grpo.py takes it from here."""
+    """The trainer's copy of the model: float32 weights on `device` (CUDA if there is one); under torchrun, see
+    `DataParallel.load_policy`."""
     from transformers import AutoModelForCausalLM
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -60,55 +47,43 @@ def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def gradient_sync(model, sync: bool):
-    """DDP: average gradients across ranks on the mini-batch's last micro-batch only (one exchange per optimizer
-    step); wrap its forward, where DDP arms the exchange. FSDP2 reduce-scatters within the node after every backward
-    on purpose: skipping it would hold an unsharded float32 gradient (28 GiB at 7B) on every GPU. Across nodes
-    (HSDP) it all-reduces each shard with its replicas on the last micro-batch only, the sum of the earlier ones kept."""
+    """Wraps a micro-batch's forward, where DDP arms its exchange: DDP, and HSDP across nodes, exchange gradients on
+    the mini-batch's last micro-batch only. FSDP2 still reduce-scatters within the node after every backward: else
+    every GPU would hold a whole float32 gradient."""
     if hasattr(model, "set_requires_all_reduce"):  # FSDP2; with one node there is nothing to all-reduce
         model.set_requires_all_reduce(sync)
     return model.no_sync() if hasattr(model, "no_sync") and not sync else nullcontext()
 
 
-def pad_to_every_rank(model, passes: list, filler, at_least: int = 1) -> list:
-    """The passes this rank runs: its own in one process; under DDP or FSDP2 as many as the rank that needs the
-    most, and `at_least` (one all-reduce), the missing ones `filler`: the gradient exchange happens inside the
-    backward passes, and FSDP2 gathers each layer's weights in every forward."""
-    if unwrap(model) is model and not any(hasattr(p, "full_tensor") for p in model.parameters()):
-        return passes  # neither wrapped in DDP nor sharded by FSDP2
-    most = torch.tensor([len(passes)], dtype=torch.int64)  # gloo carries CPU tensors, also on GPU nodes
-    dist.all_reduce(most, op=dist.ReduceOp.MAX)
-    return passes + [filler] * (max(int(most), at_least) - len(passes))
-
-
-def gradients_to_none(model) -> bool:
-    """Whether zero_grad may free the gradients: not under DDP, whose gradients are views of its
-    all-reduce buckets (`wrap`); freed, the next no_sync backward would allocate them again beside the buckets."""
-    return unwrap(model) is model
-
-
 class RanksInStep:
-    """What grpo_step does alike on every rank under torchrun, one call at each place it matters. In one process
-    (no process group) each call is the single-process one: the local count, no padding, no exchange to arm."""
+    """What grpo_step does alike on every rank under torchrun, one call at each place it matters; in one process,
+    the single-process step."""
 
     def __init__(self, model, global_normalizer=None):
         self.model, self.global_normalizer = model, global_normalizer
         self.several = dist.is_available() and dist.is_initialized()
 
     def denominator(self, local: float) -> float:
-        """A mini-batch's loss denominator: this rank's count, or with `global_normalizer` (decision 3) every
-        rank's count over N, since DDP and FSDP2 average the ranks' gradients."""
+        """A mini-batch's loss denominator: this rank's count, or with `global_normalizer` every rank's count over N."""
         return local if self.global_normalizer is None else self.global_normalizer(local)
 
     def zero_grad(self, optimizer) -> None:
-        """Zero the gradients; freed, except under DDP, whose buckets hold them (`gradients_to_none`)."""
-        optimizer.zero_grad(set_to_none=not self.several or gradients_to_none(self.model))
+        """Zero the gradients; freed, except under DDP, whose gradients are views of its all-reduce buckets: freed,
+        the next no_sync backward would allocate them again beside the buckets."""
+        optimizer.zero_grad(set_to_none=not self.several or unwrap(self.model) is self.model)
 
     def pad(self, passes: list, filler, at_least: int = 1) -> list:
-        """As many passes as the busiest rank (`pad_to_every_rank`); this rank's own in one process."""
-        return pad_to_every_rank(self.model, passes, filler, at_least) if self.several else passes
+        """As many passes as the rank that needs the most, and `at_least`, the missing ones `filler`: the gradient
+        exchange happens inside the backward passes, and FSDP2 gathers each layer's weights in every forward."""
+        if not self.several:
+            return passes
+        if unwrap(self.model) is self.model and not any(hasattr(p, "full_tensor") for p in self.model.parameters()):
+            return passes  # neither wrapped in DDP nor sharded by FSDP2
+        most = torch.tensor([len(passes)], dtype=torch.int64)  # gloo carries CPU tensors, also on GPU nodes
+        dist.all_reduce(most, op=dist.ReduceOp.MAX)
+        return passes + [filler] * (max(int(most), at_least) - len(passes))
 
     def exchange(self, last: bool):
-        """Wraps a micro-batch's forward: DDP exchanges gradients on the mini-batch's last one only (`gradient_sync`)."""
         return gradient_sync(self.model, sync=last) if self.several else nullcontext()
 
     def whole_norm(self, grad_norm: torch.Tensor) -> torch.Tensor:
@@ -144,23 +119,19 @@ class DataParallel:
     # ----------------------------------------------------------------- the batch
 
     def shard(self, items: list, num_minibatches: int) -> list:
-        """This rank's share of a step's problems (decision 2): `num_minibatches` consecutive chunks, as grpo_step
-        cuts the trajectories, each cut into one slice per rank. With 8 problems, 2 mini-batches, 2 ranks: rank 0
-        gets [0, 1, 4, 5] and rank 1 [2, 3, 6, 7]."""
+        """This rank's share of a step's problems: `num_minibatches` consecutive chunks, as grpo_step cuts the
+        trajectories, each cut into one slice per rank, so that the optimizer steps are one process's."""
         if not self.distributed:
             return items
         if len(items) % (num_minibatches * self.world_size):
             raise ValueError(f"{len(items)} problems do not split into {num_minibatches} mini-batches"
                              f" x {self.world_size} ranks")
         per = len(items) // (num_minibatches * self.world_size)
-        out = []
-        for chunk in range(num_minibatches):
-            start = (chunk * self.world_size + self.rank) * per
-            out.extend(items[start: start + per])
-        return out
+        starts = [(chunk * self.world_size + self.rank) * per for chunk in range(num_minibatches)]
+        return [item for start in starts for item in items[start: start + per]]
 
     def global_normalizer(self, local: float) -> float:
-        """grpo_step's loss denominator on this rank: the count summed over ranks, over N (decision 3)."""
+        """grpo_step's loss denominator on this rank: the count summed over ranks, over N."""
         if not self.distributed:
             return local
         count = torch.tensor([float(local)], dtype=torch.float64)  # gloo carries CPU tensors, also on GPU nodes
@@ -168,17 +139,15 @@ class DataParallel:
         return float(count) / self.world_size
 
     def rank_seed(self, seed: int | None) -> int | None:
-        """This rank's seed for sampling, the engine's and the requests' (rank 0 keeps the single-process one):
-        with one seed every rank's engine would draw the same noise, and its groups the same samples."""
+        """This rank's seed for sampling (rank 0 keeps the single-process one): with one seed every rank's engine
+        would draw the same samples."""
         return None if seed is None else seed + 1_000_003 * self.rank
 
     # ----------------------------------------------------------------- the model
 
     def load_policy(self, model_path):
-        """The trainer's float32 policy, for `wrap` next. FSDP2 over several ranks: only rank 0 reads the weights (on
-        the CPU), the others build the model on the meta device, and `wrap` fills their shards from rank 0's: every
-        rank loading would hold 244 GB of host memory on an 8-GPU node at 7B. DDP loads on every rank (its wrap
-        broadcasts rank 0's replica anyway). `loaded_weights` says which."""
+        """The trainer's float32 policy, for `wrap` next. Under FSDP2 only rank 0 reads the weights (on the CPU) and
+        `wrap` fills the other ranks' shards, built on the meta device; `loaded_weights` says which."""
         sharded = self.strategy == "fsdp" and self.distributed
         self.loaded_weights = not sharded or self.is_main
         if not sharded:
@@ -216,16 +185,14 @@ class DataParallel:
         from torch.nn.parallel import DistributedDataParallel
 
         ids = [self.local_rank] if self.device.type == "cuda" else None
-        # gradients live in DDP's all-reduce buckets instead of beside them: one copy, not two (6.2 GB at 1.5B),
-        # as long as zero_grad keeps them (`gradients_to_none`)
+        # gradients as views of DDP's all-reduce buckets: one copy, not two, while RanksInStep.zero_grad keeps them
         return DistributedDataParallel(model, device_ids=ids, gradient_as_bucket_view=True)
 
     def fully_shard(self, model):
         """FSDP2 in place, every decoder layer and then the root; also in a world of one (make gpu-check)."""
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-        # GPU: bf16 compute on the gathered weights, float32 shards and gradient reduction
-        # (as autocast does without FSDP); CPU: float32 throughout, as everywhere on CPU
+        # GPU: bf16 compute on the gathered weights, float32 shards and reductions (as autocast); CPU: float32
         on_cuda = self.device.type == "cuda"
         policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if on_cuda else None, reduce_dtype=torch.float32)
         mesh = None  # one node: torch's 1-D mesh over every rank
@@ -245,8 +212,8 @@ class DataParallel:
 
     def checkpoint_parts(self, model, optimizer, staging):
         """(model, optimizer) to hand to save_checkpoint on rank 0; every rank must call it. FSDP2: the model is
-        gathered into rank 0's host memory (the Hugging Face folder vLLM and eval.py load), while each rank writes its
-        shard of the optimizer state into `staging` (AdamW's moments, 61 GB at 7B, never meet on one rank)."""
+        gathered into rank 0's host memory (a Hugging Face folder), while each rank writes its shard of the optimizer
+        state into `staging`: AdamW's moments (61 GB at 7B) never meet on one rank."""
         if self.strategy != "fsdp" or not self.distributed:
             return self.unwrap(model), optimizer
         import shutil
@@ -310,7 +277,7 @@ class DataParallel:
 
     @contextmanager
     def main_first(self):
-        """Rank 0 runs the block (writes a file, trains the cold-start model); then the others, which find its result."""
+        """Rank 0 runs the block (writes a file, trains the cold start); then the others, which find its result."""
         if not self.is_main:
             self.barrier()
         yield
@@ -318,7 +285,7 @@ class DataParallel:
             self.barrier()
 
     def engine_kwargs(self) -> dict:
-        """Arguments for make_llm: an engine that lives in torchrun's world (decision 4)."""
+        """Arguments for make_llm: an engine that joins torchrun's process group and samples alone."""
         return {"distributed_executor_backend": "external_launcher"} if self.distributed else {}
 
     def close(self) -> None:
@@ -334,30 +301,26 @@ def setup(strategy: str = "ddp") -> DataParallel:
     if "RANK" not in os.environ or int(os.environ.get("WORLD_SIZE", "1")) == 1:
         return DataParallel(strategy=strategy)
     rank, world, local = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_RANK"])
+    backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"  # NCCL for GPU tensors, gloo for objects
     if torch.cuda.is_available():
         if local >= torch.cuda.device_count():
             raise SystemExit(f"error: rank {rank} wants GPU {local} but this node has {torch.cuda.device_count()}")
         torch.cuda.set_device(local)
-        backend = "cpu:gloo,cuda:nccl"  # gloo for object collectives, NCCL for tensors on the GPU
-    else:
-        backend = "gloo"
     if not dist.is_initialized():
         dist.init_process_group(backend, timeout=COLLECTIVE_TIMEOUT)
     return DataParallel(rank, world, local, strategy, per_node=int(os.environ.get("LOCAL_WORLD_SIZE", world)))
 
 
 def cores_per_rank() -> int:
-    """This rank's share of the node's cores: what its sandbox may run at once (math code is CPU-bound). Each of
-    torchrun's LOCAL_WORLD_SIZE ranks taking every core would start 8 x 224 warm slots on a 224-core, 8-GPU node."""
+    """This rank's share of the node's cores: what its sandbox may run at once (math code is CPU-bound), so that
+    the node's ranks together start one slot a core."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     return max(1, cores // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
 
 
 def combine_metrics(per_rank: list[dict]) -> dict:
-    """Combine per-rank metric dicts into the whole step's, exactly where the rule allows: counts add; timings
-    (`*_s`: the step waits for the slowest rank) and maxima take the max; a mean weighs each rank by what it is over
-    (`weight`); the rest (loss, grad_norm, ...) is kept when equal on every rank, else the plain mean; lists (problem
-    ids) are concatenated; anything else is rank 0's."""
+    """Combine per-rank metric dicts into the whole step's (docs/06-scaling.md): a value the rules below do not
+    name is kept when equal on every rank, else the plain mean; lists are concatenated; anything else is rank 0's."""
     if len(per_rank) == 1:
         return dict(per_rank[0])
     sums = {"trajectories", "tokens", "sequences", "degenerate_groups", "errors", "generated_tokens", "rows_skipped",

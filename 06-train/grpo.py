@@ -4,18 +4,11 @@
     metrics = grpo_step(model, optimizer, trajectories, cfg)     # pi_old, clipped loss, backward, clip, AdamW
     sync_weights(model, llm)                                     # new weights into vLLM (weight_sync.py)
 
-Key decisions: the advantage is the reward minus its group's mean (by default
-no std); only tokens the model wrote carry gradient (`loss_mask`); pi_old is
-recomputed by the trainer, so the first mini-batch's ratio is exactly 1 and the
-gap to vLLM's log-probs is logged as a mismatch; clip-higher by default (0.2
-below, 0.28 above); token-mean aggregation; no KL term; float32 master weights.
-PPO-clip with token-mean is written out here; any other objective or
-aggregation (GSPO, CISPO, sequence-mean, token-sum) is chosen in objectives.py,
-and so is every aggregation's denominator, token-mean's included
-(`loss_denominator`). Each option is one call behind one `if` in grpo_step
-(update_options.py). What every rank must do alike under torchrun is one call
-of `ranks` at each place it matters, the single-process step in one process
-(distributed.py). The log-probs come a chunk at a time (logprob_chunks.py).
+Key decisions: the advantage is the reward minus its group's mean (no std by default); only tokens the model
+wrote carry gradient (`loss_mask`); pi_old is recomputed by the trainer, so the first mini-batch's ratio is exactly
+1; clip-higher (0.2 below, 0.28 above); token-mean; no KL term; float32 master weights. PPO-clip with token-mean is
+written out here; every other objective, aggregation and option is one call behind one `if` (objectives.py,
+update_options.py), and what the ranks do alike under torchrun one call of `ranks` (distributed.py).
 """
 from __future__ import annotations
 
@@ -51,31 +44,26 @@ class GRPOConfig:
     tis_mode: str = "truncate"  # weight min(pi_old / pi_sampler, cap), or 0 outside the band: "token-mask", "sequence-mask"
     # batching: one step = num_minibatches optimizer updates over the trajectories
     num_minibatches: int = 2
-    # sequences per forward/backward; gradients accumulate, so it sets memory and speed, never the update.
-    # 8 is torl-1.5b's (3k-token sequences on one GPU); a run passes its own Config's (the CPU demo's 16).
-    micro_batch_size: int = 8
+    micro_batch_size: int = 8  # sequences per forward/backward: memory and speed only, never the update (torl-1.5b's)
     # numerics
     temperature: float = 1.0  # the sampler's temperature: logits are divided by it
     gradient_checkpointing: bool = False
     skip_zero_advantage: bool = True  # no forward/backward for rows without gradient; the update is the same
 
 
-def group_advantages(
-    rewards: list[float], group_size: int, scale: bool = False, eps: float = 1e-6
-) -> tuple[list[float], int]:
+def group_advantages(rewards: list[float], group_size: int, scale: bool = False,
+                     eps: float = 1e-6) -> tuple[list[float], int]:
     """Advantages for consecutive groups of `group_size` rewards; returns (advantages, n_degenerate).
 
-    Rewards come group by group: the first `group_size` answer one problem, the
-    next `group_size` the next problem, and so on. Each reward minus its group's
-    mean says how much better than its siblings an answer was:
+    Rewards come group by group: the first `group_size` answer one problem, the next `group_size` the next, and so
+    on. Each reward minus its group's mean says how much better than its siblings an answer was:
 
         rewards [+1, -1, -1, -1]  ->  [+1.5, -0.5, -0.5, -0.5]   one right answer in four
         rewards [+1, +1, +1, -1]  ->  [+0.5, +0.5, +0.5, -1.5]   one wrong answer in four
         rewards [-1, -1, -1, -1]  ->  [0, 0, 0, 0]               degenerate: nothing to compare
 
-    With `scale=True` each centred value is divided by the group's (unbiased)
-    standard deviation plus `eps` (the original GRPO). A degenerate group (all
-    rewards equal) gives zeros either way and is counted.
+    With `scale=True` each centred value is divided by the group's (unbiased) standard deviation plus `eps` (the
+    original GRPO). A degenerate group (all rewards equal) gives zeros either way and is counted.
     """
     if group_size < 1 or len(rewards) % group_size:
         raise ValueError(f"{len(rewards)} rewards do not split into groups of {group_size}")
@@ -88,32 +76,15 @@ def group_advantages(
     return centred.flatten().tolist(), int(degenerate.sum())
 
 
-def clipped_policy_loss(
-    logprobs: torch.Tensor,
-    old_logprobs: torch.Tensor,
-    advantages: torch.Tensor,
-    loss_mask: torch.Tensor,
-    eps_low: float = 0.2,
-    eps_high: float = 0.28,
-    aggregation: str = "token-mean",
-    normalizer: float | None = None,
-    token_weights: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, dict[str, float]]:
+def clipped_policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
+                        loss_mask: torch.Tensor, eps_low: float = 0.2, eps_high: float = 0.28,
+                        aggregation: str = "token-mean", normalizer: float | None = None,
+                        token_weights: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
     """PPO-clip surrogate `-min(r*A, clip(r, 1-eps_low, 1+eps_high)*A)` over model tokens; returns (loss, stats).
 
-    All tensors are [B, T] (advantages may be [B], one per sequence). Token-mean:
-    the token terms' sum over the model tokens' count, or over `normalizer`,
-    grpo_step's count for the whole mini-batch, so that its micro-batches add up
-    to its loss. Another `aggregation` ("sequence-mean", Dr. GRPO's "token-sum")
-    is objectives.py's `aggregate`. `token_weights` ([B, T], no gradient)
-    multiply each token's term: importance sampling.
-
-    Where the clip is active the gradient is zero: with A > 0 once r > 1 + eps_high,
-    with A < 0 once r < 1 - eps_low. Example, A = +1: r = 1.5 gives -1.28 and no
-    gradient; r = 0.5 gives -0.5 with gradient (a token made less likely against
-    its advantage is always pulled back).
-    stats: clip_low_frac, clip_high_frac (share of model tokens clipped on each
-    side), ratio_mean, ratio_max, approx_kl (k3 estimate of KL(old || new)), tokens.
+    Tensors are [B, T] (advantages may be [B]). Token-mean divides by the model tokens, or by `normalizer`, the
+    whole mini-batch's count, so that its micro-batches add up to its loss; any other `aggregation` is
+    objectives.py's. `token_weights` ([B, T], no gradient) multiply each token's term: importance sampling.
     """
     if advantages.dim() == 1:
         advantages = advantages.unsqueeze(-1)
@@ -139,12 +110,10 @@ OBJECTIVES = {"ppo-clip": clipped_policy_loss, "gspo": gspo_loss, "cispo": cispo
 
 
 def grpo_step(model, optimizer, trajectories, cfg: GRPOConfig, exclude=None, global_normalizer=None) -> dict[str, float]:
-    """One GRPO step on trajectories that already carry `.advantage`; returns flat float metrics.
+    """One GRPO step on trajectories that already carry `.advantage`; returns flat float metrics (docs/06-train.md).
 
-    pi_old with the weights as they are, then `cfg.num_minibatches` AdamW updates, each over micro-batches of
-    `cfg.micro_batch_size` sequences: loss and backward for each, then the gradient's norm clipped and one step.
     `exclude` (a bool per trajectory) keeps rows out of the loss and its denominator; `global_normalizer` makes a
-    mini-batch's denominator the data-parallel one (distributed.py's `RanksInStep`). Metrics: docs/06-train.md, "Metrics".
+    mini-batch's denominator the data-parallel one (distributed.py's `RanksInStep`).
     """
     _check_step_inputs(trajectories, cfg, exclude)
     ranks = RanksInStep(model, global_normalizer)  # torchrun: this rank in step with the others (distributed.py)
@@ -158,9 +127,8 @@ def grpo_step(model, optimizer, trajectories, cfg: GRPOConfig, exclude=None, glo
     runs = batch.rows_with_gradient() if cfg.skip_zero_advantage else torch.ones(len(trajectories), dtype=torch.bool)
     tally.rows_skipped = int((~runs).sum())
     observed = batch.keeping(runs)  # what the metrics of pi_old describe: no forward runs for a metric alone
-    # pi_old: the weights before any update of this step, so the first mini-batch's ratio is exactly 1. The first
-    # mini-batch's own forwards give it for their rows (the weights have not moved yet); a pass of its own gives it
-    # for the later mini-batches' rows, and for every row when importance weights need it before any forward.
+    # pi_old: the weights before any update. The first mini-batch's own forwards give it for their rows (the weights
+    # have not moved yet); a pass of its own for the others' rows, or every row's when importance weights need it.
     own_forward = first_minibatch_gives_pi_old(cfg)
     old, entropy = _old_logprobs_and_entropy(model, batch, cfg, runs, ranks, skip_first=own_forward)
     token_weights = None
@@ -172,8 +140,7 @@ def grpo_step(model, optimizer, trajectories, cfg: GRPOConfig, exclude=None, glo
     objective, aggregation = OBJECTIVES[cfg.objective], objective_aggregation(cfg)
     for index, rows in enumerate(batch.minibatches(cfg.num_minibatches)):
         own = own_forward and index == 0  # this mini-batch's forwards are pi_old
-        # Token-mean's denominator (objectives.py): the mini-batch's tokens in the loss, the skipped rows' included,
-        # so that skipping changes nothing. Under torchrun every rank's count over N.
+        # the mini-batch's tokens in the loss, the skipped rows' included, so that skipping changes nothing
         normalizer = ranks.denominator(loss_denominator(batch.loss_mask[rows], aggregation, cfg.max_response_tokens))
         ranks.zero_grad(optimizer)
         passes = [(micro_rows, False) for micro_rows in _micro_batches(rows[runs[rows]], cfg.micro_batch_size)]
@@ -192,10 +159,9 @@ def grpo_step(model, optimizer, trajectories, cfg: GRPOConfig, exclude=None, glo
                 cfg.eps_low, cfg.eps_high, aggregation, normalizer=normalizer,
                 token_weights=None if token_weights is None else token_weights[micro_rows, :width].to(device))
             # ---- A KL penalty to a reference model would go here. ----------------
-            # loss = loss + kl_coef * k3(ref_logprobs - logprobs) over model tokens,
-            # with ref_logprobs from a frozen copy of the initial model, computed
-            # beside old_logprobs. ToRL uses kl_coef = 0, so the lab keeps neither
-            # the copy nor its memory.
+            # loss = loss + kl_coef * k3(ref_logprobs - logprobs) over model tokens, with ref_logprobs from a frozen
+            # copy of the initial model, computed beside old_logprobs. ToRL uses kl_coef = 0, so the lab keeps
+            # neither the copy nor its memory.
             (loss * 0.0 if filler else loss).backward()
             if not filler:
                 tally.add_micro_batch(loss, stats)
@@ -217,12 +183,9 @@ def grpo_step(model, optimizer, trajectories, cfg: GRPOConfig, exclude=None, glo
 def make_optimizer(model, cfg: GRPOConfig) -> torch.optim.Optimizer:
     """AdamW over the model's parameters, which must be float32 (docs/06-train.md: "Precision")."""
     params = [p for p in model.parameters() if p.requires_grad]
-    not_fp32 = {str(p.dtype) for p in params if p.dtype != torch.float32}
-    if not_fp32:
-        raise ValueError(
-            f"trainer weights are {sorted(not_fp32)}: keep float32 master weights "
-            "(a 1e-6 step rounds away in bf16); load with load_policy or dtype=torch.float32"
-        )
+    if not_fp32 := {str(p.dtype) for p in params if p.dtype != torch.float32}:
+        raise ValueError(f"trainer weights are {sorted(not_fp32)}: keep float32 master weights "
+                         "(a 1e-6 step rounds away in bf16); load with load_policy or dtype=torch.float32")
     fused = params[0].device.type == "cuda"
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay, fused=fused)
     make_adamw_state(optimizer)  # its moments now, before vLLM takes its share, not inside the first update
@@ -236,10 +199,9 @@ def make_optimizer(model, cfg: GRPOConfig) -> torch.optim.Optimizer:
 class Batch:
     """Trajectories as right-padded tensors, aligned with what the model predicts.
 
-    `input_ids` row = prompt_ids + token_ids, then padding. Every [B, T-1]
-    tensor is in *target* coordinates: column j is about input_ids[:, j+1], the
-    token predicted from input_ids[:, :j+1]. For prompt [p0, p1] and response
-    [m0, o0, m1] (o0 an observation token):
+    `input_ids` row = prompt_ids + token_ids, then padding. Every [B, T-1] tensor is in *target* coordinates:
+    column j is about input_ids[:, j+1], the token predicted from input_ids[:, :j+1]. For prompt [p0, p1] and
+    response [m0, o0, m1] (o0 an observation token):
 
         input_ids      p0  p1  m0  o0  m1
         targets            p1  m0  o0  m1
@@ -256,13 +218,8 @@ class Batch:
     def select(self, rows: torch.Tensor) -> "Batch":
         """The given rows, with padding columns that none of them uses cut off."""
         width = int(self.attention_mask[rows].sum(dim=1).max())
-        return Batch(
-            self.input_ids[rows, :width],
-            self.attention_mask[rows, :width],
-            self.loss_mask[rows, : width - 1],
-            self.advantages[rows, : width - 1],
-            self.sampler_logprobs[rows, : width - 1],
-        )
+        return Batch(self.input_ids[rows, :width], self.attention_mask[rows, :width],
+                     *(t[rows, : width - 1] for t in (self.loss_mask, self.advantages, self.sampler_logprobs)))
 
     def keeping(self, rows: torch.Tensor) -> "Batch":
         """The batch with the other rows' loss mask and advantages zeroed (`rows`: one bool per row)."""
@@ -286,11 +243,8 @@ def build_batch(trajectories) -> Batch:
     """Pad trajectories into a `Batch` (on CPU); see `Batch` for the alignment."""
     rows = len(trajectories)
     width = max(len(t.prompt_ids) + len(t.token_ids) for t in trajectories)
-    input_ids = torch.zeros(rows, width, dtype=torch.long)
-    attention_mask = torch.zeros(rows, width, dtype=torch.long)
-    loss_mask = torch.zeros(rows, width - 1)
-    advantages = torch.zeros(rows, width - 1)
-    sampler_logprobs = torch.zeros(rows, width - 1)
+    input_ids, attention_mask = (torch.zeros(rows, width, dtype=torch.long) for _ in range(2))
+    loss_mask, advantages, sampler_logprobs = (torch.zeros(rows, width - 1) for _ in range(3))
     for i, t in enumerate(trajectories):
         if not (len(t.token_ids) == len(t.loss_mask) == len(t.logprobs)):
             raise ValueError(f"trajectory {t.problem_id}/{t.group_index}: token_ids, loss_mask, logprobs differ in length")
@@ -313,14 +267,9 @@ def build_batch(trajectories) -> Batch:
 
 
 def token_logprobs(model, batch: Batch, temperature: float = 1.0, micro_batch_size: int | None = None) -> torch.Tensor:
-    """[B, T-1] log-prob of every target token of `batch` under `model`, logits divided by `temperature`.
-
-    Positions whose target is padding hold whatever the model says about token
-    0 there; multiply by `batch.loss_mask` (or index with it) before use. With
-    `micro_batch_size` the rows run in chunks, so only one chunk's logits exist
-    in float32 at a time; call it under `torch.no_grad()` then, or every chunk's
-    graph is kept for backward. The result is on the model's device.
-    """
+    """[B, T-1] log-prob of every target of `batch` under `model`, on its device; padding's are noise, so mask with
+    `batch.loss_mask`. With `micro_batch_size` the rows run in chunks; call it under `torch.no_grad()` then, or
+    every chunk's graph is kept for backward."""
     rows = torch.arange(batch.input_ids.shape[0])
     width = batch.loss_mask.shape[1]
     pieces = []
@@ -339,8 +288,7 @@ def _target_logprobs(model, input_ids, attention_mask, temperature: float, with_
     with autocast:  # the final hidden states; the logits of one position only (logits_to_keep), never used
         hidden = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, logits_to_keep=1,
                        output_hidden_states=True).hidden_states[-1]
-    # lm_head, then logit[target] - logsumexp over the vocabulary in float32, a chunk of positions at a time: the
-    # whole [b, T, vocabulary] would cap the micro-batch (logprob_chunks.py)
+    # lm_head a chunk of positions at a time: the whole [b, T, vocabulary] would cap the micro-batch
     return chunked_logprobs(hidden, unwrap(model).lm_head, input_ids[:, 1:], temperature, with_entropy)
 
 
@@ -355,8 +303,7 @@ def _old_logprobs_and_entropy(model, batch: Batch, cfg: GRPOConfig, runs: torch.
     """Log-probs and entropies of the targets of the rows the update `runs`, under the current weights, on CPU
     (zeros elsewhere, and in the first mini-batch's rows if `skip_first`: its own forwards fill them). In the
     update's own micro-batches: the same shapes give the same bits."""
-    old = torch.zeros(batch.loss_mask.shape)
-    entropy = torch.zeros(batch.loss_mask.shape)
+    old, entropy = torch.zeros(batch.loss_mask.shape), torch.zeros(batch.loss_mask.shape)
     minibatches = list(batch.minibatches(cfg.num_minibatches))[1 if skip_first else 0:]
     chunks = [micro for rows in minibatches for micro in _micro_batches(rows[runs[rows]], cfg.micro_batch_size)]
     # FSDP2 gathers weights in every forward: as many as the other ranks, the extra ones on the shortest row
@@ -375,8 +322,7 @@ def _old_logprobs_and_entropy(model, batch: Batch, cfg: GRPOConfig, runs: torch.
 def _check_step_inputs(trajectories, cfg: GRPOConfig, exclude) -> None:
     if not trajectories:
         raise ValueError("grpo_step needs at least one trajectory")
-    problems = objective_problems(cfg, tuple(OBJECTIVES))  # objectives.py: settings that would train something else
-    if problems:
+    if problems := objective_problems(cfg, tuple(OBJECTIVES)):  # settings that would train something else
         raise ValueError(problems[0])
     if cfg.aggregation == "token-sum" and cfg.max_response_tokens < 1:
         raise ValueError("aggregation token-sum divides by the response budget: set GRPOConfig.max_response_tokens")

@@ -1,13 +1,9 @@
 """The targets' log-probs and entropy a chunk of positions at a time, so no [B, T, vocabulary] tensor exists at once.
 
-Taken whole, a micro-batch's logits, their float32 copy, logsumexp's softmax
-and their gradients are each B x T x vocabulary values: 8 sequences of 3,472
-tokens at Qwen's 152k vocabulary make 4.2 G values, 8.4 GB in bf16 and twice
-that in float32. Here the output layer (lm_head) runs on each chunk of the final
-hidden states alone, and again in backward (torch.utils.checkpoint): only the
-hidden states, vocabulary / hidden_size times smaller, span the micro-batch.
-The operations are the whole form's, row by row, so on the CPU the log-probs
-and the gradients equal the whole form's. docs/06-scaling.md prices what is left.
+Whole, a micro-batch of 8 sequences of 3,472 tokens at Qwen's 152k vocabulary has 4.2 G logits (8.4 GB in bf16, and
+as much again for each float32 copy and gradient). Here lm_head runs on each chunk of the final hidden states alone,
+and again in backward (checkpoint). The operations are the whole form's, row by row, so on the CPU the log-probs
+and gradients equal it. docs/06-scaling.md prices what is left.
 """
 from __future__ import annotations
 
@@ -23,11 +19,11 @@ CHUNK_TOKENS = 1024
 
 def chunked_logprobs(hidden: torch.Tensor, head, targets: torch.Tensor, temperature: float,
                      with_entropy: bool = False):
-    """Log-probs [b, T-1] of `targets` ([b, T-1]) under `head(hidden)`, the logits ([b, T, vocabulary]: the last
-    position predicts past the end), divided by `temperature`; and their entropy (no gradient) if asked, else None.
-    `hidden` is the model's final hidden states [b, T, hidden_size], `head` its output layer."""
+    """Log-probs [b, T-1] of `targets` under `head(hidden)` / `temperature` (`hidden`: the final hidden states
+    [b, T, hidden_size]; the last position predicts past the end), and their entropy (no gradient) if asked."""
     positions = max(1, CHUNK_TOKENS // hidden.shape[0])
-    recompute = torch.is_grad_enabled() and (hidden.requires_grad or any(p.requires_grad for p in _parameters(head)))
+    params = head.parameters() if isinstance(head, torch.nn.Module) else ()
+    recompute = torch.is_grad_enabled() and (hidden.requires_grad or any(p.requires_grad for p in params))
     pieces = []
     for start, chunk in zip(range(0, targets.shape[1], positions), hidden[:, :targets.shape[1]].split(positions, dim=1)):
         args = (chunk, head, targets[:, start:start + positions], temperature, with_entropy)
@@ -37,8 +33,7 @@ def chunked_logprobs(hidden: torch.Tensor, head, targets: torch.Tensor, temperat
 
 
 def _chunk(hidden: torch.Tensor, head, targets: torch.Tensor, temperature: float, with_entropy: bool):
-    """One chunk's log-probs, and its entropy if asked: its logits exist only here (bf16 on a GPU, as the whole
-    forward's autocast made them), then in float32."""
+    """One chunk's log-probs and entropy: its logits exist only here (bf16 on a GPU, as autocast made them)."""
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if hidden.device.type == "cuda" else nullcontext()
     with autocast:
         logits = head(hidden)
@@ -53,7 +48,3 @@ def _chunk(hidden: torch.Tensor, head, targets: torch.Tensor, temperature: float
         with torch.no_grad():
             entropy = log_norm - (torch.softmax(logits, dim=-1) * logits).sum(-1)
     return logprobs, entropy
-
-
-def _parameters(head) -> list:
-    return list(head.parameters()) if isinstance(head, torch.nn.Module) else []

@@ -1,9 +1,8 @@
 """Every loss a run may choose beside grpo.py's PPO-clip with token-mean; the story is docs/06-beyond-torl.md.
 
-The one place the objective and the aggregation are chosen (`objective_aggregation`, `aggregate`,
-`loss_denominator`), and the objectives the field adopted after DAPO: GSPO (Zheng et al., 2025) and CISPO
-(MiniMax-M1, 2025), which take the arguments of `grpo.clipped_policy_loss` and return (loss, stats) alike.
-`objective_problems` refuses, in one line each, the settings that would silently train something else.
+The one place the objective and the aggregation are chosen, and GSPO and CISPO, which take the arguments of
+`grpo.clipped_policy_loss` and return (loss, stats) alike. `objective_problems` refuses, one line each, the
+settings that would silently train something else.
 """
 from __future__ import annotations
 
@@ -18,13 +17,9 @@ AGGREGATIONS = ("token-mean", "sequence-mean", "token-sum")
 
 def gspo_loss(logprobs, old_logprobs, advantages, loss_mask, eps_low: float = 3e-4, eps_high: float = 4e-4,
               aggregation: str = "sequence-mean", normalizer: float | None = None, token_weights=None):
-    """GSPO: -min(s_i A_i, clip(s_i, 1-eps_low, 1+eps_high) A_i) per sequence, mean over sequences.
-    s_i = exp(mean over the sequence's model tokens of log pi - log pi_old): its gradient reaches every model token,
-    s_i / |y_i| each (GSPO-token's gradient). `aggregation` must be "sequence-mean" (the objective's own); `normalizer`
-    replaces the sequence count, as in `aggregate`. `token_weights` ([B, T], no gradient) weigh a sequence by their mean
-    over its model tokens: with sequence-mask that is its 0 or 1. Example, A = +1, eps_high 4e-4: token ratios 1.001 and
-    0.999 give s = 0.9999995 and the full gradient; 1.001 and 1.001 give s = 1.001, clipped: no gradient for either
-    token."""
+    """GSPO: -min(s_i A_i, clip(s_i, 1-eps_low, 1+eps_high) A_i) per sequence, s_i the geometric-mean token ratio;
+    always sequence-mean, `normalizer` replacing the sequence count. `token_weights` ([B, T], no gradient) weigh a
+    sequence by their mean over its model tokens: with sequence-mask that is its 0 or 1."""
     if aggregation != "sequence-mean":
         raise ValueError(f"gspo averages over sequences: aggregation {aggregation!r} does not apply")
     mask = loss_mask.bool()
@@ -49,10 +44,7 @@ def gspo_loss(logprobs, old_logprobs, advantages, loss_mask, eps_low: float = 3e
 def cispo_loss(logprobs, old_logprobs, advantages, loss_mask, eps_low: float = 0.2, eps_high: float = 0.28,
                aggregation: str = "token-mean", normalizer: float | None = None, token_weights=None):
     """CISPO: -detach(clip(r, 1-eps_low, 1+eps_high)) * A * log pi per model token, aggregated as `aggregation` says.
-    The clip bounds the weight, not the term: every model token keeps the gradient clip(r) * A * grad log pi. Example,
-    A = +1: r = 1.5 gives weight 1.28 and gradient 1.28 * grad log pi where PPO-clip gives none. The loss's value is not
-    PPO's (it holds log pi, not r); its gradient at r = 1 is. clip_low_frac / clip_high_frac: tokens (with a non-zero
-    advantage) whose weight was clipped."""
+    clip_low_frac / clip_high_frac: tokens (with a non-zero advantage) whose weight was clipped."""
     if advantages.dim() == 1:
         advantages = advantages.unsqueeze(-1)
     mask = loss_mask.bool()
@@ -74,9 +66,8 @@ def objective_aggregation(cfg) -> str:
 
 
 def loss_denominator(loss_mask: torch.Tensor, aggregation: str, max_response_tokens: int) -> float:
-    """A mini-batch's loss denominator for every aggregation, the default's included, counting all its rows: its
-    tokens in the loss (token-mean), its sequences that have any (sequence-mean), or the response budget times its
-    sequences (token-sum)."""
+    """A mini-batch's loss denominator, counting all its rows: its tokens in the loss (token-mean), its sequences
+    that have any (sequence-mean), or the response budget times its sequences (token-sum)."""
     if aggregation == "token-sum":
         return float(max_response_tokens * loss_mask.shape[0])
     if aggregation == "token-mean":
@@ -86,9 +77,8 @@ def loss_denominator(loss_mask: torch.Tensor, aggregation: str, max_response_tok
 
 def aggregate(token_terms: torch.Tensor, mask: torch.Tensor, aggregation: str, normalizer: float | None = None
               ) -> torch.Tensor:
-    """The loss from per-token terms (zero off the mask): token-mean, sequence-mean (each sequence's mean over its
-    model tokens, then the mean over those that have any) or token-sum (Dr. GRPO, which requires `normalizer`).
-    A given `normalizer` is the denominator, so the micro-batches of one mini-batch add up to the mini-batch's loss."""
+    """The loss from per-token terms (zero off the mask); a given `normalizer` is the denominator (token-sum needs
+    one), so the micro-batches of one mini-batch add up to the mini-batch's loss."""
     if aggregation == "token-sum":
         if normalizer is None:
             raise ValueError("token-sum needs normalizer = response budget x number of sequences")
@@ -126,4 +116,3 @@ def objective_problems(cfg, objectives: tuple[str, ...]) -> list[str]:
         if cfg.aggregation == "token-sum":
             problems.append("objective gspo averages over sequences: aggregation token-sum does not apply")
     return problems
-

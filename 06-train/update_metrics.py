@@ -1,10 +1,7 @@
-"""What `grpo_step` reports: token means over the loss mask, the sampler/trainer gap, and the update's sums.
-
-The metrics and what each says are listed in docs/06-train.md, "Metrics".
-Two token counts appear: the tokens in the loss (`loss_tokens`: every model
-token of a trajectory not excluded) and the tokens the update computed on
-(`computed_tokens`: those of the rows not skipped for a zero advantage). The
-ratios, the entropy and the mismatch are over the second.
+"""What `grpo_step` reports (docs/06-train.md, "Metrics"): token means over the loss mask, the sampler/trainer gap,
+and the update's sums. The ratios, entropy and mismatch are over `computed_tokens` (the rows not skipped for a zero
+advantage), the clip fractions over `loss_tokens` (every model token of a trajectory not excluded; a skipped row
+has advantage 0 and is never clipped).
 """
 from __future__ import annotations
 
@@ -19,34 +16,25 @@ def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> float:
 
 def sampler_mismatch(old_logprobs: torch.Tensor, entropy: torch.Tensor, batch) -> dict[str, float]:
     """Entropy of the policy before the step, and how far vLLM's recorded log-probs are from the trainer's, over
-    `batch`'s loss mask. grpo_step passes the rows its update runs (their tokens are `computed_tokens`): by default
-    those with a non-zero advantage, so no forward runs for these metrics alone."""
+    `batch`'s loss mask (grpo_step's: the rows its update runs)."""
     mask = batch.loss_mask.bool()
     if not mask.any():  # every row skipped: undefined (null in metrics.jsonl), where 0 would read as perfect
         return dict.fromkeys(("entropy", "mismatch_abs", "mismatch_max", "mismatch_kl"), float("nan"))
     gap = torch.where(mask, old_logprobs - batch.sampler_logprobs, 0.0)
-    return {
-        "entropy": masked_mean(entropy, mask),
-        "mismatch_abs": masked_mean(gap.abs(), mask),
-        "mismatch_max": float(gap.abs().max()),
-        "mismatch_kl": masked_mean(torch.expm1(gap) - gap, mask),  # k3 of KL(sampler || trainer)
-    }
+    return {"entropy": masked_mean(entropy, mask), "mismatch_abs": masked_mean(gap.abs(), mask),
+            "mismatch_max": float(gap.abs().max()),
+            "mismatch_kl": masked_mean(torch.expm1(gap) - gap, mask)}  # k3 of KL(sampler || trainer)
 
 
 def ratio_stats(ratio: torch.Tensor, log_ratio: torch.Tensor, mask: torch.Tensor, clipped_low: torch.Tensor,
                 clipped_high: torch.Tensor) -> dict[str, float]:
-    """A micro-batch's stats, whatever the objective: the share of model tokens the clip acted on at each
-    side (what acting means is the objective's), the token ratios and the k3 estimate of KL(old || new)."""
+    """A micro-batch's stats, whatever the objective: the share of model tokens the clip acted on at each side (as
+    the objective means it), the token ratios and the k3 estimate of KL(old || new)."""
     with torch.no_grad():
         r = ratio.detach()
-        return {
-            "clip_low_frac": masked_mean(clipped_low, mask),
-            "clip_high_frac": masked_mean(clipped_high, mask),
-            "ratio_mean": masked_mean(r, mask),
-            "ratio_max": float(r[mask].max()) if mask.any() else 1.0,
-            "approx_kl": masked_mean((r - 1.0) - log_ratio.detach(), mask),
-            "tokens": float(mask.sum()),
-        }
+        return {"clip_low_frac": masked_mean(clipped_low, mask), "clip_high_frac": masked_mean(clipped_high, mask),
+                "ratio_mean": masked_mean(r, mask), "ratio_max": float(r[mask].max()) if mask.any() else 1.0,
+                "approx_kl": masked_mean((r - 1.0) - log_ratio.detach(), mask), "tokens": float(mask.sum())}
 
 
 class UpdateTally:
@@ -61,8 +49,7 @@ class UpdateTally:
         self.optimizer_steps = self.skipped_steps = self.rows_skipped = 0
         in_loss = batch.loss_mask.bool()
         self.loss_tokens = float(in_loss.sum())
-        # Token-mean divides by every token in the loss, informative or not: this share is the
-        # factor by which zero-advantage rows shrink the step (docs/06-beyond-torl.md, the exercise).
+        # the factor by which zero-advantage rows shrink a token-mean step (docs/06-beyond-torl.md)
         informative = float(in_loss[batch.rows_with_gradient()].sum())
         self.step_metrics = {"sequences": float(len(in_loss)), "excluded_sequences": float(sum(map(bool, exclude or ()))),
                              "tokens": self.loss_tokens, "informative_frac": informative / max(self.loss_tokens, 1)}
@@ -82,22 +69,15 @@ class UpdateTally:
             self.skipped_steps += 1
 
     def metrics(self, mismatch: dict[str, float]) -> dict[str, float]:
-        """The step's metrics, `mismatch` (sampler_mismatch's) among them: loss and grad_norm per update; clip
-        fractions over the loss's tokens (a skipped row has advantage 0 and is never clipped), ratios and KL over
-        the computed ones."""
-        computed, loss_tokens = self.computed_tokens, self.loss_tokens
-        return {
-            **self.step_metrics,
-            **mismatch,
-            "loss": self.loss / max(self.optimizer_steps + self.skipped_steps, 1),
-            "grad_norm": self.grad_norm / max(self.optimizer_steps, 1),
-            "clip_low_frac": self.token_weighted["clip_low_frac"] / max(loss_tokens, 1),
-            "clip_high_frac": self.token_weighted["clip_high_frac"] / max(loss_tokens, 1),
-            "ratio_mean": self.token_weighted["ratio_mean"] / computed if computed else 1.0,
-            "ratio_max": self.ratio_max if computed else 1.0,
-            "approx_kl": self.token_weighted["approx_kl"] / max(computed, 1.0),
-            "computed_tokens": computed,
-            "rows_skipped": float(self.rows_skipped),
-            "optimizer_steps": float(self.optimizer_steps),
-            "skipped_steps": float(self.skipped_steps),
-        }
+        """The step's metrics, `mismatch` (sampler_mismatch's) among them; loss and grad_norm per update."""
+        computed, loss_tokens, weighted = self.computed_tokens, self.loss_tokens, self.token_weighted
+        return {**self.step_metrics, **mismatch,
+                "loss": self.loss / max(self.optimizer_steps + self.skipped_steps, 1),
+                "grad_norm": self.grad_norm / max(self.optimizer_steps, 1),
+                "clip_low_frac": weighted["clip_low_frac"] / max(loss_tokens, 1),
+                "clip_high_frac": weighted["clip_high_frac"] / max(loss_tokens, 1),
+                "ratio_mean": weighted["ratio_mean"] / computed if computed else 1.0,
+                "ratio_max": self.ratio_max if computed else 1.0,
+                "approx_kl": weighted["approx_kl"] / max(computed, 1.0), "computed_tokens": computed,
+                "rows_skipped": float(self.rows_skipped), "optimizer_steps": float(self.optimizer_steps),
+                "skipped_steps": float(self.skipped_steps)}

@@ -1,10 +1,5 @@
-"""The update's options and safeguards, each one call `grpo_step` makes behind one `if`.
-
-Each changes one thing: a token weight (truncated or masked importance sampling, `tis_weights`), pi_old from
-the first mini-batch's own forward (`first_minibatch_gives_pi_old`), and AdamW's step when every row was skipped
-(`zero_gradients`). Why each exists: docs/06-train.md and docs/06-beyond-torl.md. Two more serve memory on a
-GPU: gradient checkpointing switched as the config says (`set_gradient_checkpointing`), and AdamW's state made
-with the optimizer (`make_adamw_state`): docs/06-scaling.md.
+"""The update's options and safeguards, each one call `grpo_step` makes behind one `if`; why each exists:
+docs/06-train.md, docs/06-beyond-torl.md, and for the two that serve memory on a GPU docs/06-scaling.md.
 """
 from __future__ import annotations
 
@@ -20,9 +15,8 @@ TIS_MODES = ("truncate", "token-mask", "sequence-mask")
 
 def tis_weights(old_logprobs: torch.Tensor, batch, cap: float, mode: str = "truncate"
                 ) -> tuple[torch.Tensor | None, dict[str, float]]:
-    """Importance weights for the sampler/trainer gap, one per token in the loss, and their metrics: the sample
-    came from the sampler, the gradient is for the trainer's policy. "truncate": min(pi_old / pi_sampler, cap);
-    the masks (`masked_importance_weights`) give 1 or 0. `cap` 0: off (None, no metrics)."""
+    """Importance weights for the sampler/trainer gap, one per token in the loss, and their metrics. "truncate":
+    min(pi_old / pi_sampler, cap); the masks give 1 or 0. `cap` 0: off (None, no metrics)."""
     if cap <= 0:
         return None, {}
     mask = batch.loss_mask.bool()
@@ -37,8 +31,8 @@ def tis_weights(old_logprobs: torch.Tensor, batch, cap: float, mode: str = "trun
 
 def masked_importance_weights(log_ratio: torch.Tensor, mask: torch.Tensor, cap: float, mode: str
                               ) -> tuple[torch.Tensor, dict[str, float]]:
-    """Weight 0 outside the band [1/cap, cap], 1 inside: per token ("token-mask", IcePop's rule) or per
-    sequence on its geometric-mean ratio ("sequence-mask"). A masked token still counts in the denominator."""
+    """Weight 0 outside the band [1/cap, cap], 1 inside: per token ("token-mask") or per sequence on its
+    geometric-mean ratio ("sequence-mask")."""
     band = math.log(cap)
     if mode == "token-mask":
         outside = log_ratio.abs() > band
@@ -55,10 +49,8 @@ def masked_importance_weights(log_ratio: torch.Tensor, mask: torch.Tensor, cap: 
 
 
 def first_minibatch_gives_pi_old(cfg) -> bool:
-    """Whether the first mini-batch's own forwards are pi_old for its rows: the weights have not moved before its
-    optimizer step, so its log-probs, detached, stand in for the old ones (a ratio of exactly 1), and only the later
-    mini-batches' rows need a pass of their own (2N a token; none with one mini-batch). Not with importance
-    sampling, whose weights need every row's pi_old before the first forward."""
+    """Whether the first mini-batch's own forwards, detached, are pi_old for its rows (the weights have not moved
+    yet): not with importance sampling, whose weights need every row's pi_old before the first forward."""
     return cfg.tis_cap <= 0
 
 
@@ -68,8 +60,8 @@ def old_pass_share(cfg) -> float:
 
 
 def zero_gradients(model) -> None:
-    """Zero gradients where no backward ran (every row of a mini-batch skipped): AdamW then steps as it would have
-    unskipped (momentum, weight decay), where a parameter without a gradient would not move at all."""
+    """Zero gradients where no backward ran (every row skipped): AdamW then steps as it would have unskipped
+    (momentum, weight decay), where a parameter without a gradient would not move at all."""
     for p in model.parameters():
         if p.requires_grad:
             p.grad = torch.zeros_like(p)
@@ -85,9 +77,8 @@ def set_gradient_checkpointing(model, on: bool) -> None:
 
 
 def make_adamw_state(optimizer: torch.optim.AdamW) -> None:
-    """AdamW's moments and step count, the same zeros it makes itself at its first step. Made there, they would
-    land inside the update's fragmented memory; made with the optimizer, before vLLM takes its share of the GPU,
-    they are where the memory plan puts them (docs/06-scaling.md)."""
+    """AdamW's moments and step count, the zeros it makes itself at its first step, made now: before vLLM takes its
+    share of the GPU, not inside the update's fragmented memory (docs/06-scaling.md)."""
     for group in optimizer.param_groups:
         for p in group["params"]:
             on_device = group["fused"] or group["capturable"]

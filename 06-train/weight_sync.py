@@ -5,13 +5,12 @@ import gc
 
 import torch
 
+from batch_filters import any_rank_needs  # chapter 05's: whether this rank or any other says yes
 from distributed import full_tensor, unwrap
 
 
 def sync_weights(model, llm) -> int:
-    """Copy the trainer's weights into the running vLLM engine, as tensors (no checkpoint is written); return the
-    new version. vLLM's in-place reload repacks each weight it receives for its kernels; a tied lm_head receives
-    none, so on CPU `reload_weights_in_worker` repacks that one by hand."""
+    """Copy the trainer's weights into the running vLLM engine, as tensors (no checkpoint); return the new version."""
     from vllm.v1.engine.core_client import InprocClient
 
     if not isinstance(llm.llm_engine.engine_core, InprocClient):
@@ -29,7 +28,7 @@ def sync_weights(model, llm) -> int:
         failure = e
         for _ in weights:  # the gathers the other ranks still wait in: join them, so no rank hangs
             pass
-    if any_rank_failed(failure is not None):
+    if any_rank_needs(failure is not None):
         raise RuntimeError("sync_weights: vLLM's loader failed on a rank; every rank stops here") from failure
     if asleep:  # the KV cache, most of vLLM's share, last: once the weights are whole and the load's copies freed
         release_trainer_cache()
@@ -41,37 +40,21 @@ def sync_weights(model, llm) -> int:
 
 
 def release_trainer_cache() -> None:
-    """Hand the blocks torch's caching allocator holds back to the driver (CUDA; nothing on CPU): what vLLM wakes
-    next is mapped outside that allocator, so blocks torch keeps cached would be counted twice."""
+    """Hand torch's cached blocks back to the driver (CUDA): vLLM maps what it wakes outside torch's allocator."""
     gc.collect()  # tensors held only by reference cycles
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
 
 
 def engine_weights(model, dtype):
-    """(Hugging Face name, full tensor in the engine's dtype) per parameter, lazily, as vLLM's loader asks.
-    Each shard is cast before it is gathered (FSDP2's `full_tensor` is a collective): the gather then moves bf16 on a
-    GPU, half the bytes of float32."""
+    """(Hugging Face name, full tensor in the engine's dtype) per parameter, lazily, as vLLM's loader asks. Each shard
+    is cast before FSDP2 gathers it: bf16 on a GPU, half the bytes."""
     return ((name, full_tensor(param.detach().to(dtype))) for name, param in unwrap(model).named_parameters())
 
 
-def any_rank_failed(failed: bool) -> bool:
-    """Whether any rank failed (a collective under torchrun; this rank's own answer otherwise)."""
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()):
-        return failed
-    device = "cuda" if dist.get_backend() == "nccl" else "cpu"  # NCCL reduces GPU tensors only
-    flag = torch.tensor([1.0 if failed else 0.0], device=device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    return bool(flag.item())
-
-
 def sleep_sampler(llm) -> bool:
-    """On CUDA, put vLLM to sleep for the update: its KV cache and its weights are dropped (level 2), their memory
-    the trainer's; `sync_weights` wakes it. Level 2 fits this loop alone: it syncs every weight after every update,
-    before the next generate. Level 1 would copy the weights to pinned host memory (15.2 GB an engine at 7B) and
-    back at the wake, only for the sync to overwrite them. Returns whether it slept: on CPU, vLLM has no sleep mode."""
+    """On CUDA, put vLLM to sleep (level 2: its KV cache and weights dropped, since the sync overwrites every weight)
+    for the update; `sync_weights` wakes it. Returns whether it slept: on CPU, vLLM has no sleep mode."""
     config = llm.llm_engine.vllm_config.model_config
     if not (torch.cuda.is_available() and config.enable_sleep_mode):
         return False
@@ -82,9 +65,8 @@ def sleep_sampler(llm) -> bool:
 def reload_weights_in_worker(worker, weights) -> None:
     """Runs inside vLLM's worker (in this process): in-place reload, then the CPU fix-up."""
     worker.reload_weights(weights_iterator=weights, is_checkpoint_format=True)
-    # vLLM's CPU backend keeps a pre-packed copy of the output projection for its matmul kernel. A tied lm_head (Qwen's
-    # small models) receives no weights of its own during a reload, so that copy would keep the old embedding matrix:
-    # repack it. On a GPU there is no such copy (lm_head *is* the embedding tensor).
+    # vLLM's CPU backend keeps a pre-packed copy of the output projection; a tied lm_head receives no weights of its
+    # own in a reload, so that copy would keep the old embedding: repack it (a GPU has no such copy).
     lm_head = getattr(worker.model_runner.get_model(), "lm_head", None)
     if lm_head is not None and hasattr(lm_head, "cpu_linear"):
         lm_head.quant_method.process_weights_after_loading(lm_head)
