@@ -7,9 +7,12 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import errno
 import os
 import sys
 import tempfile
+import threading
+from pathlib import Path
 
 MIN_PYTHON = (3, 11)  # vLLM 0.32, scipy 1.17 and numpy 2.3 need it (pyproject.toml, the Makefile's setup say the same)
 if sys.version_info < MIN_PYTHON:  # every script imports this module first: one line, not an ImportError deep in a library
@@ -25,6 +28,13 @@ def one_line_errors(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
     parser.error = error
     return parser
+
+
+def script_parser(doc: str) -> argparse.ArgumentParser:
+    """A script's parser with one-line refusals: its docstring's first paragraph, then the rest as written."""
+    description, _, epilog = doc.partition("\n\n")
+    return one_line_errors(argparse.ArgumentParser(description=description, epilog=epilog,
+                                                   formatter_class=argparse.RawDescriptionHelpFormatter))
 
 
 def at_least(low: int | float, kind=int, at_most: int | float | None = None):
@@ -50,10 +60,8 @@ def comma_list(text: str) -> tuple[str, ...]:
 
 
 def private_tmp(prefix: str = "tool-rl-lab-") -> str:
-    """A temporary folder of this process's own, made the default for it and its children; stale ones removed.
-    vLLM and the sandbox leave files there (vllm_dist_*, sandbox-server-*) that a killed run never removes; in a
-    folder named for its process they can be found: at every start, the folders of processes that no longer exist
-    are removed, and this one goes at exit."""
+    """A temporary folder of this process's own, made the default for it and its children, gone at exit. A killed
+    run leaves vLLM's and the sandbox's files: at every start, the folders of processes now gone are removed."""
     import getpass
     import shutil
 
@@ -119,8 +127,6 @@ def cannot_write(folder) -> str | None:
 
 def refuse_chapter_folder() -> None:
     """Refuse, in one line, to run from inside one of the lab's chapter folders: data/ and runs/ would land there."""
-    from pathlib import Path
-
     here, root = Path.cwd().resolve(), Path(__file__).resolve().parent
     if here.parent == root and (root / "Makefile").exists() and here.name[:2].isdigit():
         raise SystemExit(f"error: run from the lab's root folder ({root}), not from {here.name}/: "
@@ -130,8 +136,6 @@ def refuse_chapter_folder() -> None:
 def shown(path) -> str:
     """`path` as a message shows it: as given when this process runs in the lab's folder, else absolute, so that
     data/ and runs/ written in another folder say where they went."""
-    from pathlib import Path
-
     root = Path(__file__).resolve().parent
     return str(path) if Path.cwd().resolve() == root else str(Path(path).resolve())
 
@@ -147,8 +151,11 @@ def run_script(main) -> None:
         print("stopped by SIGINT (Ctrl-C)", file=sys.stderr)
         exit_now(130)
     except Exception as e:  # the disk's fault is one line; the lab's or a library's, its traceback without the
-        if (line := disk_problem(e)) is None:  # teardown's noise
-            report_and_exit(e)
+        if (line := disk_problem(e)) is None:  # teardown's noise (a failed engine's leaked objects, a line each)
+            import traceback
+
+            traceback.print_exception(e)
+            exit_now(1)
         print(line + ", then run the same command again", file=sys.stderr)
         exit_now(2)
     except SystemExit as refusal:
@@ -161,20 +168,9 @@ def run_script(main) -> None:
     exit_now(0)
 
 
-def report_and_exit(error: BaseException) -> None:
-    """Print `error`'s traceback and exit with status 1, as Python would, but without the interpreter's teardown,
-    where a failed vLLM engine's leaked objects would add a line each ("nanobind: leaked ...")."""
-    import traceback
-
-    traceback.print_exception(error)
-    exit_now(1)
-
-
 def disk_problem(error: BaseException) -> str | None:
     """The line for an error the disk caused (full, a quota, read-only or not ours to write, a file past
     `ulimit -f`), without its advice's end; None for any other error."""
-    import errno
-
     fixes = {errno.ENOSPC: "free space", errno.EDQUOT: "free space", errno.EROFS: "choose a folder on a writable disk",
              errno.EACCES: "choose a folder you may write to", errno.EFBIG: file_size_fix(),
              errno.ENAMETOOLONG: "choose a shorter name"}
@@ -197,8 +193,6 @@ def disk_problem(error: BaseException) -> str | None:
 def write_fix(error: BaseException) -> str:
     """What to do when a write failed: raise the file-size limit if one is set and could be the cause (EFBIG, or a
     library's write error that names no errno), else free space."""
-    import errno
-
     code = getattr(error, "errno", None)
     if code == errno.EFBIG:
         return file_size_fix()
@@ -261,10 +255,8 @@ def missing_console() -> str | None:
 
 
 def quiet_console() -> None:
-    """Before any library loads: the lab's lines, one bar per phase and errors, not the libraries' chatter. Hugging
-    Face's bars (a model's load and save: a second each) and torch's C++ warnings (vLLM's CPU worker's NUMA note) are
-    off unless their variables say otherwise; written to a file or a pipe, stdout goes out line by line, so the lab's
-    lines and the bars' lines (`progress`) keep their order."""
+    """Before any library loads: the lab's lines, one bar per phase and errors, not the libraries' chatter (Hugging
+    Face's bars, torch's C++ warnings). To a file or a pipe, stdout goes line by line, in order with the bars."""
     if line := missing_console():  # before anything would write to a stream that is not there
         if (open_one := sys.stderr or sys.stdout) is not None:
             print(line, file=open_one, flush=True)
@@ -272,7 +264,6 @@ def quiet_console() -> None:
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     import signal
-    import threading
 
     if threading.current_thread() is threading.main_thread():  # past `ulimit -f` a write fails (EFBIG) and says so,
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # where the kernel's SIGXFSZ would end the process unexplained
@@ -328,8 +319,6 @@ class _Closable:
     @staticmethod
     def _say_closed() -> None:
         """The hook, once, from the main thread (a stop raised in another would end only that thread)."""
-        import threading
-
         if _output.get("gone") and _output["closed"] and threading.current_thread() is threading.main_thread():
             hook, _output["closed"] = _output["closed"], None
             hook()
@@ -366,11 +355,8 @@ class _Lines:
 
 
 def exit_now(code: int) -> None:
-    """Exit after the exit handlers, without the interpreter's own teardown. Everything a run keeps is written and
-    closed by then; what is left is freeing, one by one, the million objects torch and vLLM hold: 3 s of the 5 a
-    process with an engine took to exit on two cores, for nothing."""
-    import threading
-
+    """Exit after the exit handlers, which write and close all a run keeps, without the interpreter's teardown:
+    freeing torch's and vLLM's million objects one by one took 3 s of the 5 an engine's process took to exit."""
     threading._shutdown()  # what the interpreter does first at exit: join the threads that are not daemons
     if "vllm_engine" in sys.modules:  # an engine's teardown frees memory, which the exit does too: 2 s less
         sys.modules["vllm_engine"].skip_teardown_at_exit()

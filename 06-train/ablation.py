@@ -4,27 +4,21 @@
     .venv/bin/python 06-train/ablation.py run --base runs/abl/base --out runs/abl --seeds 0 1
     .venv/bin/python 06-train/ablation.py report --out runs/abl --img docs/img
 
-On the chained task (docs/06-experiments.md) the same with `--preset cpu-chained`
-and the base that task's cold start made. A run takes a few minutes on two cores
-(the chained task's 60 steps: 3 to 7), so an arm's three seeds about a quarter of an hour.
-
-`run` trains one RL run per (arm, seed) with 05-retool/retool.py from the same
-base and the same settings, changing only the arm's flags; rollouts are seeded,
-so two arms draw the same random numbers until their policies differ; a run whose final
-evaluation exists is not redone, so `run` can be called in batches (`--arms`).
-`report` draws one small plot per option (reward per step, the option against
-the baseline, one line per seed) and prints the markdown table of
-docs/06-beyond-torl.md: held-out accuracy after RL and mean reward of the last five
-steps, per seed, and what each option's own metrics said.
+On the chained task (docs/06-experiments.md) the same with `--preset cpu-chained` and that task's base. A run takes
+a few minutes on two cores (the chained task's 60 steps: 3 to 7). `run` trains one retool.py run per (arm, seed)
+from the same base with seeded rollouts, changing only the arm's flags; a finished run is not redone, so `run` can
+go in batches (`--arms`). `report` draws one plot per option against its comparator, one line per seed, and prints
+the markdown table of docs/06-beyond-torl.md.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import shutil
 import subprocess
 import sys
 from pathlib import Path
+
+from lab_cli import script_parser
 
 RETOOL = Path(__file__).resolve().parent.parent / "05-retool" / "retool.py"
 
@@ -165,8 +159,7 @@ def figures(runs) -> dict:
         out.update({f"{at}_held_out": round(after_accuracy(evals), 3), f"{at}_before_rl": round(accuracy_at(evals, "before RL"), 3),
                     f"{at}_reward_last5": round(last_reward(rows), 3), f"{at}_s_per_step": round(step_seconds(rows), 2)})
         out.update({f"{at}_{key}": float(f"{mean_of(rows, key):.3g}") for key in ARMS[arm][3]})
-        # what the predictions of docs/06-beyond-torl.md and appendix/06-ablation.md name: how soon reward reaches 0.8 (the
-        # demo) or 0 (the chained task; 0 if never), entropy and clip early on
+        # what the predictions (appendix/06-ablation.md) name: the first step of reward 0.8 or 0, entropy, clip
         out[f"{at}_first_step_reward_08"], out[f"{at}_first_step_reward_0"] = first_step(rows, 0.8), first_step(rows, 0)
         out[f"{at}_entropy_mean"] = float(f"{mean_of(rows, 'entropy'):.3g}")
         step3 = rows[2].get("entropy") if len(rows) > 2 else None  # null: that step ran no row (every group degenerate)
@@ -257,8 +250,7 @@ def plot_differences(runs, seeds, path: Path) -> None:
             if (arm, seed) in runs and (against, seed) in runs:
                 diff = after_accuracy(runs[arm, seed][1]) - after_accuracy(runs[against, seed][1])
                 ax.scatter(x, diff, marker=marker, color="tab:blue", s=18, label=f"seed {seed}" if x == 0 else None)
-    ax.set_xticks(range(len(pairs)), [f"{arm} - {against}" for arm, against in pairs], fontsize=7, rotation=35,
-                  ha="right")
+    ax.set_xticks(range(len(pairs)), [f"{a} - {b}" for a, b in pairs], fontsize=7, rotation=35, ha="right")
     ax.set_ylabel("held-out after RL,\ndifference", fontsize=8)
     ax.grid(alpha=0.3, axis="y")
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))
@@ -290,8 +282,7 @@ def save_figure(fig, path: Path) -> None:
 
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog="\n\n".join(__doc__.split("\n\n")[1:]))
+    p = script_parser(__doc__)
     sub = p.add_subparsers(dest="command", required=True)
     r = sub.add_parser("run", help="train the runs that are not done yet")
     r.add_argument("--base", required=True, help="the cold-started base model folder every run starts from")

@@ -6,24 +6,11 @@ About a minute on a 2-core CPU with the tiny model, half of it vLLM's start.
     make bench-train ARGS="--shape qwen2.5-math-7b --sequences 8"      # one 7B replica: does it fit?
     make bench-train ARGS="--results 06-bench-train"    # also write the figures to docs/results/06-bench-train.json
 
-Prints, in one run: training tokens per second and peak memory of `grpo_step`,
-the time saved by skipping rows whose advantage is zero (degenerate groups;
-the update is the same either way), and the time of one `sync_weights`. The order mirrors the training loop: the
-engine is built first, put to sleep (CUDA), the trainer steps, then the new
-weights go into the engine. The trajectories are synthetic (random tokens, ±1
-rewards in groups, one observation span per response), so the numbers measure
-the machinery, not learning.
-
-`--shape NAME` (the default on CUDA without --model) builds a random-init
-model with the named model's architecture from its config numbers, on the GPU:
-no download and no vLLM (it is not imported), at the torl-1.5b preset's
-lengths (400 prompt + 3072 response tokens) with gradient checkpointing. It
-then measures, instead of computing, the trainer's side of the memory plan of
-docs/06-scaling.md: weights, AdamW state, and the step's peak on top.
-
-Peak memory is the CUDA allocator's peak on a GPU; on CPU it is the growth of
-the process's peak resident memory during the steps (Linux's VmHWM, reset
-before them), which includes weights, gradients and optimizer state created then.
+Prints the tokens a second and peak memory of `grpo_step`, the time skipping zero-advantage rows saves, and the
+time of one `sync_weights`, in the loop's order: engine built, put to sleep (CUDA), steps, sync. Prompts are random
+tokens and rewards ±1 in groups, so the numbers measure the machinery, not learning. `--shape NAME` (the default on
+CUDA without --model) builds a random-init model of that architecture on the GPU, without vLLM, at the torl-1.5b
+preset's lengths: the trainer's side of docs/06-scaling.md's memory plan, measured.
 """
 from __future__ import annotations
 
@@ -34,9 +21,9 @@ import sys
 import tempfile
 import time
 
-if __name__ == "__main__":  # before torch loads: the libraries' bars and torch's C++ warnings off (lab_cli.py)
-    from lab_cli import quiet_console
+from lab_cli import at_least, quiet_console, run_script, script_parser
 
+if __name__ == "__main__":  # before torch loads: the libraries' bars and torch's C++ warnings off
     quiet_console()
 import torch
 
@@ -48,13 +35,12 @@ from update_metrics import sampler_mismatch
 
 
 # Config numbers of the lab's target models (their config.json), for random-init models of the same shape.
+_QWEN_MATH = dict(num_hidden_layers=28, max_position_embeddings=4096, rope_theta=10000.0, rms_norm_eps=1e-6)
 SHAPES = {
-    "qwen2.5-math-1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
-                              num_key_value_heads=2, vocab_size=151936, max_position_embeddings=4096,
-                              rope_theta=10000.0, rms_norm_eps=1e-6, tie_word_embeddings=True),
-    "qwen2.5-math-7b": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
-                            num_key_value_heads=4, vocab_size=152064, max_position_embeddings=4096,
-                            rope_theta=10000.0, rms_norm_eps=1e-6, tie_word_embeddings=False),
+    "qwen2.5-math-1.5b": dict(_QWEN_MATH, hidden_size=1536, intermediate_size=8960, num_attention_heads=12,
+                              num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
+    "qwen2.5-math-7b": dict(_QWEN_MATH, hidden_size=3584, intermediate_size=18944, num_attention_heads=28,
+                            num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False),
 }
 # the base model SimpleTIR starts from: Qwen2.5-Math-7B's shape with a 131,072-token context
 SHAPES["qwen2.5-7b"] = dict(SHAPES["qwen2.5-math-7b"], max_position_embeddings=131072, rope_theta=1000000.0)
@@ -155,18 +141,15 @@ def run(args, model_path: str) -> None:
         print(f"vLLM engine start   : {engine_s:.1f} s")
         print(f"sync_weights        : {statistics.median(sync_times) * 1e3:.1f} ms (median of {args.syncs};"
               f" {'includes waking the slept engine' if asleep else 'engine was awake'})")
-        fresh = build_batch(sampled_trajectories(llm, args.group_size, args.group_size, args.prompt_len, args.response_len,
-                                                 seed=1))
-        with torch.no_grad():  # |vLLM log-prob - trainer log-prob| over model tokens
-            trainer = token_logprobs(model, fresh, cfg.temperature, cfg.micro_batch_size).cpu()
-        diff = (trainer - fresh.sampler_logprobs)[fresh.loss_mask.bool()].abs()
-        gap = float(diff.mean()), float(diff.max())
-        print(f"mismatch after sync : mean |dlogp| {gap[0]:.3e}, max {gap[1]:.3e} (new samples after {2 * args.steps + 1}"
-              " GRPO steps and the sync)")
+        fresh = sampled_trajectories(llm, args.group_size, args.group_size, args.prompt_len, args.response_len, seed=1)
+        gap = sampler_gap(model, build_batch(fresh), cfg)
+        print(f"mismatch after sync : mean |dlogp| {gap['mismatch_abs']:.3e}, max {gap['mismatch_max']:.3e}"
+              f" (new samples after {2 * args.steps + 1} GRPO steps and the sync)")
         figures.update({"mismatch_mean": float(f"{first['mismatch_abs']:.3e}"),
                         "mismatch_max": float(f"{first['mismatch_max']:.3e}"), "engine_start_s": round(engine_s, 1),
                         "sync_ms": round(statistics.median(sync_times) * 1e3, 1),
-                        "mismatch_after_sync_mean": float(f"{gap[0]:.3e}"), "mismatch_after_sync_max": float(f"{gap[1]:.3e}")})
+                        "mismatch_after_sync_mean": float(f"{gap['mismatch_abs']:.3e}"),
+                        "mismatch_after_sync_max": float(f"{gap['mismatch_max']:.3e}")})
     if args.results:  # the figures of this run into docs/results/NAME.json, with the command that measured them
         print(f"wrote {results.save(args.results, results.make_command('bench-train', sys.argv[1:]), figures)}")
 
@@ -230,7 +213,7 @@ def run_shape(args) -> None:
 
 
 def sampler_gap(model, batch, cfg) -> dict[str, float]:
-    """vLLM's recorded log-probs of `batch` against the trainer's, over every row's model tokens: sampler_mismatch."""
+    """vLLM's recorded log-probs of `batch` against the trainer's, over every row's model tokens (sampler_mismatch)."""
     with torch.no_grad():
         trainer = token_logprobs(model, batch, cfg.temperature, cfg.micro_batch_size).cpu()
     return sampler_mismatch(trainer, torch.zeros_like(trainer), batch)
@@ -343,15 +326,12 @@ def memory(peak: bool = False) -> int:
 
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog="\n\n".join(__doc__.split("\n\n")[1:]))
+    p = script_parser(__doc__)
     # model
     p.add_argument("--model", help="model folder (Hugging Face format); default: build the tiny random model")
     p.add_argument("--shape", choices=sorted(SHAPES),
                    help="random-init model of this shape, trainer only, no vLLM (default on CUDA without --model)")
     # batch
-    from lab_cli import at_least, one_line_errors
-
     p.add_argument("--sequences", type=at_least(1), default=16, help="trajectories per step (default 16)")
     p.add_argument("--group-size", type=at_least(2), default=8, help="trajectories per problem (default 8)")
     p.add_argument("--prompt-len", type=at_least(1), help="prompt tokens per trajectory (default 128; 400 with --shape)")
@@ -371,7 +351,7 @@ def parse_args(argv):
                    help="vLLM's share of the GPU (default 0.3)")
     p.add_argument("--results", metavar="NAME", type=results.name_argument,
                    help="also write the figures to docs/results/NAME.json, for the docs (the tiny model's run)")
-    args = one_line_errors(p).parse_args(argv)
+    args = p.parse_args(argv)
     if args.sequences % args.group_size:  # the loop's batch is whole groups; a partial one has no advantages
         low = args.sequences - args.sequences % args.group_size
         p.error(f"argument --sequences: {args.sequences} is not whole groups of --group-size {args.group_size}: pass "
@@ -382,6 +362,4 @@ def parse_args(argv):
 
 
 if __name__ == "__main__":  # vLLM may spawn processes: keep the guard
-    from lab_cli import run_script
-
     run_script(main)  # Ctrl-C is one line

@@ -3,17 +3,13 @@
     .venv/bin/python 06-train/experiment.py --out runs/released --seeds 5 6 7 --results 06-experiments-released
     .venv/bin/python 06-train/findings.py --out runs/released      # the figures again, from the run folders alone
 
-Reads the run folders `ablation.py run` wrote (ARM-sSEED) and draws three plots,
-each over every seed: held-out accuracy and seconds per step against the tool
-budget C (arms calls-1, calls-2, baseline = 4); the share of error observations
-followed by a call that runs and by a right answer, per step of the baseline;
-and its code ratio, pass rate of calls and response length per step. The
-figures (per seed, and their mean) go to one results file; docs/06-experiments.md
-quotes them from there.
+Reads the run folders `ablation.py run` wrote (ARM-sSEED) and draws three plots over every seed: held-out accuracy
+and seconds a step against the tool budget C (arms calls-1, calls-2, baseline = 4), and the baseline's
+self-correction and code use per step. The figures (per seed, and their mean) go to one results file, which
+docs/06-experiments.md quotes.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
@@ -21,6 +17,7 @@ from pathlib import Path
 import results
 from ablation import (accuracy_at, after_accuracy, before_accuracy, kind_accuracies, label, load_runs as load_arm_runs,
                       mean_of, pyplot, read_jsonl, results_key, save_figure, step_seconds)
+from lab_cli import script_parser
 
 BUDGETS = {"calls-1": 1, "calls-2": 2, "baseline": 4}  # arm -> C
 SELF_CORRECTION = ("error_then_call_ok", "error_then_correct")
@@ -28,8 +25,7 @@ CODE_USE = ("code_ratio", "code_pass_ratio", "response_length")
 
 
 def main(argv: list[str] | None = None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog="\n\n".join(__doc__.split("\n\n")[1:]))
+    p = script_parser(__doc__)
     p.add_argument("--out", default="runs/experiment-06", help="the folder of the run folders (default runs/experiment-06, "
                                                                 "experiment.py's)")
     p.add_argument("--img", help="write the three plots here (e.g. docs/img)")

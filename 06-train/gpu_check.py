@@ -3,26 +3,24 @@
     make gpu-check                     # with the lab's venv
     make gpu-check PY=python3 STAMP=   # a machine with torch and transformers but no venv (and no vLLM)
 
-A random-init model of Qwen2.5-Math-1.5B's shape (built from its config numbers: no download), sharded by FSDP2 on
-one rank as distributed.py shards it, takes grpo_step at the torl-1.5b preset's settings (micro-batches of 8
-sequences of 400 prompt + 3,072 response tokens, gradient checkpointing, one mini-batch). It prints tokens a second
-and the allocator's peak beside the dry run's plan for the update phase, part by part. No vLLM: the sampler's side
-(sleep, wake, sync) needs a node with vLLM. On a machine without CUDA it refuses in one line.
+A random-init model of Qwen2.5-Math-1.5B's shape (no download), sharded by FSDP2 on one rank as distributed.py
+shards it, takes grpo_step at the torl-1.5b preset's settings. It prints tokens a second and the allocator's peak
+beside the dry run's plan for the update, part by part. No vLLM: the sampler's side (sleep, wake, sync) needs a
+node with vLLM. Without CUDA it refuses in one line.
 """
 from __future__ import annotations
 
-import argparse
 import os
 import time
 
-from lab_cli import at_least, one_line_errors, quiet_console, run_script
+from lab_cli import at_least, run_script, script_parser
 
 SHAPE = "qwen2.5-math-1.5b"
 PRESET = "torl-1.5b"
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = one_line_errors(argparse.ArgumentParser(description=__doc__.split("\n")[0].strip("`")))
+    parser = script_parser(__doc__)
     parser.add_argument("--sequences", type=at_least(1), default=16,
                         help="trajectories a step: two of the preset's micro-batches [default: 16]")
     parser.add_argument("--steps", type=at_least(1), default=2, help="timed steps after one warm-up [default: 2]")
@@ -43,11 +41,11 @@ def check(sequences: int, steps: int) -> list[str]:
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM, Qwen2Config
 
-    from bench_train import SHAPES, synthetic_trajectories
+    from bench_train import SHAPES, reset_peak_memory, synthetic_trajectories, timed_steps, token_counts
     from configuration import make_config
     from distributed import DataParallel
     from dry_run import GB, memory_plan, model_shape
-    from grpo import GRPOConfig, grpo_step, make_optimizer
+    from grpo import GRPOConfig, make_optimizer
 
     cfg = dataclasses.replace(make_config(PRESET, {}), strategy="fsdp")
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
@@ -68,16 +66,10 @@ def check(sequences: int, steps: int) -> list[str]:
         prompt = cfg.max_model_len - cfg.max_response_tokens
         trajectories = synthetic_trajectories(sequences, cfg.group_size, prompt, cfg.max_response_tokens,
                                               config.vocab_size)
-        tokens = sum(len(t.prompt_ids) + len(t.token_ids) for t in trajectories)
-        grpo_step(model, optimizer, trajectories, grpo_cfg)  # warm-up: kernels, the allocator's pools
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        times = []
-        for _ in range(steps):
-            start = time.perf_counter()
-            grpo_step(model, optimizer, trajectories, grpo_cfg)
-            torch.cuda.synchronize()
-            times.append(time.perf_counter() - start)
+        tokens = token_counts(trajectories)[0]
+        timed_steps(model, optimizer, trajectories, grpo_cfg, 1)  # warm-up: kernels, the allocator's pools
+        reset_peak_memory()
+        times = timed_steps(model, optimizer, trajectories, grpo_cfg, steps)
         allocated, reserved = torch.cuda.max_memory_allocated() / GB, torch.cuda.max_memory_reserved() / GB
     finally:
         dist.destroy_process_group()
@@ -99,5 +91,4 @@ def check(sequences: int, steps: int) -> list[str]:
 
 
 if __name__ == "__main__":
-    quiet_console()
-    run_script(main)
+    run_script(main)  # the libraries' console chatter off first

@@ -5,17 +5,13 @@
                                        # check) into runs/base-06, about 1 h 45 min on two cores
     make base-06 ARGS="--release"      # ... and release it: 06-train/base/ and docs/results/06-base.json
 
-The preset's cold starts (05-retool/presets.py, the cold_start_* fields) with the kernels held to one path: torch's
-default CPU kernels instead of the ones it picks for the processor (AVX2, AVX-512), MKL's compatible path, and one
-thread whatever the machine's cores. Kernels picked for a processor add floats in its own order, and a model at the
-edge of the task turns a last bit into another base; held to one path, the recipe should give the same weights on
-every x86-64 machine with the lab's package versions, at about five times the time a step (docs/06-experiments.md,
-"The released base"). A schedule done is kept, and a stopped one goes on from its last checkpoint: after Ctrl-C the
-same command goes on. A folder of another recipe is refused; a tree with uncommitted edits is not released.
+The preset's cold starts (05-retool/presets.py, the cold_start_* fields) with the kernels held to one path (torch's
+default CPU kernels, MKL's compatible path, one thread), so that the recipe should give the same weights on every
+x86-64 machine with the lab's package versions (docs/06-experiments.md, "The released base"). After Ctrl-C the same
+command goes on. A folder of another recipe is refused; a tree with uncommitted edits is not released.
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import os
@@ -28,7 +24,7 @@ from pathlib import Path
 import results
 from configuration import make_config
 from experiment import chained_config, claim
-from lab_cli import one_line_errors
+from lab_cli import run_script, script_parser
 from released_base import FILES, RELEASES, sha256, sha256_key
 
 KERNELS = {"ATEN_CPU_CAPABILITY": "default", "MKL_CBWR": "COMPATIBLE"}
@@ -94,10 +90,6 @@ def release(base: Path, moves: dict, out: Path, argv: list[str], release_to) -> 
         raise SystemExit(f"error: {base} fails the moves check: not released")
     if made["commit"].endswith("-dirty"):
         raise SystemExit(f"error: {out} was built from uncommitted changes ({made['commit']}): commit, then build again")
-    write_release(base, moves, made, argv, release_to)
-
-
-def write_release(base: Path, moves: dict, made: dict, argv: list[str], release_to) -> None:
     from moves_check import DECISIONS, MOVES
 
     folder = release_to.folder
@@ -152,8 +144,7 @@ def cpu_name() -> str:
 
 
 def parse_args(argv):
-    p = one_line_errors(argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
-                                                epilog="\n\n".join(__doc__.split("\n\n")[1:])))
+    p = script_parser(__doc__)
     p.add_argument("--preset", choices=list(RELEASES), default="cpu-chained",
                    help="whose base: cpu-demo (make base-05) or cpu-chained (make base-06, the default)")
     p.add_argument("--out", help="the recipe's folder (default runs/base-05 or runs/base-06)")
@@ -164,6 +155,4 @@ def parse_args(argv):
 
 if __name__ == "__main__":
     hold_kernels()  # nothing above imported torch
-    from lab_cli import run_script
-
     run_script(main)

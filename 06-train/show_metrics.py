@@ -3,18 +3,16 @@
     .venv/bin/python 06-train/show_metrics.py runs/demo --keys reward_mean degenerate_groups informative_frac grad_norm
     .venv/bin/python 06-train/show_metrics.py runs/demo runs/clip --keys clip_high_frac ratio_max --plot clip.png
 
-The exercises of docs/06-train.md (the clip) and docs/06-beyond-torl.md (the
-degenerate groups) read a CPU-demo run this way. Each run gets one column per key; the last
-row is the mean over steps.
+The exercises of docs/06-train.md (the clip) and docs/06-beyond-torl.md (the degenerate groups) read a CPU-demo
+run this way. Each run gets one column per key; the last row is the mean over steps.
 """
 from __future__ import annotations
 
-import argparse
 import math
 from pathlib import Path
 
 from ablation import label, mean_of, pyplot, read_jsonl, save_figure
-from lab_cli import one_line_errors
+from lab_cli import run_script, script_parser
 
 
 def table(runs: dict[str, list[dict]], keys: list[str]) -> str:
@@ -58,12 +56,11 @@ def _cell(value) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog="\n\n".join(__doc__.split("\n\n")[1:]))
+    p = script_parser(__doc__)
     p.add_argument("runs", nargs="+", help="run folders (each with a metrics.jsonl)")
     p.add_argument("--keys", nargs="+", required=True, help="metrics.jsonl fields to show, e.g. clip_high_frac ratio_max")
     p.add_argument("--plot", metavar="PNG", help="also draw one panel per key into this file")
-    args = one_line_errors(p).parse_args(argv)
+    args = p.parse_args(argv)
     if args.plot and not Path(args.plot).parent.is_dir():
         raise SystemExit(f"error: --plot {args.plot}: the folder {Path(args.plot).parent} does not exist")
     runs = {}
@@ -72,8 +69,7 @@ def main(argv: list[str] | None = None) -> None:
         if not rows:
             raise SystemExit(f"error: {folder}: no metrics.jsonl with steps in it")
         runs[folder.name] = rows
-    missing = [k for k in args.keys if not any(k in r for rows in runs.values() for r in rows)]
-    if missing:
+    if missing := [k for k in args.keys if not any(k in r for rows in runs.values() for r in rows)]:
         raise SystemExit(f"error: no run has {', '.join(missing)} in its metrics.jsonl")
     lists = [k for k in args.keys if any(not _number(r[k]) for rows in runs.values() for r in rows if k in r)]
     if lists:
@@ -84,6 +80,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    from lab_cli import run_script
-
     run_script(main)
