@@ -1,9 +1,4 @@
-"""What the docs pages say, for the tests that hold a page to the code it restates.
-
-A page that quotes a default, a preset value or a limit repeats a number that
-lives in the code; a test per such number reads the page through `says` and
-fails the day the code and the page part ways.
-"""
+"""What the docs pages say, for the tests that hold a page to the numbers it restates from the code (`says`)."""
 from __future__ import annotations
 
 import re

@@ -1,11 +1,8 @@
 """Start the lab's scripts in tests as `python script.py ARGS` does, without paying their imports each time.
 
-Importing torch, transformers and vLLM takes 15 to 20 s of one core on a small
-machine, and the tests start the lab's scripts many times. A PreloadedPython is
-one interpreter that imported them once; each run is a fork of it that runs the
-script as __main__ with its own argv, environment, working folder, standard
-streams and exit status. From argument parsing to exit the script takes the
-path it takes from a shell: only the imports were done before.
+Importing torch, transformers and vLLM takes 15 to 20 s of one core, and the tests start scripts many times. A
+PreloadedPython imported them once; each run is a fork of it that runs the script as __main__ with its own argv,
+environment, working folder, streams and exit status: from argument parsing to exit, the path a shell's run takes.
 
     python = PreloadedPython()            # conftest.py's `preloaded_python` fixture
     done = python.run([script, "--flag"], cwd=folder, env=env, timeout=300)   # a CompletedProcess
@@ -82,7 +79,8 @@ class PreloadedPython:
 
 
 def serve() -> None:
-    """Import PRELOAD and ENGINE_PRELOAD, then for each line of jobs on stdin: fork one process a job, answer their pids, then their exit statuses."""
+    """Import PRELOAD and ENGINE_PRELOAD; then for each line of jobs on stdin, fork one process a job and answer
+    their pids, then their exit statuses."""
     import contextlib
     import gc
     import importlib

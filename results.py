@@ -1,20 +1,17 @@
 """Measured figures, each in one results file written by the one command that measured it; pages quote them.
 
-A results file is docs/results/NAME.json: {"command": the command that writes it, "figures": {key: value}}.
-A page quotes it in a block, rewritten from the file, that names the command:
+A results file is docs/results/NAME.json: {"command": the command that writes it, "figures": {key: value}}. A page
+(README.md, docs/*.md, docs/appendix/*.md) quotes it in a block that names the command, inline before a one-word
+value (it ends at a space, a closing full stop or punctuation), or in a table after a line that names its columns
+(the last cells of each row; one key per data row, `{}` standing for the column's piece):
 
-    <!-- results NAME -->           (or <!-- results NAME key key ... --> for some of its figures)
+    <!-- results NAME -->    (or <!-- results NAME key key ... -->), then the block the file rewrites
     <!-- /results -->
-
-or inline, as a marker before a one-word value: <!-- r NAME.key -->0.94 (the value ends at a space, a
-closing full stop or punctuation), or as a table whose cells hold no marker, after a line that names them:
-
+    <!-- r NAME.key -->0.94
     <!-- results-table NAME NAME.piece ...; key {}_key ... -->
 
-one column per name, the last cells of each row; one key per data row, `{}` standing for the column's piece.
-The pages are README.md, docs/*.md and docs/appendix/*.md.
-`python results.py` rewrites every block and quote from the files; test_results.py fails when a page
-and its file differ, or one file is quoted on two pages or on none.
+`python results.py` rewrites every quote from the files; test_results.py fails when a page and its file differ, or
+one file is quoted on two pages or on none.
 """
 from __future__ import annotations
 
@@ -96,8 +93,7 @@ def block(name: str, keys: list[str], folder: str = "results") -> str:
     `folder` is docs/results as the page links it: "results" from docs/, "../results" from docs/appendix/."""
     result = load(name)
     figures = result["figures"]
-    missing = [key for key in keys if key not in figures]
-    if missing:
+    if missing := [key for key in keys if key not in figures]:
         raise KeyError(f"results {name} has no figure {', '.join(missing)}")
     rows = [f"| `{key}` | {figures[key]} |" for key in keys or sorted(figures)]
     return (f"Measured by `{result['command']}` ([results/{name}.json]({folder}/{name}.json)):\n\n"
