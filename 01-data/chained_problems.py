@@ -1,28 +1,8 @@
 """Counter problems of one or two steps, some with a reading that makes the first call fail: calls that chain.
 
-The task of the cpu-chained preset, built so that the tool budget and reading
-the tool's output matter (the design and its reasons: docs/06-experiments.md).
-A counter shows four digits, so a reading below 1000 keeps its leading zero;
-one or two additions of a three-digit number follow:
-
-    What number do you get? A counter shows 0482. Add 637, then add 905.      (answer 2024)
-
-The program the cold start teaches is one addition of two numbers copied from
-the text. Here that first call, `print(0482 + 637)`, fails, and the observation
-says why (SyntaxError: leading zeros ...); the same call without the zero
-prints 1119, and only with that printed number can the second step be written,
-`print(1119 + 905)`. So the four kinds need one to three calls of that shape:
-
-    one step (easy)                   1 call
-    one step, padded reading          2: the error, then the fix (1 if the zeros are dropped at once)
-    two steps                         2: the second uses the first's output
-    two steps, padded reading         3
-
-No single program of that shape (nor a product or difference of two of the
-numbers) gives a two-step problem's answer. Held-out problems pair frames and
-numbers no training problem has (the constants below say why each number has a
-fixed width). A row's source names its kind ("chained-2step-padded",
-"chained-heldout-1step"), so an evaluation reports each kind on its own.
+The cpu-chained preset's task: a counter's reading keeps its leading zero (0482), so the taught first call fails, and a
+second step needs the first's printed result. Its four kinds and the design's reasons: docs/06-experiments.md; the
+constants below say why each number has a fixed width. A row's source names its kind ("chained-heldout-2step-padded").
 
     .venv/bin/python 01-data/chained_problems.py --out-dir data     # data/chained_train.jsonl, data/chained_test.jsonl
 """
@@ -50,16 +30,13 @@ TRAIN_FRAMES = [
     ("A display shows {reading}.", "What number is shown at the end?"),
     ("The odometer says {reading}.", "Which number do you end with?"),
 ]
-# Held out: each opening with a question sentence no training problem pairs it with. Sentences never seen at all
-# would test what a 2-layer model trained from scratch cannot do: it copies by position, and a new sentence of
-# another length moves every number (docs/06-experiments.md).
+# Held out: each opening with a question sentence no training problem pairs it with. Unseen sentences would move
+# every number, and a 2-layer model trained from scratch copies by position (docs/06-experiments.md).
 TEST_FRAMES = [(TRAIN_FRAMES[i][0], TRAIN_FRAMES[(i + 2) % len(TRAIN_FRAMES)][1]) for i in range(len(TRAIN_FRAMES))]
 
 
 def make_chained_problems(n_train: int, n_test: int, seed: int = 0) -> tuple[list[dict], list[dict]]:
-    """`n_train` problems in the training frames and `n_test` in the held-out ones; deterministic under `seed`.
-    The held-out problems are drawn first, from a generator of their own, so they do not depend on `n_train`; no
-    training problem shares their numbers (reading and operands)."""
+    """`n_train` training-frame problems and `n_test` held-out ones (drawn first, sharing no numbers), seeded."""
     used = set()  # the numbers drawn so far: the held-out problems' are left out of training
     test = _make(TEST_FRAMES, n_test, random.Random(f"{seed}-heldout"), "chained-heldout", used)
     return _make(TRAIN_FRAMES, n_train, random.Random(seed), "chained", used), test
@@ -93,10 +70,9 @@ def without_leading_zeros(code: str) -> str:
 def scripted_calls(question: str, run: Callable[[str], str | None], decide: Callable[[str], bool],
                    budget: int = 4) -> tuple[list[str], str | None]:
     """A scripted policy of taught-shape calls: (the programs it ran, the number it boxes, None if it gives up).
-    `run(code)` gives what the program printed (stripped), or None when it raised. The first call copies the reading
-    as written. After an error, `decide("fix")` says whether to run the fix; after a result with a step left,
-    `decide("chain")` whether to call again on that printed number (else the result is boxed). `decide` always True
-    is the multi-call solution; always False, the single-call policy."""
+    `run(code)` gives what the program printed (stripped), or None when it raised. `decide("fix")` says whether to fix
+    an error, `decide("chain")` whether to call again on a printed number with a step left: always True is the
+    multi-call solution, always False the single-call one."""
     reading, steps = parse(question)
     code, step, calls = step_call(question, 0, reading), 0, []
     while len(calls) < budget:

@@ -1,14 +1,7 @@
-"""Chapter 01: verifiable problems in, one clean schema out. The story: docs/01-data.md.
+"""Chapter 01: verifiable problems in, one schema {id, question, answer, source} out. The story: docs/01-data.md.
 
-    {"id": "aime24-3980c787bd", "question": "Every morning Aya goes for ...", "answer": "204", "source": "aime24"}
-
-Key decisions:
-1. Only problems a program can check: rows with an empty question or answer, a proof, several
-   parts or a repeated question are dropped, with a count per reason.
-2. Any source, one schema: named hub sets (NAMED_SOURCES), any hub id, local
-   .jsonl/.parquet in this schema or in ToRL's release schema.
-3. Written atomically: a failed run leaves no half-written file.
-The CPU demo's toy task (products of two 3-digit numbers) is made here too.
+Only problems a program can check are kept, each drop counted by its reason; any source (NAMED_SOURCES, a hub id, a
+.jsonl/.parquet in this schema or ToRL's) gives the one schema, written atomically. The toy task is made here too.
 
     .venv/bin/python 01-data/prepare_data.py                    # toy task + default train and AIME sets
     .venv/bin/python 01-data/prepare_data.py --train my.jsonl --eval aime24 aime25 --no-toy
@@ -30,9 +23,6 @@ try:  # the lab's folders are on the path only in its own Python (the venv's too
 except ModuleNotFoundError:
     sys.exit(f"error: {sys.executable} is not the lab's Python: run .venv/bin/python {sys.argv[0]}, or make")
 
-# Named sources. The default training set is DeepScaleR's 40k problems (AIME, AMC, Omni-MATH, STILL): competition
-# math with short final answers, one of the pools ToRL drew its 28k training questions from. AIME 2024 and 2025 are
-# the evaluation sets ToRL reports.
 NAMED_SOURCES = {
     "deepscaler": {"path": "agentica-org/DeepScaleR-Preview-Dataset", "split": "train"},
     "math500": {"path": "HuggingFaceH4/MATH-500", "split": "test"},
@@ -95,8 +85,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {e}", file=sys.stderr)
             return 2
         except HubUnreachable as e:
-            # The default run is meant to work offline for the toy task; a source the
-            # user asked for by name must load, or the run fails.
+            # A source asked for by name must load; the default run goes on offline (the toy task).
             print(f"{'error' if named else 'skipped'}: {e}", file=sys.stderr)
             failed += named
     return 1 if failed else 0
@@ -136,8 +125,6 @@ def normalise(row: dict, origin: str, index: int, default_source: str) -> dict:
         raise DataError(f"{origin} row {index}: column '{a_col}' holds {type(answer).__name__}, not an answer string")
     question = question.strip()
     source = row.get("data_source") or row.get("source") or default_source
-    # Keep an id the row already has (our own files); otherwise derive a stable one
-    # from the question, so the same problem has the same id in every run.
     row_id = row.get("id") if isinstance(row.get("id"), str) and row.get("id") else None
     return {
         "id": row_id or f"{source}-{hashlib.sha1(question.encode()).hexdigest()[:10]}",
@@ -188,12 +175,7 @@ def unverifiable_reason(row: dict) -> str | None:
 
 
 def make_toy_task(n_train: int, n_test: int, seed: int = 0, digits: int = 3) -> tuple[list[dict], list[dict]]:
-    """Multiplication problems with products of 2*digits digits, deterministic under `seed`, no question in both splits.
-
-    >>> train, test = make_toy_task(2, 1, seed=0)
-    >>> train[0]["question"], train[0]["answer"]
-    ('What is 964 * 494?', '476216')
-    """
+    """Multiplication problems of two `digits`-digit factors, deterministic under `seed`; no question in both splits."""
     if digits < 2 or n_train < 0 or n_test < 0:
         raise DataError(f"toy task: digits must be at least 2 and counts 0 or more, got {digits}, {n_train}, {n_test}")
     rng = random.Random(seed)
@@ -203,8 +185,6 @@ def make_toy_task(n_train: int, n_test: int, seed: int = 0, digits: int = 3) -> 
         if misses > 100_000:  # every distinct problem of this size is drawn: asking for more would never end
             raise DataError(f"toy task: {digits}-digit factors give fewer than {n_train + n_test} distinct problems")
         a, b = rng.randint(lo, hi), rng.randint(lo, hi)
-        # Every product has 2 * digits digits (no 5-digit 3x3 products): answers of one length keep the tiny demo
-        # model's job (copy the tool's output into the box) the same on every problem.
         if (a, b) in seen or len(str(a * b)) != 2 * digits:
             misses += 1
             continue
@@ -228,11 +208,9 @@ def read_source(source: str) -> tuple[list[dict], str]:
             raise DataError(f"{source}: a symbolic link to {os.readlink(path)}, which does not exist")
         if not path.is_file():
             raise DataError(f"{source}: no such file")
-        if path.suffix == ".jsonl":
-            return read_jsonl(path), str(path)
-        if path.suffix == ".parquet":
-            return read_parquet(path), str(path)
-        raise DataError(f"{source}: unsupported file type '{path.suffix}' (use .jsonl or .parquet)")
+        if path.suffix not in (".jsonl", ".parquet"):
+            raise DataError(f"{source}: unsupported file type '{path.suffix}' (use .jsonl or .parquet)")
+        return (read_jsonl if path.suffix == ".jsonl" else read_parquet)(path), str(path)
     if source in NAMED_SOURCES:
         spec = NAMED_SOURCES[source]
     elif "/" in source:
@@ -287,9 +265,7 @@ _hub_probe: dict[str, str | None] = {}  # "unreachable_because": _probe_hub's an
 
 
 def hub_unreachable() -> str | None:
-    """Why the hub cannot be reached, asked once per process; None when it answers or HF_HUB_OFFLINE is set.
-    Without it each data set would spend its own retries (about 24 s) finding out. With HF_HUB_OFFLINE=1 no network
-    is tried at all: `datasets` reads its cache."""
+    """Why the hub cannot be reached, asked once per process; None when it answers or HF_HUB_OFFLINE is set."""
     if "unreachable_because" not in _hub_probe:
         _hub_probe["unreachable_because"] = _probe_hub()
     return _hub_probe["unreachable_because"]
@@ -311,9 +287,7 @@ def _probe_hub(timeout: float = 5.0) -> str | None:
 
 def source_name(source: str) -> str:
     path = Path(source)
-    if path.suffix in (".jsonl", ".parquet"):
-        return path.stem
-    return source.split("/")[-1].lower()
+    return path.stem if path.suffix in (".jsonl", ".parquet") else source.split("/")[-1].lower()
 
 
 def write_jsonl(rows: list[dict], path: Path) -> None:
@@ -334,27 +308,21 @@ def read_problems(path: str | os.PathLike) -> list[dict]:
     return load_problems(str(path))[0]
 
 
-class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Shows defaults, except None: --train and --eval name theirs in the help, since None means "not given"."""
-
-    def _get_help_string(self, action):
-        return action.help if action.default is None else super()._get_help_string(action)
-
-
 def parse_args(argv):
-    p = argparse.ArgumentParser(description="Prepare verifiable math problems in one schema {id, question, answer, source}.",
-                                formatter_class=_HelpFormatter)
-    p.add_argument("--out", default="data", help="folder the .jsonl files are written to")
+    p = argparse.ArgumentParser(description="Verifiable math problems in one schema {id, question, answer, source}.")
+    p.add_argument("--out", default="data", help="folder the .jsonl files are written to (default: %(default)s)")
     p.add_argument("--train", metavar="SOURCE", help=f"training set: a name ({', '.join(NAMED_SOURCES)}), a hub id or a .jsonl/.parquet file (default: {DEFAULT_TRAIN})")
     p.add_argument("--eval", metavar="SOURCE", nargs="*", help=f"evaluation sets, same kinds of source (default: {' '.join(DEFAULT_EVAL)}; none with --no-eval)")
     p.add_argument("--limit", type=at_least(1), help="keep at most this many rows per source, after filtering (default: all)")
     p.add_argument("--no-train", action="store_true", help="skip the training set")
     p.add_argument("--no-eval", action="store_true", help="skip the evaluation sets")
     p.add_argument("--no-toy", action="store_true", help="skip the toy task of the CPU demo")
-    p.add_argument("--toy-train", type=at_least(0), default=2000, help="toy task: training problems")
-    p.add_argument("--toy-test", type=at_least(0), default=200, help="toy task: test problems")
-    p.add_argument("--toy-digits", type=at_least(2), default=3, help="toy task: digits of each factor (2 or more)")
-    p.add_argument("--seed", type=int, default=0, help="toy task: random seed")
+    p.add_argument("--toy-train", type=at_least(0), default=2000,
+                   help="toy task: training problems (default: %(default)s)")
+    p.add_argument("--toy-test", type=at_least(0), default=200, help="toy task: test problems (default: %(default)s)")
+    p.add_argument("--toy-digits", type=at_least(2), default=3,
+                   help="toy task: digits of each factor, 2 or more (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=0, help="toy task: random seed (default: %(default)s)")
     return one_line_errors(p).parse_args(argv)
 
 

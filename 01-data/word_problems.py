@@ -1,19 +1,7 @@
-"""Arithmetic word problems with 3- and 4-digit numbers, and phrasings held out for testing.
+"""Arithmetic word problems with 3- and 4-digit numbers, and phrasings held out for testing. The story: docs/01-data.md.
 
-The task of the SmolLM2 preset. A 135M model cannot multiply 4-digit by
-3-digit numbers, nor add two 4-digit numbers reliably, but it can learn to
-read a short story, write the one line of Python that computes the answer,
-and copy the printed result into the box. Whether it learned that, and not
-the phrasings it was trained on, is measured on phrasings it never saw:
-every template belongs to one split, and the test split's templates appear in
-neither the cold start nor RL.
-
-    A library had 902 books and bought 8808 more. How many books does it have now?      (a training phrasing)
-    A machine makes 9508 bolts per hour. How many bolts does it make in 778 hours?      (a held-out phrasing)
-
-Rows are in 01-data's schema ({id, question, answer, source}); `solution_code`
-recovers the Python a tool-using answer would run from any question this
-module writes (the cold start builds its traces with it).
+The SmolLM2 preset's task: the test split's phrasings appear in neither the cold start nor RL. `solution_code`
+recovers the Python line that answers any question this module writes (the cold start builds its traces with it).
 
     .venv/bin/python 01-data/word_problems.py --out-dir data     # data/word_train.jsonl, data/word_test.jsonl
 """
@@ -43,9 +31,8 @@ TEST_TEMPLATES = [
 
 
 def make_word_problems(n_train: int, n_test: int, seed: int = 0) -> tuple[list[dict], list[dict]]:
-    """`n_train` problems from the training phrasings and `n_test` from the held-out ones; deterministic under `seed`.
-    Numbers have 3 or 4 digits; a difference is always positive (the first number is the larger), so every answer is
-    a positive integer."""
+    """`n_train` problems in the training phrasings and `n_test` in the held-out ones, deterministic under `seed`.
+    A difference's first number is the larger, so every answer is a positive integer."""
     rng = random.Random(seed)
     return _make(TRAIN_TEMPLATES, n_train, rng, "word"), _make(TEST_TEMPLATES, n_test, rng, "word-heldout")
 
