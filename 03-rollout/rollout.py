@@ -1,23 +1,17 @@
-"""Chapter 03: token-exact tool-integrated rollouts with vLLM. The story: docs/03-rollout.md.
+"""Chapter 03: token-exact tool-integrated rollouts with vLLM. The story: docs/03-rollout.md; siblings: README.md.
 
-The model writes until it asks for a code block's output (STOP); the sandbox runs
-the block; the observation joins the context; the model goes on. What the trainer
-needs is recorded while generating, never rebuilt afterwards: vLLM's token ids
-and log-probs, and which tokens the model wrote (loss_mask 1) or the tool (0).
+The model writes until it asks for a code block's output (STOP); the sandbox runs it; the output joins the context.
+What the trainer needs is recorded while generating, never rebuilt: vLLM's token ids and log-probs, and the loss mask.
 
     .venv/bin/python 03-rollout/rollout.py demo --out runs/rollout-demo.jsonl   # tiny model, CPU, about a minute
 
 Key decisions (docs/03 gives the reasons and compares each with ToRL's code):
-1. Nothing is re-tokenized: model tokens are vLLM's; an observation is tokenized
-   once, as plain text; later turns go to vLLM as token ids.
+1. Nothing is re-tokenized: model tokens are vLLM's; an observation is tokenized once; later turns go as token ids.
 2. ToRL's protocol: its prompt, stop string, code extraction and observation text.
 3. Only the model's own stop ends a trajectory as "eos"; any other end is a named truncation.
-4. The log-probs are those of the distribution sampled from (vllm_engine.py:
-   make_llm, check_on_policy).
+4. The log-probs are those of the distribution sampled from (vllm_engine.py: make_llm, check_on_policy).
 5. Unseeded unless RolloutConfig.seed is set: seeded requests take vLLM's slower path.
 6. Each trajectory moves on its own (`run_overlapped`, the default): its code runs while the others decode.
-
-Beside this file, the ones 03-rollout/README.md lists: the rounds schedule, the records, the engine, the CLI.
 """
 from __future__ import annotations
 
@@ -33,13 +27,7 @@ from rounds_schedule import run_rounds
 from trajectory import ToolCall, Trajectory, load_trajectories, save_trajectories  # rollout.Trajectory etc. too
 from vllm_engine import check_logprobs_mode, check_on_policy, make_llm  # rollout.make_llm etc. too
 
-# The model asks for the tool's answer by writing this; it is vLLM's stop string.
-STOP = "```output"
-
-
-SCHEDULES = ("rounds", "overlap")  # how the turns and tool calls of a batch interleave (docs/03-schedules.md)
-# "torl" is ToRL's rule (torl_observation); "short" and "full" are sandbox.format_observation's.
-OBSERVATION_STYLES = ("torl", "short", "full")
+STOP = "```output"  # the model asks for the tool's answer by writing this: vLLM's stop string
 
 
 @dataclass(frozen=True)
@@ -53,11 +41,8 @@ class RolloutConfig:
     template: str = "torl"  # key of TEMPLATES
     seed: int | None = None  # per-request seeds derived from it (reproducible, slower); None = the engine's stream
     schedule: str = "overlap"  # one of SCHEDULES: "overlap" is run_overlapped below, "rounds" rounds_schedule.py
-    # Regexes, one per turn, that constrain what the model writes (vLLM structured
-    # outputs). For tests and demos: a random tiny model never writes code by itself.
-    force_turns: tuple[str, ...] = ()
-    # More vLLM SamplingParams fields, applied to every turn (e.g. {"top_k": 20}).
-    extra_sampling: dict[str, Any] = field(default_factory=dict)
+    force_turns: tuple[str, ...] = ()  # a regex per turn (structured outputs): a tiny random model writes no code
+    extra_sampling: dict[str, Any] = field(default_factory=dict)  # more SamplingParams fields for every turn
 
     def __post_init__(self) -> None:
         _check_config(self)
@@ -66,21 +51,16 @@ class RolloutConfig:
 @dataclass(eq=False)  # one object per trajectory: identity, not equal fields, tells two apart
 class _InFlight:
     """One trajectory while it is being sampled: the record plus where its sampling stands. Either schedule drives
-    it with three calls: `next_params` (what to ask vLLM for), `append_turn` (what vLLM returned),
-    `append_observation` (what the sandbox returned)."""
+    it with three calls: `next_params`, `append_turn` (what vLLM returned), `append_observation` (the sandbox's)."""
 
     traj: Trajectory
     problem_index: int  # the problem's place in the batch, or in the whole set it was dealt from (for seeds)
     limit: int  # the most tokens the response may hold: budget or context, whichever is smaller
     cfg: RolloutConfig
     tokenizer: Any = field(repr=False)  # the engine's, which tokenizes each observation once
-    calls_left: int = field(init=False)  # tool calls it may still make; at 0, STOP is no longer a stop string
     wants_tool: bool = False  # the last turn ended on STOP with a block to run: its observation must follow
     code: str = ""  # what that turn asks to run
     done: bool = False
-
-    def __post_init__(self) -> None:
-        self.calls_left = self.cfg.tool_budget
 
     @property
     def room(self) -> int:
@@ -102,7 +82,7 @@ class _InFlight:
         return SamplingParams(
             n=n, temperature=cfg.temperature, top_p=cfg.top_p, max_tokens=self.room,
             seed=request_seed(cfg.seed, self.problem_index, self.traj.group_index, self.turn),
-            stop=[STOP] if self.calls_left > 0 else None,  # no call left: ```output is just text
+            stop=[STOP] if self.turn < cfg.tool_budget else None,  # no call left: ```output is just text
             logprobs=0,  # the sampled token's own log-prob (of the distribution sampled from: see make_llm)
             flat_logprobs=True,  # a few flat lists per sample instead of one dict per token: less garbage
             **extra,
@@ -145,29 +125,21 @@ class _InFlight:
             returncode=result.returncode if ran else None, latency=result.latency if ran else 0.0,
             observation=text, start=start, end=len(t.token_ids), passed=bool(ran and execution_pass(result))))
         self.code, self.wants_tool = "", False
-        self.calls_left -= 1
         if self.room == 0:
             self._end()
 
     def _end(self, reason: str | None = None) -> None:
         limit_is_context = self.limit < self.cfg.max_response_tokens  # the limit comes from max_model_len
         self.traj.finish_reason = reason or ("length" if limit_is_context else "budget")
-        self.traj.truncated = True
-        self.done = True
+        self.traj.truncated = self.done = True
 
 
 def rollout(llm, problems: list[dict], sandbox, cfg: RolloutConfig | None = None, spent: dict | None = None,
             indices: list[int] | None = None) -> list[Trajectory]:
-    """Sample `group_size` tool-integrated responses per problem; return them grouped by problem.
-
-    `problems` are dicts {id, question, answer, source}. `sandbox` runs the code:
-    `run(code)` from several threads at once in the overlapped schedule,
-    `run_many(codes)` in rounds (chapter 02's Sandbox has both). If `spent` is a dict it
-    receives wall seconds spent in the engine (`generate_s`), waiting for the
-    sandbox with nothing to decode (`sandbox_s`) and in all (`wall_s`), the number
-    of rounds or engine steps, and token counts. `indices`: each problem's place in the whole
-    set it was dealt from (a rank's share of an evaluation), which the seeds follow [default: its position].
-    """
+    """Sample `group_size` tool-integrated responses per problem {id, question, answer, source}, grouped by problem.
+    `sandbox` runs the code: `run(code)` from several threads (overlapped) or `run_many(codes)` (rounds); chapter 02's
+    Sandbox has both. A `spent` dict receives what docs/03-rollout.md lists. `indices`: each problem's place in the
+    whole set it was dealt from (a rank's share of an evaluation), which the seeds follow [default: its position]."""
     cfg = cfg or RolloutConfig()
     if not problems:
         return []
@@ -206,11 +178,9 @@ _REQUEST_IDS = itertools.count()  # unique in the process: the engine may be sha
 
 
 def run_overlapped(engine, in_flight: list[_InFlight], run_code: Callable, spent: dict) -> None:
-    """Sample every trajectory in `in_flight` to its end, each on its own: no trajectory waits for another.
-    The engine steps continuously (vLLM's in-process `llm.llm_engine`: `add_request`, `step`); a turn that stops on
-    ```output hands its code to `run_code` in a sandbox thread at once, and its continuation joins the running batch
-    when the result is back. The loop blocks only when nothing is left to decode; `spent["sandbox_s"]` counts that wait
-    and `spent["steps"]` the engine steps."""
+    """Sample every trajectory in `in_flight` to its end, each on its own: a turn that stops on ```output hands its code
+    to `run_code` in a sandbox thread at once, and its continuation joins the running batch when the result is back.
+    `spent["sandbox_s"]` counts the waits with nothing to decode, `spent["steps"]` the engine steps."""
     from vllm.inputs import tokens_input
     from vllm.sampling_params import RequestOutputKind
 
@@ -264,16 +234,19 @@ def run_overlapped(engine, in_flight: list[_InFlight], run_code: Callable, spent
                 engine.abort_request(list(sampling))
 
 
+SCHEDULES = ("rounds", "overlap")  # how the turns and tool calls of a batch interleave (docs/03-schedules.md)
+# "torl" is ToRL's rule (torl_observation); "short" and "full" are sandbox.format_observation's.
+OBSERVATION_STYLES = ("torl", "short", "full")
+
+
 def _check_config(cfg: RolloutConfig) -> None:
     """Refuse a RolloutConfig value the rollout cannot use, in one line naming the field."""
     for name, allowed in (("template", sorted(TEMPLATES)), ("schedule", SCHEDULES), ("observation_style", OBSERVATION_STYLES)):
         if getattr(cfg, name) not in allowed:
             raise ValueError(f"RolloutConfig.{name}: {getattr(cfg, name)!r} is not one of {allowed}")
-    for name in ("group_size", "max_response_tokens"):
-        if getattr(cfg, name) < 1:
-            raise ValueError(f"RolloutConfig.{name} must be at least 1, got {getattr(cfg, name)}")
-    if cfg.tool_budget < 0:
-        raise ValueError(f"RolloutConfig.tool_budget must be 0 or more, got {cfg.tool_budget}")
+    for name, low in (("group_size", 1), ("max_response_tokens", 1), ("tool_budget", 0)):
+        if getattr(cfg, name) < low:
+            raise ValueError(f"RolloutConfig.{name} must be at least {low}, got {getattr(cfg, name)}")
 
 
 def _tokenize_prompt(problem: dict, problem_index: int, tokenizer, cfg: RolloutConfig, context: int) -> tuple[list[int], int]:
@@ -292,11 +265,8 @@ def _tokenize_prompt(problem: dict, problem_index: int, tokenizer, cfg: RolloutC
 
 
 def request_seed(seed: int | None, problem_index: int, group_index: int, turn: int) -> int | None:
-    """A request's own seed, from the run's seed and its place: problem, sample, turn.
-
-    A first turn's seed is its problem's plus the sample's index, which is what vLLM
-    gives sample j of one n-sample request (rounds): both schedules draw the same tokens.
-    """
+    """A request's own seed, from the run's seed and its place: problem, sample, turn. A first turn's is its problem's
+    plus the sample's index, what vLLM gives sample j of one n-sample request (rounds): both schedules draw alike."""
     if seed is None:
         return None
     if turn == 0:
@@ -318,24 +288,13 @@ def _sampled_logprobs(sample) -> list[float]:
 # What the model reads when it wrote ```output without a complete ```python block.
 NO_CODE_OUTPUT = "Error: no complete ```python block to run"
 
-# What ToRL shows when its rule leaves nothing to show: its sandbox's timeout message,
-# also for a program that ran fine and printed nothing.
+# What ToRL shows when its rule leaves nothing to show (a quiet program too): its sandbox's timeout message.
 TORL_EMPTY_OUTPUT = "timeout_decorator.timeout_decorator.TimeoutError: 'Timed Out'"
 
 
 def extract_code(turn_text: str) -> str | None:
-    """The code ToRL would run for one turn's text (its extract_program), or None.
-
-    Line-based: a line that starts or ends with ```python opens a block, a line
-    that starts with ``` closes it, and only the last block counts. So an unclosed
-    last block runs nothing, even after a complete one, and a fence inside a line
-    of code (s = '```') is code. An empty block runs nothing either.
-
-    >>> extract_code("x\\n```python\\nprint(1)\\n```\\n```python\\nprint(2)\\n```\\n")
-    'print(2)\\n'
-    >>> extract_code("```python\\nprint(1)\\n```\\n```python\\nprint(2)\\n") is None
-    True
-    """
+    """The code ToRL would run for one turn's text (its extract_program), or None. Line-based: only the last block
+    counts, and an unclosed or empty one runs nothing, even after a complete one."""
     code, inside = "", False
     for line in turn_text.split("\n"):
         if line.startswith("```python") or line.endswith("```python"):
@@ -348,11 +307,7 @@ def extract_code(turn_text: str) -> str | None:
 
 
 def observation_text(result, style: str = "torl") -> str:
-    """The exact text appended after the model's ```output for one sandbox result.
-
-    ToRL's framing for every style: a newline, the output, a closing fence.
-    A run that printed "56088\\n" gives "\\n56088\\n```\\n".
-    """
+    """The exact text appended after the model's ```output for one result, in ToRL's framing: `\\n{output}\\n```\\n`."""
     if style == "torl":
         return f"\n{torl_observation(result)}\n```\n"
     from sandbox import format_observation
@@ -362,14 +317,7 @@ def observation_text(result, style: str = "torl") -> str:
 
 
 def torl_observation(result) -> str:
-    """What ToRL shows the model for one result, byte for byte (its postproc and postproc_observation).
-
-        printed "4\\n", exit status 0            -> "4"
-        printed "1\\n", then raised              -> "1"  (it passed)
-        a NameError traceback, nothing printed  -> "NameError: name 'a' is not defined"
-        exit status 0, nothing printed          -> TORL_EMPTY_OUTPUT
-        300 characters                          -> the first 128 + "..." + the last 128
-    """
+    """What ToRL shows the model for one result, byte for byte (postproc, postproc_observation): docs/03-torl.md."""
     text = result.stdout if execution_pass(result) else result.stderr.strip()
     if "Error" in text:  # stdout too: a program that prints "Error" shows only its last line
         text = text.strip().split("\n")[-1]
@@ -385,12 +333,7 @@ def execution_pass(result) -> bool:
 
 
 def encode_plain(tokenizer, text: str) -> list[int]:
-    """Token ids of `text` read as plain text: a special token's name in it ("<|im_end|>") stays characters.
-
-    Tool output is data. Encoded the default way, a program that prints
-    "<|endoftext|>" would end the trajectory, and one that prints "<|im_end|>"
-    would forge a chat turn.
-    """
+    """Token ids of `text` as plain text: tool output is data, so a printed "<|im_end|>" stays characters."""
     return tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True)
 
 
