@@ -3,17 +3,9 @@
     make bench-rollout                                   # tiny random model on CPU, about 4 minutes
     .venv/bin/python 03-rollout/bench_rollout.py --model Qwen/Qwen2.5-Math-1.5B --dtype bfloat16 --max-response-tokens 3072
 
-Two workloads, each run with the overlapped rollout (the default), with rounds and
-with a sandbox that takes no CPU (SleepingTool): equal lengths, the kindest case for
-rounds (a forced code block, then to the budget with EOS ignored), and long-tailed
-lengths as real RL responses have, whose forced marker letters pick a length class
-(P(length >= x) ~ 1/x) and whose code sleeps `--tool-sleep` seconds. Each is set
-against a bare `llm.generate` of the same tokens (same sampling, seeds, log-probs;
-for the long tail a grammar of the same length, so both pay the same masking), as
-seconds per token, the sandbox's time excluded and included: the best and the median
-of `--repeats` seeded runs after a warm-up, since on a shared machine the fastest
-run is the least disturbed. The workloads and a reading of the figures:
-docs/appendix/03-schedules-benchmarks.md.
+Both schedules and a tool that takes no CPU (SleepingTool) against a bare `llm.generate` of the same tokens, on equal
+and long-tailed lengths: the best (the least disturbed on a shared machine) and the median of `--repeats` seeded runs.
+The workloads and a reading of the figures: docs/appendix/03-schedules-benchmarks.md.
 """
 from __future__ import annotations
 
@@ -41,8 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     llm = make_llm(model, dtype=args.dtype, max_model_len=args.max_model_len, seed=0)
     default = RolloutConfig().schedule
     tail = heavy_tail(args.tail_shortest, args.tail_classes)
-    # Seeded (run k uses seed k), so that both schedules and the baseline sample the same tokens
-    # within a run, and each run is another draw of the lengths.
+    # Run k uses seed k: within a run every kind samples the same tokens, and each run draws the lengths anew.
     equal = RolloutConfig(group_size=args.group_size, max_response_tokens=args.max_response_tokens, seed=0,
                           force_turns=(FORCED_CODE_TURN,), extra_sampling={"ignore_eos": True})
     longtail = RolloutConfig(group_size=args.group_size, max_response_tokens=args.max_model_len - 256, seed=0,  # never binds
@@ -126,9 +117,7 @@ def measure(llm, problems: list[dict], sandbox, cfg, repeats: int, name: str, pl
 
 
 class SleepingTool:
-    """A stand-in for the sandbox, in this bench only: it answers the forced code blocks by reading them.
-    It sleeps as long as the code's `time.sleep` asks, in the calling thread, and prints what `print(a * b)` or
-    `print(n)` would: no process and no CPU, the rollout's cost without the sandbox's."""
+    """The sandbox's stand-in in this bench: it sleeps and prints as the forced code asks, with no process or CPU."""
 
     def run(self, code: str, timeout: float | None = None):
         from sandbox import ExecResult
@@ -161,9 +150,8 @@ def ratio(runs: dict[str, list[dict]], kind: str, sandbox_too: bool) -> str:
 
 
 def heavy_tail(shortest: int, classes: int) -> str:
-    """A regex whose first token picks a length class: `shortest` * 2**k digits, half as likely per doubling.
-    A random model picks among the allowed marker letters about uniformly, so class k is chosen with probability about
-    2**-(k+1) (the last two classes share the rest), and the digits that follow are one token each."""
+    """A regex whose first token picks a length class of `shortest` * 2**k digits, one token each: a random model picks
+    the marker letters about uniformly, and class k has half as many as the class before (the last two share)."""
     letters = iter(string.ascii_letters)  # 2**(classes-1) of them: 32 for 6 classes
     parts = []
     for k in range(classes):
@@ -178,9 +166,8 @@ def tool_call_regex(sleep: float) -> str:
 
 
 def bare_generate(llm, problems: list[dict], cfg, lengths: list[int], grammar: bool) -> dict:
-    """One generate call on the same prompts: one request per sample, its length fixed, no stop string.
-    Without `grammar` EOS is ignored and `max_tokens` fixes the length; with it, a regex of length-1 digits is followed
-    by the EOS the grammar forces."""
+    """One generate call on the same prompts: one request per sample, its length fixed (by `max_tokens` with EOS
+    ignored, or with `grammar` by n-1 digits and the EOS the grammar forces), no stop string."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
     from vllm.sampling_params import StructuredOutputsParams
@@ -212,29 +199,23 @@ def parse_args(argv):
                                             "of the same tokens, on an equal-length and a long-tailed workload. About 4 "
                                             "minutes on an idle 2-core CPU with the defaults (a warm-up and --repeats "
                                             "runs of each workload); a busy machine takes many times longer.")
-    p.add_argument("--model", help="model folder or name (default: build the tiny random model)")
     from configuration import DTYPES  # the run's own names and check (05-retool)
+    from lab_cli import at_least, one_line_errors
 
+    p.add_argument("--model", help="model folder or name (default: build the tiny random model)")
     p.add_argument("--dtype", choices=DTYPES, default="float32", help="float32 for the tiny model on CPU; bfloat16 on a GPU")
-    p.add_argument("--problems", type=int, default=4, help="problems of the equal-length workload")
-    p.add_argument("--group-size", type=int, default=8)
-    p.add_argument("--max-response-tokens", type=int, default=256, help="budget of the equal-length workload")
-    p.add_argument("--tail-problems", type=int, default=4, help="problems of the long-tailed workload")
-    p.add_argument("--tail-shortest", type=int, default=64, help="tokens of a turn's shortest length class")
-    p.add_argument("--tail-classes", type=int, default=5, help="length classes, each twice the one before (at most 6)")
-    p.add_argument("--tool-sleep", type=float, default=0.2, help="seconds each long-tailed sample's code sleeps")
+    p.add_argument("--problems", type=at_least(1), default=4, help="problems of the equal-length workload")
+    p.add_argument("--group-size", type=at_least(1), default=8)
+    p.add_argument("--max-response-tokens", type=at_least(1), default=256, help="budget of the equal-length workload")
+    p.add_argument("--tail-problems", type=at_least(1), default=4, help="problems of the long-tailed workload")
+    p.add_argument("--tail-shortest", type=at_least(1), default=64, help="tokens of a turn's shortest length class")
+    p.add_argument("--tail-classes", type=at_least(2, at_most=6), default=5,
+                   help="length classes, each twice the one before (at most 6)")
+    p.add_argument("--tool-sleep", type=at_least(0, float), default=0.2,
+                   help="seconds each long-tailed sample's code sleeps")
     p.add_argument("--max-model-len", type=int, default=4096)
-    p.add_argument("--repeats", type=int, default=6)
-    from lab_cli import one_line_errors
-
+    p.add_argument("--repeats", type=at_least(1), default=6)
     args = one_line_errors(p).parse_args(argv)
-    for name in ("problems", "group_size", "max_response_tokens", "tail_problems", "tail_shortest", "tail_classes", "repeats"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be at least 1")
-    if not 2 <= args.tail_classes <= 6:
-        p.error("--tail-classes must be between 2 and 6")
-    if args.tool_sleep < 0:
-        p.error("--tool-sleep must be 0 or more")
     if 2 * args.tail_shortest * 2 ** (args.tail_classes - 1) + 256 > args.max_model_len - 256:
         p.error("--max-model-len is too small for two turns of the longest length class (raise it or shorten the tail)")
     check_model(args.model, args.max_model_len)

@@ -1,13 +1,11 @@
 """The prompt templates of chapter 03's rollout, one a model family. The story: docs/03-rollout.md.
 
-Each is a `str.format` string with one field, {question}; braces that belong to
-the text are doubled. Add a model family's template beside these.
+Each is a `str.format` string with one field, {question}; braces of the text are doubled. Add a family's beside these.
 """
 from __future__ import annotations
 
 TEMPLATES = {
-    # ToRL's tir_base_0309 for base models, verbatim: the instruction precedes the
-    # question even though it says "the problem above".
+    # ToRL's tir_base_0309 for base models, verbatim: the instruction precedes "the problem above".
     "torl": (
         "A conversation between User and Assistant. The user asks a question, and the Assistant solves it.\n"
         "User: Please integrate natural language reasoning with programs to solve the problem above, "
@@ -19,8 +17,8 @@ TEMPLATES = {
         "and put your final answer within \\boxed{{}}.<|im_end|>\n"
         "<|im_start|>user\n{question}<|im_end|>\n<|im_start|>assistant\n"
     ),
-    # Text-only baselines: Qwen2.5-Math's chain-of-thought instruction, no word of a
-    # tool. `cot` keeps tir_base_0309's frame, so only the instruction differs from `torl`.
+    # Text-only baselines: Qwen2.5-Math's chain-of-thought instruction, no word of a tool. `cot` keeps
+    # tir_base_0309's frame, so only the instruction differs from `torl`.
     "cot": (
         "A conversation between User and Assistant. The user asks a question, and the Assistant solves it.\n"
         "User: Please reason step by step, and put your final answer within \\boxed{{}}.\n{question}\nAssistant:\n"
@@ -29,9 +27,8 @@ TEMPLATES = {
         "<|im_start|>system\nPlease reason step by step, and put your final answer within \\boxed{{}}.<|im_end|>\n"
         "<|im_start|>user\n{question}<|im_end|>\n<|im_start|>assistant\n"
     ),
-    # SmolLM2-Instruct's own chat format (ChatML, like Qwen's) with a one-line system
-    # message: every prompt token is paid for in every forward pass on a CPU.
-    # smollm2.check_template compares it with the model's chat template, token for token.
+    # SmolLM2-Instruct's own chat format (ChatML) with a one-line system message: every prompt token is paid for in
+    # every forward pass on a CPU. smollm2.check_template compares it with the model's chat template, token for token.
     "smollm2-chat": (
         "<|im_start|>system\nSolve with Python, then put the final answer in \\boxed{{}}.<|im_end|>\n"
         "<|im_start|>user\n{question}<|im_end|>\n<|im_start|>assistant\n"

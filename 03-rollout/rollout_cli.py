@@ -28,8 +28,7 @@ DEMO_TURNS = (
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description="Token-exact tool-integrated rollouts with vLLM (chapter 03).",
-        epilog="examples:\n  .venv/bin/python 03-rollout/rollout.py demo --out runs/rollout-demo.jsonl\n"
-               "  .venv/bin/python 03-rollout/rollout.py view runs/rollout-demo.jsonl > page.html",
+        epilog="examples:\n" + __doc__.split("\n\n", 1)[1].rstrip(),
         formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
 

@@ -1,8 +1,6 @@
 """The rounds schedule of chapter 03's rollout: the whole batch moves turn by turn. The story: docs/03-schedules.md.
 
-What a turn or an observation appends, the budgets and the seeds stay the core's
-(`_InFlight`'s three calls in rollout.py), so for a seed this gives the
-trajectories the overlapped default gives; only the order of events differs.
+Turns, observations, budgets and seeds stay the core's (`_InFlight` in rollout.py): only the order of events differs.
 """
 from __future__ import annotations
 
@@ -12,8 +10,7 @@ from typing import Callable
 
 def run_rounds(llm, in_flight: list, run_many: Callable, spent: dict, group_size: int) -> None:
     """Sample every trajectory in `in_flight` (`group_size` per problem, in order) to its end, round by round: one
-    `generate` call with every unfinished turn, then all the code those turns asked for in one `run_many`.
-    `spent["rounds"]` counts the generate calls, `spent["sandbox_s"]` each round's wait for its slowest call."""
+    `generate` with every unfinished turn, then their code in one `run_many`. `spent["rounds"]` counts the rounds."""
     spent["rounds"] = 0
     # Round 0: one request per problem, n=group_size; its samples share the prompt's prefill.
     firsts = in_flight[::group_size]

@@ -31,8 +31,7 @@ class Trajectory:
     loss_mask: list[int]  # 1 on model tokens, 0 on observation tokens
     text: str  # the decoded response (model and observation tokens), for the reward and for reading
     tool_calls: list[ToolCall] = field(default_factory=list)
-    # "eos" (the model stopped), "budget" (response budget), "length" (max_model_len), or
-    # vLLM's own word for any other end ("abort", "error", "repetition"), which is truncated too
+    # "eos" (the model stopped), "budget", "length" (max_model_len), or vLLM's own word ("abort", ...): truncated too
     finish_reason: str = "eos"
     truncated: bool = False  # ended by anything but the model's own stop
     weight_version: int = 0  # version of the policy weights that sampled it

@@ -1,7 +1,7 @@
 """Seeing a trajectory: a standalone HTML page and a text drawing, one box per token. The story: docs/03-rollout.md.
 
-Chapter 03's records are lists of token ids; a learner trusts them only after seeing where each token
-came from: prompt tokens grey, model tokens (loss mask 1) blue, observation tokens (loss mask 0) orange.
+Prompt tokens are grey, model tokens (loss mask 1) blue, observation tokens (loss mask 0) orange; neighbouring boxes
+alternate shades so that token boundaries show.
 """
 from __future__ import annotations
 
@@ -12,9 +12,7 @@ import html
 def render_html(trajectories: list, tokenizer, rewards: list | None = None, title: str = "rollouts",
                 total: int | None = None) -> str:
     """A standalone page: per trajectory its summary, its tool calls and every token as a box, coloured as above.
-    Neighbouring boxes alternate shade so that token boundaries show; hovering a box shows its position, id, mask and
-    log-prob. `rewards` are chapter 04's RewardResults, one per trajectory (None: show the stored reward only). `total`:
-    how many there were, when the page shows fewer."""
+    `rewards`: chapter 04's RewardResults, one per trajectory (None: the stored one). `total`: when it shows fewer."""
     shown = len(trajectories)
     count = f"{shown} of {total}" if total is not None and total != shown else f"{shown}"
     scored = rewards or [None] * shown
@@ -67,9 +65,8 @@ def _box(kind: str, pos: int, tok: int, piece: str, logprob: float | None) -> st
 
 
 def token_pieces(tokenizer, ids: list[int]) -> list[str]:
-    """The text each token adds, so that the pieces join into the decoded text.
-    A byte-level BPE token may hold half of a character; its piece is then empty and the next token's piece carries the
-    whole character. Tokenizers that are not byte-level fall back to decoding each token on its own."""
+    """The text each token adds, so that the pieces join into the decoded text: a byte-level token that holds half a
+    character adds nothing, the next one the whole character. Other tokenizers decode each token on its own."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None or type(backend.decoder).__name__ != "ByteLevel":
         return [tokenizer.decode([i]) for i in ids]
@@ -85,11 +82,7 @@ def token_pieces(tokenizer, ids: list[int]) -> list[str]:
 
 
 def draw_tokens(t, tokenizer) -> str:
-    """The response as text, one line per segment, tokens separated by "|".
-
-        model (mask 1, 4 tokens):       ```|output|...
-        observation (mask 0, 3 tokens): ↵|56088|↵
-    """
+    """The response as text, one line per segment ("model (mask 1, 4 tokens): ```|output|..."), tokens split by "|"."""
     pieces = [p.replace("\n", "↵") or "∅" for p in token_pieces(tokenizer, t.token_ids)]
     lines, start = [f"prompt: {len(t.prompt_ids)} tokens"], 0
     for end in range(1, len(t.token_ids) + 1):
@@ -101,9 +94,8 @@ def draw_tokens(t, tokenizer) -> str:
 
 
 def _byte_level_alphabet() -> dict[str, int]:
-    """Inverse of byte-level BPE's byte-to-character map (GPT-2's convention).
-    Printable Latin-1 bytes stand for themselves; the other 68 bytes are shifted to code points 256 and up, in byte
-    order, so that no token holds a control character or a space."""
+    """Inverse of byte-level BPE's byte-to-character map (GPT-2's): printable Latin-1 bytes stand for themselves, the
+    other 68 move to code points 256 and up, in byte order, so that no token holds a control character or a space."""
     keep = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
     shifted = [b for b in range(256) if b not in keep]
     return {chr(b): b for b in keep} | {chr(256 + i): b for i, b in enumerate(shifted)}

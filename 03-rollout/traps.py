@@ -2,14 +2,8 @@
 
     .venv/bin/python 03-rollout/traps.py            # tiny random model on CPU, about a minute
 
-Each trap is measured, not asserted: the script samples with the real engine and
-prints what it saw (docs/03-rollout.md reads the output). 1: a stop string can end
-inside a token, which `token_ids` keep and `text` cuts; the sampler is steered
-(structured outputs, a logit bias) to complete "```output" with the token "tan", as
-a real model may with any token that starts with "t". 2: one text, several
-tokenizations, so only the sampled ids can carry the log-probs. 3: a group needs a
-random stream per sample (`n=k`, or seeds seed + j), not k copies with one seed:
-those are k identical samples, a GRPO group with zero variance.
+Each trap is measured, not asserted: docs/03-rollout.md reads the output. For trap 1 the sampler is steered (structured
+outputs, a logit bias) to complete "```output" with the token "tan", as a real model may with any token starting "t".
 """
 from __future__ import annotations
 

