@@ -4,10 +4,7 @@ r"""What the reward's worker process costs: its start, one check after it, a che
     make bench-reward ARGS="--rounds 5"
     make bench-reward ARGS="--results 04-bench-reward"          # also write docs/results/04-bench-reward.json
 
-Each round stops the workers (reward.py keeps them for the life of the process), then times with
-time.perf_counter: the first score_answer (it starts a worker), one score_answer after that, score_batch
-of 400 answers with workers=2 (both workers started first), and `\boxed{9^{9^{9^{9}}}}`, whose check is
-killed at the 5 s deadline. It prints the best and the median of the rounds. The figures: docs/04-reward.md.
+Each round stops the workers first, as a fresh process has none. What each figure times: docs/04-reward.md.
 """
 from __future__ import annotations
 

@@ -1,11 +1,7 @@
-r"""Where the lab's scorer and ToRL's disagree: one table, one row per kind of answer.
-The rules and the measured table: docs/04-torl-scorer.md.
+r"""Where the lab's scorer and ToRL's disagree: one table, one row per kind of answer (docs/04-torl-scorer.md).
 
-Each reference answer is rewritten the ways a model writes a right answer (other
-spacing, `\dfrac`, a decimal, a unit, a check paragraph after the box, ...) and
-a few wrong ones, and the responses are scored by both (reward.score_batch,
-scorer "lab" and "torl"); hand cases add what no rewrite makes. The references are a built-in handful of
-MATH-style answers, or those of any data set chapter 01 reads (--answers).
+Each reference answer (a built-in handful, or a data set's with --answers) is rewritten the ways a model writes a
+right answer and a few wrong ones; both scorers score every response, hand cases included.
 
     .venv/bin/python 04-reward/compare_scorers.py
     .venv/bin/python 04-reward/compare_scorers.py --answers data/torl_data/test.parquet --dump cases.jsonl
@@ -106,9 +102,7 @@ def build_cases(answers: list[str]) -> list[dict]:
 
 
 def tally(cases: list[dict], workers: int = 2) -> dict[str, dict]:
-    """Per kind: rows, how many each scorer counts right, the disagreements each way, and a first example.
-    "unparsed" counts the lab-only wins where math-verify's parse of an unwrapped, normalised side (what ToRL checks)
-    came back empty."""
+    """Per kind: rows, each scorer's right ones, the disagreements each way ("unparsed": see the page), an example."""
     from reward import score_batch
 
     texts, refs = [c["response"] for c in cases], [c["reference"] for c in cases]

@@ -1,17 +1,11 @@
-r"""Chapter 04: the outcome-only reward, +1 for a right final answer and -1 otherwise.
-The story, rule by rule with examples: docs/04-reward.md.
+r"""Chapter 04: the outcome-only reward, +1 for a right final answer and -1 otherwise. The story: docs/04-reward.md.
 
 Key decisions:
-1. The answer is the content of the LAST `\boxed{` in the last 300 characters
-   (ANSWER_WINDOW_CHARS); a last box that never closes is no answer, with no
-   fallback to an earlier box. Only the exact marker `\boxed{` counts.
-2. Right means math-verify finds it equivalent to the reference; any error or
-   overrun while checking counts as not equivalent. No partial credit, no
-   reward for using the tool; `valid_format` tells "no answer" from "wrong".
-3. Every check runs in a worker process with a deadline, so the verdict is the
-   same from any thread (math-verify's own timeouts work only in the main thread).
-4. `scorer="torl"` swaps in ToRL's own rule (torl_scorer.py: the last complete box
-   anywhere, unwrapped math-verify), run the same way: docs/04-torl-scorer.md.
+1. The answer is the content of the LAST `\boxed{` in the last 300 characters (ANSWER_WINDOW_CHARS); a last box
+   that never closes is no answer, with no fallback to an earlier box.
+2. Right means math-verify finds it equivalent to the reference; any error or overrun counts as not equivalent.
+3. Every check runs in a worker process with a deadline, so the verdict is the same from any thread.
+4. `scorer="torl"` swaps in ToRL's own rule (torl_scorer.py, docs/04-torl-scorer.md), run the same way.
 """
 from __future__ import annotations
 
@@ -50,11 +44,7 @@ NO_ANSWER = RewardResult(reward=-1.0, correct=False, valid_format=False, answer=
 def score_answer(
     text: str, reference: str, timeout: float = DEFAULT_TIMEOUT_S, scorer: str = "lab"
 ) -> RewardResult:
-    """Score one response against its reference answer (`scorer`: "lab" or "torl").
-
-    >>> score_answer("... so the result is \\\\boxed{\\\\frac{1}{2}}.", "0.5")
-    RewardResult(reward=1.0, correct=True, valid_format=True, answer='\\\\frac{1}{2}')
-    """
+    """Score one response against its reference answer (`scorer`: "lab" or "torl")."""
     answer = extract_answer(text, scorer)
     if answer is None:
         return NO_ANSWER
@@ -66,8 +56,7 @@ def score_batch(
     texts: list[str], references: list[str], workers: int = 2, timeout: float = DEFAULT_TIMEOUT_S,
     scorer: str = "lab",
 ) -> list[RewardResult]:
-    """Score many responses in `workers` processes; results come back in input order. Each answer gets the same
-    time bound as in `score_answer`, so one pathological answer delays only its own worker."""
+    """Score many responses in `workers` processes, in input order; one pathological answer delays only its worker."""
     if len(texts) != len(references):
         raise ValueError(f"score_batch: {len(texts)} texts but {len(references)} references")
     answers = [extract_answer(t, scorer) for t in texts]
@@ -88,10 +77,7 @@ def score_batch(
 
 
 def total_reward(result: RewardResult, execution_pass: bool, exec_error_penalty: float = 0.0) -> float:
-    """ToRL's R = R_answer + R_exec: subtract `exec_error_penalty` when the trajectory did not pass.
-    `execution_pass` is ToRL's flag (chapter 03's Trajectory.execution_pass): its last tool call passed; without a
-    call it has not. Off by default (0.0), as in ToRL's launch script: punishing errors also punishes exploration,
-    and the paper found no gain from it."""
+    """ToRL's R = R_answer + R_exec: less `exec_error_penalty` unless `execution_pass`; off by default (docs/04)."""
     return result.reward - (exec_error_penalty if not execution_pass else 0.0)
 
 
@@ -105,13 +91,7 @@ def extract_answer(text: str, scorer: str = "lab") -> str | None:
 
 
 def extract_last_boxed(text: str) -> str | None:
-    """Content of the last `\\boxed{...}` in `text`, or None if there is none or it never closes.
-
-    >>> extract_last_boxed("\\\\boxed{1} then \\\\boxed{\\\\frac{a}{b}}")
-    '\\\\frac{a}{b}'
-    >>> extract_last_boxed("\\\\boxed{1} then \\\\boxed{2") is None
-    True
-    """
+    """Content of the last `\\boxed{...}` in `text`, or None if there is none or it never closes."""
     start = text.rfind(BOXED)
     if start < 0:
         return None
@@ -133,8 +113,7 @@ def _result(answer: str, correct: bool) -> RewardResult:
 
 
 def is_equivalent(answer: str, reference: str) -> bool:
-    """math-verify's verdict, with its signal timeouts off (the caller bounds time). Both sides are wrapped in
-    `$...$` so that bare LaTeX such as `\\frac{1}{2}` and plain text such as `0.5` are both read as math."""
+    """math-verify's verdict on both sides wrapped in `$...$`, its signal timeouts off: the caller bounds time."""
     from math_verify import parse, verify
 
     try:
@@ -149,11 +128,7 @@ _CHECKS = {"lab": is_equivalent, "torl": torl_equivalent}  # what a worker runs 
 
 
 class _Verifier:
-    """One worker process that runs a scorer's check, replaced when it overruns its deadline. Its own interpreter
-    running this file (`reward.py --serve-fd`): spawned, it would re-import the caller's main script (a learner's
-    script without an `if __name__` guard would run again in every worker); forked, it would copy the parent's
-    threads (vLLM, tqdm) in a broken state. The first call pays the start-up (importing math-verify, about half a
-    second); later calls cost a socket round trip."""
+    """A worker process (this file, --serve-fd; why not forked: docs/04), replaced when it overruns its deadline."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -182,8 +157,7 @@ class _Verifier:
         finally:
             theirs.close()
         self._conn = Connection(ours.detach())
-        # Wait for the warm-up outside any answer's deadline: a slow start on a busy machine must not turn into a
-        # wrong verdict.
+        # The warm-up is outside any answer's deadline: a slow start on a busy machine must not be a wrong verdict.
         if not self._conn.poll(_STARTUP_TIMEOUT_S):
             self._stop()
             raise RuntimeError(f"reward: the math-verify worker did not start within {_STARTUP_TIMEOUT_S:.0f} s")
@@ -220,8 +194,7 @@ def _serve(fd: int) -> None:
         conn.send(verdict)
 
 
-# Worker processes live as long as this process: a training loop scores every step, and starting a worker (importing
-# math-verify) costs about half a second.
+# Worker processes live as long as this process: a training loop scores every step, and each start imports math-verify.
 _workers: list[_Verifier] = []
 _workers_lock = threading.Lock()
 
@@ -264,8 +237,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _read_rows(path: str) -> list[dict]:
-    """The rows of a JSONL file, each with string `response` and `reference`. A bad file or row ends the program
-    with one line `error: FILE:LINE: ...`, exit status 2."""
+    """The rows of a JSONL file, each with string `response` and `reference`; a bad one ends the program in one line."""
     def refuse(where: str, message: str):
         print(f"error: {where}: {message}", file=sys.stderr)
         sys.exit(2)

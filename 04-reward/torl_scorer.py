@@ -1,17 +1,10 @@
-r"""ToRL's own scorer (GAIR-NLP/ToRL, reward type "default"), for comparison with the lab's.
-The rule in words, and where and why the two disagree, with measured counts: docs/04-torl-scorer.md.
+r"""ToRL's own scorer (GAIR-NLP/ToRL, reward type "default"), written anew from its source: docs/04-torl-scorer.md.
 
-Written anew from reading ToRL's source, not copied: the answer is the last complete
-`\boxed{...}` anywhere (braces nested up to BOX_DEPTH levels; a deeper or unclosed
-box is skipped, so an earlier one counts), where the lab reads only the last 300
-characters and never falls back. A string match, else Minerva's normaliser (with
-ToRL's edits) and math-verify UNWRAPPED: the lab wraps both sides in `$...$`, without
-which parse returns [] for much LaTeX and only the leading number of `12\pi`.
-Anything that raises scores -1 (ToRL's fallback to Hendrycks' string equality never
-decides: math-verify does not raise by default).
-
-math-verify runs with its signal timeouts off, so the verdict is the same from any
-thread; `torl_score` sets no deadline, `reward.score_batch(..., scorer="torl")` runs it under one.
+The page's rules, in code: 1, the last complete `\boxed{...}` anywhere (last_complete_box); 2, a string match, else
+3, Minerva's normaliser with ToRL's edits (normalize_final_answer) and 4, math-verify UNWRAPPED (torl_equivalent);
+5, anything that raises scores -1 (torl_score; ToRL's fallback to Hendrycks' string equality never decides).
+math-verify's signal timeouts are off, so the verdict is the same from any thread; `torl_score` sets no deadline,
+`reward.score_batch(..., scorer="torl")` runs it under one.
 """
 from __future__ import annotations
 
@@ -32,13 +25,8 @@ _BOX = re.compile(r"\\boxed\{((?:[^{}]|\\\{|\\\}|" + _braces(BOX_DEPTH - 1) + r"
 
 
 def last_complete_box(response: str) -> str | None:
-    r"""Content of the last `\boxed{...}` ToRL's regex matches anywhere in `response`, or None.
-
-    >>> last_complete_box("\\boxed{1} then \\boxed{\\frac{a}{b}} and a check paragraph")
-    '\\frac{a}{b}'
-    >>> last_complete_box("\\boxed{1} then \\boxed{2")  # unclosed: the earlier box counts
-    '1'
-    """
+    r"""Rule 1: content of the last `\boxed{...}` ToRL's regex matches anywhere in `response`, or None. A last box
+    that is unclosed or nested deeper than BOX_DEPTH is not matched, so an earlier box counts."""
     boxes = _BOX.findall(response)
     return boxes[-1] if boxes else None
 
@@ -83,9 +71,9 @@ def _drop_math_delimiters(text: str) -> str:
 
 
 def normalize_final_answer(answer: str) -> str:
-    r"""Minerva's normaliser as ToRL runs it: `"\\dfrac12 \\text{ cm}"` -> `"\\frac{1}{2}"`. Minerva's first step,
-    keeping what follows the last `=`, ToRL leaves out. Its `$...$` extraction is left out here too: every `$` is gone
-    by then."""
+    r"""Rule 3, Minerva's normaliser as ToRL runs it: `"\\dfrac12 \\text{ cm}"` -> `"\\frac{1}{2}"`. ToRL leaves out
+    Minerva's first step, keeping what follows the last `=`; its `$...$` extraction is left out here too: every `$` is
+    gone by then."""
     answer = _drop_math_delimiters(answer.strip())
     for before, after in SUBSTITUTIONS:
         answer = answer.replace(before, after)
@@ -101,7 +89,7 @@ def normalize_final_answer(answer: str) -> str:
 
 
 def torl_equivalent(answer: str, reference: str) -> bool:
-    """ToRL's verdict on a box's content: string match, else math-verify on the normalised, unwrapped strings."""
+    """Rules 2 to 4: a string match, else math-verify on the normalised (rule 3), unwrapped strings."""
     from math_verify import parse, verify
 
     if answer.strip().lower() == reference.strip().lower():
@@ -113,15 +101,7 @@ def torl_equivalent(answer: str, reference: str) -> bool:
 
 
 def torl_score(response: str, reference: str) -> float:
-    r"""+1.0 if ToRL's scorer counts `response` right against `reference`, else -1.0.
-
-    >>> torl_score("\\boxed{\\frac{1}{2}} Check: " + "x" * 350, "0.5")
-    1.0
-    >>> torl_score("\\boxed{2\\sqrt{2}}", "\\sqrt{8}")  # unwrapped, parse reads 2 and nothing
-    -1.0
-    >>> torl_score("\\boxed{12\\pi}", "12")  # and 12 from 12\\pi
-    1.0
-    """
+    """+1.0 if ToRL's scorer counts `response` right against `reference`, else -1.0 (rule 5: also if it raises)."""
     try:
         answer = last_complete_box(response)
         return 1.0 if answer is not None and torl_equivalent(answer, reference) else -1.0
