@@ -242,11 +242,11 @@ def test_ranks_skip_zero_advantage_rows_unevenly_run_the_same_passes_and_take_on
     per_rank = ranks["per_rank"]
     # rank 0: mini-batch 1 all skipped (8 rows), mini-batch 2 none; rank 1: none, then 4 of 8
     assert [r["metrics"]["rows_skipped"] for r in per_rank] == [8, 4]
-    # the old-log-prob pass in the update's micro-batches of the rows each rank trains (rank 0: 8, rank 1: 8 + 4;
-    # rank 0 pads it with two passes of one row), then 3 + 3 passes on each rank: rank 0 pads its empty mini-batch
-    # with 3 passes of one row, rank 1 its 4 rows' 2 passes with one
-    assert per_rank[0]["forwards"] == [3, 3, 2, 1, 1] + [1, 1, 1] + [3, 3, 2]
-    assert per_rank[1]["forwards"] == [3, 3, 2, 3, 1] + [3, 3, 2] + [3, 1, 1]
+    # the old-log-prob pass over the second mini-batch's rows each rank trains, in the update's micro-batches
+    # (rank 0: 8, rank 1: 4, padded with one pass of one row); then 3 + 3 passes on each rank: rank 0 pads its
+    # empty first mini-batch with 3 passes of one row, rank 1 its 4 rows' 2 passes with one
+    assert per_rank[0]["forwards"] == [3, 3, 2] + [1, 1, 1] + [3, 3, 2]
+    assert per_rank[1]["forwards"] == [3, 1, 1] + [3, 3, 2] + [3, 1, 1]
     assert single_metrics["rows_skipped"] == ranks["metrics"]["rows_skipped"] == 12
     assert max_difference(single, load_policy(tiny_model_path, device="cpu").state_dict()) > 1e-3
     assert max_difference(ranks["weights"], single) < 2e-5
