@@ -243,8 +243,11 @@ def build_batch(trajectories) -> Batch:
     """Pad trajectories into a `Batch` (on CPU); see `Batch` for the alignment."""
     rows = len(trajectories)
     width = max(len(t.prompt_ids) + len(t.token_ids) for t in trajectories)
-    input_ids, attention_mask = (torch.zeros(rows, width, dtype=torch.long) for _ in range(2))
-    loss_mask, advantages, sampler_logprobs = (torch.zeros(rows, width - 1) for _ in range(3))
+    input_ids = torch.zeros(rows, width, dtype=torch.long)
+    attention_mask = torch.zeros(rows, width, dtype=torch.long)
+    loss_mask = torch.zeros(rows, width - 1)
+    advantages = torch.zeros(rows, width - 1)
+    sampler_logprobs = torch.zeros(rows, width - 1)
     for i, t in enumerate(trajectories):
         if not (len(t.token_ids) == len(t.loss_mask) == len(t.logprobs)):
             raise ValueError(f"trajectory {t.problem_id}/{t.group_index}: token_ids, loss_mask, logprobs differ in length")
