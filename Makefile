@@ -167,7 +167,7 @@ bench-train: $(STAMP)
 	PYTHONPATH="$(CURDIR):$(CURDIR)/01-data:$(CURDIR)/02-sandbox:$(CURDIR)/03-rollout:$(CURDIR)/04-reward:$(CURDIR)/05-retool:$(CURDIR)/06-train" \
 	  $(PY) 06-train/bench_train.py $(ARGS)
 
-# Chapter 06's default experiment from nothing, timed stage by stage (06-train/bench_experiment.py): about 9 minutes.
+# Chapter 06's default experiment from nothing, timed stage by stage (06-train/bench_experiment.py): about 6 minutes.
 bench-06: $(STAMP)
 	$(PY) 06-train/bench_experiment.py $(ARGS)
 

@@ -1,6 +1,6 @@
 """Chapter 06's experiment in one command: from the released base, its moves check, RL at C = 1 and 4, a report.
 
-    make run-06                                  # one seed: C = 1 and 4, 60 steps each (about 9 min)
+    make run-06                                  # one seed: C = 1 and 4, 60 steps each (about 6 min)
     make run-06 ARMS=budget                      # C = 2 as well: the page's three budgets
     make run-06 SEEDS="5 6 7" ARMS=all           # every arm of ablation.py, three seeds
     make run-06 ARGS="--base runs/base-06/base"  # from a base `make base-06` made instead of the released one
@@ -39,8 +39,8 @@ PRESET = "cpu-chained"
 RELEASE = RELEASES[PRESET]  # 06-train/base
 PAGE_RESULTS = "06-experiments-released"  # the page's runs, which the report sets beside these
 # For the time-left estimates, on two idle cores (make bench-06 measures them): the base's moves check, an RL step
-# (the page's baseline, 4 calls), and a run's start and evaluations.
-SECONDS = {"moves_check": 10.0, "rl_step": 5.0, "rl_run_fixed": 45.0}
+# (the mean of C = 1 and C = 4), and a run's start and evaluations.
+SECONDS = {"moves_check": 5.0, "rl_step": 2.5, "rl_run_fixed": 20.0}
 
 
 def main(argv: list[str] | None = None) -> Path:
