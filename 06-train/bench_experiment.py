@@ -9,7 +9,6 @@ the lab aims at 12 at most.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import tempfile
@@ -18,12 +17,11 @@ from pathlib import Path
 
 import experiment
 import results
-from lab_cli import one_line_errors, run_script
+from lab_cli import run_script, script_parser
 
 
 def main(argv: list[str] | None = None) -> dict:
-    p = one_line_errors(argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
-                                                formatter_class=argparse.RawDescriptionHelpFormatter))
+    p = script_parser(__doc__)
     p.add_argument("--results", metavar="NAME", type=results.name_argument, help="also write the figures to docs/results/NAME.json (results.py)")
     p.add_argument("--out", help="the experiment's folder, kept (default: a temporary one, removed after)")
     args = p.parse_args(argv)

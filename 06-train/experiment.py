@@ -28,7 +28,7 @@ from pathlib import Path
 from ablation import ARMS, load_runs, run_arm
 from ablation import report as arms_report
 from configuration import Config, check_config, make_config, number_problems, parse_with_field_flags
-from lab_cli import one_line_errors
+from lab_cli import script_parser
 from presets import PRESETS
 from released_base import RELEASES, released_base, sha256
 
@@ -257,8 +257,7 @@ def moves_table(out: Path) -> list[str]:
 
 
 def parse_args(argv):
-    p = one_line_errors(argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog="\n\n".join(__doc__.split("\n\n")[1:])))
+    p = script_parser(__doc__)
     p.add_argument("--out", default="runs/experiment-06", help="the experiment's folder (default runs/experiment-06)")
     p.add_argument("--seeds", type=int, nargs="+", default=[0], help="RL seeds (default 0; the page's: 5 6 7)")
     p.add_argument("--arms", nargs="+", default=DEFAULT_ARMS,
