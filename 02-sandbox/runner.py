@@ -108,13 +108,14 @@ _STARTING_LIMITS = {kind: resource.getrlimit(kind) for name, kind in vars(resour
 
 
 def set_rlimits(request: dict, uid: int | None, mode: str) -> None:
-    """Every rlimit, soft = hard: the request's, the call's (none for core dumps, and for locked memory and POSIX
+    """Every rlimit, soft = hard but CPU time's: the request's, the call's (none for core dumps, and for locked memory and POSIX
     message queues, which no memory watch sees), and the server's starting value for the rest."""
     for kind, (soft, hard) in _STARTING_LIMITS.items():
         resource.setrlimit(kind, (soft, hard))  # fails where a hard limit was lowered: no call runs with it
     mb = 1024 * 1024
     _set_limit(resource.RLIMIT_AS, request["memory_mb"] * mb)
-    _set_limit(resource.RLIMIT_CPU, int(request["timeout"]) + 2)
+    # CPU time's hard limit a second above its soft one: the kernel sends SIGXCPU first, which names the cause
+    _set_limit(resource.RLIMIT_CPU, int(request["timeout"]) + 2, hard_value=int(request["timeout"]) + 3)
     _set_limit(resource.RLIMIT_FSIZE, request["max_file_mb"] * mb)
     _set_limit(resource.RLIMIT_NOFILE, CALL_NOFILE)
     _set_limit(resource.RLIMIT_SIGPENDING, CALL_SIGPENDING)
@@ -359,11 +360,12 @@ def _kill_quietly(pid: int) -> None:
 # ---------------------------------------------------------------------------------------- The detail of the code's side
 
 
-def _set_limit(kind: int, value: int) -> None:
+def _set_limit(kind: int, value: int, hard_value: int | None = None) -> None:
     _, hard = resource.getrlimit(kind)
+    limits = (value, value if hard_value is None else hard_value)
     if hard != resource.RLIM_INFINITY:
-        value = min(value, hard)
-    resource.setrlimit(kind, (value, value))
+        limits = tuple(min(v, hard) for v in limits)
+    resource.setrlimit(kind, limits)
 
 
 def prctl(option: int, value: int, pointer=None, what: str = "prctl") -> None:

@@ -323,7 +323,7 @@ def code_process(request_fd: int, files: runner.CallFiles, workdir: str, slot, l
         if slot.mode == "userns":
             confinement.enter_call_user_namespace()  # uid 65534 in a user namespace of the call's own, with no capability
     runner.detach(workdir)  # setsid, stdin /dev/null, every descriptor of the sandbox closed, chdir into the work dir
-    # every rlimit, soft = hard: RLIMIT_AS = memory_mb, RLIMIT_CPU = timeout + 2 s, RLIMIT_FSIZE = max_file_mb (memfds too),
+    # every rlimit: RLIMIT_AS = memory_mb, RLIMIT_CPU = timeout + 2 s (hard: + 3 s), RLIMIT_FSIZE = max_file_mb (memfds too),
     # RLIMIT_NPROC = max_processes (plain: on top of its uid's), the call's RLIMIT_NOFILE and RLIMIT_SIGPENDING, 0 for core, MEMLOCK and MSGQUEUE
     runner.set_rlimits(request, slot.uid, slot.mode)
     runner.drop_privileges(slot.uid)  # setgroups([]), setgid, setuid to the slot's uid (if any); PR_SET_NO_NEW_PRIVS; PR_SET_PDEATHSIG

@@ -2104,11 +2104,16 @@ def test_the_page_states_the_limits_a_call_really_gets(sandbox):
     cfg = sandbox.config
     assert cfg == SandboxConfig()
     r = sandbox.run("import os, resource\n"
-                    "print(resource.getrlimit(resource.RLIMIT_CPU)[0])\n"
+                    "print(*resource.getrlimit(resource.RLIMIT_CPU))\n"
                     "fs = os.statvfs('/tmp')\n"
                     "print(fs.f_blocks * fs.f_frsize // 2**20)\n"
                     "print([int(line.split()[1]) // 1024 for line in open('/proc/self/status') if line.startswith('VmSize')][0])\n")
-    cpu_s, scratch_mb, mapped_mb = map(int, r.stdout.split())
+    cpu_s, cpu_hard_s, scratch_mb, mapped_mb = map(int, r.stdout.split())
+    assert cpu_hard_s > cpu_s, "soft = hard: the kernel would send SIGKILL, not SIGXCPU, at the CPU limit"
+    # A CPU hog past the soft limit (lowered to 1 s here) gets SIGXCPU, and the page's line names it
+    hog = sandbox.run("import resource\nresource.setrlimit(resource.RLIMIT_CPU, (1, resource.getrlimit(resource.RLIMIT_CPU)[1]))\n"
+                      "while True:\n    pass\n")
+    says("02-sandbox.md", f"| `{hog.stderr.strip().splitlines()[-1]}` |")
     says("02-sandbox.md", f"| (CPU time) | timeout + {cpu_s - int(cfg.timeout)} s |",
          f"the scratch tmpfs holds {scratch_mb // cfg.max_file_mb} x `max_file_mb`")
     stated = int(re.search(r"interpreter already maps about (\d+) MB", page("02-sandbox.md")).group(1))
