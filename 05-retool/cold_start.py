@@ -2,10 +2,7 @@
 
 It trains the CPU demo's tiny model from scratch (or fine-tunes a pretrained one with `--model`, as the smollm2
 preset does) on synthetic traces of 01-data's problems: a share `--tool-fraction` runs code and boxes the sandbox's
-real output, the rest box a guess. Key decisions: the traces are built with the lab's own parts (03's template and
-observation, 02's sandbox), each segment tokenized on its own as a rollout appends it, and only the model's tokens
-carry loss; the first `--tool-only-steps` train on tool traces alone; every core by default (nothing else runs yet).
-Why each, as measured: docs/05-retool.md, "The CPU demo".
+real output, the rest box a guess; only the model's tokens carry loss. The story: docs/05-retool.md, "The CPU demo".
 
     .venv/bin/python 05-retool/cold_start.py --out runs/demo/base                 # the cpu-demo preset's base
     .venv/bin/python 05-retool/cold_start.py --model ~/.cache/tool-rl-lab/SmolLM2-135M-Instruct --train-file data/word_train.jsonl \\
@@ -55,18 +52,14 @@ def build_base_policy(args) -> Path:
     except DataError as e:
         raise SystemExit(f"error: {e} (make it with 01-data/prepare_data.py, or pass --train-file)") from None
     out = Path(args.out)
-
     traces = drawn_traces(problems, args, rng)
     print(f"cold start: {len(traces)} traces, {sum(t['tool'] for t in traces)} with a tool call")
-
-    if args.model:  # else a tiny random-init Qwen2, its tokenizer trained on the traces
-        source = args.model
-    else:
+    source = args.model or out
+    if not args.model:  # a tiny random-init Qwen2, its tokenizer trained on the traces
         corpus = ["".join(text for _, text in t["segments"]) for t in traces[:2000]]
         build_tiny_model(out, corpus=corpus, vocab_size=args.vocab_size, hidden_size=args.hidden_size,
                          num_layers=args.num_layers, num_heads=args.hidden_size // 64, num_kv_heads=args.kv_heads,
                          intermediate_size=4 * args.hidden_size, max_position_embeddings=args.max_len * 4, seed=args.seed)
-        source = out
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(source)
@@ -85,8 +78,7 @@ def build_base_policy(args) -> Path:
     for round_ in range(1, args.rounds + 1):  # the chained task: the schedule again, until the base has the moves
         args.round = round_  # part of a partial checkpoint's settings: a restart never mixes two rounds
         losses = train(model, examples, tool_examples, tokenizer.pad_token_id, args)
-        for p in model.parameters():
-            p.requires_grad_(True)  # a checkpoint of the whole model; the RL trainer freezes its own way
+        model.requires_grad_(True)  # a checkpoint of the whole model; the RL trainer freezes its own way
         model.save_pretrained(out)
         tokenizer.save_pretrained(out)
         print(f"cold start: final loss {losses[-1]:.3f}; base policy saved to {out}")
@@ -125,9 +117,8 @@ def make_traces(problems: list[dict], tool_fraction: float, rng: random.Random, 
     # The traces' code is one print: a warm interpreter without numpy and sympy forks in about half the time.
     with Sandbox(SandboxConfig(preload=())) as sandbox:
         results = sandbox.run_many([t["code"] for t in tool_jobs])
-    for trace, result in zip(tool_jobs, results):
-        trace["segments"].append(("observation", observation_text(result)))
-        trace["segments"].append(("model", TOOL_CLOSING.format(answer=trace["answer"])))
+    for t, result in zip(tool_jobs, results):
+        t["segments"] += [("observation", observation_text(result)), ("model", TOOL_CLOSING.format(answer=t["answer"]))]
     return traces
 
 
@@ -224,10 +215,9 @@ def freeze_all_but_top(model, layers: int) -> int:
     blocks = model.model.layers
     if not 0 < layers <= len(blocks):
         raise ValueError(f"train_layers must be 1..{len(blocks)}, got {layers}")
-    for p in model.parameters():
-        p.requires_grad_(False)
-    for p in [*blocks[len(blocks) - layers:].parameters(), *model.model.norm.parameters()]:
-        p.requires_grad_(True)
+    model.requires_grad_(False)
+    blocks[len(blocks) - layers:].requires_grad_(True)
+    model.model.norm.requires_grad_(True)
     return sum(p.numel() for p in model.parameters() if p.requires_grad)
 
 
@@ -250,13 +240,8 @@ def tokenize_trace(trace: dict, tokenizer) -> tuple[list[int], list[int]]:
     for kind, text in trace["segments"]:
         segment_ids = encode_plain(tokenizer, text) if kind == "observation" else tokenizer(text, add_special_tokens=False)["input_ids"]
         ids += segment_ids
-        if kind == "move":
-            mask += [0] + [1] * (len(segment_ids) - 1)
-        else:
-            mask += [int(kind == "model")] * len(segment_ids)
-    ids.append(tokenizer.eos_token_id)  # the model must learn to stop
-    mask.append(1)
-    return ids, mask
+        mask += [0] + [1] * (len(segment_ids) - 1) if kind == "move" else [int(kind == "model")] * len(segment_ids)
+    return ids + [tokenizer.eos_token_id], mask + [1]  # the model must learn to stop
 
 
 def train(model, examples, tool_examples, pad_id: int, args) -> list[float]:
@@ -295,9 +280,7 @@ def batch_loss_backward(model, batch, pad_id: int, shared: int) -> float:
     cut = min(range(len(batch), 0, -1), key=lambda k: k * widths[k - 1] + (len(batch) - k) * widths[-1])  # ties: whole
     tokens = sum(sum(mask[shared + 1:]) for _, mask in batch)
     loss = 0.0
-    for part in (batch[:cut], batch[cut:]):
-        if not part:
-            continue
+    for part in filter(None, (batch[:cut], batch[cut:])):
         width = max(len(ids) for ids, _ in part)
         input_ids = torch.tensor([ids + [pad_id] * (width - len(ids)) for ids, _ in part])
         loss_mask = torch.tensor([m + [0] * (width - len(m)) for _, m in part], dtype=torch.float32)

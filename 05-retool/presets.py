@@ -1,7 +1,7 @@
 """The runs `make run-05 PRESET=...` knows: each a set of Config fields (configuration.py) over its defaults.
 
-cpu-demo is Config's defaults; torl-1.5b is ToRL's scripts/torl_1.5b.sh value by value (docs/05-torl.md, row by
-row); the others say what they are below.
+cpu-demo is Config's defaults. torl-1.5b is ToRL's scripts/torl_1.5b.sh value by value, simpletir-7b SimpleTIR's 7B
+command: docs/05-torl.md sets each value beside its source, row by row. The others say what they are below.
 """
 from __future__ import annotations
 
@@ -10,36 +10,17 @@ PRESETS: dict[str, dict] = {
     # ToRL's scripts/torl_1.5b.sh: every value the script's (or its verl's default), but the few memory settings of a
     # trainer kept on the GPU beside vLLM (no offload), one rank per GPU.
     "torl-1.5b": dict(
-        model="Qwen/Qwen2.5-Math-1.5B",
-        cold_start="none",  # ToRL starts RL from the base model: no fine-tuning first
-        scorer="torl",  # ToRL's math_verifier rule, in training and evaluation (docs/04-torl-scorer.md)
-        train_file="data/torl_data/train.parquet",  # ToRL's release: data/torl_data/ of its repository
-        eval_file="data/torl_data/test.parquet",  # AIME24, AIME25, MATH500 rows; its test_freq set
-        template="torl",  # data.template_type=tir_base_0309
+        model="Qwen/Qwen2.5-Math-1.5B", cold_start="none", scorer="torl", template="torl",
+        train_file="data/torl_data/train.parquet", eval_file="data/torl_data/test.parquet",  # its data/torl_data/
         max_prompt_tokens=390,  # data.max_prompt_length=400; its loader keeps prompts of at most 400 - 10 tokens
         steps=67_200,  # total_epochs=300 of 224 steps (28,740 problems // 128); stop it when the curves flatten
-        problems_per_step=128,  # data.train_batch_size
-        group_size=16,  # rollout.n
-        max_response_tokens=3072,  # data.max_response_length
-        max_model_len=3472,  # prompt + response, 400 + 3072, as verl sizes its vLLM engine
-        tool_budget=1,  # rollout.num_llm_calls_available
-        temperature=1.0,  # rollout.temperature (top_p 1.0)
-        lr=1e-6,  # actor.optim.lr, constant (verl's warmup_style constant, no warmup)
-        num_minibatches=1,  # ppo_mini_batch_size=1024 prompts >= 128: one update per step
-        micro_batch_size=8,  # gradient accumulation: each GPU's 256 trajectories (8 GPUs), 8 at a time (--dry-run)
-        eps_low=0.2,  # verl's clip_ratio 0.2, on both sides
-        eps_high=0.2,
-        scale_advantages=True,  # verl's GRPO: (r - mean) / (std + 1e-6) within each group
-        gradient_checkpointing=True,  # model.enable_gradient_checkpointing
-        eval_every=4,  # trainer.test_freq
-        eval_problems=0,  # all of them
-        eval_k=1,  # validation is greedy, one response per problem
-        eval_temperature=0.0,
-        eval_max_response_tokens=3072,
-        save_every=20,  # trainer.save_freq
+        problems_per_step=128, group_size=16, max_response_tokens=3072, max_model_len=3472, tool_budget=1,
+        temperature=1.0, lr=1e-6, num_minibatches=1, micro_batch_size=8, eps_low=0.2, eps_high=0.2,
+        scale_advantages=True, gradient_checkpointing=True, save_every=20,
+        eval_every=4, eval_problems=0, eval_k=1, eval_temperature=0.0, eval_max_response_tokens=3072,
         gpu_memory_utilization=0.5,  # vLLM's share while the trainer's weights and AdamW state stay on the GPU
         enforce_eager=False,  # compiled, with CUDA graphs, as verl's vLLM runs: thousands of decode steps repay it
-        dtype="bfloat16",  # the sampler's dtype (verl's rollout dtype)
+        dtype="bfloat16",
     ),
     # A real pretrained model on the CPU learns to hand word problems to Python. Why each setting: docs/05-smollm2.md.
     "smollm2": dict(
@@ -57,18 +38,11 @@ PRESETS: dict[str, dict] = {
 # each value. Write its data first: .venv/bin/python 01-data/chained_problems.py --out-dir data
 PRESETS["cpu-chained"] = dict(
     cold_start="released",  # 06-train/base, made by these cold_start_* settings (make base-06); --cold-start scratch runs them
-    train_file="data/chained_train.jsonl",
-    eval_file="data/chained_test.jsonl",
-    tool_budget=4,  # the hardest kind needs 3 calls (error, fix, next step); one to spare
-    max_response_tokens=256,  # a 3-call trace is about 200 tokens, 75 of them the SyntaxError's line
-    eval_max_response_tokens=256,
-    steps=60,  # first 30, sized for 5-8 s a step; steps took 2.4-4 s, and 60 reached the gain the task was built for
+    train_file="data/chained_train.jsonl", eval_file="data/chained_test.jsonl",
+    tool_budget=4, max_response_tokens=256, eval_max_response_tokens=256, steps=60,
     seed_rollouts=True,  # as ablation.py's runs: two runs of one seed draw the same samples until their policies part
     # The base: three cold starts, sized by the moves check, not by RL (docs/appendix/06-bases.md: how each was found).
-    cold_start_steps=600,
-    cold_start_tool_only_steps=450,
-    cold_start_kv_heads=4,
-    cold_start_rounds=2,
+    cold_start_steps=600, cold_start_tool_only_steps=450, cold_start_kv_heads=4, cold_start_rounds=2,
     cold_start_schedules="600:450 600:150:drills",
 )
 # ToRL-7B: the same script values with Qwen2.5-Math-7B, FSDP2 over the 8 GPUs of one node (make run-05 NPROC=8
@@ -80,33 +54,22 @@ PRESETS["torl-7b"] = dict(
     micro_batch_size=8,  # the logits of 8 x 3,472 tokens x 152k vocabulary peak near 17 GB in backward
     gpu_memory_utilization=0.6,  # 48 GB: 15.2 of bf16 weights, about 31 of KV cache (57 KB a token; --dry-run)
 )
-# SimpleTIR-7B (ltzheng/SimpleTIR: its README's 7B training command over train.sh's defaults and recipe/simpletir/):
-# docs/05-torl.md, "SimpleTIR-7B", names each difference kept.
+# SimpleTIR-7B (ltzheng/SimpleTIR: its README's 7B training command over train.sh's defaults and recipe/simpletir/).
 PRESETS["simpletir-7b"] = dict(
     PRESETS["torl-7b"],
     model="Qwen/Qwen2.5-7B",  # MODEL_NAME=Qwen2.5-7B: the base model, not the Math one; RL from it, no cold start
-    scorer="lab",  # its reward, 1/0 from math-verify (hf_math_verify.py); the lab's ±1 (same std-scaled advantages)
+    scorer="lab",  # its reward, 1/0 from math-verify; the lab's ±1 gives the same std-scaled advantages
     train_file="data/simpletir/train.parquet",  # its datasets/simplelr_math_35/train + deepscaler/train, in one file
     eval_file="data/simpletir/test.parquet",  # simplelr_math_35/test, deepscaler/aime and aime25, in one file
-    template="qwen-chat",  # apply_chat_template=True; the lab's ChatML tool instruction, not SimpleTIR's own text
-    max_prompt_tokens=4096,  # data.max_start_length=4096 (SimpleTIR cuts a longer prompt from the left; the lab drops it)
+    template="qwen-chat",  # the lab's ChatML tool instruction, not SimpleTIR's own text
+    max_prompt_tokens=4096,  # SimpleTIR cuts a longer prompt from the left; the lab drops it
     steps=3100,  # total_epochs=100 over 48,838 problems in draws of 1,536 (oversample 3 x 512): 31 an epoch
-    problems_per_step=512,  # data.train_batch_size
-    max_response_tokens=8000,  # max_response_length 8000: every turn's tokens and the observations between them
-    max_model_len=12096,  # 4,096 + 8,000; its engine holds 16,000 + 8,000 (a rolling prompt of the turns so far)
-    tool_budget=5,  # agent.max_turns=5
-    eps_high=0.28,  # clip_ratio 0.2_0.28 (clip_ratio_c 3.0, the dual clip of negative advantages, is not kept)
+    problems_per_step=512, max_response_tokens=8000, max_model_len=12096, tool_budget=5, eps_high=0.28,
     num_minibatches=4,  # ppo_mini_batch_size=128 of 512 prompts: four updates a step
-    # ppo_max_token_len_per_gpu=24000 (use_dynamic_bsz) packs two sequences at their longest, as two a micro-batch do
-    micro_batch_size=2,
-    eval_every=10,  # trainer.test_freq
-    eval_k=16,  # val_kwargs.n=16 at temperature 1.0 (every problem; SimpleTIR samples 50 of each set)
-    eval_temperature=1.0,
-    eval_max_response_tokens=8000,
-    save_every=10,  # --save_freq 10
-    gpu_memory_utilization=0.75,  # rollout.gpu_memory_utilization (its engines run tensor parallel 2; the lab's 1)
-    filter_void_turns=True,  # --mask_void_turns True: a turn with neither code nor an answer keeps its trajectory out
-    mask_truncated=True,  # --remove_clip True: budget-truncated responses leave the loss
+    micro_batch_size=2,  # ppo_max_token_len_per_gpu=24000 packs two sequences at their longest, as two here do
+    eval_every=10, eval_k=16, eval_temperature=1.0, eval_max_response_tokens=8000, save_every=10,
+    gpu_memory_utilization=0.75,  # its engines run tensor parallel 2; the lab's 1
+    filter_void_turns=True, mask_truncated=True,  # --mask_void_turns True, --remove_clip True
     dynamic_sampling=True,  # rejection_sample, --acc_filter 0.1_0.9, --oversample 3: the lab keeps groups whose
     dynamic_sampling_rounds=2,  # rewards differ, drawing up to 2 more rounds (3 x the problems), not the 0.1-0.9 band
 )
