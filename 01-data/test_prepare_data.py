@@ -234,5 +234,5 @@ def test_the_page_states_the_sources_columns_and_toy_defaults_of_the_code():
          "for the answer: " + ", ".join(f"`{c}`" for c in ANSWER_COLUMNS),
          f"(looked for {', '.join(ANSWER_COLUMNS)};", f"one of {', '.join(NAMED_SOURCES)}")
     args = parse_args([])
-    says("01-data.md", f"({args.toy_train} and {args.toy_test} problems by default: `--toy-train`",
+    says("01-data.md", f"{args.toy_train} and {args.toy_test} problems by default (`--toy-train`",
          f"Products of two {args.toy_digits}-digit numbers (`--toy-digits`, at least 2), always {2 * args.toy_digits} digits")

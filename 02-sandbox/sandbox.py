@@ -319,7 +319,7 @@ def code_process(request_fd: int, files: runner.CallFiles, workdir: str, slot, l
     if limiter is not None:
         limiter.join(request["memory_mb"], request["max_processes"])  # the memory and pids limits written, then it moves in, still root
     if slot.mode != "plain":
-        confinement.unshare(confinement.CLONE_NEWCGROUP)  # step 2 again: its own view of cgroups (/proc/self/cgroup says "/")
+        confinement.unshare(confinement.CLONE_NEWCGROUP)  # after the join: its own view of cgroups (/proc/self/cgroup says "/")
         if slot.mode == "userns":
             confinement.enter_call_user_namespace()  # uid 65534 in a user namespace of the call's own, with no capability
     runner.detach(workdir)  # setsid, stdin /dev/null, every descriptor of the sandbox closed, chdir into the work dir

@@ -95,7 +95,7 @@ def train_step(llm, model, optimizer, problems, sandbox, rollout_cfg, grpo_cfg, 
     # 4. The clipped policy-gradient update.
     with timed(timing, "update_s"):
         STOPPER.hold()  # from here the weights change: a stop waits until the loop has recorded this step
-        sleep_sampler(llm)  # CUDA: hand vLLM's KV cache memory to the trainer
+        sleep_sampler(llm)  # CUDA: vLLM's KV cache and weights leave GPU memory to the trainer
         update = grpo_step(model, optimizer, trajectories, grpo_cfg, exclude=excluded,
                            global_normalizer=dp.global_normalizer if dp else None)  # torchrun: the whole batch's count
     # 5. The new weights back into the sampler.
