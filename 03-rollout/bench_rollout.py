@@ -195,13 +195,10 @@ def bare_generate(llm, problems: list[dict], cfg, lengths: list[int], grammar: b
 
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(description="Overhead of rollout(), overlapped and in rounds, over a bare llm.generate "
-                                            "of the same tokens, on an equal-length and a long-tailed workload. About 4 "
-                                            "minutes on an idle 2-core CPU with the defaults (a warm-up and --repeats "
-                                            "runs of each workload); a busy machine takes many times longer.")
-    from configuration import DTYPES  # the run's own names and check (05-retool)
-    from lab_cli import at_least, one_line_errors
+    from configuration import DTYPES, model_problem, position_limit  # the run's own names and checks (05-retool)
+    from lab_cli import at_least, script_parser
 
+    p = script_parser(__doc__)
     p.add_argument("--model", help="model folder or name (default: build the tiny random model)")
     p.add_argument("--dtype", choices=DTYPES, default="float32", help="float32 for the tiny model on CPU; bfloat16 on a GPU")
     p.add_argument("--problems", type=at_least(1), default=4, help="problems of the equal-length workload")
@@ -215,24 +212,16 @@ def parse_args(argv):
                    help="seconds each long-tailed sample's code sleeps")
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--repeats", type=at_least(1), default=6)
-    args = one_line_errors(p).parse_args(argv)
+    args = p.parse_args(argv)
     if 2 * args.tail_shortest * 2 ** (args.tail_classes - 1) + 256 > args.max_model_len - 256:
         p.error("--max-model-len is too small for two turns of the longest length class (raise it or shorten the tail)")
-    check_model(args.model, args.max_model_len)
-    return args
-
-
-def check_model(model: str | None, max_model_len: int) -> None:
-    """The run's checks of --model, before vLLM loads it (05-retool/configuration.py): one line, not vLLM's traceback."""
-    from configuration import model_problem, position_limit
-
-    if model is None:
-        return
-    if problem := model_problem(model):
+    # --model as the run checks it, before vLLM loads it: one line, not vLLM's traceback.
+    if args.model is not None and (problem := model_problem(args.model)):
         raise SystemExit(f"error: --{problem}")
-    if (limit := position_limit(model)) is not None and max_model_len > limit:
-        raise SystemExit(f"error: --max-model-len {max_model_len} is above the position limit of {model}, {limit} "
-                         f"tokens (max_position_embeddings): pass --max-model-len {limit} or less")
+    if args.model is not None and (limit := position_limit(args.model)) is not None and args.max_model_len > limit:
+        raise SystemExit(f"error: --max-model-len {args.max_model_len} is above the position limit of {args.model}, "
+                         f"{limit} tokens (max_position_embeddings): pass --max-model-len {limit} or less")
+    return args
 
 
 if __name__ == "__main__":

@@ -6,12 +6,11 @@
 """
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
 
-from lab_cli import at_least, one_line_errors
+from lab_cli import at_least, one_line_errors, script_parser
 from prepare_data import DataError, load_problems
 from rollout import SCHEDULES, TEMPLATES, RolloutConfig, load_trajectories, make_llm, rollout, save_trajectories
 from trajectory_view import draw_tokens, render_html
@@ -26,10 +25,7 @@ DEMO_TURNS = (
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        description="Token-exact tool-integrated rollouts with vLLM (chapter 03).",
-        epilog="examples:\n" + __doc__.split("\n\n", 1)[1].rstrip(),
-        formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = script_parser(__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
     view = sub.add_parser("view", help="write a standalone HTML page of saved trajectories to stdout")
@@ -58,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     sample.add_argument("--schedule", default=RolloutConfig.schedule, choices=SCHEDULES,
                         help=f"how turns and tool calls interleave (docs/03) [default: {RolloutConfig.schedule}]")
 
-    for one in (parser, view, demo, sample):
+    for one in (view, demo, sample):
         one_line_errors(one)
     args = parser.parse_args(argv)
     try:

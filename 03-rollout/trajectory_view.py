@@ -1,8 +1,6 @@
-"""Seeing a trajectory: a standalone HTML page and a text drawing, one box per token. The story: docs/03-rollout.md.
+"""Seeing a trajectory: a standalone HTML page and a text drawing. The story: docs/03-rollout.md.
 
-Prompt tokens are grey, model tokens (loss mask 1) blue, observation tokens (loss mask 0) orange; neighbouring boxes
-alternate shades so that token boundaries show.
-"""
+One box per token, coloured by its mask; neighbouring boxes alternate shades so that token boundaries show."""
 from __future__ import annotations
 
 import codecs
@@ -11,7 +9,7 @@ import html
 
 def render_html(trajectories: list, tokenizer, rewards: list | None = None, title: str = "rollouts",
                 total: int | None = None) -> str:
-    """A standalone page: per trajectory its summary, its tool calls and every token as a box, coloured as above.
+    """A standalone page: per trajectory its summary, its tool calls and every token as a box.
     `rewards`: chapter 04's RewardResults, one per trajectory (None: the stored one). `total`: when it shows fewer."""
     shown = len(trajectories)
     count = f"{shown} of {total}" if total is not None and total != shown else f"{shown}"
@@ -36,10 +34,8 @@ def _render_one(t, tokenizer, scored) -> str:
         facts.append(f"boxed answer {answer}, correct={scored.correct}")
     if t.advantage is not None:
         facts.append(f"advantage {t.advantage:+.3f}")
-    out = [
-        f'<section><h2>problem {html.escape(t.problem_id)} · sample {t.group_index}</h2>',
-        f'<p class="facts">{" · ".join(facts)}</p>',
-    ]
+    out = [f'<section><h2>problem {html.escape(t.problem_id)} · sample {t.group_index}</h2>',
+           f'<p class="facts">{" · ".join(facts)}</p>']
     if t.tool_calls:
         out.append("<table><tr><th>#</th><th>code</th><th>ok</th><th>exit</th><th>timed out</th>"
                    "<th>latency</th><th>observation (as the model saw it)</th><th>tokens</th></tr>")

@@ -1,15 +1,11 @@
 r"""Where the lab's scorer and ToRL's disagree: one table, one row per kind of answer (docs/04-torl-scorer.md).
 
-Each reference answer (a built-in handful, or a data set's with --answers) is rewritten the ways a model writes a
-right answer and a few wrong ones; both scorers score every response, hand cases included.
-
     .venv/bin/python 04-reward/compare_scorers.py
     .venv/bin/python 04-reward/compare_scorers.py --answers data/torl_data/test.parquet --dump cases.jsonl
     .venv/bin/python 04-reward/compare_scorers.py --answers data/torl_data/test.parquet --results 04-compare-scorers
 """
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import re
@@ -79,12 +75,9 @@ def rewrites(answer: str) -> list[tuple[str, str]]:
 
 
 def _terminates(top: int, bottom: int) -> bool:
-    """Whether top/bottom is a finite decimal: its reduced denominator has no prime but 2 and 5."""
-    rest = bottom // math.gcd(top, bottom)
-    for prime in (2, 5):
-        while rest % prime == 0:
-            rest //= prime
-    return rest == 1
+    """Whether top/bottom is a finite decimal: its reduced denominator, 2**a * 5**b with a, b < its bit length, divides
+    10 to that power."""
+    return 10 ** bottom.bit_length() % (bottom // math.gcd(top, bottom)) == 0
 
 
 def _respace(answer: str) -> str:
@@ -135,10 +128,10 @@ def _unparsed(answer: str, reference: str) -> bool:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from lab_cli import at_least, one_line_errors
+    from lab_cli import at_least, script_parser
     from results import figure_key, name_argument, save
 
-    p = one_line_errors(argparse.ArgumentParser(description="Count where the lab's scorer and ToRL's disagree, by kind."))
+    p = script_parser(__doc__)
     p.add_argument("--answers", metavar="SOURCE", help="take the references from a data set chapter 01 reads "
                    "(a .jsonl/.parquet file, ToRL's schema included); default: a built-in handful")
     p.add_argument("--dump", metavar="FILE", help="also write the cases as JSONL (input for reward.py --jsonl)")

@@ -1,11 +1,6 @@
-r"""ToRL's own scorer (GAIR-NLP/ToRL, reward type "default"), written anew from its source: docs/04-torl-scorer.md.
-
-The page's rules, in code: 1, the last complete `\boxed{...}` anywhere (last_complete_box); 2, a string match, else
-3, Minerva's normaliser with ToRL's edits (normalize_final_answer) and 4, math-verify UNWRAPPED (torl_equivalent);
-5, anything that raises scores -1 (torl_score; ToRL's fallback to Hendrycks' string equality never decides).
-math-verify's signal timeouts are off, so the verdict is the same from any thread; `torl_score` sets no deadline,
-`reward.score_batch(..., scorer="torl")` runs it under one.
-"""
+r"""ToRL's own scorer (GAIR-NLP/ToRL, reward type "default"), written anew from its source, rule by rule as
+docs/04-torl-scorer.md numbers them. math-verify's signal timeouts are off, so the verdict is the same from any thread;
+`torl_score` sets no deadline, `reward.score_batch(..., scorer="torl")` runs it under one."""
 from __future__ import annotations
 
 import re
@@ -31,8 +26,7 @@ def last_complete_box(response: str) -> str | None:
     return boxes[-1] if boxes else None
 
 
-# Lewkowycz et al. 2022 ("Solving Quantitative Reasoning Problems with Language Models", Minerva), appendix D: the
-# published normaliser's data, applied in order.
+# Minerva's published normaliser (Lewkowycz et al. 2022, appendix D): its data, applied in order.
 MINERVA_SUBSTITUTIONS = [
     ("an ", ""), ("a ", ""), (".$", "$"), ("\\$", ""), ("\\ ", ""), (" ", ""),
     ("mbox", "text"), (",\\text{and}", ","), ("\\text{and}", ","), ("\\text{m}", "\\text{}"),
@@ -45,8 +39,7 @@ MINERVA_REMOVED_EXPRESSIONS = [
     "\\text{}^2", "\\text{}^3", "\\text{\n}", "\\text{}", "\\mathrm{th}",
     "^\\circ", "^{\\circ}", "\\;", ",\\!", "{,}", '"', "\\dots",
 ]
-# ToRL's edits: it deletes neither "a " nor "ft" (which would mangle \infty and
-# \left), and appends these substitutions after Minerva's.
+# ToRL's edits: it deletes neither "a " nor "ft" (they would mangle \infty and \left), and appends these.
 TORL_EXTRA_SUBSTITUTIONS = [
     ("\\left", ""), ("\\right", ""), ("\u2236", ":"), ("\uff0c", ","), ("$", ""),
     ("\\approx", "="), ("\\simeq", "="), ("\\sim", "="), ("^\\prime", "'"), ("^{\\prime}", "'"),
@@ -71,9 +64,8 @@ def _drop_math_delimiters(text: str) -> str:
 
 
 def normalize_final_answer(answer: str) -> str:
-    r"""Rule 3, Minerva's normaliser as ToRL runs it: `"\\dfrac12 \\text{ cm}"` -> `"\\frac{1}{2}"`. ToRL leaves out
-    Minerva's first step, keeping what follows the last `=`; its `$...$` extraction is left out here too: every `$` is
-    gone by then."""
+    r"""Rule 3, Minerva's normaliser as ToRL runs it: `"\\dfrac12 \\text{ cm}"` -> `"\\frac{1}{2}"`. Minerva's
+    `$...$` extraction is left out too: every `$` is gone by then."""
     answer = _drop_math_delimiters(answer.strip())
     for before, after in SUBSTITUTIONS:
         answer = answer.replace(before, after)
