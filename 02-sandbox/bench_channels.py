@@ -9,7 +9,6 @@ channels: run it where that is what you want to know. docs/02-isolation.md, "Cha
 """
 from __future__ import annotations
 
-import argparse
 import os
 import random
 import sys
@@ -18,7 +17,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from sandbox import Sandbox, SandboxConfig  # noqa: E402
 from results import name_argument, save  # noqa: E402
-from lab_cli import at_least  # noqa: E402
+from lab_cli import at_least, script_parser  # noqa: E402
 
 BITS = 6
 _READ_INODE = "import os\nprint(os.fstat(os.pipe()[0]).st_ino % 64)\n"  # a new pipe takes the machine's next inode
@@ -123,7 +122,7 @@ def cold_file() -> str:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = script_parser(__doc__)
     parser.add_argument("--trials", type=at_least(1), default=12, help="6-bit values sent through each channel (default: %(default)s)")
     parser.add_argument("--results", metavar="NAME", type=name_argument, help="also write docs/results/NAME.json")
     args = parser.parse_args()

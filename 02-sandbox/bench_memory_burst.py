@@ -10,7 +10,6 @@ and how long the call held more than its cap (docs/02-isolation.md). Run it on a
 """
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import sys
@@ -21,6 +20,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 from results import name_argument, save  # noqa: E402  (the lab's root, whichever Python runs this)
+from lab_cli import script_parser  # noqa: E402
 from bench_sandbox import AsUser  # noqa: E402
 from sandbox import format_observation  # noqa: E402
 BURST = ("import os, time\n"  # every process the call may have, each touching what its address space allows, at once
@@ -46,9 +46,8 @@ def available_mb() -> float:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = script_parser(__doc__)
     parser.add_argument("--user", default="nobody", help="the unprivileged user to run the sandbox as (default: %(default)s)")
-    parser.add_argument("--python", default="/usr/bin/python3", help="a Python that user may run (default: %(default)s)")
     parser.add_argument("--memory-mb", type=int, default=256, help="the call's cap (default: %(default)s)")
     parser.add_argument("--processes", type=int, default=64, help="max_processes, all used by the burst (default: %(default)s)")
     parser.add_argument("--tries", type=int, default=10, help="bursts, one call each (default: %(default)s)")
@@ -59,7 +58,7 @@ def main() -> int:
         parser.error("run it as root: it starts the sandbox as --user and watches the machine's memory from outside")
     load_before = os.getloadavg()[0]  # other work on the machine moves MemAvailable too
     worker = AsUser({"concurrency": 1, "preload": [], "timeout": 20, "memory_mb": args.memory_mb,
-                     "max_processes": args.processes}, args.user, args.python)
+                     "max_processes": args.processes}, args.user)
     try:
         if worker.isolation != "userns":
             raise SystemExit(f"the sandbox got isolation {worker.isolation!r}, not 'userns': nothing to measure")

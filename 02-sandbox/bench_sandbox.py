@@ -14,7 +14,6 @@ Targets: the fork server at least 20x the baseline's calls/s on the sympy snippe
 """
 from __future__ import annotations
 
-import argparse
 import concurrent.futures
 import contextlib
 import json
@@ -31,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from runner import clean_env  # noqa: E402
 from sandbox import ExecResult, Sandbox, SandboxConfig, SandboxError  # noqa: E402
 from results import figure_key, make_command, name_argument, save  # noqa: E402
-from lab_cli import at_least  # noqa: E402
+from lab_cli import at_least, script_parser  # noqa: E402
 
 WORKLOADS = {  # name: (code, what it prints)
     "print(1+1)": ("print(1+1)", "2\n"),
@@ -40,16 +39,14 @@ WORKLOADS = {  # name: (code, what it prints)
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = script_parser(__doc__)
     parser.add_argument("--calls", type=at_least(1), default=200, help="calls per round for the sandbox (default: %(default)s)")
-    parser.add_argument("--baseline-calls", type=at_least(1), default=None, help="calls per round for the baseline and docker (default: 50, and 20 on sympy)")
     parser.add_argument("--rounds", type=at_least(1), default=3, help="rounds in which the designs take turns (default: %(default)s)")
     parser.add_argument("--concurrency", type=at_least(1), default=os.cpu_count() or 2, help="threads issuing calls (default: the CPU count, %(default)s)")
     parser.add_argument("--docker", action="store_true", help="also measure the Docker backend")
     parser.add_argument("--as-user", metavar="USER", action="append", default=[],
-                        help="as root: also measure the fork server run by USER (not root: isolation userns) with "
-                        "--user-python; repeat for several users; workloads that Python cannot import are skipped")
-    parser.add_argument("--user-python", default="/usr/bin/python3", help="a Python every user may run (default: %(default)s)")
+                        help=f"as root: also measure the fork server run by USER (not root: isolation userns) with "
+                        f"{AsUser.PYTHON}; repeat for several users; workloads that Python cannot import are skipped")
     parser.add_argument("--results", metavar="NAME", type=name_argument,
                         help="also write the figures to docs/results/NAME.json, for the docs")
     args = parser.parse_args()
@@ -64,8 +61,8 @@ def main() -> int:
             print(f"docker rows skipped: {e}")
     for user in args.as_user:
         try:
-            designs[f"as {user}"[:16]] = as_user = AsUser({"concurrency": args.concurrency}, user, args.user_python)
-            print(f"rows 'as {user}': the fork server run by {user} with {args.user_python}, isolation "
+            designs[f"as {user}"[:16]] = as_user = AsUser({"concurrency": args.concurrency}, user)
+            print(f"rows 'as {user}': the fork server run by {user} with {AsUser.PYTHON}, isolation "
                   f"{as_user.isolation}; it preloads what that Python has (sympy: {as_user.imports})")
         except OSError as e:
             print(f"rows 'as {user}' skipped: {e}")
@@ -83,9 +80,8 @@ def main() -> int:
         samples = {design: ([], 0.0, 0, 0.0) for design in active}  # latencies, wall s, wrong results, CPU s
         for _ in range(args.rounds):
             for design, runner in active.items():
-                n = args.calls
-                if not design.startswith(("fork server", "service (http)", "as ")):
-                    n = args.baseline_calls or (20 if "sympy" in name else 50)
+                fast = design.startswith(("fork server", "service (http)", "as "))  # the others: fewer calls
+                n = args.calls if fast else 20 if "sympy" in name else 50
                 start, cpu_start = time.perf_counter(), meter.read()
                 results = runner.run_many([code] * n)
                 wall, cpu = time.perf_counter() - start, meter.read() - cpu_start
@@ -186,6 +182,8 @@ class AsUser:
     """The fork server run by another user (not root: "userns") with SandboxConfig(**settings), in a worker
     (`runuser -u USER -- PYTHON`) that runs each batch of codes and sends back their results."""
 
+    PYTHON = "/usr/bin/python3"  # a Python every user may run
+
     WORKER = (
         "import dataclasses, json, sys\nsys.path.insert(0, sys.argv[1])\nfrom sandbox import Sandbox, SandboxConfig\n"
         "settings = json.loads(sys.argv[2])\npreload = tuple(settings.pop('preload', SandboxConfig.preload))\n"
@@ -195,7 +193,7 @@ class AsUser:
         "        print(json.dumps([dataclasses.asdict(r) for r in sb.run_many(json.loads(line))]), flush=True)\n"
     )
 
-    def __init__(self, settings: dict, user: str, python: str) -> None:
+    def __init__(self, settings: dict, user: str, python: str = PYTHON) -> None:
         self.folder = readable_modules()
         command = ["runuser", "-u", user, "--", python, "-I"]
         self.proc = subprocess.Popen(command + ["-c", self.WORKER, self.folder, json.dumps(settings)], cwd="/",

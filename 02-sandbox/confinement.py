@@ -63,8 +63,7 @@ CALL_UID = 65534  # the code's uid inside its own user namespace ("nobody"); out
 
 def enter_user_namespace() -> None:
     """The fork server, when not root: uid 0 of a user namespace mapped to the caller's uid, and PID 1 of a PID
-    namespace of it (a fork; this process waits and exits with it): the server must come back to its own PID namespace
-    after forking each slot into a new one, which it may only in one it owns. Raises OSError naming the refusal."""
+    namespace it owns (a fork; this process waits and exits with it). Raises OSError naming the refusal."""
     uid, gid = os.geteuid(), os.getegid()
     try:
         unshare(CLONE_NEWUSER | CLONE_NEWPID)
@@ -156,8 +155,7 @@ def build_root() -> dict[str, int]:
         if not any(executable == b or _inside(executable, b) for b in binds):
             links[executable] = target
         executable = os.path.join(os.path.dirname(executable), target)
-    loader_cache = "/etc/ld.so.cache"
-    files = [loader_cache] if os.path.isfile(loader_cache) else []
+    files = [path for path in ("/etc/ld.so.cache",) if os.path.isfile(path)]
     # Descriptors first: the sources may lie under the folder the new root is built on.
     sources = {path: os.open(path, os.O_PATH) for path in binds + files + list(DEVICES) + ["/proc"]}
     if os.path.isfile(SHELL):  # the shell's own file, wherever its links lead (/bin/sh -> dash, /bin -> usr/bin)
@@ -180,12 +178,10 @@ def build_root() -> dict[str, int]:
     for path, target in links.items():
         os.makedirs(os.path.dirname(root + path), mode=0o755, exist_ok=True)
         os.symlink(target, root + path)
-    for name, text in _ETC.items():
-        os.makedirs(f"{root}/etc", mode=0o755, exist_ok=True)
-        with open(f"{root}/etc/{name}", "w") as f:
-            f.write(text)
-    for path in ("/proc", *SCRATCH_DIRS):
+    for path in ("/proc", "/etc", *SCRATCH_DIRS):
         os.makedirs(root + path, mode=0o755, exist_ok=True)
+    for name, text in _ETC.items():
+        Path(f"{root}/etc/{name}").write_text(text)
     os.chdir(root)
     _check(_LIBC.syscall(ctypes.c_long(SYSCALLS["pivot_root"]), b".", b"."), "pivot_root")  # the old root now sits on top of the new one ...
     umount(".")  # ... and goes, with every mount of the machine under it
@@ -208,18 +204,15 @@ def _bind_counters_at_zero(path: str) -> None:
         return
     text = "".join((line if line.startswith("btime") else _NUMBER.sub("0", line)) + "\n" for line in lines)
     copy = "/.counters"
-    with open(copy, "w") as f:
-        f.write(text)
+    Path(copy).write_text(text)
     mount(copy, path, None, MS_BIND)
     mount(None, path, None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV)
     os.unlink(copy)
 
 
 def mount_proc() -> tuple[int, int]:
-    """A /proc of the slot's PID namespace with hidepid=2, over the machine's before build_root binds it (in a user
-    namespace a new proc may be mounted only where the machine's is visible). Returns descriptors of its PID counter
-    (reset per call, else a channel) and of a second proc without hidepid that only the slot holds: hidepid=2 hides a
-    non-dumpable process from the slot too, and the memory watch must see every process of the call."""
+    """A /proc of the slot's PID namespace with hidepid=2, mounted before build_root (why: docs/02-isolation.md).
+    Returns descriptors of its PID counter and of a second proc without hidepid, for the memory watch, only the slot's."""
     mount(None, "/", None, MS_REC | MS_PRIVATE)  # nothing mounted here reaches the host
     try:
         mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
@@ -302,9 +295,7 @@ class Cgroups:
                 try:
                     os.mkdir(f"{path}/{name}", 0o700)
                 except FileExistsError:  # left by a killed server whose pid was ours: empty groups, or a refusal
-                    calls = [entry.path for entry in os.scandir(f"{path}/{name}") if entry.is_dir()]
-                    for leftover in calls + [f"{path}/{name}"]:
-                        os.rmdir(leftover)
+                    remove_groups([f"{path}/{name}"])
                     os.mkdir(f"{path}/{name}", 0o700)
                 self.bases.append(os.open(f"{path}/{name}", os.O_RDONLY | os.O_DIRECTORY))
                 if self.version == 2:
@@ -387,9 +378,7 @@ class CallGroup:
 
 class MemoryWatch:
     """Where no cgroup can be had: every TICK seconds of the wait the slot sums what a cgroup would charge the call
-    (each process's proportional share of its pages, less the slot's own share once, and _kernel_kb's kernel memory)
-    and kills it past memory_mb. What it cannot count the filter, rlimits and scratch tmpfs deny or bound
-    (docs/02-isolation.md, "Memory without a cgroup")."""
+    and kills it past memory_mb (what it counts, and what closes the rest: docs/02-isolation.md)."""
 
     TICK = 0.01
 
@@ -405,8 +394,7 @@ class MemoryWatch:
 
     def over(self, memory_mb: int, until: float = float("inf")) -> bool:
         """Does the call hold more than memory_mb (once it did, it stays "OOM-killed")? Past `until`, the deadline,
-        it answers what it knows. The dear smaps_rollup is read only when status's counts, an upper bound, pass the cap;
-        a non-dumpable process refuses it and counts whole."""
+        it answers what it knows. A non-dumpable process refuses its smaps_rollup and counts whole."""
         me, cap_kb, status = str(os.getpid()), memory_mb * 1024, {}
         for pid in os.listdir(self.proc):
             if pid.isdigit() and pid != me:
@@ -431,8 +419,7 @@ class MemoryWatch:
         return sum(_sum_kb(fields, (name,)) * kb for name, kb in _KERNEL_KB.items()) + self.mappings[pid] * VMA_KB
 
     def _count_one(self, status: dict[str, dict[str, int]], until: float) -> None:
-        """Count one process's mappings a tick, new ones first, then the one counted longest ago: a maps file costs as
-        much as it has mappings, too much for every process each tick."""
+        """Count one process's mappings a tick (a maps file is dear): new ones first, then the longest uncounted."""
         me = str(os.getpid())
         for pid in [pid for pid in self.mappings if pid != me and pid not in status]:
             del self.mappings[pid]
@@ -465,8 +452,7 @@ def _sum_kb(fields: dict[str, int], names: tuple[str, ...]) -> int:
     return sum(fields.get(name, 0) for name in names)
 
 
-# The watch reads /proc into this buffer alone and zeroes what it read: maps and status hold names the code chose,
-# which in the slot's heap every later call would inherit by its fork.
+# The watch reads /proc into this buffer alone and zeroes what it read: no name the code chose stays in the slot's heap.
 _PROC_BUFFER = bytearray(1 << 16)
 
 
@@ -574,19 +560,16 @@ def _read(dir_fd: int, path: str) -> str:
 
 
 def _write(dir_fd: int | None, name: str, text: str, optional: bool = False) -> None:
+    """optional: a file this kernel lacks, or a value it refuses, is passed over."""
     try:
         fd = os.open(name, os.O_WRONLY, dir_fd=dir_fd)
-    except FileNotFoundError:
-        if optional:
-            return
-        raise
-    try:
-        os.write(fd, text.encode())
+        try:
+            os.write(fd, text.encode())
+        finally:
+            os.close(fd)
     except OSError:
         if not optional:
             raise
-    finally:
-        os.close(fd)
 
 
 def _find_cgroups() -> tuple[int, list[str]]:
@@ -698,16 +681,14 @@ _ALLOWED = dict(
     timer_gettime=(224, 108), timer_getoverrun=(225, 109), timer_delete=(226, 111), clock_gettime=(228, 113),
     clock_getres=(229, 114), clock_nanosleep=(230, 115), nanosleep=(35, 101), gettimeofday=(96, 169), time=(201, None),
 )
-# Allowed only where a cgroup counts the call's memory: they hold memory outside every process's pages (memfds,
-# epoll watches, System V IPC). Without a cgroup, selectors.DefaultSelector is poll's (runner.run_code).
+# Allowed only where a cgroup counts the call's memory: memfds, epoll watches and System V IPC hold memory no page shows
 _CGROUP_ONLY = dict(
     memfd_create=(319, 279), epoll_create=(213, None), epoll_create1=(291, 20), shmget=(29, 194), shmat=(30, 196),
     shmdt=(67, 197), shmctl=(31, 195), semget=(64, 190), semop=(65, 193), semtimedop=(220, 192), semctl=(66, 191),
     msgget=(68, 186), msgsnd=(69, 189), msgrcv=(70, 188), msgctl=(71, 187),
 )
-# Answered 0 without reaching the kernel. A sync: what the code can write lives in memory, and a loop of syncs of the
-# machine's disk slows every writer of the machine. A lock: every slot binds the same files, where a lock one call
-# holds and a concurrent call tests carries bits; sqlite3 and lockf in one call need only the answer.
+# Answered 0 without reaching the kernel: a sync slows every writer of the machine's disk; a lock on the files every
+# slot binds carries bits between calls (sqlite3 and lockf in one call need only the answer).
 _NO_EFFECT = dict(
     fsync=(74, 82), fdatasync=(75, 83), sync=(162, 81), syncfs=(306, 267), sync_file_range=(277, 84), msync=(26, 227),
     flock=(73, 32),
@@ -751,9 +732,8 @@ SELF_ONLY = {"prlimit64": (0,), "setpriority": (0, 1), "sched_setaffinity": (0,)
 # queues them past RLIMIT_SIGPENDING on a per-user count all calls share (a standard one is pending once a thread).
 SIGNAL_SENDERS = {"kill": 1, "tkill": 1, "tgkill": 2, "rt_sigqueueinfo": 1, "rt_tgsigqueueinfo": 2}
 _REALTIME = 32
-# No socket: AF_INET and AF_INET6 fail as without a network (ENETUNREACH), other families and socketpair EAFNOSUPPORT.
-# A socket holds kernel memory no cgroup counts in full (buffers, queues, options such as TCP MD5 keys) and moves the
-# machine's counts (cookies, sockstat); AF_VSOCK reaches the hypervisor whatever the namespace. Math code needs none.
+# No socket (IP families fail as without a network): its kernel memory no cgroup counts in full, it moves the machine's
+# counts (cookies, sockstat), and AF_VSOCK reaches the hypervisor whatever the namespace. Math code needs none.
 NETWORK_FAMILIES = {"AF_INET": 2, "AF_INET6": 10}
 # preadv2 and pwritev2 with RWF_NOWAIT (EOPNOTSUPP): EAGAIN tells a page the cache lacks from one it holds
 RWF_NOWAIT = 8

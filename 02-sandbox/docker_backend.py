@@ -26,8 +26,7 @@ class DockerBackend:
             import docker
         except ImportError:
             raise error("the docker backend needs the docker Python SDK (pip install docker)") from None
-        self._docker = docker
-        self._cfg = cfg
+        self._docker, self._cfg = docker, cfg
         try:
             self._client = docker.from_env(version="auto", timeout=60, max_pool_size=cfg.concurrency + 8)
             self._client.ping()
@@ -39,8 +38,7 @@ class DockerBackend:
             raise error(f"Docker image {cfg.image} not found: build it with 02-sandbox/build_image.sh") from None
         # The runner travels as `python3 -c` (one argument may hold 128 KiB).
         self._source = Path(runner.__file__).read_text()
-        # The local backend's filter, on top of Docker's profile, which allows AF_UNIX and AF_NETLINK
-        # sockets: their queues are kernel memory the container's cgroup never counts (docs/02-isolation.md).
+        # The local backend's filter on top of Docker's profile, which allows sockets (why: docs/02-isolation.md).
         try:
             self._filter = confinement.seccomp_program().hex()
         except OSError as e:
@@ -162,10 +160,7 @@ class _AttachStream:
     read_exactly reads the runner's stdout; its stderr is kept to explain a missing answer."""
 
     def __init__(self, sock: socket.socket) -> None:
-        self._sock = sock
-        self._buffer = bytearray()
-        self._stdout = bytearray()
-        self.stderr = bytearray()
+        self._sock, self._buffer, self._stdout, self.stderr = sock, bytearray(), bytearray(), bytearray()
 
     def read_exactly(self, size: int) -> bytes:
         while len(self._stdout) < size:

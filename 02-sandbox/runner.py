@@ -5,7 +5,6 @@ container, whose container_main takes the same steps less those Docker provides.
 """
 from __future__ import annotations
 
-import argparse
 import atexit
 import builtins
 import contextlib
@@ -466,7 +465,5 @@ def _container_code(files: CallFiles, workdir: str, program: bytes) -> int:
     return run_code(request["code"], workdir)
 
 
-if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description="The sandbox's runner inside a Docker container (started by docker_backend.py).")
-    parser.add_argument("--container", metavar="OPTIONS", required=True, help='JSON, e.g. {"preload": ["sympy"]}')
-    container_main(json.loads(parser.parse_args().container))
+if __name__ == "__main__":  # in a container, as docker_backend.py starts it: --container OPTIONS (JSON)
+    container_main(json.loads(sys.argv[sys.argv.index("--container") + 1]))

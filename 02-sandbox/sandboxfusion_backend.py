@@ -2,10 +2,9 @@
 
     SandboxConfig(backend="sandboxfusion", urls=("http://127.0.0.1:8080",), token=None)
 
-The server can be the lab's own (02-sandbox/serve.py) or a real SandboxFusion. A call goes to the least busy
-member of `urls`, ties in turn; one that refuses or drops its connection is skipped a while and the call runs on
-another. No member is trusted (exchange): any failure is the call's answer, never an exception, with streams capped
-as the local sandbox caps them. `unreachable(cfg)` is a run's preflight. The story and the mapping: docs/02-service.md.
+The server can be the lab's own (02-sandbox/serve.py) or a real SandboxFusion. A call goes to the least busy member
+of `urls`; no member is trusted (exchange): any failure is the call's answer, never an exception. `unreachable(cfg)`
+is a run's preflight. The story and the mapping: docs/02-service.md.
 """
 from __future__ import annotations
 
@@ -33,8 +32,7 @@ class Dropped(ConnectionError):
 class SandboxFusionBackend:
     def __init__(self, cfg, error: type[Exception]) -> None:
         self._error = error
-        self._urls = [url.rstrip("/") if url.rstrip("/").endswith("/run_code") else url.rstrip("/") + "/run_code"
-                      for url in cfg.urls]
+        self._urls = [url.rstrip("/").removesuffix("/run_code") + "/run_code" for url in cfg.urls]
         token = cfg.token if cfg.token is not None else os.environ.get("SANDBOX_TOKEN")
         self._headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {token}"} if token else {})}
         self._lock = threading.Lock()
@@ -119,9 +117,8 @@ class SandboxFusionBackend:
 
 
 def exchange(url: str, method: str, body: bytes, headers: dict, deadline: float, limit: int) -> tuple[int, bytes]:
-    """One HTTP/1.1 request and its final answer, (status, body), all by `deadline` (TimeoutError): not urllib's, whose
-    timeout is per receive and which follows redirects with the token. Interim 1xx skipped, nothing followed, no proxy,
-    at most `limit` bytes. A connection closed before the answer is whole raises Dropped."""
+    """One HTTP/1.1 request and its final answer, (status, body), all by `deadline` (TimeoutError), at most `limit`
+    bytes; no redirect followed, no proxy (why not urllib: docs/02-service.md). A connection cut short raises Dropped."""
     parts = urllib.parse.urlsplit(url)
     host, port = parts.hostname or "", parts.port or (443 if parts.scheme == "https" else 80)
     sock = socket.create_connection((host, port), timeout=_left(deadline))

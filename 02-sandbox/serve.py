@@ -5,17 +5,15 @@
     curl -s 127.0.0.1:8080/run_code -d '{"code": "print(1+1)", "language": "python"}'
 
 Key decisions (the API, the token rule, limits and figures: docs/02-service.md):
-1. SandboxFusion's request and response shapes, field for field; only Python runs, and anything else is answered
-   in that shape (status SandboxError), never a crash.
+1. SandboxFusion's request and response shapes, field for field; only Python runs, anything else is a SandboxError.
 2. Loopback by default, any other address only with a token every request carries. Without one, a request must
    name a loopback Host and no foreign Origin: a web page cannot post code to it.
-3. Bounded everywhere: one thread reads every request without blocking, under one deadline, so a slow or
-   unauthenticated client never holds a thread; connections stay below the open-files limit.
+3. Bounded everywhere: one thread reads every request without blocking, under one deadline, so a slow client never
+   holds a thread; connections stay below the open-files limit.
 4. stdin and files reach the code through a prologue run inside the sandbox, with the code's own privileges.
 """
 from __future__ import annotations
 
-import argparse
 import base64
 import binascii
 import concurrent.futures
@@ -192,9 +190,7 @@ class Server:
         self._busy = 0  # requests read whole and not yet answered
         self._stopping = False
         self._accept_rests_until = 0.0  # accept ran out of descriptors: not polled until a connection closes or then
-        self._wake_r, self._wake_w = os.pipe()  # written to by shutdown() and by a thread that answered
-        os.set_blocking(self._wake_r, False)
-        os.set_blocking(self._wake_w, False)
+        self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)  # written by shutdown() and each answer
         self._sending: dict[socket.socket, _Incoming] = {}  # connections whose request is still arriving, or draining
         self.answered: dict[str, int] = {}  # "200 Success", "401", ...: every answer, counted once
 
@@ -530,9 +526,9 @@ MAX_SECONDS = 86400.0  # the largest timeout a flag takes: the sandbox's own, an
 
 
 def main(argv: list[str] | None = None) -> int:
-    from lab_cli import at_least, comma_list, one_line_errors
+    from lab_cli import at_least, comma_list, script_parser
 
-    parser = one_line_errors(argparse.ArgumentParser(description=__doc__.split("\n")[0]))
+    parser = script_parser(__doc__)
     # where it listens, and who may call it
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s); "
                         "any non-loopback address needs --token")
@@ -547,9 +543,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="the local sandbox's isolation (default: %(default)s; see docs/02-sandbox.md)")
     parser.add_argument("--memory-mb", type=at_least(64), default=SandboxConfig.memory_mb,
                         help="memory of one call, in MB (default: %(default)s); a request's memory_limit_MB is not used")
-    parser.add_argument("--preload", default=",".join(SandboxConfig.preload),
-                        help="modules the warm interpreter imports once, comma-separated, '' for none "
-                        "(default: %(default)s)")
+    parser.add_argument("--preload", default=",".join(SandboxConfig.preload), help="modules the warm interpreter "
+                        "imports once, comma-separated, '' for none (default: %(default)s)")
     # limits of a request
     parser.add_argument("--max-run-timeout", type=at_least(0.1, float, at_most=MAX_SECONDS), default=MAX_RUN_TIMEOUT,
                         help="a request's run_timeout is cut to this many seconds (default: %(default)s)")
@@ -558,8 +553,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-connections", type=at_least(1, at_most=1 << 16), default=MAX_CONNECTIONS,
                         help="requests held at once; more wait in the listen backlog (default: %(default)s)")
     parser.add_argument("--request-timeout", type=at_least(0.1, float, at_most=MAX_SECONDS), default=REQUEST_SECONDS,
-                        help="seconds a client has to send its whole request, from connect, however it paces it; "
-                        "then 408 (default: %(default)s)")
+                        help="seconds from connect to a request's last byte, at any pace; then 408 (default: %(default)s)")
     parser.add_argument("--log", action="store_true", help="one line per request on stderr")
     args = parser.parse_args(argv)
     if args.token is not None and len(args.token) < MIN_TOKEN_CHARS:
