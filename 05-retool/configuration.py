@@ -115,12 +115,10 @@ def parse_with_field_flags(parser: argparse.ArgumentParser, config_class, argv, 
     meaning = field_comments(config_class)
     fields = parser.add_argument_group("configuration (every field; a preset sets some, these override)")
     for f in dataclasses.fields(config_class):
-        flag = field_flag(f.name)
-        default = preset.get(f.name, f.default)
-        text = f"{meaning.get(f.name, '')} [default: {default!r}]".strip().replace("%", "%%")
+        text = f"{meaning.get(f.name, '')} [default: {preset.get(f.name, f.default)!r}]".strip().replace("%", "%%")
         kind = {"bool": parse_bool, "int": int, "float": float}.get(str(f.type), str)
-        fields.add_argument(flag, type=kind, metavar="BOOL" if kind is parse_bool else None, default=argparse.SUPPRESS,
-                            help=text)
+        fields.add_argument(field_flag(f.name), type=kind, metavar="BOOL" if kind is parse_bool else None,
+                            default=argparse.SUPPRESS, help=text)
     parser.error = lambda message: sys.exit(f"error: {message} (see --help)")  # one line, not a usage dump
     args = parser.parse_args(argv)
     names = {f.name for f in dataclasses.fields(config_class)}
@@ -152,7 +150,7 @@ def field_comments(config_class) -> dict[str, str]:
             name = token.string
         elif token.type == tokenize.COMMENT and name:
             comments[name] = token.string.lstrip("# ")
-        elif token.type == tokenize.NEWLINE or token.type == tokenize.NL:
+        elif token.type in (tokenize.NEWLINE, tokenize.NL):
             name = None
     return comments
 
@@ -173,8 +171,8 @@ def config_problems(cfg, world: int | None = None, first_only: bool = False) -> 
     """Everything wrong with a Config that can be seen without a model, one line each, for `world` ranks (default:
     torchrun's). `first_only` skips the checks that import torch (two seconds) once a cheaper one has refused."""
     world = world or int(os.environ.get("WORLD_SIZE", "1"))
-    problems = (data_problems(cfg) + policy_problems(cfg) + length_problems(cfg) + choice_problems(cfg)
-                + number_problems(cfg, world) + batch_problems(cfg, world) + recipe_problems(cfg))
+    problems = (data_problems(cfg) + policy_problems(cfg) + choice_problems(cfg) + number_problems(cfg, world)
+                + batch_problems(cfg, world) + recipe_problems(cfg))
     if not (first_only and problems):
         problems += engine_problems(cfg)
     if not problems:  # the slower checks, which need the rest to be right
@@ -231,8 +229,9 @@ def policy_problems(cfg) -> list[str]:
     return problems
 
 
-def length_problems(cfg) -> list[str]:
-    """The token budgets against the sampler's context."""
+def batch_problems(cfg, world: int) -> list[str]:
+    """The token budgets against the sampler's context, a step's batch against its mini-batches and the ranks, greedy
+    evaluation against its samples."""
     problems = []
     if cfg.max_response_tokens >= cfg.max_model_len:
         problems.append(f"max_response_tokens ({cfg.max_response_tokens}) leaves no room for the prompt in max_model_len ({cfg.max_model_len})")
@@ -241,6 +240,13 @@ def length_problems(cfg) -> list[str]:
                         f"do not fit in max_model_len ({cfg.max_model_len})")
     if cfg.eval_max_response_tokens >= cfg.max_model_len:
         problems.append(f"eval_max_response_tokens ({cfg.eval_max_response_tokens}) does not fit in max_model_len ({cfg.max_model_len})")
+    if cfg.eval_temperature == 0 and cfg.eval_k > 1:
+        problems.append(f"eval_k {cfg.eval_k} with greedy evaluation (eval_temperature 0) gives {cfg.eval_k} identical samples")
+    if cfg.problems_per_step * cfg.group_size < cfg.num_minibatches:
+        problems.append(f"{cfg.problems_per_step * cfg.group_size} trajectories cannot fill {cfg.num_minibatches} mini-batches")
+    if world > 1 and cfg.problems_per_step % (cfg.num_minibatches * world):
+        problems.append(f"problems_per_step ({cfg.problems_per_step}) must split evenly into num_minibatches"
+                        f" ({cfg.num_minibatches}) x {world} ranks")
     return problems
 
 
@@ -316,19 +322,6 @@ def number_problems(cfg, world: int) -> list[str]:
     return problems
 
 
-def batch_problems(cfg, world: int) -> list[str]:
-    """A step's batch against its mini-batches and the ranks; greedy evaluation against its samples."""
-    problems = []
-    if cfg.eval_temperature == 0 and cfg.eval_k > 1:
-        problems.append(f"eval_k {cfg.eval_k} with greedy evaluation (eval_temperature 0) gives {cfg.eval_k} identical samples")
-    if cfg.problems_per_step * cfg.group_size < cfg.num_minibatches:
-        problems.append(f"{cfg.problems_per_step * cfg.group_size} trajectories cannot fill {cfg.num_minibatches} mini-batches")
-    if world > 1 and cfg.problems_per_step % (cfg.num_minibatches * world):
-        problems.append(f"problems_per_step ({cfg.problems_per_step}) must split evenly into num_minibatches"
-                        f" ({cfg.num_minibatches}) x {world} ranks")
-    return problems
-
-
 def recipe_problems(cfg) -> list[str]:
     """Settings that are each fine but together are not the method they seem to be."""
     problems = []
@@ -368,10 +361,9 @@ def kv_cache_problem(gib: float) -> str | None:
             available = int(dict(line.split(":", 1) for line in f)["MemAvailable"].split()[0]) / 2**20
     except (OSError, KeyError, ValueError):  # not known here
         return None
-    if gib <= available:
-        return None
-    return (f"{setting} {gib:g}: vLLM's KV cache on the CPU would take {gib:g} GiB, and this machine has "
-            f"{available:.1f} GiB available now; pass a smaller {setting} (the demo takes 2)")
+    return None if gib <= available else (
+        f"{setting} {gib:g}: vLLM's KV cache on the CPU would take {gib:g} GiB, and this machine has "
+        f"{available:.1f} GiB available now; pass a smaller {setting} (the demo takes 2)")
 
 
 def released_problem(train_file: str) -> str | None:

@@ -219,9 +219,8 @@ def cost_plan(cfg, shape: dict, gpus: int, gpu: str = "H100", decode_rate: float
 
 
 def node_traffic_gb(cfg, parameters: int, gpus: int, per_node: int) -> float:
-    """GB each node sends to the others a step: the float32 gradient's all-reduce across nodes, once a mini-batch.
-    A node's GPUs hold the whole gradient between them (HSDP's shards; DDP's all-reduce is hierarchical in NCCL), and
-    a ring all-reduce sends 2 (nodes - 1) / nodes of what it reduces."""
+    """GB each node sends to the others a step: the float32 gradient's ring all-reduce across nodes, once a mini-batch,
+    2 (nodes - 1) / nodes of it (a node's GPUs hold the whole gradient: HSDP's shards; NCCL's hierarchical all-reduce)."""
     nodes = max(1, gpus // per_node)
     return cfg.num_minibatches * 2 * (nodes - 1) / nodes * 4 * parameters / GB
 

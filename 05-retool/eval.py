@@ -6,9 +6,8 @@
     .venv/bin/python 05-retool/eval.py --model ... --mode text      # same model, no tool: the tool's contribution
     .venv/bin/python 05-retool/eval.py --model runs/cpu-demo-.../checkpoints/step-000020 --data data/toy_test.jsonl
 
-Key decisions: the default is ToRL's protocol (greedy, one response per problem, AIME24, AIME25 and MATH500, the
-paper's numbers beside); pass@j is the unbiased estimator; every metric is per data set; `--mode text` has no tool and
-a prompt that never mentions one. The loop calls `evaluate` too. The story: docs/05-torl.md, "Evaluation: eval.py".
+The default is ToRL's protocol, the paper's numbers beside; the loop calls `evaluate` too. The story:
+docs/05-torl.md, "Evaluation: eval.py".
 """
 from __future__ import annotations
 

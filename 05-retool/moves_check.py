@@ -1,10 +1,8 @@
 """Does a cold-started base have the moves the chained task assumes? Checked before any RL.
 
-RL re-weights what the base already samples; it cannot invent a move (docs/06-experiments.md, which names the
-moves: call, box, fix, chain). Each is measured teacher-forced on the multi-call policy's traces, run in the real
-sandbox: made when every token of it is the base's most likely. Whether to call again is RL's decision, reported as
-the base's probability of a call (against the box) after a result with a step left ("next") and after the last
-("last"): a base that does not tell the two apart has RL's reward for the first pull against its penalty for the second.
+RL re-weights what the base already samples; it cannot invent a move. Each move is measured teacher-forced on the
+multi-call policy's traces; whether to call again is RL's decision, reported as the base's probability of a call after
+a result with a step left ("next") and after the last ("last"). The story: docs/06-experiments.md.
 
     .venv/bin/python 05-retool/moves_check.py runs/chained-base-h --problems data/chained_test.jsonl
 """

@@ -138,10 +138,8 @@ def run_config_damage(folder: Path) -> str | None:
         value = json.loads(config.read_text())
     except (OSError, ValueError) as e:
         return f"{config} cannot be read as JSON ({str(e).splitlines()[0] if str(e) else type(e).__name__})"
-    if not isinstance(value, dict) or not all(name in value for name in RUN_MARKS):
-        missing = [name for name in RUN_MARKS if not isinstance(value, dict) or name not in value]
-        return f"{config} lacks {', '.join(missing)}"
-    return None
+    missing = [name for name in RUN_MARKS if not isinstance(value, dict) or name not in value]
+    return f"{config} lacks {', '.join(missing)}" if missing else None
 
 
 def is_evaluation(folder: Path) -> bool:

@@ -1,8 +1,7 @@
 """Everything a run writes besides the weights' story: its folder, resume point, records, evaluations and stops.
 
-The loop hands the record-keeping to one `RunRecord`: open (or resume) the folder, `stops_saved` around the work,
-`steps()` (evaluations between them), `record_step` after each, `finish`. Under torchrun every rank holds one; rank 0
-alone writes files. The story: docs/05-runs.md; the loop's view of it: docs/05-retool.md.
+The loop hands the record-keeping to one `RunRecord`; under torchrun every rank holds one, and rank 0 alone writes
+files. The story: docs/05-runs.md; the loop's view of it: docs/05-retool.md.
 """
 from __future__ import annotations
 
@@ -216,20 +215,14 @@ def outcome_metrics(trajectories, results) -> dict:
     called_tool = [t.num_tool_calls > 0 for t in trajectories]
     correct = [r.correct for r in results]
     calls = [call for t in trajectories for call in t.tool_calls]
-    return {
-        "reward_mean": mean([t.reward for t in trajectories]),
-        "accuracy": mean(correct),
-        "format_rate": mean([r.valid_format for r in results]),
-        "code_ratio": mean(called_tool),
-        "code_pass_ratio": mean([call.ok for call in calls]),
-        "code_ratio_correct": mean([used for used, right in zip(called_tool, correct) if right]),
-        "code_ratio_incorrect": mean([used for used, right in zip(called_tool, correct) if not right]),
-        "tool_calls": mean([t.num_tool_calls for t in trajectories]),
-        **self_correction(trajectories, correct),
-        "response_length": mean([len(t.token_ids) for t in trajectories]),
-        "truncation_rate": mean([t.truncated for t in trajectories]),
-        "trajectories": float(len(trajectories)),
-    }
+    return {"reward_mean": mean([t.reward for t in trajectories]), "accuracy": mean(correct),
+            "format_rate": mean([r.valid_format for r in results]),
+            "code_ratio": mean(called_tool), "code_pass_ratio": mean([call.ok for call in calls]),
+            "code_ratio_correct": mean([used for used, right in zip(called_tool, correct) if right]),
+            "code_ratio_incorrect": mean([used for used, right in zip(called_tool, correct) if not right]),
+            "tool_calls": mean([t.num_tool_calls for t in trajectories]), **self_correction(trajectories, correct),
+            "response_length": mean([len(t.token_ids) for t in trajectories]),
+            "truncation_rate": mean([t.truncated for t in trajectories]), "trajectories": float(len(trajectories))}
 
 
 def start_memory_peak() -> None:

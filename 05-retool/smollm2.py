@@ -9,6 +9,7 @@ Hugging Face folder under `$XDG_CACHE_HOME/tool-rl-lab` (never in git); else one
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.util
 import json
 import os
@@ -93,8 +94,6 @@ def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike) -> Pa
 
 def quiet_gguf_reader() -> None:
     """Silence the GGUF reader's own progress bar, which neither HF_HUB_DISABLE_PROGRESS_BARS nor logging reach."""
-    import functools
-
     from transformers import modeling_gguf_pytorch_utils as reader
 
     if hasattr(reader, "tqdm"):
@@ -112,9 +111,8 @@ def check_template(model_path: str | os.PathLike, template: str, question: str =
     messages = ([{"role": "system", "content": system}] if system is not None else []) + [{"role": "user", "content": question}]
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     own = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    ours_ids = tokenizer.encode(prompt, add_special_tokens=False)
-    own_ids = tokenizer.encode(own, add_special_tokens=False)
-    if template not in TEMPLATES or prompt != own or ours_ids != own_ids:
+    encode = functools.partial(tokenizer.encode, add_special_tokens=False)
+    if template not in TEMPLATES or prompt != own or encode(prompt) != encode(own):
         raise ValueError(f"template '{template}' does not render as {model_path}'s chat template: {prompt!r} vs {own!r}")
 
 

@@ -32,9 +32,7 @@ class Stopper:
     """Turns SIGTERM and SIGINT into StopRequested, at once or, while held, at `release`; a second one stops at once."""
 
     def __init__(self) -> None:
-        self.held = False
-        self.pending: int | None = None
-        self.requested: int | None = None  # the first signal since install
+        self.held, self.pending, self.requested = False, None, None  # requested: the first signal since install
         self._previous: dict = {}
 
     def install(self) -> None:
