@@ -1,8 +1,5 @@
-"""What every script of the lab does with its command line: one-line refusals, numbers checked as they are read.
-
-A mistake on the command line is one line naming the flag, exit status 2, no
-usage dump and no traceback (argparse's own status for usage errors).
-"""
+"""What every script of the lab does with its command line: a mistake is one line naming the flag, exit status 2
+(argparse's own for usage errors), no usage dump and no traceback; numbers are checked as they are read."""
 from __future__ import annotations
 
 import argparse
@@ -142,8 +139,7 @@ def shown(path) -> str:
 
 def run_script(main) -> None:
     """Run a script's `main`: a one-line refusal (SystemExit with a message) exits 2, as a usage error does; a numeric
-    exit (a stop's 128 + signal, a count of failures) passes through unchanged. A run that ended (done, or stopped by
-    a signal) exits as soon as its exit handlers ran."""
+    exit (a stop's 128 + signal, a count of failures) passes through; exit comes right after the exit handlers."""
     quiet_console()
     try:
         main()

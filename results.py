@@ -25,7 +25,6 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent
 RESULTS = ROOT / "docs" / "results"
-RESULTS_FROM_ROOT = RESULTS.relative_to(ROOT).as_posix()  # "docs/results", the links' target from the root
 NAME = re.compile(r"[\w-]+")
 # A marker in backticks is an example of one (README.md shows them), not a quote.
 BLOCK = re.compile(r"(?<!`)<!-- results ([\w-]+)((?: \w+)*) -->\n(.*?)<!-- /results -->", re.S)
@@ -146,7 +145,7 @@ def pages() -> list[Path]:
 
 def results_folder(page: str) -> str:
     """docs/results as a link from `page` (a path under the repository root): "results", "../results"."""
-    return os.path.relpath(RESULTS_FROM_ROOT, os.path.dirname(page) or ".").replace(os.sep, "/")
+    return os.path.relpath("docs/results", os.path.dirname(page) or ".").replace(os.sep, "/")
 
 
 def quotes(text: str) -> set[str]:
@@ -190,7 +189,7 @@ def main(argv: list[str]) -> int:
         print(f"{usage}\n\n{__doc__}")
         return 0
     if argv:
-        print(f"error: results.py takes no arguments, got {' '.join(argv)}\n{usage}", file=sys.stderr)
+        print(f"error: results.py takes no arguments, got {' '.join(argv)} (see --help)", file=sys.stderr)
         return 2
     texts, rewritten = {page: page.read_text(encoding="utf-8") for page in pages()}, {}
     for page, text in texts.items():  # every page rendered before one is written: a bad quote changes none

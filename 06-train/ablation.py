@@ -4,11 +4,9 @@
     .venv/bin/python 06-train/ablation.py run --base runs/abl/base --out runs/abl --seeds 0 1
     .venv/bin/python 06-train/ablation.py report --out runs/abl --img docs/img
 
-On the chained task (docs/06-experiments.md) the same with `--preset cpu-chained` and that task's base. A run takes
-a few minutes on two cores (the chained task's 60 steps: 3 to 7). `run` trains one retool.py run per (arm, seed)
-from the same base with seeded rollouts, changing only the arm's flags; a finished run is not redone, so `run` can
-go in batches (`--arms`). `report` draws one plot per option against its comparator, one line per seed, and prints
-the markdown table of docs/06-beyond-torl.md.
+On the chained task (docs/06-experiments.md) the same with `--preset cpu-chained` and that task's base. `run` trains
+one retool.py run per (arm, seed) from the same base with seeded rollouts, changing only the arm's flags; a finished
+run is not redone. `report` draws one plot per option against its comparator and prints docs/06-beyond-torl.md's table.
 """
 from __future__ import annotations
 

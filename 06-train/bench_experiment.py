@@ -4,8 +4,7 @@
     make bench-06 ARGS="--results 06-bench-experiment"   # also docs/results/06-bench-experiment.json
     make bench-06 ARGS="--out runs/bench-06"     # keep the runs
 
-On two idle cores about 6 minutes, nearly all of it the 120 RL steps (docs/results/06-bench-experiment.json);
-the lab aims at 12 at most.
+The lab aims at 12 minutes at most (the last measure: docs/results/06-bench-experiment.json).
 """
 from __future__ import annotations
 

@@ -7,10 +7,9 @@ About a minute on a 2-core CPU with the tiny model, half of it vLLM's start.
     make bench-train ARGS="--results 06-bench-train"    # also write the figures to docs/results/06-bench-train.json
 
 Prints the tokens a second and peak memory of `grpo_step`, the time skipping zero-advantage rows saves, and the
-time of one `sync_weights`, in the loop's order: engine built, put to sleep (CUDA), steps, sync. Prompts are random
-tokens and rewards ±1 in groups, so the numbers measure the machinery, not learning. `--shape NAME` (the default on
-CUDA without --model) builds a random-init model of that architecture on the GPU, without vLLM, at the torl-1.5b
-preset's lengths: the trainer's side of docs/06-scaling.md's memory plan, measured.
+time of one `sync_weights`, in the loop's order. Prompts are random tokens and rewards ±1 in groups: the numbers
+measure the machinery, not learning. `--shape` measures the trainer alone at the torl-1.5b preset's lengths, the
+memory plan of docs/06-scaling.md.
 """
 from __future__ import annotations
 
@@ -20,6 +19,7 @@ import statistics
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 from lab_cli import at_least, quiet_console, run_script, script_parser
 
@@ -317,26 +317,19 @@ def memory(peak: bool = False) -> int:
     """Bytes allocated by torch on the GPU, else the process's resident size; `peak`: the most since the reset."""
     if torch.cuda.is_available():
         return torch.cuda.max_memory_allocated() if peak else torch.cuda.memory_allocated()
-    key = "VmHWM" if peak else "VmRSS"
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(f"{key} not in /proc/self/status")
+    status = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines())
+    return int(status["VmHWM" if peak else "VmRSS"].split()[0]) * 1024
 
 
 def parse_args(argv):
     p = script_parser(__doc__)
-    # model
     p.add_argument("--model", help="model folder (Hugging Face format); default: build the tiny random model")
     p.add_argument("--shape", choices=sorted(SHAPES),
                    help="random-init model of this shape, trainer only, no vLLM (default on CUDA without --model)")
-    # batch
     p.add_argument("--sequences", type=at_least(1), default=16, help="trajectories per step (default 16)")
     p.add_argument("--group-size", type=at_least(2), default=8, help="trajectories per problem (default 8)")
     p.add_argument("--prompt-len", type=at_least(1), help="prompt tokens per trajectory (default 128; 400 with --shape)")
     p.add_argument("--response-len", type=at_least(1), help="response tokens per trajectory (default 384; 3072 with --shape)")
-    # the step
     p.add_argument("--num-minibatches", type=at_least(1), help="optimizer updates per step (default 2; 1 with --shape)")
     p.add_argument("--micro-batch-size", type=at_least(1), help="sequences per forward/backward (default 4; 8 with --shape)")
     p.add_argument("--gradient-checkpointing", action=argparse.BooleanOptionalAction,
@@ -344,7 +337,6 @@ def parse_args(argv):
     p.add_argument("--steps", type=at_least(1), default=3, help="timed steps after one warm-up step (default 3)")
     p.add_argument("--degenerate-frac", type=at_least(0.0, float, 1), default=0.5,
                    help="share of groups whose rewards are all equal, so their rows have advantage 0 (default 0.5)")
-    # the sampler
     p.add_argument("--no-sync", action="store_true", help="do not build vLLM; skip the sync timing")
     p.add_argument("--syncs", type=at_least(1), default=3, help="timed weight syncs (default 3)")
     p.add_argument("--gpu-memory-utilization", type=at_least(0.01, float, 1), default=0.3,

@@ -4,9 +4,8 @@
     make run-05 NPROC=8 PRESET=torl-7b                                       # 8 GPUs, FSDP2
     make run-05 NPROC=2 ARGS="--model runs/x/base --steps 4"                 # 2 CPU processes, gloo
 
-Without torchrun, `setup()` returns a world of one and every method below is the identity: the loop in chapter
-05 reads the same either way. Each rank owns one device, its own vLLM engine and its own trainer replica (DDP) or
-shard (FSDP2); the page gives each decision and why.
+Without torchrun, `setup()` returns a world of one and every method below is the identity. Each rank owns one
+device, its own vLLM engine and its own trainer replica (DDP) or shard (FSDP2).
 """
 from __future__ import annotations
 
@@ -23,17 +22,12 @@ COLLECTIVE_TIMEOUT = timedelta(minutes=60)
 STRATEGIES = ("ddp", "fsdp")  # how the trainer is spread over ranks: replicated, or sharded (FSDP2)
 
 
-# ------------------------------------------------------------------- a wrapped or sharded model, seen by the update
-
-
 def load_policy(model_path, device: str | torch.device | None = None):
-    """The trainer's copy of the model: float32 weights on `device` (CUDA if there is one); under torchrun, see
-    `DataParallel.load_policy`."""
+    """The trainer's copy of the model: float32 weights on `device` (CUDA if there is one)."""
     from transformers import AutoModelForCausalLM
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
-    return model.to(device)
+    return AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).to(device)
 
 
 def unwrap(model):
@@ -56,8 +50,7 @@ def gradient_sync(model, sync: bool):
 
 
 class RanksInStep:
-    """What grpo_step does alike on every rank under torchrun, one call at each place it matters; in one process,
-    the single-process step."""
+    """What grpo_step does alike on every rank under torchrun; in one process, the single-process step."""
 
     def __init__(self, model, global_normalizer=None):
         self.model, self.global_normalizer = model, global_normalizer
@@ -75,10 +68,9 @@ class RanksInStep:
     def pad(self, passes: list, filler, at_least: int = 1) -> list:
         """As many passes as the rank that needs the most, and `at_least`, the missing ones `filler`: the gradient
         exchange happens inside the backward passes, and FSDP2 gathers each layer's weights in every forward."""
-        if not self.several:
-            return passes
-        if unwrap(self.model) is self.model and not any(hasattr(p, "full_tensor") for p in self.model.parameters()):
-            return passes  # neither wrapped in DDP nor sharded by FSDP2
+        if not self.several or (unwrap(self.model) is self.model
+                                and not any(hasattr(p, "full_tensor") for p in self.model.parameters())):
+            return passes  # one process, or a model neither wrapped in DDP nor sharded by FSDP2
         most = torch.tensor([len(passes)], dtype=torch.int64)  # gloo carries CPU tensors, also on GPU nodes
         dist.all_reduce(most, op=dist.ReduceOp.MAX)
         return passes + [filler] * (max(int(most), at_least) - len(passes))
@@ -97,26 +89,18 @@ class DataParallel:
     def __init__(self, rank: int = 0, world_size: int = 1, local_rank: int = 0, strategy: str = "ddp",
                  per_node: int | None = None):
         self.rank, self.world_size, self.local_rank = rank, world_size, local_rank
-        self.per_node = per_node or world_size  # ranks a node (torchrun's LOCAL_WORLD_SIZE)
-        self.strategy = strategy  # "ddp" or "fsdp"
+        self.per_node, self.strategy = per_node or world_size, strategy  # ranks a node (LOCAL_WORLD_SIZE); STRATEGIES
         self.loaded_weights = None  # load_policy: whether this rank read the weights (False: built on meta)
         self._weights_for_wrap = None  # load_policy under FSDP2: rank 0's full state dict ({} elsewhere) for wrap
         self.device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
 
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
-
-    @property
-    def distributed(self) -> bool:
-        return self.world_size > 1
+    is_main = property(lambda self: self.rank == 0)
+    distributed = property(lambda self: self.world_size > 1)
 
     @property
     def nodes(self) -> int:
         """Nodes of equal size: FSDP2 shards within each and replicates across them (HSDP); 1 otherwise."""
         return self.world_size // self.per_node if self.world_size % self.per_node == 0 else 1
-
-    # ----------------------------------------------------------------- the batch
 
     def shard(self, items: list, num_minibatches: int) -> list:
         """This rank's share of a step's problems: `num_minibatches` consecutive chunks, as grpo_step cuts the
@@ -142,8 +126,6 @@ class DataParallel:
         """This rank's seed for sampling (rank 0 keeps the single-process one): with one seed every rank's engine
         would draw the same samples."""
         return None if seed is None else seed + 1_000_003 * self.rank
-
-    # ----------------------------------------------------------------- the model
 
     def load_policy(self, model_path):
         """The trainer's float32 policy, for `wrap` next. Under FSDP2 only rank 0 reads the weights (on the CPU) and
@@ -236,8 +218,6 @@ class DataParallel:
             return optimizer
         return _OptimizerShards(model, optimizer, None)
 
-    # ----------------------------------------------------------------- metrics and files
-
     def reduce_metrics(self, metrics: dict) -> dict:
         """One metrics dict for the whole step from every rank's; see `combine_metrics` for the rules."""
         return combine_metrics(self.gather([metrics])) if self.distributed else metrics
@@ -265,10 +245,9 @@ class DataParallel:
 
     def broadcast(self, value):
         """Rank 0's value of a picklable object, on every rank."""
-        if not self.distributed:
-            return value
         box = [value]
-        dist.broadcast_object_list(box, src=0)
+        if self.distributed:
+            dist.broadcast_object_list(box, src=0)
         return box[0]
 
     def barrier(self) -> None:
@@ -330,23 +309,14 @@ def combine_metrics(per_rank: list[dict]) -> dict:
                  "informative_frac", "tis_masked_frac"}
 
     def weight(m: dict, key: str) -> float:
+        """What a rank's value of `key` is a share of."""
         n = m.get("trajectories", 1.0)
         if key in ("ratio_mean", "approx_kl", "entropy", "mismatch_abs", "mismatch_kl", "tis_masked_frac"):
-            # over the tokens the update computed on: skipped rows' are not
-            return m.get("computed_tokens", m.get("tokens", 1.0))
-        if key in per_token:
-            return m.get("tokens", 1.0)
-        if key == "code_pass_ratio":
-            return m.get("tool_calls", 0.0) * n
-        if key == "code_ratio_correct":
-            return m.get("accuracy", 0.0) * n
-        if key == "code_ratio_incorrect":
-            return (1.0 - m.get("accuracy", 0.0)) * n
-        if key in ("error_then_call_ok", "error_then_correct"):
-            return m.get("errors", 0.0)
-        if key == "tis_masked_seq_frac":
-            return m.get("sequences", 1.0)
-        return n
+            return m.get("computed_tokens", m.get("tokens", 1.0))  # the tokens the update computed on, not skipped rows'
+        of = {"code_pass_ratio": m.get("tool_calls", 0.0) * n, "code_ratio_correct": m.get("accuracy", 0.0) * n,
+              "code_ratio_incorrect": (1.0 - m.get("accuracy", 0.0)) * n, "error_then_call_ok": m.get("errors", 0.0),
+              "error_then_correct": m.get("errors", 0.0), "tis_masked_seq_frac": m.get("sequences", 1.0)}
+        return m.get("tokens", 1.0) if key in per_token else of.get(key, n)
 
     outcome = {"reward_mean", "accuracy", "format_rate", "code_ratio", "code_pass_ratio", "code_ratio_correct",
                "code_ratio_incorrect", "tool_calls", "response_length", "truncation_rate", "error_then_call_ok",

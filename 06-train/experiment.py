@@ -6,14 +6,9 @@
     make run-06 ARGS="--base runs/base-06/base"  # from a base `make base-06` made instead of the released one
     .venv/bin/python 06-train/experiment.py --seeds 0 --arms budget -- --steps 30   # retool.py's flags after --
 
-Stages, each kept once done, so that Ctrl-C and the same command go on where it stopped:
-  1. data: 01-data's chained task, written if missing (05-retool/problems_and_policy.load_data);
-  2. the base: the released one (06-train/base, its files' sha256 checked), and its moves check on this machine: RL
-     from a base without the moves is refused;
-  3. the RL runs, one per arm and seed (06-train/ablation.py's run_arm);
-  4. the report: OUT/report.md, each figure beside the page's own, and the pages' plots, in OUT.
-OUT/experiment.json records the recipe and the base's hash; a folder of another is refused, never overwritten.
-Nothing is written under docs/ unless --results NAME asks for it.
+Four stages (docs/06-experiments.md), each kept once done, so that Ctrl-C and the same command go on where it
+stopped: the data, the base and its moves check, the RL runs (ablation.py's run_arm), OUT/report.md. A folder of
+another recipe or base is refused, never overwritten; nothing is written under docs/ unless --results NAME asks.
 """
 from __future__ import annotations
 
@@ -28,7 +23,7 @@ from pathlib import Path
 from ablation import ARMS, load_runs, run_arm
 from ablation import report as arms_report
 from configuration import Config, check_config, make_config, number_problems, parse_with_field_flags
-from lab_cli import script_parser
+from lab_cli import run_script, script_parser
 from presets import PRESETS
 from released_base import RELEASES, released_base, sha256
 
@@ -51,8 +46,7 @@ def main(argv: list[str] | None = None) -> Path:
             raise SystemExit(f"error: --seeds {seed}: {problems[0]}")
     base = args.base or released_base(RELEASE)  # the released base's files checked against their sha256
     out = Path(args.out)
-    # the recipe, what makes the folder's runs what they are: every Config field, the flags and the base (not seeds
-    # or arms, which only add runs)
+    # the recipe (`recipe`), not seeds or arms, which only add runs
     claim(out, {"preset": PRESET, "config": dataclasses.asdict(cfg), "flags": args.flags, "base": base_hash(base)})
     runs = [(arm, seed) for seed in args.seeds for arm in args.arms]
     clock = Clock(cfg, len(runs))
@@ -281,6 +275,4 @@ def parse_args(argv):
 
 
 if __name__ == "__main__":
-    from lab_cli import run_script
-
     run_script(main)  # Ctrl-C: "stopped by SIGINT (Ctrl-C)", exit 130; the same command goes on where it stopped

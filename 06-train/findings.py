@@ -3,10 +3,8 @@
     .venv/bin/python 06-train/experiment.py --out runs/released --seeds 5 6 7 --results 06-experiments-released
     .venv/bin/python 06-train/findings.py --out runs/released      # the figures again, from the run folders alone
 
-Reads the run folders `ablation.py run` wrote (ARM-sSEED) and draws three plots over every seed: held-out accuracy
-and seconds a step against the tool budget C (arms calls-1, calls-2, baseline = 4), and the baseline's
-self-correction and code use per step. The figures (per seed, and their mean) go to one results file, which
-docs/06-experiments.md quotes.
+Reads the run folders `ablation.py run` wrote (ARM-sSEED); draws the tool budget, self-correction and code use
+plots of docs/06-experiments.md, and writes the figures it quotes (per seed, and their mean).
 """
 from __future__ import annotations
 

@@ -3,10 +3,9 @@
     make gpu-check                     # with the lab's venv
     make gpu-check PY=python3 STAMP=   # a machine with torch and transformers but no venv (and no vLLM)
 
-A random-init model of Qwen2.5-Math-1.5B's shape (no download), sharded by FSDP2 on one rank as distributed.py
-shards it, takes grpo_step at the torl-1.5b preset's settings. It prints tokens a second and the allocator's peak
-beside the dry run's plan for the update, part by part. No vLLM: the sampler's side (sleep, wake, sync) needs a
-node with vLLM. Without CUDA it refuses in one line.
+A random-init model of Qwen2.5-Math-1.5B's shape, sharded by FSDP2 on one rank as distributed.py shards it, takes
+grpo_step at the torl-1.5b preset's settings: tokens a second and the allocator's peak beside the dry run's plan for
+the update, part by part. No vLLM (the sampler's side needs it); without CUDA it refuses in one line.
 """
 from __future__ import annotations
 

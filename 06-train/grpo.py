@@ -53,18 +53,9 @@ class GRPOConfig:
 
 def group_advantages(rewards: list[float], group_size: int, scale: bool = False,
                      eps: float = 1e-6) -> tuple[list[float], int]:
-    """Advantages for consecutive groups of `group_size` rewards; returns (advantages, n_degenerate).
-
-    Rewards come group by group: the first `group_size` answer one problem, the next `group_size` the next, and so
-    on. Each reward minus its group's mean says how much better than its siblings an answer was:
-
-        rewards [+1, -1, -1, -1]  ->  [+1.5, -0.5, -0.5, -0.5]   one right answer in four
-        rewards [+1, +1, +1, -1]  ->  [+0.5, +0.5, +0.5, -1.5]   one wrong answer in four
-        rewards [-1, -1, -1, -1]  ->  [0, 0, 0, 0]               degenerate: nothing to compare
-
-    With `scale=True` each centred value is divided by the group's (unbiased) standard deviation plus `eps` (the
-    original GRPO). A degenerate group (all rewards equal) gives zeros either way and is counted.
-    """
+    """Each reward minus its group's mean, for consecutive groups of `group_size` rewards; returns (advantages,
+    n_degenerate). `scale=True` divides by the group's (unbiased) std plus `eps` (the original GRPO). A degenerate
+    group (all rewards equal) gives zeros either way and is counted."""
     if group_size < 1 or len(rewards) % group_size:
         raise ValueError(f"{len(rewards)} rewards do not split into groups of {group_size}")
     r = torch.tensor(rewards, dtype=torch.float64).view(-1, group_size)
@@ -158,10 +149,8 @@ def grpo_step(model, optimizer, trajectories, cfg: GRPOConfig, exclude=None, glo
                 logprobs, old[micro_rows, :width].to(device), micro.advantages.to(device), micro.loss_mask.to(device),
                 cfg.eps_low, cfg.eps_high, aggregation, normalizer=normalizer,
                 token_weights=None if token_weights is None else token_weights[micro_rows, :width].to(device))
-            # ---- A KL penalty to a reference model would go here. ----------------
-            # loss = loss + kl_coef * k3(ref_logprobs - logprobs) over model tokens, with ref_logprobs from a frozen
-            # copy of the initial model, computed beside old_logprobs. ToRL uses kl_coef = 0, so the lab keeps
-            # neither the copy nor its memory.
+            # ---- A KL penalty to a reference model would go here (ToRL's coefficient is 0): ----------------
+            # loss = loss + kl_coef * k3(ref_logprobs - logprobs), ref_logprobs from a frozen copy of the initial model.
             (loss * 0.0 if filler else loss).backward()
             if not filler:
                 tally.add_micro_batch(loss, stats)
@@ -336,7 +325,9 @@ def _check_step_inputs(trajectories, cfg: GRPOConfig, exclude) -> None:
 if __name__ == "__main__":  # the advantage examples, printed
     import argparse
 
-    argparse.ArgumentParser(description="Chapter 06's update (imported by 05-retool/retool.py). Run alone, it prints "
-                            "the group advantages of four example groups of rewards, plain and std-scaled.").parse_args()
+    from lab_cli import one_line_errors
+
+    one_line_errors(argparse.ArgumentParser(description="Chapter 06's update (imported by 05-retool/retool.py). Run alone, "
+                    "it prints the group advantages of four example groups of rewards, plain and std-scaled.")).parse_args()
     for rewards in ([1, -1, -1, -1], [1, 1, 1, -1], [-1, -1, -1, -1], [1, 1, -1, -1]):
         print(rewards, "->", group_advantages(rewards, 4), "scaled:", group_advantages(rewards, 4, scale=True)[0])

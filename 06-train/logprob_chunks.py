@@ -1,9 +1,7 @@
 """The targets' log-probs and entropy a chunk of positions at a time, so no [B, T, vocabulary] tensor exists at once.
 
-Whole, a micro-batch of 8 sequences of 3,472 tokens at Qwen's 152k vocabulary has 4.2 G logits (8.4 GB in bf16, and
-as much again for each float32 copy and gradient). Here lm_head runs on each chunk of the final hidden states alone,
-and again in backward (checkpoint). The operations are the whole form's, row by row, so on the CPU the log-probs
-and gradients equal it. docs/06-scaling.md prices what is left.
+lm_head runs on each chunk of the final hidden states alone, and again in backward (checkpoint). The operations are
+the whole form's, row by row, so on the CPU the log-probs and gradients equal it. docs/06-scaling.md prices it.
 """
 from __future__ import annotations
 

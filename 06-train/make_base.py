@@ -5,10 +5,9 @@
                                        # check) into runs/base-06, about 1 h 45 min on two cores
     make base-06 ARGS="--release"      # ... and release it: 06-train/base/ and docs/results/06-base.json
 
-The preset's cold starts (05-retool/presets.py, the cold_start_* fields) with the kernels held to one path (torch's
-default CPU kernels, MKL's compatible path, one thread), so that the recipe should give the same weights on every
-x86-64 machine with the lab's package versions (docs/06-experiments.md, "The released base"). After Ctrl-C the same
-command goes on. A folder of another recipe is refused; a tree with uncommitted edits is not released.
+The kernels are held to one path (torch's default CPU kernels, MKL's compatible path, one thread), so that the recipe
+gives the same weights on every x86-64 machine with the lab's versions (docs/06-experiments.md). After Ctrl-C the same
+command goes on; a folder of another recipe is refused; a tree with uncommitted edits is not released.
 """
 from __future__ import annotations
 
