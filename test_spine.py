@@ -8,7 +8,10 @@ from __future__ import annotations
 import ast
 import functools
 import io
+import json
 import re
+import subprocess
+import sys
 import tokenize
 from pathlib import Path
 
@@ -137,7 +140,6 @@ def test_every_test_file_is_one_pytest_collects():
 def test_the_end_to_end_tier_names_real_tests_and_make_test_leaves_it_out():
     """A renamed test would silently leave the tier conftest.py lists it in: each name must still be a test of its
     file. `make test` deselects the tier and `make test-all` runs both, the learner's suite first."""
-    import subprocess
 
     import conftest
 
@@ -184,3 +186,51 @@ def test_no_import_circle_among_the_labs_modules():
                     paths.append(path + [nxt])
     assert len(files) > 20 and imports["grpo"] and imports["retool"]  # the scan found the lab and its imports
     assert not circles, f"import circles: {circles}"
+
+
+# Modules with a __main__ that only the lab itself starts: the preloaded interpreter, and the runner in a container
+STARTED_BY_THE_LAB = {"preloaded_python.py", "runner.py"}
+
+
+def scripts_with_a_command_line() -> list[Path]:
+    """The lab's scripts: each module of the root or a chapter that runs as a command."""
+    folders = [REPO] + sorted(p for p in REPO.glob("0[0-9]-*") if p.is_dir())
+    return [f for folder in folders for f in sorted(folder.glob("*.py"))
+            if not f.name.startswith("test_") and f.name not in {"conftest.py", *STARTED_BY_THE_LAB}
+            and 'if __name__ == "__main__":' in f.read_text()]
+
+
+def test_every_script_refuses_an_unknown_flag_in_one_line(tmp_path, preloaded_python):
+    """A mistyped flag is one line naming it, exit status 2, from every script: argparse's own error prints the usage
+    first, several lines, which lab_cli.one_line_errors replaces."""
+    scripts = scripts_with_a_command_line()
+    check = tmp_path / "refusal_of_each.py"
+    # Each script runs as __main__ in a fork, its stderr a file: the lab's scripts write to the real descriptors
+    check.write_text("import json, os, runpy, sys, tempfile\n"
+                     "for script in sys.argv[1:]:\n"
+                     "    with tempfile.TemporaryFile() as err:\n"
+                     "        if (pid := os.fork()) == 0:\n"
+                     "            os.dup2(err.fileno(), 2)\n"
+                     "            os.dup2(os.open(os.devnull, os.O_WRONLY), 1)\n"
+                     "            sys.argv, code = [script, '--no-such-flag'], 0\n"
+                     "            try:\n"
+                     "                runpy.run_path(script, run_name='__main__')\n"
+                     "            except SystemExit as e:\n"
+                     "                code = e.code if isinstance(e.code, int) else print(e.code, file=sys.stderr) or 1\n"
+                     "            sys.stderr.flush()\n"
+                     "            os._exit(code)\n"
+                     "        status = os.waitpid(pid, 0)[1]\n"
+                     "        err.seek(0)\n"
+                     "        print(json.dumps([script, os.waitstatus_to_exitcode(status), err.read().decode()]))\n")
+    fresh = [s for s in scripts if "hold_kernels()" in s.read_text()]  # must import torch itself, after its settings
+    done = preloaded_python.run([check, *(s for s in scripts if s not in fresh)], cwd=REPO, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    said = [json.loads(line) for line in done.stdout.splitlines()]
+    for script in fresh:
+        alone = subprocess.run([sys.executable, script, "--no-such-flag"], cwd=REPO, capture_output=True, text=True,
+                               timeout=120)
+        said.append([str(script), alone.returncode, alone.stderr])
+    assert len(scripts) > 25 and sorted(s for s, _, _ in said) == sorted(map(str, scripts))
+    wrong = [f"{Path(s).relative_to(REPO)}: exit {code}, {err!r}" for s, code, err in said
+             if code != 2 or len(err.splitlines()) != 1 or not err.startswith("error: ")]
+    assert not wrong, "\n".join(wrong)

@@ -137,9 +137,10 @@ def _apply(x: int, op: str, y: int) -> int:
 
 
 if __name__ == "__main__":
+    from lab_cli import one_line_errors
     from prepare_data import write_jsonl
 
-    parser = argparse.ArgumentParser(description="Write counter problems of one or two steps, training and held-out.")
+    parser = one_line_errors(argparse.ArgumentParser(description="Write counter problems of one or two steps, training and held-out."))
     parser.add_argument("--out-dir", default="data", help="folder of chained_train.jsonl and chained_test.jsonl (default data)")
     parser.add_argument("--sizes", type=int, nargs=2, default=list(SIZES), metavar=("TRAIN", "TEST"),
                         help=f"problems in the training frames and in the held-out ones (default {SIZES[0]} {SIZES[1]})")

@@ -68,13 +68,14 @@ def _number(rng: random.Random) -> int:
 
 
 if __name__ == "__main__":
+    from lab_cli import at_least, one_line_errors
     from prepare_data import write_jsonl
 
-    parser = argparse.ArgumentParser(description="Write arithmetic word problems: training phrasings and held-out phrasings.",
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = one_line_errors(argparse.ArgumentParser(description="Write arithmetic word problems: training phrasings and "
+                                                     "held-out phrasings.", formatter_class=argparse.ArgumentDefaultsHelpFormatter))
     parser.add_argument("--out-dir", default="data", help="folder word_train.jsonl and word_test.jsonl are written to")
-    parser.add_argument("--train", type=int, default=2000, help="problems from the training phrasings")
-    parser.add_argument("--test", type=int, default=200, help="problems from the held-out phrasings")
+    parser.add_argument("--train", type=at_least(0), default=2000, help="problems from the training phrasings")
+    parser.add_argument("--test", type=at_least(0), default=200, help="problems from the held-out phrasings")
     parser.add_argument("--seed", type=int, default=0, help="random seed")
     args = parser.parse_args()
     train, test = make_word_problems(args.train, args.test, args.seed)

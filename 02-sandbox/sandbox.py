@@ -338,7 +338,9 @@ def code_process(request_fd: int, files: runner.CallFiles, workdir: str, slot, l
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="Run Python code in the lab's sandbox and print what the model would see.")
+    from lab_cli import one_line_errors
+
+    parser = one_line_errors(argparse.ArgumentParser(description="Run Python code in the lab's sandbox and print what the model would see."))
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("-c", dest="code", help="the code to run")
     source.add_argument("file", nargs="?", help="a .py file to run")

