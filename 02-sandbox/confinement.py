@@ -169,11 +169,11 @@ def build_root() -> dict[str, int]:
             os.makedirs(target, mode=0o755, exist_ok=True)
         else:
             open(target, "w").close()
-        device = path in DEVICES
         mount(f"/proc/self/fd/{fd}", target, None, MS_BIND)
         # Read-only and nosuid; devices keep dev (a nodev /dev/null cannot be opened); /proc keeps its own flags.
         if path != "/proc":
-            mount(None, target, None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | (0 if device else MS_NODEV))
+            flags = MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID
+            mount(None, target, None, flags if path in DEVICES else flags | MS_NODEV)
         os.close(fd)
     for path, target in links.items():
         os.makedirs(os.path.dirname(root + path), mode=0o755, exist_ok=True)
@@ -305,9 +305,6 @@ class Cgroups:
                 os.close(fd)
             raise OSError(e.errno, f"cannot create a cgroup under {self.paths}: {e.strerror}") from None
         self.paths = [f"{path}/{name}" for path in self.paths]
-
-    def prepare(self, name: str) -> CallGroup:
-        return CallGroup(self, name)
 
 
 def remove_groups(paths: list[str]) -> None:

@@ -18,7 +18,6 @@ Key decisions (the why, the threat model and the figures: docs/02-sandbox.md):
 """
 from __future__ import annotations
 
-import argparse
 import concurrent.futures
 import dataclasses
 import os
@@ -243,10 +242,8 @@ def _clip_middle(text: str, limit: int) -> str:
     return text[: keep - keep // 2] + marker + (text[len(text) - keep // 2:] if keep // 2 else "")
 
 
-# --------------------------------------------------------------------------------------
-# The containment sequence: one call's path, in seven steps, run by the fork server's slots (fork_server.py),
-# each PID 1 of a PID namespace of its own. The detail behind each named call: confinement.py, runner.py.
-# --------------------------------------------------------------------------------------
+# ---------------------- The containment sequence: one call's path in seven steps, run by the fork server's slots
+# (fork_server.py), each PID 1 of its own PID namespace. The detail behind each named call: confinement.py, runner.py.
 
 
 def slot_main(slot) -> None:
@@ -268,8 +265,7 @@ def enter_slot(slot) -> None:
         return
     confinement.unshare(confinement.CLONE_NEWNS)  # mounts of the slot's own: nothing it mounts reaches the machine
     slot.last_pid, slot.proc = confinement.mount_proc()  # /proc of this PID namespace, hidepid=2: the code sees only its own processes
-    # pivot_root into a small tmpfs, read-only once built, that holds only the allow list: the interpreter's files, the
-    # system libraries, a minimal /etc, /dev/null, /dev/zero, /dev/urandom and that /proc. The lab (its answers) is not there.
+    # pivot_root into a small read-only tmpfs holding only the allow list (docs/02-isolation.md): the lab is not there
     slot.interpreter_in_scratch = confinement.build_root()
 
 
@@ -284,7 +280,8 @@ def serve_call(slot, call_index: int) -> bool:
         # one empty tmpfs of 4 x max_file_mb behind /tmp, /var/tmp and /dev/shm; the work dir is /tmp/work
         workdir = confinement.fresh_scratch(slot.max_file_mb, slot.interpreter_in_scratch, slot.uid)
         # the call's memory and pids cgroup; where none can be had (unprivileged), the slot watches the call's memory
-        limiter = slot.cgroups.prepare(f"call-{slot.token}-{call_index}") if slot.cgroups else confinement.MemoryWatch(slot.proc)
+        limiter = confinement.CallGroup(slot.cgroups, f"call-{slot.token}-{call_index}") if slot.cgroups \
+            else confinement.MemoryWatch(slot.proc)
     else:
         workdir, limiter = confinement.plain_workdir(slot.uid), None  # plain: a temporary folder, no cgroup
     try:
@@ -296,9 +293,8 @@ def serve_call(slot, call_index: int) -> bool:
             pid = os.fork()  # the one fork per call: a copy of this warm slot becomes the code
             if pid == 0:
                 runner.exit_after(code_process, conn.fileno(), files, workdir, slot, limiter)  # steps 3 to 5; never returns
-            # Step 6, the answer: wait up to the timeout in sigtimedwait, asking the limiter every TICK whether the call is
-            # past its memory; kill what is left (one kill(-1) as PID 1) and reap it; then a header and head and tail of each memfd, which
-            # sendfile copies to the socket in the kernel: the output never enters the slot's memory.
+            # Step 6, the answer: wait up to the timeout, asking the limiter every TICK whether the call is past its
+            # memory; kill and reap what is left; sendfile copies head and tail of each memfd, never through the slot.
             try:
                 runner.collect(pid, files, conn.fileno(), limiter)
             except (BrokenPipeError, ConnectionResetError):
@@ -323,8 +319,7 @@ def code_process(request_fd: int, files: runner.CallFiles, workdir: str, slot, l
         if slot.mode == "userns":
             confinement.enter_call_user_namespace()  # uid 65534 in a user namespace of the call's own, with no capability
     runner.detach(workdir)  # setsid, stdin /dev/null, every descriptor of the sandbox closed, chdir into the work dir
-    # every rlimit: RLIMIT_AS = memory_mb, RLIMIT_CPU = timeout + 2 s (hard: + 3 s), RLIMIT_FSIZE = max_file_mb (memfds too),
-    # RLIMIT_NPROC = max_processes (plain: on top of its uid's), the call's RLIMIT_NOFILE and RLIMIT_SIGPENDING, 0 for core, MEMLOCK and MSGQUEUE
+    # every rlimit, the call's own (docs/02-sandbox.md's table): address space, CPU time, file size, processes, ...
     runner.set_rlimits(request, slot.uid, slot.mode)
     runner.drop_privileges(slot.uid)  # setgroups([]), setgid, setuid to the slot's uid (if any); PR_SET_NO_NEW_PRIVS; PR_SET_PDEATHSIG
     # Step 4, the filter, last: the steps above make calls it denies (unshare, capset, setuid), and it needs no_new_privs.
@@ -338,9 +333,9 @@ def code_process(request_fd: int, files: runner.CallFiles, workdir: str, slot, l
 
 
 def main(argv: list[str] | None = None) -> int:
-    from lab_cli import one_line_errors
+    from lab_cli import script_parser
 
-    parser = one_line_errors(argparse.ArgumentParser(description="Run Python code in the lab's sandbox and print what the model would see."))
+    parser = script_parser(__doc__)
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("-c", dest="code", help="the code to run")
     source.add_argument("file", nargs="?", help="a .py file to run")
