@@ -185,9 +185,8 @@ def is_chained_task(problems: list[dict]) -> bool:
 
 
 def chained_traces(problems: list[dict], tool_fraction: float, rng: random.Random, template: str) -> list[dict]:
-    """Traces of the chained task: a direct guess, or the taught calls run one by one in the real sandbox, each
-    further call made at FURTHER_CALL_RATE whether or not it pays. Its "drill" makes every call, each decision to
-    call untrained: how often a call pays is left to RL (docs/06-experiments.md)."""
+    """Traces of the chained task: a direct guess, or the taught calls run in the real sandbox, each further call
+    made at FURTHER_CALL_RATE; its "drill" makes every call, no decision trained (docs/06-experiments.md)."""
     traces = []
     with Sandbox(SandboxConfig(preload=())) as sandbox:
         for p in progress(problems, desc="cold start (traces)"):  # their calls run one by one: a minute or more
@@ -209,9 +208,8 @@ def chained_traces(problems: list[dict], tool_fraction: float, rng: random.Rando
 
 
 def freeze_all_but_top(model, layers: int) -> int:
-    """Train only the top `layers` decoder layers and the final norm; returns the trainable weights' count. Backward
-    and AdamW cost in proportion to what is trained. The embedding stays frozen: tied to the output projection, it is
-    a fifth of a small model's weights and would drag every token of the vocabulary along."""
+    """Train only the top `layers` decoder layers and the final norm, the embedding frozen (why: docs/05-smollm2.md);
+    returns the trainable weights' count."""
     blocks = model.model.layers
     if not 0 < layers <= len(blocks):
         raise ValueError(f"train_layers must be 1..{len(blocks)}, got {layers}")
@@ -370,12 +368,10 @@ def parse_args(argv):
     p.add_argument("--warmup-steps", type=at_least(1), default=50)
     p.add_argument("--hidden-size", type=multiple_of_64, default=256, help="a multiple of 64 (vLLM's CPU attention wants head_dim 64)")
     p.add_argument("--num-layers", type=at_least(1), default=2)
-    p.add_argument("--rounds", type=at_least(1), default=1,
-                   help="chained task: at most this many runs of the schedule, each from the last one's weights, "
-                        "until the moves check passes (05-retool/moves_check.py)")
-    p.add_argument("--drills-in-mix", action="store_true",
-                   help="chained task: the mixed phase draws from the drills too (they train no decision), "
-                        "so the moves are not forgotten while the decisions are learned")
+    p.add_argument("--rounds", type=at_least(1), default=1, help="chained task: at most this many runs of the "
+                   "schedule, each from the last one's weights, until the moves check passes (moves_check.py)")
+    p.add_argument("--drills-in-mix", action="store_true", help="chained task: the mixed phase draws from the drills "
+                   "too (they train no decision), so the moves are not forgotten while the decisions are learned")
     p.add_argument("--kv-heads", type=at_least(1), default=1,
                    help="key-value heads, dividing hidden-size / 64 (1: all heads share one, as the demo's base)")
     p.add_argument("--vocab-size", type=at_least(64), default=384)

@@ -119,8 +119,7 @@ def dry_run(cfg, preset: str, args, start_sandbox, run_dir: Path) -> int:
     cuda, cuda_gb = _cuda()
     per_node, nodes, gpu_gb = args.plan_gpus, args.plan_nodes, args.plan_gpu_gb
     if cuda:
-        per_node, gpu_gb = cuda, cuda_gb
-        nodes = max(1, int(os.environ.get("WORLD_SIZE", cuda)) // cuda)
+        per_node, nodes, gpu_gb = cuda, max(1, int(os.environ.get("WORLD_SIZE", cuda)) // cuda), cuda_gb
     gpus = per_node * nodes
     print(f"dry run of preset {preset}: {gpus} x {gpu_gb:.0f} GB GPU(s)" + (f" ({nodes} nodes of {per_node})" if nodes > 1 else "")
           + ("" if cuda else " planned (no CUDA here: --plan-gpus, --plan-nodes, --plan-gpu-gb)"))

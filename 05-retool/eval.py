@@ -1,4 +1,5 @@
-"""Evaluation: how often the policy is right, with and without the tool, on held-out problems.
+"""Evaluate a model with (tir) or without (text) the Python tool on held-out problems. It takes vLLM's start (half a
+minute on a 2-core CPU for a small model, more for a large one) and then a rollout of every problem's k samples.
 
     .venv/bin/python 05-retool/eval.py --model Qwen/Qwen2.5-Math-1.5B --dtype bfloat16   # ToRL's protocol
     .venv/bin/python 05-retool/eval.py --model ... --data data/torl_data/test.parquet     # ToRL's test file
@@ -11,7 +12,6 @@ docs/05-torl.md, "Evaluation: eval.py".
 """
 from __future__ import annotations
 
-import argparse
 import itertools
 import json
 import math
@@ -68,16 +68,15 @@ def sample_scored(llm, problems: list[dict], sandbox, k: int = 1, mode: str = "t
     if temperature == 0 and k > 1:
         raise ValueError(f"k={k} with greedy decoding (temperature 0) gives {k} identical samples; sample with a temperature")
     template = template or DEFAULT_TEMPLATE[mode]
-    cfg = RolloutConfig(group_size=k, temperature=temperature, max_response_tokens=max_response_tokens,
-                        tool_budget=tool_budget if mode == "tir" else 0, template=template, seed=seed,
-                        **(rollout_overrides or {}))
+    cfg = RolloutConfig(group_size=k, temperature=temperature, max_response_tokens=max_response_tokens, seed=seed,
+                        tool_budget=tool_budget if mode == "tir" else 0, template=template, **(rollout_overrides or {}))
     trajectories = rollout(llm, problems, sandbox, cfg, indices=indices)
     results = score_batch([t.text for t in trajectories], [t.reference for t in trajectories], scorer=scorer)
     source_of = {str(p["id"]): p.get("source", "data") for p in problems}
     samples = [{"problem_id": t.problem_id, "source": source_of[t.problem_id], "sample": t.group_index,
                 "reference": t.reference, "answer": r.answer, "correct": r.correct, "valid_format": r.valid_format,
-                "tool_calls": t.num_tool_calls, "code_ok": [c.ok for c in t.tool_calls],
-                "response_tokens": len(t.token_ids), "truncated": t.truncated, "text": t.text}
+                "tool_calls": t.num_tool_calls, "code_ok": [c.ok for c in t.tool_calls], "truncated": t.truncated,
+                "response_tokens": len(t.token_ids), "text": t.text}
                for t, r in zip(trajectories, results)]
     return {"mode": mode, "k": k, "temperature": temperature, "template": template, "scorer": scorer}, samples
 
@@ -206,10 +205,9 @@ def main(argv: list[str] | None = None) -> dict:
         llm = make_llm(args.model, dtype=args.dtype, max_model_len=max_model_len, seed=args.seed,
                        gpu_memory_utilization=args.gpu_memory_utilization)
         with Sandbox(SandboxConfig(timeout=args.sandbox_timeout)) as sandbox:
-            result = evaluate(llm, problems, sandbox, k=args.k, mode=args.mode, template=template,
+            result = evaluate(llm, problems, sandbox, k=args.k, mode=args.mode, template=template, scorer=args.scorer,
                               max_response_tokens=args.max_response_tokens, tool_budget=args.tool_budget,
-                              temperature=args.temperature, seed=args.seed, samples_path=out / "samples.jsonl",
-                              scorer=args.scorer)
+                              temperature=args.temperature, seed=args.seed, samples_path=out / "samples.jsonl")
     except BaseException:
         if made:  # nothing half-written is left behind
             shutil.rmtree(out, ignore_errors=True)
@@ -266,13 +264,11 @@ def load_sets(sources: list[str], limit: int | None) -> list[dict]:
 
 def parse_args(argv):
     from configuration import DTYPES, SEED_LIMIT
-    from lab_cli import at_least, one_line_errors
+    from lab_cli import at_least, script_parser
     from reward import SCORERS
     from rollout import TEMPLATES
 
-    p = argparse.ArgumentParser(description="Evaluate a model with (tir) or without (text) the Python tool. It takes "
-                                            "vLLM's start (half a minute on a 2-core CPU for a small model, more for a "
-                                            "large one) and then a rollout of every problem's k samples.")
+    p = script_parser(__doc__)
     p.add_argument("--model", required=True, help="hub id or local model folder (a run's checkpoints/step-NNNNNN)")
     p.add_argument("--data", nargs="+", default=["aime24", "aime25", "math500"],
                    help="data sets: aime24, aime25, math500, a hub id, or .jsonl/.parquet files (01-data's or ToRL's "
@@ -297,7 +293,7 @@ def parse_args(argv):
     p.add_argument("--seed", type=at_least(0, int, SEED_LIMIT), default=0, help="[default: 0]")
     p.add_argument("--out", help="output folder [default: runs/eval-TIMESTAMP]")
     p.add_argument("--overwrite", action="store_true", help="replace an earlier evaluation in --out")
-    args = one_line_errors(p).parse_args(argv)
+    args = p.parse_args(argv)
     if args.gpu_memory_utilization > 1:
         p.error(f"argument --gpu-memory-utilization: a share, at most 1, got {args.gpu_memory_utilization}")
     if args.tool_budget == 0 and args.mode == "tir":

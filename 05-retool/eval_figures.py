@@ -9,14 +9,13 @@ one. Per folder: accuracy, code_ratio, and counts of responses that box, open a 
 """
 from __future__ import annotations
 
-import argparse
 import json
 import re
 import shlex
 import sys
 from pathlib import Path
 
-from lab_cli import one_line_errors
+from lab_cli import script_parser
 from results import save
 
 
@@ -47,7 +46,7 @@ def figures(folder: Path) -> dict:
 
 
 def main() -> int:
-    parser = one_line_errors(argparse.ArgumentParser(description=__doc__.split("\n")[0]))
+    parser = script_parser(__doc__)
     parser.add_argument("name", help="the results file: docs/results/NAME.json")
     parser.add_argument("--commands", nargs="+", required=True, metavar="CMD",
                         help="every command that made the figures, in order: the run, then each eval.py with its --out")

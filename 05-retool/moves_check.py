@@ -1,4 +1,5 @@
-"""Does a cold-started base have the moves the chained task assumes? Checked before any RL.
+"""Check, teacher-forced, that a cold-started base makes each move of the chained task (call, box, fix, chain), as
+RL assumes; about 20 s a base on two cores, and before any RL.
 
 RL re-weights what the base already samples; it cannot invent a move. Each move is measured teacher-forced on the
 multi-call policy's traces; whether to call again is RL's decision, reported as the base's probability of a call after
@@ -8,12 +9,11 @@ a result with a step left ("next") and after the last ("last"). The story: docs/
 """
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 
 import results
-from lab_cli import one_line_errors, run_script
+from lab_cli import run_script, script_parser
 from prompt_templates import render_prompt
 from rollout import encode_plain
 from sandbox import Sandbox, SandboxConfig
@@ -25,9 +25,7 @@ MOVES_NEEDED = 0.8  # each move made on at least this share of its occurrences b
 
 
 def main(argv: list[str] | None = None) -> dict[str, float]:
-    p = one_line_errors(argparse.ArgumentParser(description="Check, teacher-forced, that a cold-started base makes "
-                                                            "each move of the chained task (call, box, fix, chain); about 20 s a "
-                                                            "base on two cores."))
+    p = script_parser(__doc__)
     p.add_argument("models", nargs="+", metavar="model", help="the base model's folder (several: each checked)")
     p.add_argument("--problems", default="data/chained_test.jsonl", help="chained problems to check on")
     p.add_argument("--n", type=int, default=64, help="problems to check on (default 64)")

@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 from checkpoints import read_rows
-from lab_cli import at_least, one_line_errors
+from lab_cli import at_least, script_parser
 from results import save
 
 FIRST_STEP = {"reward_mean": 2, "accuracy": 2, "code_ratio": 2, "code_ratio_correct": 2, "code_ratio_incorrect": 2,
@@ -100,7 +100,7 @@ def stretch(text: str) -> tuple[int, int]:
 
 
 def main() -> int:
-    parser = one_line_errors(argparse.ArgumentParser(description=__doc__.split("\n")[0]))
+    parser = script_parser(__doc__)
     parser.add_argument("run_dir", type=Path, help="a finished run folder")
     parser.add_argument("name", help="the results file: docs/results/NAME.json")
     parser.add_argument("--run-command", required=True, help="the command that made the run, recorded with the figures")

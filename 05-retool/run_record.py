@@ -114,9 +114,9 @@ class RunRecord:
         for mode in ("tir", "text") if cfg.eval_text and (step == 0 or final) else ("tir",):
             result = evaluate(llm, problems[: cfg.eval_problems] if cfg.eval_problems else problems, sandbox,
                               self.run_dir / "eval_samples" / f"step-{step:06d}-{mode}.jsonl", dp,
-                              k=cfg.eval_k, mode=mode, template=cfg.template,
+                              k=cfg.eval_k, mode=mode, template=cfg.template, scorer=cfg.scorer, seed=cfg.seed,
                               max_response_tokens=cfg.eval_max_response_tokens, tool_budget=cfg.tool_budget,
-                              temperature=cfg.eval_temperature, seed=cfg.seed, scorer=cfg.scorer)
+                              temperature=cfg.eval_temperature)
             if dp.is_main:
                 row = {"step": step, "tag": tag + (" (text only)" if mode == "text" else ""), **result}
                 tqdm.write(f"eval {row['tag']}: {summary_line(result)}")  # on a line of its own, not after the RL bar
