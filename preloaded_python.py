@@ -15,6 +15,7 @@ import select
 import subprocess
 import sys
 import tempfile
+from pathlib import Path
 
 # What the lab's scripts import that costs seconds; a fork shares them.
 PRELOAD = ("torch", "transformers", "vllm", "vllm.entrypoints.llm", "sympy", "matplotlib.pyplot")
@@ -55,11 +56,9 @@ class PreloadedPython:
                     os.kill(pid, 9)
                 self._read_line(10)
                 raise subprocess.TimeoutExpired(argvs, timeout) from None
-            done = []
-            for argv, job, returncode in zip(argvs, jobs, returncodes):
-                with open(job["stdout"]) as out, open(job["stderr"]) as err:
-                    done.append(subprocess.CompletedProcess(argv, returncode, out.read(), err.read()))
-            return done
+            return [subprocess.CompletedProcess(argv, code, Path(job["stdout"]).read_text(),
+                                                Path(job["stderr"]).read_text())
+                    for argv, job, code in zip(argvs, jobs, returncodes)]
 
     def close(self) -> None:
         """Stop it: at once while it has run nothing (it may still be importing), else when its runs have ended."""

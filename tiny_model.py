@@ -48,10 +48,7 @@ def build_tiny_model(out_dir: str | os.PathLike, corpus: list[str] | None = None
                          tie_word_embeddings=True, bos_token_id=end, eos_token_id=end, pad_token_id=end,
                          torch_dtype="float32")
     torch.manual_seed(seed)
-    model = Qwen2ForCausalLM(config)
-    model.generation_config.eos_token_id = config.eos_token_id
-    model.generation_config.pad_token_id = config.pad_token_id
-    model.save_pretrained(out)
+    Qwen2ForCausalLM(config).save_pretrained(out)  # its generation config takes the ids above
     return out
 
 

@@ -296,8 +296,7 @@ def write_jsonl(rows: list[dict], path: Path) -> None:
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
         with open(tmp, "w", encoding="utf-8") as f:
-            for row in rows:
-                f.write(json.dumps(row, ensure_ascii=False) + "\n")
+            f.writelines(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)

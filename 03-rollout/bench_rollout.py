@@ -58,9 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  {'workload':14} {'rollout':26} {'tokens':>6} {'best s':>7} {'median s':>9}  "
           f"{'vs bare, sandbox excluded':>26}  {'sandbox included':>16}  {'engine idle':>11}")
     for name, label in (("equal", "equal lengths"), ("tail", "long-tailed")):
-        for kind in (*SCHEDULES, "cpu-free", "plain", "bare"):
-            if kind not in runs[name]:
-                continue
+        for kind in [kind for kind in (*SCHEDULES, "cpu-free", "plain", "bare") if kind in runs[name]]:
             rows = runs[name][kind]
             tokens = statistics.mean(r["model_tokens"] for r in rows)  # seconds below: per token, times this
             best, med = (x * tokens for x in per_token(rows))

@@ -17,8 +17,7 @@ TEMPLATES = {
         "and put your final answer within \\boxed{{}}.<|im_end|>\n"
         "<|im_start|>user\n{question}<|im_end|>\n<|im_start|>assistant\n"
     ),
-    # Text-only baselines: Qwen2.5-Math's chain-of-thought instruction, no word of a tool. `cot` keeps
-    # tir_base_0309's frame, so only the instruction differs from `torl`.
+    # Text-only baselines: Qwen2.5-Math's chain-of-thought instruction in the frames above, no word of a tool.
     "cot": (
         "A conversation between User and Assistant. The user asks a question, and the Assistant solves it.\n"
         "User: Please reason step by step, and put your final answer within \\boxed{{}}.\n{question}\nAssistant:\n"
@@ -27,8 +26,7 @@ TEMPLATES = {
         "<|im_start|>system\nPlease reason step by step, and put your final answer within \\boxed{{}}.<|im_end|>\n"
         "<|im_start|>user\n{question}<|im_end|>\n<|im_start|>assistant\n"
     ),
-    # SmolLM2-Instruct's own chat format (ChatML) with a one-line system message: every prompt token is paid for in
-    # every forward pass on a CPU. smollm2.check_template compares it with the model's chat template, token for token.
+    # SmolLM2-Instruct's ChatML, its system message one line: a CPU pays for each prompt token in every forward pass.
     "smollm2-chat": (
         "<|im_start|>system\nSolve with Python, then put the final answer in \\boxed{{}}.<|im_end|>\n"
         "<|im_start|>user\n{question}<|im_end|>\n<|im_start|>assistant\n"

@@ -10,8 +10,7 @@ Key decisions (docs/03 gives the reasons and compares each with ToRL's code):
 2. ToRL's protocol: its prompt, stop string, code extraction and observation text.
 3. Only the model's own stop ends a trajectory as "eos"; any other end is a named truncation.
 4. The log-probs are those of the distribution sampled from (vllm_engine.py: make_llm, check_on_policy).
-5. Unseeded unless RolloutConfig.seed is set: seeded requests take vLLM's slower path.
-6. Each trajectory moves on its own (`run_overlapped`, the default): its code runs while the others decode.
+5. Each trajectory moves on its own (`run_overlapped`, the default): its code runs while the others decode.
 """
 from __future__ import annotations
 

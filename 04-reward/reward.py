@@ -1,8 +1,7 @@
 r"""Chapter 04: the outcome-only reward, +1 for a right final answer and -1 otherwise. The story: docs/04-reward.md.
 
 Key decisions:
-1. The answer is the content of the LAST `\boxed{` in the last 300 characters (ANSWER_WINDOW_CHARS); a last box
-   that never closes is no answer, with no fallback to an earlier box.
+1. The answer is the LAST `\boxed{` of the last ANSWER_WINDOW_CHARS characters; unclosed, it is none (no fallback).
 2. Right means math-verify finds it equivalent to the reference; any error or overrun counts as not equivalent.
 3. Every check runs in a worker process with a deadline, so the verdict is the same from any thread.
 4. `scorer="torl"` swaps in ToRL's own rule (torl_scorer.py, docs/04-torl-scorer.md), run the same way.

@@ -56,11 +56,7 @@ _UNWRAP = [re.compile(r"\\text\{(.*?)\}"), re.compile(r"\\textbf\{(.*?)\}"), re.
 
 def _drop_math_delimiters(text: str) -> str:
     r"""Remove one leading `\(` or `\[` and one trailing `\)` or `\]`."""
-    if text[:2] in ("\\(", "\\["):
-        text = text[2:]
-    if text[-2:] in ("\\)", "\\]"):
-        text = text[:-2]
-    return text
+    return re.sub(r"\\[)\]]\Z", "", re.sub(r"\A\\[(\[]", "", text))
 
 
 def normalize_final_answer(answer: str) -> str:
