@@ -64,8 +64,6 @@ def build_base_policy(args) -> Path:
 
     tokenizer = AutoTokenizer.from_pretrained(source)
     model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
-    if args.train_layers:
-        freeze_all_but_top(model, args.train_layers)
     examples = [tokenize_trace(t, tokenizer) for t in traces]
 
     # First tool traces alone, so the model learns the tool's grammar; then the mix, which sets how often it reaches
@@ -77,6 +75,8 @@ def build_base_policy(args) -> Path:
     moves = {}
     for round_ in range(1, args.rounds + 1):  # the chained task: the schedule again, until the base has the moves
         args.round = round_  # part of a partial checkpoint's settings: a restart never mixes two rounds
+        if args.train_layers:
+            freeze_all_but_top(model, args.train_layers)
         losses = train(model, examples, tool_examples, tokenizer.pad_token_id, args)
         model.requires_grad_(True)  # a checkpoint of the whole model; the RL trainer freezes its own way
         model.save_pretrained(out)
@@ -89,8 +89,6 @@ def build_base_policy(args) -> Path:
         moves = {"moves": check_base(out, args.template, args.seed), "rounds": round_}
         if moves["moves"]["passed"]:
             break
-        if args.train_layers:
-            freeze_all_but_top(model, args.train_layers)
     (out / "cold_start.json").write_text(json.dumps({**vars(args), "final_loss": losses[-1], **moves}, indent=2))
     return out
 

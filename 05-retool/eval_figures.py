@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import re
 import shlex
-import sys
 from pathlib import Path
 
 from lab_cli import script_parser
@@ -45,7 +44,7 @@ def figures(folder: Path) -> dict:
     return {f"{label}_{key}": value for key, value in out.items()}
 
 
-def main() -> int:
+def main() -> None:
     parser = script_parser(__doc__)
     parser.add_argument("name", help="the results file: docs/results/NAME.json")
     parser.add_argument("--commands", nargs="+", required=True, metavar="CMD",
@@ -58,8 +57,7 @@ def main() -> int:
     command = "; ".join([*args.commands, f".venv/bin/python 05-retool/eval_figures.py {args.name} --commands "
                          + " ".join(map(shlex.quote, args.commands))])
     print(f"wrote {save(args.name, command, out)}")
-    return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

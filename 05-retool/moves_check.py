@@ -78,10 +78,9 @@ def check_base(model_dir, template: str, seed: int, said_by: str = "cold start")
     """check_moves on CHECK_PROBLEMS fresh held-out-frame problems (another seed than the evaluation's); said."""
     from chained_problems import make_chained_problems
 
-    n = CHECK_PROBLEMS
-    shares = check_moves(str(model_dir), make_chained_problems(0, n, seed=seed + 1000)[1], template)
+    shares = check_moves(str(model_dir), make_chained_problems(0, CHECK_PROBLEMS, seed=seed + 1000)[1], template)
     said = ", ".join(f"{move} {shares[move]:.2f}" for move in MOVES)
-    print(f"{said_by}: moves of the chained task, teacher-forced on {n} held-out problems: {said} "
+    print(f"{said_by}: moves of the chained task, teacher-forced on {CHECK_PROBLEMS} held-out problems: {said} "
           + ("(each at least %.1f)" % MOVES_NEEDED if shares["passed"] else
              f"(not every move reaches {MOVES_NEEDED}: RL will have little to amplify; docs/06-experiments.md)")
           + f"; it calls after a result with a step left at {shares['next']:.2f}, after the last at {shares['last']:.2f}")

@@ -16,16 +16,14 @@ def load_data(cfg, dp=None) -> tuple[list[dict], list[dict]]:
     if dp is not None:
         with dp.main_first():
             return load_data(cfg)
+    from lab_cli import shown
     from prepare_data import DataError, load_problems, write_jsonl
 
     for name in tasks_to_write(cfg):  # what `make run-01` or the task's own script writes
-        from lab_cli import shown
-
-        sizes = []
-        for rows, path in zip(make_task(name), task_files(name)):
+        files = list(zip(make_task(name), task_files(name)))
+        for rows, path in files:
             write_jsonl(rows, path)
-            sizes.append(f"{shown(path)} ({len(rows)} problems)")
-        print(f"{name} task written: {' and '.join(sizes)}")
+        print(f"{name} task written: " + " and ".join(f"{shown(path)} ({len(rows)} problems)" for rows, path in files))
     loaded = []
     for path in (cfg.train_file, cfg.eval_file):
         try:

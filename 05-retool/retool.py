@@ -7,8 +7,7 @@
     .venv/bin/python 05-retool/retool.py --resume RUN_DIR         # (--plot RUN_DIR redraws plots.png)
 
 `train` runs `train_step` once a step: sample with the sandbox in the loop (03, 02), score (04), group advantages,
-the on-policy update and the weights copied into vLLM in the same process (06). The run folder, resume, stops and
-records are one `RunRecord` (run_record.py), data parallel one `dp` (06). The story: docs/05-retool.md.
+the on-policy update and the weights copied into vLLM in the same process (06). The story: docs/05-retool.md.
 """
 from __future__ import annotations
 
@@ -210,8 +209,7 @@ def start_sampler(cfg: Config, model_path: str, state: dict | None, dp=None):
     llm = make_llm(model_path, dtype=cfg.dtype, max_model_len=cfg.max_model_len, seed=seed,
                    gpu_memory_utilization=cfg.gpu_memory_utilization, cpu_kv_cache_gib=cfg.cpu_kv_cache_gib,
                    enforce_eager=cfg.enforce_eager, **(dp.engine_kwargs() if dp else {}))
-    saved_its_rng = dp is None or dp.is_main  # rank 0 alone writes rng.pt into a checkpoint
-    if state is not None and saved_its_rng:  # its stream goes on where the checkpoint left it
+    if state is not None and (dp is None or dp.is_main):  # rank 0 alone wrote rng.pt: its stream goes on from there
         restore_rng(torch.load(Path(state["path"]) / "rng.pt", weights_only=False))
     else:  # a fresh start, or another rank's resume: a stream of this rank's own
         seed += state["step"] if state is not None else 0

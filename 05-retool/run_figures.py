@@ -12,7 +12,6 @@ import argparse
 import json
 import shlex
 import statistics
-import sys
 from pathlib import Path
 
 from checkpoints import read_rows
@@ -99,7 +98,7 @@ def stretch(text: str) -> tuple[int, int]:
     return int(first), int(last)
 
 
-def main() -> int:
+def main() -> None:
     parser = script_parser(__doc__)
     parser.add_argument("run_dir", type=Path, help="a finished run folder")
     parser.add_argument("name", help="the results file: docs/results/NAME.json")
@@ -119,8 +118,7 @@ def main() -> int:
         command += f" --wall-s {args.wall_s:g}"
         found["wall_s"] = round(args.wall_s)
     print(f"wrote {save(args.name, command, found)}")
-    return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

@@ -102,8 +102,7 @@ def to_replace(folder: Path, overwrite: bool, flag: str, kind: str, is_kind, ent
                          f"{flag} (--overwrite only ever replaces {kind})")
     if not overwrite:
         raise SystemExit(keep)
-    foreign = sorted(p.name for p in folder.iterdir() if p.name not in entries)
-    if foreign:
+    if foreign := sorted(p.name for p in folder.iterdir() if p.name not in entries):
         names = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
         raise SystemExit(f"error: {flag} {folder} also holds {names}, which the lab did not write: --overwrite "
                          "leaves it as it is; move those out, or choose another " + flag)
@@ -166,8 +165,7 @@ def what_is(folder: Path) -> str:
         return "a git clone (it has .git)"
     if why := run_config_damage(folder):
         return f"a run whose {why}"
-    held = [p.name for p in sorted(folder.iterdir()) if is_run(p) or is_evaluation(p)]
-    if held:
+    if held := [p.name for p in sorted(folder.iterdir()) if is_run(p) or is_evaluation(p)]:
         return f"a folder of runs ({', '.join(held[:3])}{', ...' if len(held) > 3 else ''})"
     return "a folder the lab did not make"
 
@@ -186,8 +184,7 @@ def resume_config(config_class, run_dir: Path, overrides: dict, argv: list[str] 
 
     check_resume_dir(run_dir)
     given = [a.split("=")[0] for a in (sys.argv[1:] if argv is None else argv)]
-    clash = [flag for flag in ("--preset", "--run-dir", "--overwrite") if flag in given]
-    if clash:
+    if clash := [flag for flag in ("--preset", "--run-dir", "--overwrite") if flag in given]:
         raise SystemExit(f"error: --resume {run_dir} takes its folder and settings from the run, so {clash[0]} "
                          "would be ignored: drop it, or start a new run without --resume")
     recorded = read_object(run_dir / "config.json")

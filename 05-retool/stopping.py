@@ -79,8 +79,6 @@ STOPPER = Stopper()
 
 def signal_self_for_tests(step: int) -> None:
     """RETOOL_TEST_SIGNAL=TERM@3 (or KILL@3, INT@3): send that signal to this process as step 3 begins (for tests)."""
-    spec = os.environ.get("RETOOL_TEST_SIGNAL", "")
-    if spec:
-        name, _, at = spec.partition("@")
-        if int(at) == step:
-            os.kill(os.getpid(), getattr(signal, f"SIG{name}"))
+    name, _, at = os.environ.get("RETOOL_TEST_SIGNAL", "").partition("@")
+    if at and int(at) == step:
+        os.kill(os.getpid(), getattr(signal, f"SIG{name}"))

@@ -22,9 +22,8 @@ INSTALL = "the {} package: .venv/bin/pip install -r requirements/logging.txt"  #
 def parse_log(text: str) -> list[str]:
     """"tensorboard,wandb" -> ["tensorboard", "wandb"]; raises ValueError (one line) on an unknown name."""
     names = [n.strip() for n in (text or "").split(",") if n.strip()]
-    for name in names:
-        if name not in LOGGERS:
-            raise ValueError(f"log '{name}' is not one of {', '.join(LOGGERS)}")
+    if unknown := [name for name in names if name not in LOGGERS]:
+        raise ValueError(f"log '{unknown[0]}' is not one of {', '.join(LOGGERS)}")
     return names
 
 
