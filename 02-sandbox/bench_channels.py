@@ -3,9 +3,9 @@
     .venv/bin/python 02-sandbox/bench_channels.py                              # as root: the sandbox's default isolation
     .venv/bin/python 02-sandbox/bench_channels.py --results 02-channels        # also docs/results/02-channels.json
 
-Each channel carries `--trials` 6-bit values from a sender call to a receiver call, both ordinary calls of one Sandbox,
-and the script counts the bits the receiver got right (half by chance). Other work on the machine moves the open
-channels: run it where that is what you want to know. docs/02-isolation.md, "Channels that stay open", quotes it.
+Each channel carries `--trials` 6-bit values from a sender call to a receiver call of one Sandbox; the script counts
+the bits the receiver got right (half by chance). Other work on the machine moves the open channels.
+docs/02-isolation.md, "Channels between calls", quotes it.
 """
 from __future__ import annotations
 
@@ -26,9 +26,7 @@ PAGE_GAP = 4 << 20  # pages this far apart: neither the sender's readahead nor t
 
 def inode_counter(sb: Sandbox, value: int, offset: int) -> int:
     """The sender moves the counter to the value; the receiver reads it, less what a call's start takes (offset)."""
-    sb.run("import os\n"
-           f"while os.fstat(os.pipe()[0]).st_ino % 64 != {value}:\n"
-           "    pass\n")
+    sb.run(f"import os\nwhile os.fstat(os.pipe()[0]).st_ino % 64 != {value}:\n    pass\n")
     return (int(sb.run(_READ_INODE).stdout) - offset) % 64
 
 

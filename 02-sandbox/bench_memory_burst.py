@@ -3,10 +3,9 @@
     sudo .venv/bin/python 02-sandbox/bench_memory_burst.py                  # as root: runs the sandbox as nobody
     sudo .venv/bin/python 02-sandbox/bench_memory_burst.py --results 02-memory-burst   # also docs/results/02-memory-burst.json
 
-The burst: one call forks into max_processes processes that each touch as much as RLIMIT_AS lets them, at once,
-between two looks of the slot's MemoryWatch. The sandbox runs as an unprivileged user (the only way to get the watch;
-Debian's /usr/bin/python3, standard library only) while root samples MemAvailable every millisecond: how far it fell,
-and how long the call held more than its cap (docs/02-isolation.md). Run it on a quiet machine; read the median.
+The burst: one call, run unprivileged with /usr/bin/python3, forks into max_processes processes that each touch what
+RLIMIT_AS allows, at once, while root samples MemAvailable every millisecond: how far it fell, and how long the call
+held more than its cap (docs/02-isolation.md). Run it on a quiet machine; read the median.
 """
 from __future__ import annotations
 

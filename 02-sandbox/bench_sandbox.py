@@ -6,10 +6,8 @@
     .venv/bin/python 02-sandbox/bench_sandbox.py --calls 400 --rounds 5
     make bench-sandbox ARGS="--results 02-bench-sandbox"       # also write docs/results/02-bench-sandbox.json
 
-The baseline is one `subprocess.run([python, "-c", code])` per call with the sandbox's limits (docs/02-sandbox.md);
-"service (http)" is the fork server behind serve.py, called by the sandboxfusion backend (docs/02-service.md). The
-designs take turns in rounds, with the same threads. calls/s counts correct results only ("wrong": the rest); "cpu ms"
-is CPU time per call of everything involved, from a cgroup this script joins where it can (not the Docker engine's).
+The designs (docs/02-sandbox.md, docs/02-service.md) take turns in rounds, with the same threads. calls/s counts
+correct results only ("wrong": the rest); "cpu ms" is CPU time per call of everything involved but the Docker engine.
 Targets: the fork server at least 20x the baseline's calls/s on the sympy snippet, and no slower on print(1+1).
 """
 from __future__ import annotations

@@ -198,8 +198,7 @@ def _bind_counters_at_zero(path: str) -> None:
     """Bind over a /proc file of counters a copy with every number 0 (btime and names such as cpu0 kept), unlinked
     once bound: no path names it. A file this kernel lacks is left out."""
     try:
-        with open(path) as f:
-            lines = f.read().splitlines()
+        lines = Path(path).read_text().splitlines()
     except FileNotFoundError:
         return
     text = "".join((line if line.startswith("btime") else _NUMBER.sub("0", line)) + "\n" for line in lines)
@@ -270,11 +269,10 @@ def call_uid(token: int) -> int:
     """A uid of its own per slot, so that RLIMIT_NPROC counts only this call; nobody where ids are scarce."""
     uid = 100000 + ((os.getpid() % (1 << 20)) << 10 | token % 1024)  # called in the server: its pid and the slot's token
     try:
-        with open("/proc/self/uid_map") as f:
-            for line in f:
-                inner, _, count = (int(x) for x in line.split())
-                if inner <= uid < inner + count:
-                    return uid
+        for line in Path("/proc/self/uid_map").read_text().splitlines():
+            inner, _, count = (int(x) for x in line.split())
+            if inner <= uid < inner + count:
+                return uid
     except (OSError, ValueError):
         pass
     return 65534
@@ -572,24 +570,21 @@ def _write(dir_fd: int | None, name: str, text: str, optional: bool = False) -> 
 def _find_cgroups() -> tuple[int, list[str]]:
     """(version, [folders to create groups in]): v1 memory and pids, else v2 with both; OSError saying why neither."""
     mounts: dict[str, tuple[str, str]] = {}  # controller or "v2" -> (mount point, root of the mount)
-    with open("/proc/self/mountinfo") as f:
-        for line in f:
-            left, right = line.split(" - ")
-            fields, (fstype, _, options) = left.split(), right.split()[:3]
-            # A later mount over a folder hides the earlier ones at or below it.
-            mounts = {k: v for k, v in mounts.items() if not (v[0] == fields[4] or _inside(v[0], fields[4]))}
-            if fstype == "cgroup":
-                for controller in ("memory", "pids"):
-                    if controller in options.split(","):
-                        mounts[controller] = (fields[4], fields[3])
-            elif fstype == "cgroup2":
-                mounts.setdefault("v2", (fields[4], fields[3]))
-    own: dict[str, str] = {}
-    with open("/proc/self/cgroup") as f:
-        for line in f:
-            _, controllers, path = line.rstrip("\n").split(":", 2)
-            for controller in controllers.split(",") if controllers else ["v2"]:
-                own[controller] = path
+    for line in Path("/proc/self/mountinfo").read_text().splitlines():
+        left, right = line.split(" - ")
+        fields, (fstype, _, options) = left.split(), right.split()[:3]
+        # A later mount over a folder hides the earlier ones at or below it.
+        mounts = {k: v for k, v in mounts.items() if not (v[0] == fields[4] or _inside(v[0], fields[4]))}
+        if fstype == "cgroup":
+            for controller in ("memory", "pids"):
+                if controller in options.split(","):
+                    mounts[controller] = (fields[4], fields[3])
+        elif fstype == "cgroup2":
+            mounts.setdefault("v2", (fields[4], fields[3]))
+    own: dict[str, str] = {}  # controller or "v2" -> this process's cgroup
+    for line in Path("/proc/self/cgroup").read_text().splitlines():
+        _, controllers, path = line.split(":", 2)
+        own.update(dict.fromkeys(controllers.split(",") if controllers else ["v2"], path))
 
     def folder(key: str) -> str:
         point, root = mounts[key]
@@ -607,8 +602,7 @@ def _find_cgroups() -> tuple[int, list[str]]:
         raise OSError(2, "neither cgroup v1 memory and pids nor cgroup v2 is mounted")
     path, point = folder("v2"), mounts["v2"][0]
     try:
-        with open(f"{path}/cgroup.controllers") as f:
-            available = f.read().split()
+        available = Path(f"{path}/cgroup.controllers").read_text().split()
     except OSError as e:
         raise OSError(e.errno, f"cgroup v2 at {path} is not readable: {e.strerror}") from None
     if not {"memory", "pids"} <= set(available):
@@ -617,16 +611,15 @@ def _find_cgroups() -> tuple[int, list[str]]:
     # groups go under the nearest cgroup that already does, ours or an ancestor, or under the root, which we may enable.
     candidate = path
     while True:
-        with open(f"{candidate}/cgroup.subtree_control") as f:
-            # Not root: the call's process must also be allowed to move itself in below it.
-            if {"memory", "pids"} <= set(f.read().split()) and os.access(f"{candidate}/cgroup.procs", os.W_OK):
-                return 2, [candidate]
+        enabled = Path(f"{candidate}/cgroup.subtree_control").read_text().split()
+        # Not root: the call's process must also be allowed to move itself in below it.
+        if {"memory", "pids"} <= set(enabled) and os.access(f"{candidate}/cgroup.procs", os.W_OK):
+            return 2, [candidate]
         if candidate == point:
             break
         candidate = os.path.dirname(candidate)
     try:
-        with open(f"{point}/cgroup.subtree_control", "w") as f:
-            f.write("+memory +pids")
+        Path(f"{point}/cgroup.subtree_control").write_text("+memory +pids")
         return 2, [point]
     except OSError as e:
         raise OSError(e.errno, f"cgroup v2: no cgroup from {path} up to {point} hands memory and pids to its "

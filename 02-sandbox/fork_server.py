@@ -62,7 +62,6 @@ def _serve_slots(options: dict, mode: str, listener: socket.socket, cgroups, pro
     own_pid_ns = os.open("/proc/self/ns/pid", os.O_RDONLY) if mode != "plain" else None
     slots: dict[int, int] = {}  # token -> pid
     tokens = iter(range(1, 1 << 62))
-    slot_calls = options["slot_calls"]
 
     def spawn() -> None:
         """Fork a slot and wait until it says its isolation is in place (or why it is not)."""
@@ -77,15 +76,14 @@ def _serve_slots(options: dict, mode: str, listener: socket.socket, cgroups, pro
             for fd in (alive_w, leaving_r, report_r):
                 os.close(fd)
             slot = Slot(listener, alive_r, token, uid, mode, options["max_file_mb"], cgroups, program)
-            slot.calls, slot.report_fd, slot.leaving_fd = slot_calls, report_w, leaving_w
+            slot.calls, slot.report_fd, slot.leaving_fd = options["slot_calls"], report_w, leaving_w
             runner.exit_after(_slot, slot, slot_main)
         os.close(report_w)
         if own_pid_ns is not None:
             confinement.setns(own_pid_ns, confinement.CLONE_NEWPID)
         with os.fdopen(report_r, "rb") as f:
-            problem = f.read().decode(errors="replace")
-        if problem:
-            raise SystemExit(problem)
+            if problem := f.read().decode(errors="replace"):
+                raise SystemExit(problem)
         slots[token] = pid
 
     try:

@@ -101,8 +101,7 @@ def detach(workdir: str) -> None:
 
 CALL_NOFILE = 256  # descriptors per process: bounds the socket and pipe buffers one process can hold
 CALL_SIGPENDING = 64  # signals queued at once, per call: its share of the per-user count every call shares
-# Every other limit as the server started with it, set again for every call: nothing of a call's limits comes from
-# an earlier call (unprivileged, the code and its slot are one uid).
+# Every other limit as the server started with it, set again for every call: none comes from an earlier call.
 _STARTING_LIMITS = {kind: resource.getrlimit(kind) for name, kind in vars(resource).items() if name.startswith("RLIMIT_")}
 
 
@@ -287,9 +286,8 @@ def failure(reason: str) -> dict:
 
 
 def _kill_the_rest() -> None:
-    """Kill every process the code left behind (daemons, setsid, double forks): one kill(-1) as a PID namespace's init
-    (a slot, a container's runner; _reap_the_rest reaps them). Elsewhere this supervisor is a child subreaper, which
-    the code's orphans are re-parented to: it kills and reaps its children until none is left."""
+    """Kill every process the code left behind: one kill(-1) as a PID namespace's init (_reap_the_rest reaps them);
+    elsewhere, a child subreaper that the code's orphans are re-parented to, kill and reap children until none is left."""
     if os.getpid() == 1:
         _kill_quietly(-1)
         return

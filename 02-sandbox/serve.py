@@ -183,21 +183,20 @@ class Server:
         self.sandbox, self.token, self.log, self.request_seconds = sandbox, token, log, request_seconds
         self.max_connections, self.max_request_bytes, self.max_run_timeout = max_connections, max_request_bytes, max_run_timeout
         self._answerers = concurrent.futures.ThreadPoolExecutor(max_connections, thread_name_prefix="answer")
-        # Requests decoded at once, as many as calls run: a request waiting for a slot holds its bytes alone (JSON takes
-        # up to 20 times its bytes once decoded).
+        # Requests decoded at once, as many as calls run: one waiting for a slot holds its bytes alone (docs/02-service.md)
         self._decoding = threading.BoundedSemaphore(sandbox.config.concurrency if sandbox is not None else max_connections)
         self._lock = threading.Lock()
         self._busy = 0  # requests read whole and not yet answered
         self._stopping = False
         self._accept_rests_until = 0.0  # accept ran out of descriptors: not polled until a connection closes or then
-        self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)  # written by shutdown() and each answer
+        self._waker = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)  # written by shutdown() and each answer
         self._sending: dict[socket.socket, _Incoming] = {}  # connections whose request is still arriving, or draining
         self.answered: dict[str, int] = {}  # "200 Success", "401", ...: every answer, counted once
 
     def serve_forever(self) -> None:
         """Until shutdown(): accept, read, refuse or hand over; then answer what was read whole, and return."""
         with selectors.DefaultSelector() as selector:
-            selector.register(self._wake_r, selectors.EVENT_READ)
+            selector.register(self._waker, selectors.EVENT_READ)
             listening = False
             while not self._stopping:
                 resting = time.monotonic() < self._accept_rests_until
@@ -212,8 +211,9 @@ class Server:
                 for key, _ in selector.select(wait):
                     if key.fileobj is self.listener:
                         self._accept(selector)
-                    elif key.fileobj == self._wake_r:  # a request answered: its connection closed
-                        _drain_pipe(self._wake_r)
+                    elif key.fileobj == self._waker:  # a request answered: its connection closed
+                        with contextlib.suppress(BlockingIOError):  # woken already
+                            os.eventfd_read(self._waker)
                         self._accept_rests_until = 0.0
                     else:
                         self._receive(selector, key.data)
@@ -230,17 +230,16 @@ class Server:
     def shutdown(self) -> None:
         """Stop accepting and reading (safe from a signal handler); requests read whole are still answered."""
         self._stopping = True
-        _wake(self._wake_w)
+        with contextlib.suppress(OSError):  # closed already: nothing left to wake
+            os.eventfd_write(self._waker, 1)
 
     def server_close(self) -> None:
         """Wait until every request read whole is answered."""
         self._answerers.shutdown(wait=True)
-        os.close(self._wake_r)
-        os.close(self._wake_w)
+        os.close(self._waker)
 
     def _accept(self, selector) -> None:
-        """Accept up to accept_batch waiting connections, the rest wait in the backlog: accepting all at once would drop
-        connections of the same round unread to make room for later ones (under a flood, the legitimate ones)."""
+        """Accept up to accept_batch waiting connections; the rest wait in the backlog (why: docs/02-service.md)."""
         for _ in range(self.accept_batch):
             try:
                 conn, peer = self.listener.accept()
@@ -279,8 +278,7 @@ class Server:
                     self._refuse(incoming, 431, f"the request line and headers take more than {MAX_HEAD_BYTES} bytes")
                 return
             head, incoming.data = bytes(incoming.data[:end + 2]), incoming.data[end + 4:]
-            refusal = self._read_head(incoming, head)
-            if refusal:
+            if refusal := self._read_head(incoming, head):
                 return self._refuse(incoming, *refusal)
             if incoming.phase == "answer":  # GET: nothing more to read
                 return self._hand_over(selector, incoming)
@@ -309,10 +307,8 @@ class Server:
             return 405, "run_code takes POST"
         if not self._authorized(headers, target):
             return 401, "this server needs its token: Authorization: Bearer <token>"
-        if self.token is None:
-            problem = self._cross_site(headers)
-            if problem:
-                return 403, problem
+        if self.token is None and (problem := self._cross_site(headers)):
+            return 403, problem
         lengths = headers.get_all("Content-Length") or []
         if len(lengths) != 1 or headers.get("Transfer-Encoding") is not None:
             return 411, "one Content-Length header is required (no chunked bodies)"
@@ -338,8 +334,7 @@ class Server:
         return hmac.compare_digest(given.encode(errors="replace"), self.token.encode())
 
     def _cross_site(self, headers) -> str:
-        """Without a token, why a request may come from a web page, not a local client ('' if not; docs/02-service.md):
-        a browser names the page's site in Origin and the name it used in Host; a local client sends a loopback Host."""
+        """Without a token, why a request may come from a web page, not a local client ('' if not; docs/02-service.md)."""
         hosts, origins = headers.get_all("Host") or [], headers.get_all("Origin") or []
         if len(hosts) > 1 or len(origins) > 1:
             return "one Host and at most one Origin header, please"
@@ -388,7 +383,7 @@ class Server:
                 incoming.conn.close()
                 with self._lock:
                     self._busy -= 1
-                _wake(self._wake_w)
+                os.eventfd_write(self._waker, 1)
 
     def _response(self, incoming: _Incoming) -> tuple[int, object]:
         if incoming.method == "GET":
@@ -398,8 +393,7 @@ class Server:
                 body = json.loads(incoming.data)
             except (UnicodeDecodeError, ValueError, RecursionError) as e:
                 return 400, {"detail": f"the body is not JSON (or nests too deep): {type(e).__name__}: {str(e)[:200]}"}
-            problem = request_problem(body)
-            if problem:
+            if problem := request_problem(body):
                 return 422, {"detail": problem}
             return 200, run_code(self.sandbox, body, self.max_run_timeout)
 
@@ -442,8 +436,7 @@ class _Incoming:
 
 
 def printable(text: str) -> str:
-    """A client's words as a log may hold them: every byte but printable ASCII (ESC and BEL, which a terminal that
-    shows the log acts on; a backslash) as \\xNN."""
+    """A client's words as a log may hold them: every byte but printable ASCII (and a backslash) as \\xNN."""
     return re.sub(r"[^\x21-\x5b\x5d-\x7e]", lambda match: f"\\x{ord(match[0]):02x}", text)
 
 
@@ -461,17 +454,6 @@ def _send_now(conn: socket.socket, data: bytes) -> bool:
         return conn.send(data) == len(data)
     except OSError:
         return False
-
-
-def _wake(fd: int) -> None:
-    with contextlib.suppress(OSError):  # full: the loop is awake already
-        os.write(fd, b"x")
-
-
-def _drain_pipe(fd: int) -> None:
-    with contextlib.suppress(OSError):
-        while os.read(fd, 4096):
-            pass
 
 
 def raise_open_files_limit() -> None:
@@ -529,14 +511,12 @@ def main(argv: list[str] | None = None) -> int:
     from lab_cli import at_least, comma_list, script_parser
 
     parser = script_parser(__doc__)
-    # where it listens, and who may call it
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s); "
                         "any non-loopback address needs --token")
     parser.add_argument("--port", type=at_least(0, at_most=65535), default=DEFAULT_PORT, help="port, 0 for any free one (default: %(default)s)")
     parser.add_argument("--token", default=os.environ.get("SANDBOX_TOKEN") or None,  # set but empty: no token
                         help=f"shared secret every request must carry (default: $SANDBOX_TOKEN; at least {MIN_TOKEN_CHARS} "
                         "characters); prefer the variable: a command line is visible to every process")
-    # the sandbox behind it
     parser.add_argument("--concurrency", type=at_least(1), default=os.cpu_count() or 2,
                         help="calls running at once (default: the CPU count, %(default)s)")
     parser.add_argument("--isolation", choices=["namespaces", "plain"], default=SandboxConfig.isolation,
@@ -545,7 +525,6 @@ def main(argv: list[str] | None = None) -> int:
                         help="memory of one call, in MB (default: %(default)s); a request's memory_limit_MB is not used")
     parser.add_argument("--preload", default=",".join(SandboxConfig.preload), help="modules the warm interpreter "
                         "imports once, comma-separated, '' for none (default: %(default)s)")
-    # limits of a request
     parser.add_argument("--max-run-timeout", type=at_least(0.1, float, at_most=MAX_SECONDS), default=MAX_RUN_TIMEOUT,
                         help="a request's run_timeout is cut to this many seconds (default: %(default)s)")
     parser.add_argument("--max-request-kb", type=at_least(1, at_most=1 << 20), default=MAX_REQUEST_KB,
