@@ -78,8 +78,7 @@ def private_tmp(prefix: str = "tool-rl-lab-") -> str:
     own = os.path.join(base, f"{prefix}{os.getpid()}")
     os.makedirs(own, mode=0o755, exist_ok=True)
     os.chmod(own, 0o755)  # the sandbox's unprivileged code may need to reach what its server keeps here
-    tempfile.tempdir = own
-    os.environ["TMPDIR"] = own
+    tempfile.tempdir = os.environ["TMPDIR"] = own
     atexit.register(shutil.rmtree, own, True)
     keep_caches_writable(own)
     return own
@@ -230,14 +229,6 @@ def name_too_long(path) -> str | None:
 STREAM_PREFIX = "<console> "  # an OSError's filename for a write to stdout or stderr (_Closable)
 
 
-def stream_target(stream) -> str:
-    """Where a console stream goes, for a message: the file the shell opened for it (/dev/full, a log)."""
-    try:
-        return os.readlink(f"/proc/self/fd/{stream.fileno()}")
-    except (OSError, ValueError, AttributeError):
-        return "its file"
-
-
 def missing_console() -> str | None:
     """The line for a console stream the shell closed (`>&-`, `2>&-`); None when both are open."""
     closed = [name for name in ("stdout", "stderr") if getattr(sys, name) is None]
@@ -308,7 +299,11 @@ class _Closable:
 
     def _named(self, error: OSError) -> OSError:
         name = "stderr" if self.stream is sys.__stderr__ else "stdout"
-        named = OSError(error.errno, error.strerror, f"{STREAM_PREFIX}{name} {stream_target(self.stream)}")
+        try:  # where the stream goes, for the message: the file the shell opened for it (/dev/full, a log)
+            target = os.readlink(f"/proc/self/fd/{self.stream.fileno()}")
+        except (OSError, ValueError, AttributeError):
+            target = "its file"
+        named = OSError(error.errno, error.strerror, f"{STREAM_PREFIX}{name} {target}")
         self.stream = open(os.devnull, "w")  # the line that says so goes to stderr; this stream takes no more
         return named
 

@@ -28,8 +28,7 @@ ARMS: dict[str, tuple[list[str], str, str, list[str]]] = {
                 ["problems_drawn", "dynamic_rounds", "degenerate_groups", "rows_skipped"]),
     "mask-truncated": (["--mask-truncated", "true"], "truncated trajectories get no gradient (DAPO)", "baseline",
                        ["truncated_masked", "truncation_rate"]),
-    "void-filter": (["--filter-void-turns", "true"], "void-turn filter (SimpleTIR)", "baseline",
-                    ["void_filtered"]),
+    "void-filter": (["--filter-void-turns", "true"], "void-turn filter (SimpleTIR)", "baseline", ["void_filtered"]),
     "budget-3": (["--tool-budget", "3", "--filter-void-turns", "true"], "3 tool calls, void-turn filter", "baseline",
                  ["tool_calls", "void_filtered"]),
     "token-sum": (["--aggregation", "token-sum"], "Dr. GRPO: sum / (response budget x sequences)", "baseline",
@@ -289,13 +288,11 @@ def parse_args(argv):
     r.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS), help="which arms (default all)")
     r.add_argument("--preset", help="05-retool's preset the runs start from (default: the CPU demo's settings; "
                                     "cpu-chained for docs/06-experiments.md)")
-    r.add_argument("--steps", type=int, default=30, help="RL steps per run (default 30: the runs docs/06-beyond-torl measured; "
-                   "docs/appendix/06-ablation.md's take 60)")
+    r.add_argument("--steps", type=int, default=30, help="RL steps per run (default 30, as docs/06-beyond-torl measured)")
     s = sub.add_parser("report", help="plots and the markdown table from finished runs")
     s.add_argument("--out", type=Path, default="runs/ablation", help="folder of the run folders (default runs/ablation)")
     s.add_argument("--img", type=Path, help="write one PNG per option here (e.g. docs/img)")
-    s.add_argument("--differences", metavar="PNG", type=Path, help="also plot each arm's held-out accuracy minus its comparator's, "
-                                                        "seed by seed, to this file")
+    s.add_argument("--differences", metavar="PNG", type=Path, help="also plot each arm's gain over its comparator")
     s.add_argument("--results", metavar="NAME", help="also write the figures to docs/results/NAME.json (results.py)")
     return p.parse_args(argv)
 

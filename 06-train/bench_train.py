@@ -53,7 +53,6 @@ def main(argv: list[str] | None = None) -> None:
     shaped = args.shape is not None
     if shaped and args.results:
         raise SystemExit("error: --results records the tiny model's run (the figures docs/06-scaling.md quotes), not --shape")
-    # the torl-1.5b preset's lengths and micro-batch for a real shape; small ones for the tiny model
     for name, real, tiny in (("prompt_len", 400, 128), ("response_len", 3072, 384), ("micro_batch_size", 8, 4),
                              ("num_minibatches", 1, 2), ("gradient_checkpointing", True, False)):
         if getattr(args, name) is None:
@@ -84,12 +83,11 @@ def run(args, model_path: str) -> None:
     model = load_policy(model_path)
     n_params = sum(p.numel() for p in model.parameters())
     vocab = model.config.vocab_size
+    shape = (args.sequences, args.group_size, args.prompt_len, args.response_len)
     if llm is not None:  # real samples, so the sampler/trainer mismatch means something
-        trajectories = sampled_trajectories(llm, args.sequences, args.group_size, args.prompt_len, args.response_len,
-                                            degenerate_frac=args.degenerate_frac)
+        trajectories = sampled_trajectories(llm, *shape, degenerate_frac=args.degenerate_frac)
     else:
-        trajectories = synthetic_trajectories(args.sequences, args.group_size, args.prompt_len, args.response_len, vocab,
-                                              degenerate_frac=args.degenerate_frac)
+        trajectories = synthetic_trajectories(*shape, vocab, degenerate_frac=args.degenerate_frac)
     all_tokens, model_tokens = token_counts(trajectories)
     optimizer = make_optimizer(model, cfg)
     asleep = sleep_sampler(llm) if llm is not None else False
@@ -101,7 +99,6 @@ def run(args, model_path: str) -> None:
     times = timed_steps(model, optimizer, trajectories, cfg, args.steps)
     peak = memory(peak=True)
     step_s = statistics.median(times)
-    # The same steps without skipping: forward and backward also on rows whose advantage is zero.
     no_skip_s = statistics.median(timed_steps(model, optimizer, trajectories,
                                               dataclasses.replace(cfg, skip_zero_advantage=False), args.steps))
     zero_rows = sum(t.advantage == 0 for t in trajectories)

@@ -96,6 +96,7 @@ class DataParallel:
 
     is_main = property(lambda self: self.rank == 0)
     distributed = property(lambda self: self.world_size > 1)
+    sharded = property(lambda self: self.strategy == "fsdp" and self.distributed)  # FSDP2 across ranks
 
     @property
     def nodes(self) -> int:
@@ -130,9 +131,8 @@ class DataParallel:
     def load_policy(self, model_path):
         """The trainer's float32 policy, for `wrap` next. Under FSDP2 only rank 0 reads the weights (on the CPU) and
         `wrap` fills the other ranks' shards, built on the meta device; `loaded_weights` says which."""
-        sharded = self.strategy == "fsdp" and self.distributed
-        self.loaded_weights = not sharded or self.is_main
-        if not sharded:
+        self.loaded_weights = not self.sharded or self.is_main
+        if not self.sharded:
             return load_policy(model_path, device=self.device)
         if self.is_main:
             model = load_policy(model_path, device="cpu")
@@ -196,7 +196,7 @@ class DataParallel:
         """(model, optimizer) to hand to save_checkpoint on rank 0; every rank must call it. FSDP2: the model is
         gathered into rank 0's host memory (a Hugging Face folder), while each rank writes its shard of the optimizer
         state into `staging`: AdamW's moments (61 GB at 7B) never meet on one rank."""
-        if self.strategy != "fsdp" or not self.distributed:
+        if not self.sharded:
             return self.unwrap(model), optimizer
         import shutil
 
@@ -214,9 +214,7 @@ class DataParallel:
 
     def restorable_optimizer(self, model, optimizer):
         """What retool's load_optimizer loads into: the optimizer, or (FSDP2) its shards."""
-        if self.strategy != "fsdp" or not self.distributed:
-            return optimizer
-        return _OptimizerShards(model, optimizer, None)
+        return _OptimizerShards(model, optimizer, None) if self.sharded else optimizer
 
     def reduce_metrics(self, metrics: dict) -> dict:
         """One metrics dict for the whole step from every rank's; see `combine_metrics` for the rules."""

@@ -20,7 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-from ablation import ARMS, load_runs, run_arm
+from ablation import ARMS, load_runs, results_key, run_arm
 from ablation import report as arms_report
 from configuration import Config, check_config, make_config, number_problems, parse_with_field_flags
 from lab_cli import run_script, script_parser
@@ -33,8 +33,7 @@ DEFAULT_ARMS = ["calls-1", "baseline"]
 PRESET = "cpu-chained"
 RELEASE = RELEASES[PRESET]  # 06-train/base
 PAGE_RESULTS = "06-experiments-released"  # the page's runs, which the report sets beside these
-# For the time-left estimates, on two idle cores (make bench-06 measures them): the base's moves check, an RL step
-# (the mean of C = 1 and C = 4), and a run's start and evaluations.
+# Time-left estimates, two idle cores (make bench-06): moves check, RL step (C = 1 and 4's mean), a run's fixed part.
 SECONDS = {"moves_check": 5.0, "rl_step": 2.5, "rl_run_fixed": 20.0}
 
 
@@ -111,9 +110,8 @@ def claim(out: Path, wanted: dict) -> None:
         raise SystemExit(f"error: {out} is not empty and not an experiment's folder (no experiment.json): "
                          "pass another --out")
     out.mkdir(parents=True, exist_ok=True)
-    tmp = record.with_suffix(".tmp")
-    tmp.write_text(json.dumps(wanted, indent=1))
-    tmp.replace(record)
+    record.with_suffix(".tmp").write_text(json.dumps(wanted, indent=1))
+    record.with_suffix(".tmp").replace(record)
 
 
 def recipe(record: dict) -> dict:
@@ -231,7 +229,7 @@ def compared(mine: dict, page: dict, arm: str, name: str, label: str, share: boo
     that range widened by AGREES (a share only); no row where this folder has no such run."""
     import re
 
-    key = arm.replace("-", "_")
+    key = results_key(arm)
     if f"{key}_mean_{name}" not in mine:
         return []
     value, seeds = mine[f"{key}_mean_{name}"], [v for k, v in page.items() if re.fullmatch(rf"{key}_s\d+_{name}", k)]
@@ -266,8 +264,7 @@ def parse_args(argv):
     args.flags = args.flags[1:] if args.flags[:1] == ["--"] else args.flags
     named = {"budget": BUDGET_ARMS, "all": list(ARMS)}
     args.arms = list(dict.fromkeys(a for name in args.arms for a in named.get(name, [name])))
-    unknown = [a for a in args.arms if a not in ARMS]
-    if unknown:
+    if unknown := [a for a in args.arms if a not in ARMS]:
         p.error(f"--arms: no arm '{unknown[0]}' (budget, all, or one of {', '.join(ARMS)})")
     if "baseline" not in args.arms:
         p.error("--arms: the report compares with the baseline (C = 4); keep it in")

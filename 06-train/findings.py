@@ -24,8 +24,7 @@ CODE_USE = ("code_ratio", "code_pass_ratio", "response_length")
 
 def main(argv: list[str] | None = None) -> dict:
     p = script_parser(__doc__)
-    p.add_argument("--out", default="runs/experiment-06", help="the folder of the run folders (default runs/experiment-06, "
-                                                                "experiment.py's)")
+    p.add_argument("--out", default="runs/experiment-06", help="the run folders' folder (default experiment.py's)")
     p.add_argument("--img", help="write the three plots here (e.g. docs/img)")
     p.add_argument("--results", metavar="NAME", help="also write the figures to docs/results/NAME.json (results.py)")
     args = p.parse_args(argv)
@@ -68,11 +67,9 @@ def summarise(runs: dict, out: Path) -> dict:
             for s, run in zip(seeds, per_seed):
                 figures[f"{results_key(arm)}_s{s}_{name}"] = round(run[name], 3)
             figures[f"{results_key(arm)}_mean_{name}"] = round(sum(run[name] for run in per_seed) / len(per_seed), 3)
-        for s in seeds:  # each kind of problem on its own, after RL
-            for kind, score in kind_accuracies(runs[arm, s][1]).items():
-                figures[f"{results_key(arm)}_s{s}_{kind}"] = score
-            for name, share in answer_shares(out / f"{arm}-s{s}").items():
-                figures[f"{results_key(arm)}_s{s}_{name}"] = share
+        for s in seeds:  # each kind of problem on its own after RL, and the shares of ANSWER_KINDS
+            own = {**kind_accuracies(runs[arm, s][1]), **answer_shares(out / f"{arm}-s{s}")}
+            figures.update({f"{results_key(arm)}_s{s}_{name}": value for name, value in own.items()})
     return figures
 
 

@@ -29,8 +29,7 @@ def main(argv: list[str] | None = None) -> None:
     if not torch.cuda.is_available():
         raise SystemExit("error: make gpu-check needs a CUDA GPU and torch sees none here; on a CPU the tests "
                          "(make test) and the dry run (retool.py --preset torl-1.5b --dry-run) check this path")
-    report = check(args.sequences, args.steps)
-    print("\n".join(report))
+    print("\n".join(check(args.sequences, args.steps)))
 
 
 def check(sequences: int, steps: int) -> list[str]:
@@ -56,8 +55,7 @@ def check(sequences: int, steps: int) -> list[str]:
         t0 = time.perf_counter()
         with torch.device("cuda"):  # random init on the GPU: minutes on a CPU
             model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-        dp = DataParallel(0, 1, strategy="fsdp")
-        model = dp.fully_shard(model)
+        model = DataParallel(0, 1, strategy="fsdp").fully_shard(model)
         grpo_cfg = GRPOConfig(lr=cfg.lr, num_minibatches=cfg.num_minibatches, micro_batch_size=cfg.micro_batch_size,
                               gradient_checkpointing=cfg.gradient_checkpointing, temperature=cfg.temperature)
         optimizer = make_optimizer(model, grpo_cfg)  # AdamW's moments now, as the loop makes them

@@ -72,11 +72,9 @@ def clipped_policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, adva
                         aggregation: str = "token-mean", normalizer: float | None = None,
                         token_weights: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
     """PPO-clip surrogate `-min(r*A, clip(r, 1-eps_low, 1+eps_high)*A)` over model tokens; returns (loss, stats).
-
-    Tensors are [B, T] (advantages may be [B]). Token-mean divides by the model tokens, or by `normalizer`, the
-    whole mini-batch's count, so that its micro-batches add up to its loss; any other `aggregation` is
-    objectives.py's. `token_weights` ([B, T], no gradient) multiply each token's term: importance sampling.
-    """
+    Tensors are [B, T] (advantages may be [B]). Token-mean divides by the model tokens, or by `normalizer`, the whole
+    mini-batch's count; any other `aggregation` is objectives.py's. `token_weights` ([B, T], no gradient) multiply
+    each token's term: importance sampling."""
     if advantages.dim() == 1:
         advantages = advantages.unsqueeze(-1)
     mask = loss_mask.bool()
@@ -102,10 +100,8 @@ OBJECTIVES = {"ppo-clip": clipped_policy_loss, "gspo": gspo_loss, "cispo": cispo
 
 def grpo_step(model, optimizer, trajectories, cfg: GRPOConfig, exclude=None, global_normalizer=None) -> dict[str, float]:
     """One GRPO step on trajectories that already carry `.advantage`; returns flat float metrics (docs/06-train.md).
-
     `exclude` (a bool per trajectory) keeps rows out of the loss and its denominator; `global_normalizer` makes a
-    mini-batch's denominator the data-parallel one (distributed.py's `RanksInStep`).
-    """
+    mini-batch's denominator the data-parallel one (distributed.py's `RanksInStep`)."""
     _check_step_inputs(trajectories, cfg, exclude)
     ranks = RanksInStep(model, global_normalizer)  # torchrun: this rank in step with the others (distributed.py)
     set_gradient_checkpointing(unwrap(model), cfg.gradient_checkpointing)

@@ -10,8 +10,7 @@ from contextlib import nullcontext
 import torch
 from torch.utils.checkpoint import checkpoint
 
-# Rows x positions of one chunk: its logits and float32 temporaries are a few times this x the vocabulary
-# (3.5 GB at 152k, dry_run.CHUNK_BYTES).
+# Rows x positions of one chunk: its logits and float32 work are a few times this x the vocabulary (dry_run.CHUNK_BYTES)
 CHUNK_TOKENS = 1024
 
 

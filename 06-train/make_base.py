@@ -1,8 +1,7 @@
 """The recipe of a released base in one command: a preset's cold starts with the kernels held, then the release.
 
     make base-05                       # the demo's base (cpu-demo's cold start) into runs/base-05, about 7 min
-    make base-06                       # the chained task's base (cpu-chained's three cold starts and the moves
-                                       # check) into runs/base-06, about 1 h 45 min on two cores
+    make base-06                       # cpu-chained's base and its moves check into runs/base-06, about 1 h 45 min
     make base-06 ARGS="--release"      # ... and release it: 06-train/base/ and docs/results/06-base.json
 
 The kernels are held to one path (torch's default CPU kernels, MKL's compatible path, one thread), so that the recipe
@@ -67,11 +66,9 @@ def main(argv: list[str] | None = None) -> Path:
     moves = json.loads((base / "cold_start.json").read_text()).get("moves", {})  # the chained task's check only
     made = results.RESULTS / f"{release_to.results}.json"
     released = results.load(release_to.results)["figures"] if made.exists() else {}
-    mine = sha256(base / "model.safetensors")
-    same = mine == released.get(sha256_key("model.safetensors"))
+    mine, theirs = sha256(base / "model.safetensors"), released.get(sha256_key("model.safetensors"), "none yet")
     print(f"{name}: {base}/model.safetensors, sha256 {mine}: "
-          + ("the released base, bit for bit" if same else
-             f"another base than the released one ({released.get(sha256_key('model.safetensors'), 'none yet')})"))
+          + ("the released base, bit for bit" if mine == theirs else f"another base than the released one ({theirs})"))
     for move in MOVES + DECISIONS if moves else ():
         print(f"{name}:   {move:6} this base {moves[move]:.3f}" + (f"   the released base {released[f'moves_{move}']:.3f}"
                                                                    if released else ""))

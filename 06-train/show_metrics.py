@@ -18,8 +18,7 @@ from lab_cli import run_script, script_parser
 def table(runs: dict[str, list[dict]], keys: list[str]) -> str:
     """A markdown table: one row per step, one column per (run, key), then the mean over steps."""
     columns = [(name, key) for name in runs for key in keys]
-    many = len(runs) > 1
-    header = ["step"] + [f"{name}: {key}" if many else key for name, key in columns]
+    header = ["step"] + [f"{name}: {key}" if len(runs) > 1 else key for name, key in columns]
     lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
     steps = sorted({r["step"] for rows in runs.values() for r in rows})
     by_step = {name: {r["step"]: r for r in rows} for name, rows in runs.items()}
@@ -50,9 +49,7 @@ def _number(value) -> bool:
 
 
 def _cell(value) -> str:
-    if value is None or (isinstance(value, float) and math.isnan(value)):
-        return ""
-    return f"{value:.3g}"
+    return "" if value is None or (isinstance(value, float) and math.isnan(value)) else f"{value:.3g}"
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -71,8 +68,7 @@ def main(argv: list[str] | None = None) -> None:
         runs[folder.name] = rows
     if missing := [k for k in args.keys if not any(k in r for rows in runs.values() for r in rows)]:
         raise SystemExit(f"error: no run has {', '.join(missing)} in its metrics.jsonl")
-    lists = [k for k in args.keys if any(not _number(r[k]) for rows in runs.values() for r in rows if k in r)]
-    if lists:
+    if lists := [k for k in args.keys if any(not _number(r[k]) for rows in runs.values() for r in rows if k in r)]:
         raise SystemExit(f"error: --keys {', '.join(lists)}: not a number per step (e.g. a list of ids); choose numeric keys")
     print(table(runs, args.keys))
     if args.plot:

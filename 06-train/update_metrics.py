@@ -1,7 +1,5 @@
 """What `grpo_step` reports (docs/06-train.md, "Metrics"): token means over the loss mask, the sampler/trainer gap,
-and the update's sums. The ratios, entropy and mismatch are over `computed_tokens` (the rows not skipped for a zero
-advantage), the clip fractions over `loss_tokens` (every model token of a trajectory not excluded; a skipped row
-has advantage 0 and is never clipped).
+and the update's sums. The clip fractions are over `loss_tokens`, skipped rows' too: advantage 0 is never clipped.
 """
 from __future__ import annotations
 
@@ -74,8 +72,7 @@ class UpdateTally:
         return {**self.step_metrics, **mismatch,
                 "loss": self.loss / max(self.optimizer_steps + self.skipped_steps, 1),
                 "grad_norm": self.grad_norm / max(self.optimizer_steps, 1),
-                "clip_low_frac": weighted["clip_low_frac"] / max(loss_tokens, 1),
-                "clip_high_frac": weighted["clip_high_frac"] / max(loss_tokens, 1),
+                **{key: weighted[key] / max(loss_tokens, 1) for key in ("clip_low_frac", "clip_high_frac")},
                 "ratio_mean": weighted["ratio_mean"] / computed if computed else 1.0,
                 "ratio_max": self.ratio_max if computed else 1.0,
                 "approx_kl": weighted["approx_kl"] / max(computed, 1.0), "computed_tokens": computed,
