@@ -37,9 +37,8 @@ def build_tiny_model(out_dir: str | os.PathLike, corpus: list[str] | None = None
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     tokenizer = train_tokenizer(corpus or DEFAULT_CORPUS, vocab_size)
-    tokenizer.save_pretrained(out)
+    tokenizer.save_pretrained(out)  # makes the folder
 
     end = tokenizer.convert_tokens_to_ids("<|endoftext|>")  # begins, ends and pads, as in Qwen's base models
     config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=intermediate_size,

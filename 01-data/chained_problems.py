@@ -1,14 +1,12 @@
 """Counter problems of one or two steps, some with a reading that makes the first call fail: calls that chain.
 
-The cpu-chained preset's task: a counter's reading keeps its leading zero (0482), so the taught first call fails, and a
-second step needs the first's printed result. Its four kinds and the design's reasons: docs/06-experiments.md; the
-constants below say why each number has a fixed width. A row's source names its kind ("chained-heldout-2step-padded").
+The cpu-chained preset's task: a reading keeps its leading zero (0482), so the taught first call fails. Its four kinds
+and the design's reasons: docs/06-experiments.md. A row's source names its kind ("chained-heldout-2step-padded").
 
     .venv/bin/python 01-data/chained_problems.py --out-dir data     # data/chained_train.jsonl, data/chained_test.jsonl
 """
 from __future__ import annotations
 
-import argparse
 import random
 import re
 from pathlib import Path
@@ -137,10 +135,10 @@ def _apply(x: int, op: str, y: int) -> int:
 
 
 if __name__ == "__main__":
-    from lab_cli import one_line_errors
+    from lab_cli import script_parser
     from prepare_data import write_jsonl
 
-    parser = one_line_errors(argparse.ArgumentParser(description="Write counter problems of one or two steps, training and held-out."))
+    parser = script_parser(__doc__)
     parser.add_argument("--out-dir", default="data", help="folder of chained_train.jsonl and chained_test.jsonl (default data)")
     parser.add_argument("--sizes", type=int, nargs=2, default=list(SIZES), metavar=("TRAIN", "TEST"),
                         help=f"problems in the training frames and in the held-out ones (default {SIZES[0]} {SIZES[1]})")

@@ -7,7 +7,6 @@ recovers the Python line that answers any question this module writes (the cold 
 """
 from __future__ import annotations
 
-import argparse
 import random
 import re
 from pathlib import Path
@@ -68,15 +67,14 @@ def _number(rng: random.Random) -> int:
 
 
 if __name__ == "__main__":
-    from lab_cli import at_least, one_line_errors
+    from lab_cli import at_least, script_parser
     from prepare_data import write_jsonl
 
-    parser = one_line_errors(argparse.ArgumentParser(description="Write arithmetic word problems: training phrasings and "
-                                                     "held-out phrasings.", formatter_class=argparse.ArgumentDefaultsHelpFormatter))
-    parser.add_argument("--out-dir", default="data", help="folder word_train.jsonl and word_test.jsonl are written to")
-    parser.add_argument("--train", type=at_least(0), default=2000, help="problems from the training phrasings")
-    parser.add_argument("--test", type=at_least(0), default=200, help="problems from the held-out phrasings")
-    parser.add_argument("--seed", type=int, default=0, help="random seed")
+    parser = script_parser(__doc__)
+    parser.add_argument("--out-dir", default="data", help="folder of the two files (default: %(default)s)")
+    parser.add_argument("--train", type=at_least(0), default=2000, help="training problems (default: %(default)s)")
+    parser.add_argument("--test", type=at_least(0), default=200, help="held-out problems (default: %(default)s)")
+    parser.add_argument("--seed", type=int, default=0, help="random seed (default: %(default)s)")
     args = parser.parse_args()
     train, test = make_word_problems(args.train, args.test, args.seed)
     write_jsonl(train, Path(args.out_dir) / "word_train.jsonl")

@@ -66,9 +66,8 @@ def main(argv: list[str] | None = None) -> int:
                      }.get(kind, f"rollout, {kind}" + (" (default)" if kind == default else ""))
             line = f"  {label:14} {title:26} {tokens:>6.0f} {best:>7.2f} {med:>9.2f}"
             if kind != "bare":
-                idle = statistics.median(r["sandbox_s"] for r in rows)
                 line += (f"  {ratio(runs[name], kind, False):>26}  {ratio(runs[name], kind, True):>16}"
-                         f"  {idle:>9.2f} s")
+                         f"  {statistics.median(r['sandbox_s'] for r in rows):>9.2f} s")
             print(line)
     print("  engine idle: seconds with nothing to decode while code ran (median)")
     # The machine's load goes with the progress lines, to stderr: it qualifies this run, not the figures.
@@ -88,23 +87,20 @@ def measure(llm, problems: list[dict], sandbox, cfg, repeats: int, name: str, pl
         row = {}
         cfg = replace(cfg, seed=run)
         for schedule in SCHEDULES:
-            spent: dict = {}
+            row[schedule] = spent = {}
             trajs = rollout(llm, problems, sandbox, replace(cfg, schedule=schedule), spent)
             spent["longest"] = max(sum(t.loss_mask) for t in trajs)
             spent["round_steps"] = sum(map(max, zip(*(turn_lengths(t) for t in trajs))))
-            row[schedule] = spent
         lengths = [sum(t.loss_mask) for t in trajs]  # both schedules sample the same tokens: same seeds
-        spent = {}
-        free = rollout(llm, problems, SleepingTool(), replace(cfg, schedule="overlap"), spent)
+        row["cpu-free"] = {}
+        free = rollout(llm, problems, SleepingTool(), replace(cfg, schedule="overlap"), row["cpu-free"])
         if [t.token_ids for t in free] != [t.token_ids for t in trajs]:
             raise RuntimeError("the stand-in tool's answers led to other tokens than the sandbox's")
-        row["cpu-free"] = spent
         if plain:
             # The same number of tokens without the tool: one turn each, the loop's bookkeeping alone.
-            spent = {}
+            row["plain"] = {}
             rollout(llm, problems, sandbox, replace(cfg, tool_budget=0, force_turns=(), max_response_tokens=round(
-                statistics.mean(lengths))), spent)
-            row["plain"] = spent
+                statistics.mean(lengths))), row["plain"])
         row["bare"] = bare_generate(llm, problems, cfg, lengths, grammar=not cfg.extra_sampling.get("ignore_eos"))
         if run:
             for kind, spent in row.items():

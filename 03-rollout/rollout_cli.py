@@ -78,17 +78,14 @@ def _cmd_view(args) -> str:
     source = args.tokenizer or trajs[0].model
     if not source:
         raise ValueError(f"{args.file}: the trajectories do not name their model; pass --tokenizer PATH")
+    from reward import score_batch
     from transformers import AutoTokenizer
 
     try:
         tokenizer = AutoTokenizer.from_pretrained(source)
     except Exception as e:  # a missing folder, no hub, a broken file: one line, naming what
         raise ValueError(f"cannot load a tokenizer from {source!r} ({type(e).__name__}); pass --tokenizer PATH") from None
-    rewards = None
-    if not args.no_score:
-        from reward import score_batch
-
-        rewards = score_batch([t.text for t in trajs], [t.reference for t in trajs])
+    rewards = None if args.no_score else score_batch([t.text for t in trajs], [t.reference for t in trajs])
     return render_html(trajs, tokenizer, rewards, title=Path(args.file).name, total=len(every))
 
 

@@ -7,7 +7,6 @@ outputs, a logit bias) to complete "```output" with the token "tan", as a real m
 """
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
@@ -15,9 +14,9 @@ FIXED_TEXT = "Let me compute it with Python.\n```python\nprint(123 * 456)\n```\n
 
 
 def main(argv: list[str] | None = None) -> int:
-    from lab_cli import one_line_errors
+    from lab_cli import script_parser
 
-    one_line_errors(argparse.ArgumentParser(description=__doc__.splitlines()[0])).parse_args(argv)
+    script_parser(__doc__).parse_args(argv)
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt

@@ -8,14 +8,13 @@ Each round stops the workers first, as a fresh process has none. What each figur
 """
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import sys
 import time
 
 import reward
-from lab_cli import at_least, one_line_errors
+from lab_cli import at_least, script_parser
 from results import make_command, name_argument, save
 
 BATCH = [f"so \\boxed{{\\frac{{{i}}}{{4}}}}" for i in range(400)], [str(i / 4) for i in range(400)]
@@ -40,7 +39,7 @@ def one_round() -> dict[str, float]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = one_line_errors(argparse.ArgumentParser(description=__doc__.split("\n")[0]))
+    p = script_parser(__doc__)
     p.add_argument("--rounds", type=at_least(1), default=3, help="rounds to time (default: %(default)s)")
     p.add_argument("--results", metavar="NAME", type=name_argument,
                    help="also write the figures to docs/results/NAME.json, for the docs")

@@ -99,8 +99,7 @@ def tally(cases: list[dict], workers: int = 2) -> dict[str, dict]:
     from reward import score_batch
 
     texts, refs = [c["response"] for c in cases], [c["reference"] for c in cases]
-    lab = score_batch(texts, refs, workers=workers, scorer="lab")
-    torl = score_batch(texts, refs, workers=workers, scorer="torl")
+    lab, torl = (score_batch(texts, refs, workers=workers, scorer=scorer) for scorer in ("lab", "torl"))
     table: dict[str, dict] = defaultdict(lambda: dict.fromkeys(("rows", "lab", "torl", "lab only", "torl only",
                                                                  "unparsed"), 0) | {"example": None})
     for case, a, b in zip(cases, lab, torl):
