@@ -266,8 +266,7 @@ def readable_modules() -> str:
 
 
 def percentile(sorted_values: list[float], q: float) -> float:
-    index = min(len(sorted_values) - 1, max(0, round(q / 100 * (len(sorted_values) - 1))))
-    return sorted_values[index]
+    return sorted_values[round(q / 100 * (len(sorted_values) - 1))]  # q from 0 to 100
 
 
 if __name__ == "__main__":

@@ -290,11 +290,8 @@ class Cgroups:
         self.bases: list[int] = []
         try:
             for path in self.paths:
-                try:
-                    os.mkdir(f"{path}/{name}", 0o700)
-                except FileExistsError:  # left by a killed server whose pid was ours: empty groups, or a refusal
-                    remove_groups([f"{path}/{name}"])
-                    os.mkdir(f"{path}/{name}", 0o700)
+                remove_groups([f"{path}/{name}"])  # left by a killed server whose pid was ours, if any
+                os.mkdir(f"{path}/{name}", 0o700)
                 self.bases.append(os.open(f"{path}/{name}", os.O_RDONLY | os.O_DIRECTORY))
                 if self.version == 2:
                     _write(self.bases[-1], "cgroup.subtree_control", "+memory +pids")
@@ -760,8 +757,7 @@ _NR, _ARCH, _ARGS = 0, 4, (16, 24, 32, 40, 48, 56)  # offsets in struct seccomp_
 
 def seccomp_program(cgroup: bool = True) -> bytes:
     """The filter, one BPF instruction (code, jump if true, jump if false, constant) a tuple: the calls judged by an
-    argument, then a test and a return per listed call; the rest fail with EPERM. cgroup=False leaves CGROUP_ONLY out.
-    The kernel caches, per call number, an allow whatever the arguments: those calls never run it."""
+    argument, then a test and a return per listed call; the rest EPERM. cgroup=False leaves CGROUP_ONLY out."""
     machine = platform.machine()
     if machine not in _TABLES:
         raise OSError(_ENOSYS, f"no seccomp system-call table for {machine} (known: {sorted(_TABLES)})")

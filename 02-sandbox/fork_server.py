@@ -75,8 +75,7 @@ def _serve_slots(options: dict, mode: str, listener: socket.socket, cgroups, pro
         if pid == 0:  # the slot; with namespaces, as PID 1: the kernel tears them down when it exits
             for fd in (alive_w, leaving_r, report_r):
                 os.close(fd)
-            slot = Slot(listener, alive_r, token, uid, mode, options["max_file_mb"], cgroups, program)
-            slot.calls, slot.report_fd, slot.leaving_fd = options["slot_calls"], report_w, leaving_w
+            slot = Slot(listener, alive_r, token, uid, mode, options, cgroups, program, report_w, leaving_w)
             runner.exit_after(_slot, slot, slot_main)
         os.close(report_w)
         if own_pid_ns is not None:
@@ -121,17 +120,17 @@ def _hello(**fields) -> None:
 class Slot:
     """What a slot's calls need, set when the slot is forked (interpreter_in_scratch: once its root is built)."""
 
-    def __init__(self, listener: socket.socket, alive: int, token: int, uid: int | None, mode: str,
-                 max_file_mb: int, cgroups, program: bytes) -> None:
+    def __init__(self, listener: socket.socket, alive: int, token: int, uid: int | None, mode: str, options: dict,
+                 cgroups, program: bytes, report_fd: int, leaving_fd: int) -> None:
         self.listener, self.alive = listener, alive  # the server's socket; EOF on alive: the server is gone
         self.token, self.uid, self.mode = token, uid, mode  # uid: of this slot's calls, None where we are not root
-        self.max_file_mb, self.cgroups, self.program = max_file_mb, cgroups, program  # program: the seccomp filter
+        self.cgroups, self.program = cgroups, program  # program: the seccomp filter
+        self.max_file_mb, self.calls = options["max_file_mb"], options["slot_calls"]  # calls: served before it retires
+        # The server reads report_fd until ready() closes it (empty, or why not); retire() writes to leaving_fd.
+        self.report_fd, self.leaving_fd = report_fd, leaving_fd
         self.interpreter_in_scratch: dict[str, int] = {}  # interpreter folders under a scratch dir (a venv in /tmp): every call binds them back
         self.last_pid: int | None = None  # the PID namespace's counter (/proc/sys/kernel/ns_last_pid), once /proc is ours
         self.proc: int | None = None  # the same /proc without hidepid, for the memory watch: the code's processes, all
-        self.calls = 0  # calls it serves before it retires (local_backend.SLOT_CALLS)
-        self.report_fd: int | None = None  # the server reads this pipe until ready() closes it: empty, or why not
-        self.leaving_fd: int | None = None  # retire() writes the token here: the server forks a new slot
 
     def ready(self) -> None:
         """Its isolation is in place: the server goes on (with the next slot, or its hello)."""

@@ -165,9 +165,8 @@ class Sandbox:
 
 def format_observation(result: ExecResult, style: str = "short", max_chars: int | None = None) -> str:
     """The text the model reads after its code block, in the lab's two renderings (ToRL's own rule: chapter 03's
-    rollout.torl_observation). short (max 256 characters): stdout on success, else the error's last line, which names
-    the exception, what the model needs to fix its code; the frames would eat context and tokens. full (max 2048):
-    stdout, then after a failure stderr, keeping the tail so that the error itself is never cut."""
+    rollout.torl_observation; why: docs/02-sandbox.md). short (max 256 characters): stdout on success, else the error's
+    last line. full (max 2048): stdout, then after a failure stderr, keeping the tail: the error is never cut."""
     if style == "short":
         limit = 256 if max_chars is None else max_chars
         text = result.stdout if result.ok else _last_line(result)
@@ -339,15 +338,13 @@ def main(argv: list[str] | None = None) -> int:
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("-c", dest="code", help="the code to run")
     source.add_argument("file", nargs="?", help="a .py file to run")
-    parser.add_argument("--backend", choices=["local", "docker"], default="local",
-                        help="local (the fork server) or docker (default: %(default)s)")
+    parser.add_argument("--backend", choices=["local", "docker"], default="local", help="default: %(default)s")
     parser.add_argument("--isolation", choices=["namespaces", "plain"], default=SandboxConfig.isolation,
                         help="local backend: namespaces (root's, or a user namespace's when not root) or the weaker plain (default: %(default)s)")
     parser.add_argument("--timeout", type=float, default=SandboxConfig.timeout, help="wall-clock seconds (default: %(default)s)")
     parser.add_argument("--memory-mb", type=int, default=SandboxConfig.memory_mb,
                         help="address-space cap and memory cgroup of the call, in MB (default: %(default)s)")
-    parser.add_argument("--style", choices=["short", "full"], default="short",
-                        help="how the observation is formatted (default: %(default)s)")
+    parser.add_argument("--style", choices=["short", "full"], default="short", help="default: %(default)s")
     args = parser.parse_args(argv)
     if args.file:
         try:

@@ -230,9 +230,8 @@ def unreachable(cfg) -> list[str]:
 
 
 def to_answer(response, url: str, cap: int) -> dict:
-    """A RunCodeResponse as runner.read_answer's dict: anything but Success/Failed with a well-formed run_result is a
-    failed call saying why. A Failed call's `message` is the reason line (the lab's server puts it there). Each stream
-    keeps at most `cap` bytes, head and tail, as the local sandbox's do."""
+    """A RunCodeResponse as runner.read_answer's dict, each stream at most `cap` bytes: anything but Success/Failed
+    with a well-formed run_result is a failed call saying why; a Failed call's `message` is the reason line."""
     response = response if isinstance(response, dict) else {}
     run, status, message = response.get("run_result"), response.get("status"), response.get("message")
     message = message if isinstance(message, str) else None

@@ -373,7 +373,6 @@ class Server:
             print(f"serve.py: request from {incoming.peer} failed: {e!r}", file=sys.stderr)
         finally:
             try:
-                incoming.conn.setblocking(True)
                 incoming.conn.settimeout(self.request_seconds)  # a client that does not read its answer frees the thread
                 incoming.conn.sendall(_http_answer(status, body))
                 self._count(incoming, status, body.get("status") if isinstance(body, dict) else None)
