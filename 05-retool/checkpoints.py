@@ -80,10 +80,7 @@ def _fsync(path: Path) -> None:
 def latest_checkpoint(run_dir: Path) -> dict | None:
     """{"path": folder, "step": N} of the newest complete checkpoint, or None."""
     complete = sorted(p for p in (run_dir / "checkpoints").glob("step-*") if (p / "state.json").exists())
-    if not complete:
-        return None
-    path = complete[-1]
-    return {"path": str(path), **json.loads((path / "state.json").read_text())}
+    return {"path": str(complete[-1]), **json.loads((complete[-1] / "state.json").read_text())} if complete else None
 
 
 def resume_point(run_dir: Path) -> dict | None:

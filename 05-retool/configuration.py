@@ -126,7 +126,6 @@ def parse_with_field_flags(parser: argparse.ArgumentParser, config_class, argv, 
 
 
 def field_flag(name: str) -> str:
-    """A Config field's command-line flag: seed_rollouts -> --seed-rollouts."""
     return "--" + name.replace("_", "-")
 
 
@@ -172,7 +171,7 @@ def config_problems(cfg, world: int | None = None, first_only: bool = False) -> 
     torchrun's). `first_only` skips the checks that import torch (two seconds) once a cheaper one has refused."""
     world = world or int(os.environ.get("WORLD_SIZE", "1"))
     problems = (data_problems(cfg) + policy_problems(cfg) + choice_problems(cfg) + number_problems(cfg, world)
-                + batch_problems(cfg, world) + recipe_problems(cfg))
+                + combination_problems(cfg, world))
     if not (first_only and problems):
         problems += engine_problems(cfg)
     if not problems:  # the slower checks, which need the rest to be right
@@ -229,9 +228,10 @@ def policy_problems(cfg) -> list[str]:
     return problems
 
 
-def batch_problems(cfg, world: int) -> list[str]:
-    """The token budgets against the sampler's context, a step's batch against its mini-batches and the ranks, greedy
-    evaluation against its samples."""
+def combination_problems(cfg, world: int) -> list[str]:
+    """Settings each fine alone but not together: the token budgets against the sampler's context, a step's batch
+    against its mini-batches and the ranks, greedy evaluation against its samples, a recipe that is not the method it
+    seems to be."""
     problems = []
     if cfg.max_response_tokens >= cfg.max_model_len:
         problems.append(f"max_response_tokens ({cfg.max_response_tokens}) leaves no room for the prompt in max_model_len ({cfg.max_model_len})")
@@ -247,6 +247,13 @@ def batch_problems(cfg, world: int) -> list[str]:
     if world > 1 and cfg.problems_per_step % (cfg.num_minibatches * world):
         problems.append(f"problems_per_step ({cfg.problems_per_step}) must split evenly into num_minibatches"
                         f" ({cfg.num_minibatches}) x {world} ranks")
+    if cfg.aggregation == "token-sum" and cfg.scale_advantages:
+        problems.append("aggregation token-sum is Dr. GRPO's objective, which drops the std scaling: set --scale-advantages false")
+    if cfg.tis_cap and not cfg.tis_cap >= 1:
+        problems.append(f"tis_cap {cfg.tis_cap}: a cap below 1 shrinks every token, use 0 (off) or at least 1 (2 is common)")
+    if cfg.tool_budget == 0 and cfg.template not in TEXT_TEMPLATES:
+        problems.append(f"tool_budget 0 with template '{cfg.template}', which asks for programs: no code block would "
+                        f"ever run; pass --tool-budget 1 or more, or a text-only template ({_one_of(TEXT_TEMPLATES)})")
     return problems
 
 
@@ -319,19 +326,6 @@ def number_problems(cfg, world: int) -> list[str]:
         problems.append(f"dynamic_sampling_rounds must be at least 1, got {cfg.dynamic_sampling_rounds}")
     if not 0 < cfg.lr < 1:
         problems.append(f"lr {cfg.lr} is not a learning rate")
-    return problems
-
-
-def recipe_problems(cfg) -> list[str]:
-    """Settings that are each fine but together are not the method they seem to be."""
-    problems = []
-    if cfg.aggregation == "token-sum" and cfg.scale_advantages:
-        problems.append("aggregation token-sum is Dr. GRPO's objective, which drops the std scaling: set --scale-advantages false")
-    if cfg.tis_cap and not cfg.tis_cap >= 1:
-        problems.append(f"tis_cap {cfg.tis_cap}: a cap below 1 shrinks every token, use 0 (off) or at least 1 (2 is common)")
-    if cfg.tool_budget == 0 and cfg.template not in TEXT_TEMPLATES:
-        problems.append(f"tool_budget 0 with template '{cfg.template}', which asks for programs: no code block would "
-                        f"ever run; pass --tool-budget 1 or more, or a text-only template ({_one_of(TEXT_TEMPLATES)})")
     return problems
 
 

@@ -19,7 +19,6 @@ PANELS = [  # (title, metrics.jsonl keys drawn in it), left to right
 
 
 def plot_run(run_dir: Path) -> Path:
-    """plots.png from metrics.jsonl, one panel of PANELS each."""
     import matplotlib
 
     matplotlib.use("Agg")

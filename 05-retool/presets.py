@@ -48,16 +48,13 @@ PRESETS["cpu-chained"] = dict(
 # ToRL-7B: the same script values with Qwen2.5-Math-7B, FSDP2 over the 8 GPUs of one node (make run-05 NPROC=8
 # PRESET=torl-7b): its trainer state fits no single GPU. Memory plan: docs/06-scaling.md.
 PRESETS["torl-7b"] = dict(
-    PRESETS["torl-1.5b"],
-    model="Qwen/Qwen2.5-Math-7B",
-    strategy="fsdp",  # 16 problems (256 trajectories) of each step's 128 per GPU
-    micro_batch_size=8,  # the logits of 8 x 3,472 tokens x 152k vocabulary peak near 17 GB in backward
+    PRESETS["torl-1.5b"], model="Qwen/Qwen2.5-Math-7B",
+    strategy="fsdp",  # 16 problems (256 trajectories) of each step's 128 per GPU; micro-batches of 8, as torl-1.5b's
     gpu_memory_utilization=0.6,  # 48 GB: 15.2 of bf16 weights, about 31 of KV cache (57 KB a token; --dry-run)
 )
 # SimpleTIR-7B (ltzheng/SimpleTIR: its README's 7B training command over train.sh's defaults and recipe/simpletir/).
 PRESETS["simpletir-7b"] = dict(
-    PRESETS["torl-7b"],
-    model="Qwen/Qwen2.5-7B",  # MODEL_NAME=Qwen2.5-7B: the base model, not the Math one; RL from it, no cold start
+    PRESETS["torl-7b"], model="Qwen/Qwen2.5-7B",  # the base model, not the Math one; RL from it, no cold start
     scorer="lab",  # its reward, 1/0 from math-verify; the lab's ±1 gives the same std-scaled advantages
     train_file="data/simpletir/train.parquet",  # its datasets/simplelr_math_35/train + deepscaler/train, in one file
     eval_file="data/simpletir/test.parquet",  # simplelr_math_35/test, deepscaler/aime and aime25, in one file

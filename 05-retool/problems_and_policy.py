@@ -80,9 +80,7 @@ def fit_prompts(train: list[dict], evaluation: list[dict], model_path: str, cfg)
     for name, problems, budget in (("train_file", train, cfg.max_response_tokens),
                                    ("eval_file", evaluation, cfg.eval_max_response_tokens)):
         room = cfg.max_model_len - budget
-        lengths = prompt_lengths(problems, model_path, cfg.template)
-        over = [length for length in lengths if length > room]
-        if over:
+        if over := [length for length in prompt_lengths(problems, model_path, cfg.template) if length > room]:
             raise SystemExit(f"error: {name} {getattr(cfg, name)}: {len(over)} of {len(problems)} prompts are longer "
                              f"than the {room} tokens max_model_len {cfg.max_model_len} leaves beside a response of "
                              f"{budget} (the longest: {max(over)}): pass --max-prompt-tokens {room} to drop them at "
@@ -113,7 +111,6 @@ def drop_long_prompts(problems: list[dict], model_path: str, cfg) -> list[dict]:
 
 
 def trainer_threads(cfg) -> int:
-    """Torch threads for training: cfg.trainer_threads, with -1 meaning every core."""
     return (os.cpu_count() or 1) if cfg.trainer_threads < 0 else cfg.trainer_threads
 
 

@@ -1,9 +1,8 @@
 """The lab's released bases: a tiny model cold-started by the lab's own recipe, shipped in the repository and checked
 by its files' sha256 before any use.
 
-As ToRL starts from a released model, each CPU task starts from one released file: a tiny model's cold start belongs
-to the machine that trains it (docs/06-experiments.md) and takes longer than the RL after it. `make base-05` and
-`make base-06` (06-train/make_base.py) are their recipe; each results file records its release.
+As ToRL starts from a released model, each CPU task starts from one released file (why: docs/06-experiments.md).
+`make base-05` and `make base-06` (06-train/make_base.py) are their recipe; each results file records its release.
 """
 from __future__ import annotations
 

@@ -44,8 +44,7 @@ def figures(run_dir: Path, stretches: list[tuple[int, int]] = ()) -> dict:
                reward_last_5=round(statistics.mean(rewards[-5:]), 2),
                ratio_max_highest=round(max(r["ratio_max"] for r in rows), 3),
                clip_frac_highest=round(max(max(r["clip_low_frac"], r["clip_high_frac"]) for r in rows), 3))
-    later = rows[5:]
-    if later:
+    if later := rows[5:]:
         lowest = min(later, key=lambda r: r["reward_mean"])
         out.update(reward_lowest_after_step_5=round(lowest["reward_mean"], 2), reward_lowest_at_step=lowest["step"])
     out["first_step_reward_0_8"] = next((r["step"] for r in rows if r["reward_mean"] >= 0.8), "never")
@@ -91,7 +90,6 @@ def dilution(rows: list[dict], stretches: list[tuple[int, int]], metrics: Path) 
 
 
 def stretch(text: str) -> tuple[int, int]:
-    """'8-14' -> (8, 14)."""
     first, _, last = text.partition("-")
     if not (first.isdigit() and last.isdigit() and 0 < int(first) <= int(last)):
         raise argparse.ArgumentTypeError(f"{text!r}: steps FIRST-LAST, e.g. 8-14")
