@@ -68,9 +68,8 @@ def without_leading_zeros(code: str) -> str:
 def scripted_calls(question: str, run: Callable[[str], str | None], decide: Callable[[str], bool],
                    budget: int = 4) -> tuple[list[str], str | None]:
     """A scripted policy of taught-shape calls: (the programs it ran, the number it boxes, None if it gives up).
-    `run(code)` gives what the program printed (stripped), or None when it raised. `decide("fix")` says whether to fix
-    an error, `decide("chain")` whether to call again on a printed number with a step left: always True is the
-    multi-call solution, always False the single-call one."""
+    `run(code)`: the printed text, stripped (None if it raised). `decide(what)`: "fix" an error, or "chain" a call
+    on a printed number with a step left? Always True is the multi-call solution, always False the single-call one."""
     reading, steps = parse(question)
     code, step, calls = step_call(question, 0, reading), 0, []
     while len(calls) < budget:

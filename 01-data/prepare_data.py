@@ -77,8 +77,7 @@ def main(argv: list[str] | None = None) -> int:
                 if leaked:
                     dropped["in an evaluation set"] = leaked
             rows = rows[: args.limit] if args.limit else rows  # after every filter, the overlap's included
-            name = "train" if kind == "train" else source_name(source)
-            path = out / f"{name}.jsonl"
+            path = out / f"{'train' if kind == 'train' else source_name(source)}.jsonl"
             write_jsonl(rows, path)
             print(f"{source}: kept {len(rows)} rows -> {path}" + "".join(f"; dropped {n} ({why})" for why, n in dropped.items()))
         except DataError as e:

@@ -17,7 +17,6 @@ from trajectory_view import draw_tokens, render_html
 
 
 # The demo's forced turns: a random tiny model writes this shape only when told to.
-DEMO_QUESTION = "What is 123 * 456?"
 DEMO_TURNS = (
     r"Let me compute it with Python\.\n```python\nprint\(123 \* 456\)\n```\n```output",
     r"The answer is \\boxed\{56088\}\.",
@@ -94,7 +93,7 @@ def _cmd_demo(args) -> None:
 
     llm = make_llm(str(temp_tiny_model()) if args.model is None else args.model, dtype="float32", max_model_len=2048)
     cfg = RolloutConfig(group_size=args.group_size, max_response_tokens=256, force_turns=DEMO_TURNS, seed=0)
-    problems = [{"id": "demo-1", "question": DEMO_QUESTION, "answer": "56088", "source": "demo"}]
+    problems = [{"id": "demo-1", "question": "What is 123 * 456?", "answer": "56088", "source": "demo"}]
     _roll_out_and_save(llm, problems, cfg, args.out, draw=True)
 
 

@@ -51,10 +51,8 @@ def score_answer(
     return _result(answer, correct)
 
 
-def score_batch(
-    texts: list[str], references: list[str], workers: int = 2, timeout: float = DEFAULT_TIMEOUT_S,
-    scorer: str = "lab",
-) -> list[RewardResult]:
+def score_batch(texts: list[str], references: list[str], workers: int = 2, timeout: float = DEFAULT_TIMEOUT_S,
+                scorer: str = "lab") -> list[RewardResult]:
     """Score many responses in `workers` processes, in input order; one pathological answer delays only its worker."""
     if len(texts) != len(references):
         raise ValueError(f"score_batch: {len(texts)} texts but {len(references)} references")
@@ -151,8 +149,7 @@ class _Verifier:
         try:
             self._proc = subprocess.Popen(
                 [sys.executable, str(Path(__file__).resolve()), "--serve-fd", str(theirs.fileno())],
-                pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL,
-            )
+                pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL)
         finally:
             theirs.close()
         self._conn = Connection(ours.detach())
