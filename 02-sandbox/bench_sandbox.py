@@ -192,7 +192,12 @@ class AsUser:
     )
 
     def __init__(self, settings: dict, user: str, python: str = PYTHON) -> None:
-        self.folder = readable_modules()
+        import local_backend
+
+        self.folder = tempfile.mkdtemp(prefix="sbx-modules-")  # the modules a Sandbox needs, readable by every user
+        os.chmod(self.folder, 0o755)
+        for name in (*local_backend._SERVER_MODULES, "local_backend"):
+            os.chmod(shutil.copy(Path(__file__).resolve().parent / f"{name}.py", self.folder), 0o644)
         command = ["runuser", "-u", user, "--", python, "-I"]
         self.proc = subprocess.Popen(command + ["-c", self.WORKER, self.folder, json.dumps(settings)], cwd="/",
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
@@ -252,17 +257,6 @@ class CpuMeter:
                     return
                 except OSError:
                     time.sleep(0.1)
-
-
-def readable_modules() -> str:
-    """A new folder every user may read, holding the modules a Sandbox needs: for a Python run as another user."""
-    import local_backend
-
-    folder = tempfile.mkdtemp(prefix="sbx-modules-")
-    os.chmod(folder, 0o755)
-    for name in (*local_backend._SERVER_MODULES, "local_backend"):
-        os.chmod(shutil.copy(Path(__file__).resolve().parent / f"{name}.py", folder), 0o644)
-    return folder
 
 
 def percentile(sorted_values: list[float], q: float) -> float:

@@ -136,9 +136,8 @@ def interpreter_paths() -> list[str]:
 
 
 def build_root() -> dict[str, int]:
-    """Once per slot, in its new mount namespace (after mount_proc): pivot into a small tmpfs, read-only once built,
-    that holds only the allow list (docs/02-isolation.md). Returns O_PATH descriptors of interpreter folders inside a
-    scratch dir (a venv under /tmp), which every call's fresh scratch binds back."""
+    """Once per slot, after mount_proc: pivot into a small read-only tmpfs holding only the allow list. Returns O_PATH
+    descriptors of interpreter folders inside a scratch dir (a venv under /tmp), which each call's scratch rebinds."""
     system = [p for p in SYSTEM_LIBRARIES if os.path.isdir(p) and not os.path.islink(p)]
     # A system Python's own folders (/usr/lib/python3.11) come with the system libraries.
     binds = [p for p in interpreter_paths() if not any(p == d or _inside(p, d) for d in system)] + system
@@ -195,8 +194,7 @@ def build_root() -> dict[str, int]:
 
 
 def _bind_counters_at_zero(path: str) -> None:
-    """Bind over a /proc file of counters a copy with every number 0 (btime and names such as cpu0 kept), unlinked
-    once bound: no path names it. A file this kernel lacks is left out."""
+    """Bind over a /proc file of counters, where it exists, a copy with every number 0 (btime kept), then unlink it."""
     try:
         lines = Path(path).read_text().splitlines()
     except FileNotFoundError:
@@ -227,9 +225,8 @@ _MOUNTED_SCRATCH: list[str] = []  # this slot's scratch mounts, in the order the
 
 
 def fresh_scratch(max_file_mb: int, interpreter_in_scratch: dict[str, int], uid: int | None) -> str:
-    """Per call: one empty tmpfs behind every scratch dir (the previous call's detached), a work dir for uid. One, so
-    that all the code's files together hold at most 4 x max_file_mb; mounted on /tmp, a folder of it bound over each
-    scratch dir, /tmp's last: the tmpfs's own root stays hidden."""
+    """Per call: one empty tmpfs of 4 x max_file_mb (the previous call's detached) on /tmp, a folder of it bound over
+    each scratch dir, /tmp's last so that the tmpfs's own root stays hidden; and a work dir for uid."""
     while _MOUNTED_SCRATCH:
         umount(_MOUNTED_SCRATCH.pop())
     below = SCRATCH_DIRS[0]
@@ -337,7 +334,6 @@ class CallGroup:
             _write(both, "pids.max", str(max_processes))
         for fd in self.dirs:
             _write(fd, "cgroup.procs", "0")  # 0: the writing process itself
-        for fd in self.dirs:
             os.close(fd)
 
     TICK = 0.01  # seconds between two looks at the call's OOM kills

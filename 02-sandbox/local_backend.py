@@ -116,12 +116,7 @@ class _Server:
             self._proc.stdin.write(json.dumps({"modules": modules, "options": options}).encode() + b"\n")
             self._proc.stdin.flush()
         except OSError as e:  # no such interpreter, or one that exited at once: a refusal leaves nothing behind
-            if getattr(self, "_proc", None) is not None:
-                self._proc.kill()
-                self._proc.communicate()
-            self._log.close()
-            os.close(self._folder_fd)
-            shutil.rmtree(self.folder, ignore_errors=True)
+            _stop_server(getattr(self, "_proc", None), self.folder, self._folder_fd, self._log, [])
             raise self._error(f"cannot start the fork server with {cfg.python}: {e}") from None
         self.isolation = ""
         self.cgroups: list[str] = []
@@ -181,14 +176,15 @@ class _Server:
         self._finalizer()
 
 
-def _stop_server(proc: subprocess.Popen, folder: str, folder_fd: int, log, cgroups: list[str]) -> None:
-    try:
-        proc.stdin.close()
-        proc.wait(timeout=5)
-    except (OSError, subprocess.TimeoutExpired):
-        proc.kill()
-        proc.wait()
-    proc.stdout.close()
+def _stop_server(proc: subprocess.Popen | None, folder: str, folder_fd: int, log, cgroups: list[str]) -> None:
+    if proc is not None:  # (None: it never started)
+        try:
+            proc.stdin.close()
+            proc.wait(timeout=5)
+        except (OSError, subprocess.TimeoutExpired):
+            proc.kill()
+            proc.wait()
+        proc.stdout.close()
     log.close()
     os.close(folder_fd)
     shutil.rmtree(folder, ignore_errors=True)
