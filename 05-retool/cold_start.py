@@ -230,8 +230,7 @@ def guess(product: int, rng: random.Random) -> int:
 
 def tokenize_trace(trace: dict, tokenizer) -> tuple[list[int], list[int]]:
     """Token ids and a loss mask: each segment tokenized on its own, as a rollout appends them. A "move" segment is
-    the model's, less its first token: which text begins there (a call or an answer) is the decision, and a drill
-    does not teach it."""
+    the model's, less its first token: that token is the decision, which a drill does not teach."""
     ids, mask = [], []
     for kind, text in trace["segments"]:
         segment_ids = encode_plain(tokenizer, text) if kind == "observation" else tokenizer(text, add_special_tokens=False)["input_ids"]

@@ -345,8 +345,7 @@ def engine_problems(cfg) -> list[str]:
 
 
 def kv_cache_problem(gib: float) -> str | None:
-    """Why vLLM's CPU engine could not reserve a KV cache of `gib` GiB (or VLLM_CPU_KVCACHE_SPACE) of the host's
-    available memory now, as it asks at its start; None if it can."""
+    """Why vLLM's CPU engine could not reserve `gib` GiB of KV cache (or VLLM_CPU_KVCACHE_SPACE) now; None if it can."""
     setting = "--cpu-kv-cache-gib"
     if os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
         setting, gib = "VLLM_CPU_KVCACHE_SPACE", float(os.environ["VLLM_CPU_KVCACHE_SPACE"])
@@ -415,8 +414,7 @@ def check_preload(sandbox, cfg) -> None:
     from lab_cli import comma_list
 
     modules = [] if cfg.sandbox_backend == "sandboxfusion" else list(comma_list(cfg.sandbox_preload))  # it preloads none
-    result = sandbox.run(f"import sys\nprint(*[m for m in {modules!r} if m not in sys.modules])")
-    if missing := result.stdout.split():
+    if missing := sandbox.run(f"import sys\nprint(*[m for m in {modules!r} if m not in sys.modules])").stdout.split():
         sandbox.close()
         raise SystemExit(f"error: sandbox_preload: {', '.join(missing)} cannot be imported by the sandbox's Python "
                          f"({sandbox.config.python if cfg.sandbox_backend == 'local' else 'in its image'}): install "

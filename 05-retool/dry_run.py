@@ -67,8 +67,7 @@ def fill_plan_defaults(args) -> None:
     """The one rule for --plan-gpus when it is not given: PLAN_GPUS by the kind of `args.preset`."""
     from presets import GPU_PRESETS
 
-    if args.plan_gpus is None:
-        args.plan_gpus = PLAN_GPUS["gpu" if args.preset in GPU_PRESETS else "demo"]
+    args.plan_gpus = args.plan_gpus or PLAN_GPUS["gpu" if args.preset in GPU_PRESETS else "demo"]
 
 
 @dataclass

@@ -83,17 +83,16 @@ def sample_scored(llm, problems: list[dict], sandbox, k: int = 1, mode: str = "t
 
 def summarise(samples: list[dict], k: int) -> dict:
     outcomes = defaultdict(list)  # problem id -> right or wrong, one per sample
-    for sample in samples:
-        outcomes[sample["problem_id"]].append(sample["correct"])
-    calls = [ok for sample in samples for ok in sample["code_ok"]]
-    out = {"problems": len(outcomes), "samples": len(samples),
-           f"avg@{k}": mean([sample["correct"] for sample in samples])}
+    for s in samples:
+        outcomes[s["problem_id"]].append(s["correct"])
+    calls = [ok for s in samples for ok in s["code_ok"]]
+    out = {"problems": len(outcomes), "samples": len(samples), f"avg@{k}": mean([s["correct"] for s in samples])}
     for j in sorted({2**i for i in range(k.bit_length())} | {k}):  # 1, 2, 4, ... up to k, and k itself
         out[f"pass@{j}"] = mean([pass_at_k(len(o), sum(o), j) for o in outcomes.values()])
-    return {**out, "format_rate": mean([sample["valid_format"] for sample in samples]),
-            "code_ratio": mean([sample["tool_calls"] > 0 for sample in samples]), "code_pass_ratio": mean(calls),
-            "tool_calls": mean([sample["tool_calls"] for sample in samples]),
-            "response_length": mean([sample["response_tokens"] for sample in samples])}
+    return {**out, "format_rate": mean([s["valid_format"] for s in samples]),
+            "code_ratio": mean([s["tool_calls"] > 0 for s in samples]), "code_pass_ratio": mean(calls),
+            "tool_calls": mean([s["tool_calls"] for s in samples]),
+            "response_length": mean([s["response_tokens"] for s in samples])}
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:

