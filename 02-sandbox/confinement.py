@@ -427,8 +427,8 @@ class MemoryWatch:
         pass
 
 
-# (file, fields): anonymous memory, private or shared (MAP_SHARED, /dev/zero), resident or swapped; status counts each
-# page whole, smaps_rollup the process's share of it
+# (file, fields) of anonymous memory, private or shared, resident or swapped: status counts pages whole, smaps_rollup
+# the process's share of each
 _RESIDENT = ("status", ("RssAnon", "RssShmem", "VmSwap"))
 _PROPORTIONAL = ("smaps_rollup", ("Pss_Anon", "Pss_Shmem", "SwapPss"))
 # Kernel memory a cgroup charges and no page shows, kB per unit of a status field: page tables, stacks, descriptor slots
@@ -622,9 +622,8 @@ def _find_cgroups() -> tuple[int, list[str]]:
 
 # -------------------------------------- Seccomp: a small BPF program, installed through prctl in the code's own process
 
-# The calls the filter allows, what the lab's workloads call, with their numbers, name=(x86_64, aarch64) of
-# asm/unistd_64.h and asm-generic/unistd.h (None: the machine lacks it); every other call fails. Grouped as Docker's
-# default profile groups them: docs/02-isolation.md compares the two row by row.
+# The calls the filter allows, what the lab's workloads call, name=(x86_64, aarch64) of asm/unistd_64.h and
+# asm-generic/unistd.h (None: the machine lacks it), grouped as docs/02-isolation.md compares them with Docker's.
 _ALLOWED = dict(
     # files and descriptors: the scratch tmpfs, the read-only root, pipes
     read=(0, 63), write=(1, 64), readv=(19, 65), writev=(20, 66), pread64=(17, 67), pwrite64=(18, 68), preadv=(295, 69),
@@ -670,8 +669,8 @@ _CGROUP_ONLY = dict(
     shmdt=(67, 197), shmctl=(31, 195), semget=(64, 190), semop=(65, 193), semtimedop=(220, 192), semctl=(66, 191),
     msgget=(68, 186), msgsnd=(69, 189), msgrcv=(70, 188), msgctl=(71, 187),
 )
-# Answered 0 without reaching the kernel: a sync slows every writer of the machine's disk; a lock on the files every
-# slot binds carries bits between calls (sqlite3 and lockf in one call need only the answer).
+# Answered 0 without reaching the kernel: a sync reaches the machine's disk; a lock on files every slot binds carries
+# bits between calls (sqlite3 and lockf in one call need only the answer).
 _NO_EFFECT = dict(
     fsync=(74, 82), fdatasync=(75, 83), sync=(162, 81), syncfs=(306, 267), sync_file_range=(277, 84), msync=(26, 227),
     flock=(73, 32),
@@ -683,8 +682,7 @@ _NO_XATTRS = dict(
     lremovexattr=(198, 15), fremovexattr=(199, 16),
 )
 ALLOWED, CGROUP_ONLY, NO_EFFECT, NO_XATTRS = (tuple(d) for d in (_ALLOWED, _CGROUP_ONLY, _NO_EFFECT, _NO_XATTRS))
-# Calls allowed by an argument. fcntl: these; record locks answered 0, as flock; the rest (leases, dnotify, F_SETSIG's
-# real-time signals, F_SETPIPE_SZ's larger pipes, F_SETOWN) EPERM.
+# Calls allowed by an argument. fcntl: these; record locks answered 0, as flock; the rest EPERM (docs/02-isolation.md).
 FCNTL_ALLOWED = {"F_DUPFD": 0, "F_GETFD": 1, "F_SETFD": 2, "F_GETFL": 3, "F_SETFL": 4, "F_DUPFD_CLOEXEC": 1030,
                  "F_GETPIPE_SZ": 1032, "F_ADD_SEALS": 1033, "F_GET_SEALS": 1034}
 FCNTL_LOCKS = {"F_GETLK": 5, "F_SETLK": 6, "F_SETLKW": 7, "F_OFD_GETLK": 36, "F_OFD_SETLK": 37, "F_OFD_SETLKW": 38}
@@ -692,8 +690,7 @@ FCNTL_LOCKS = {"F_GETLK": 5, "F_SETLK": 6, "F_SETLKW": 7, "F_OFD_GETLK": 36, "F_
 # as on a file that has no such request (CPython's os.set_inheritable uses FIOCLEX, and fails on EPERM)
 IOCTL_ALLOWED = {"TCGETS": 0x5401, "TIOCGPGRP": 0x540F, "TIOCGWINSZ": 0x5413, "FIONREAD": 0x541B, "FIONBIO": 0x5421,
                  "FIONCLEX": 0x5450, "FIOCLEX": 0x5451}
-# prctl: these options, of the process itself; any other fails with EINVAL, as an option the kernel does not know
-# (PR_FUTEX_HASH: a futex hash table of a size the code picks, kernel memory no cgroup charges unprivileged)
+# prctl: these options, of the process itself; any other EINVAL, as an option the kernel does not know (PR_FUTEX_HASH)
 PRCTL_ALLOWED = {"PR_SET_PDEATHSIG": 1, "PR_GET_PDEATHSIG": 2, "PR_GET_DUMPABLE": 3, "PR_SET_DUMPABLE": 4,
                  "PR_SET_NAME": 15, "PR_GET_NAME": 16, "PR_GET_SECCOMP": 21, "PR_SET_NO_NEW_PRIVS": 38,
                  "PR_GET_NO_NEW_PRIVS": 39}
@@ -703,26 +700,21 @@ MADVISE_ALLOWED = {"MADV_NORMAL": 0, "MADV_RANDOM": 1, "MADV_SEQUENTIAL": 2, "MA
                    "MADV_FREE": 8, "MADV_REMOVE": 9, "MADV_DONTFORK": 10, "MADV_DOFORK": 11, "MADV_HUGEPAGE": 14,
                    "MADV_NOHUGEPAGE": 15, "MADV_DONTDUMP": 16, "MADV_DODUMP": 17, "MADV_WIPEONFORK": 18,
                    "MADV_KEEPONFORK": 19, "MADV_POPULATE_READ": 22, "MADV_POPULATE_WRITE": 23}
-# posix_fadvise: these hints; any other (POSIX_FADV_DONTNEED drops a shared file's pages from the page cache, which a
-# later call's reads then count) is answered 0 and ignored, as a kernel may ignore any hint
+# posix_fadvise: these hints; any other is answered 0 and ignored, as any hint may be (DONTNEED evicts shared pages)
 FADVISE_ALLOWED = {"POSIX_FADV_NORMAL": 0, "POSIX_FADV_RANDOM": 1, "POSIX_FADV_SEQUENTIAL": 2,
                    "POSIX_FADV_WILLNEED": 3, "POSIX_FADV_NOREUSE": 5}
-# Allowed on the calling process only (each listed argument 0). The kernel lets a process change these of any process
-# of its uid, and unprivileged the code and its slot are one uid: the slot would pass them to every later call.
+# Allowed on the calling process only (each listed argument 0): the slot, of the same uid, would pass them on.
 SELF_ONLY = {"prlimit64": (0,), "setpriority": (0, 1), "sched_setaffinity": (0,), "sched_setscheduler": (0,),
              "sched_setparam": (0,), "sched_setattr": (0,)}
-# Calls that send a signal, and which argument is its number: real-time ones (32 and up) are denied, because the kernel
-# queues them past RLIMIT_SIGPENDING on a per-user count all calls share (a standard one is pending once a thread).
+# Calls that send a signal, and which argument is its number: real-time ones (32 and up) queue past every limit.
 SIGNAL_SENDERS = {"kill": 1, "tkill": 1, "tgkill": 2, "rt_sigqueueinfo": 1, "rt_tgsigqueueinfo": 2}
 _REALTIME = 32
-# No socket (IP families fail as without a network): its kernel memory no cgroup counts in full, it moves the machine's
-# counts (cookies, sockstat), and AF_VSOCK reaches the hypervisor whatever the namespace. Math code needs none.
+# No socket, IP families failing as without a network (why: docs/02-isolation.md). Math code needs none.
 NETWORK_FAMILIES = {"AF_INET": 2, "AF_INET6": 10}
 # preadv2 and pwritev2 with RWF_NOWAIT (EOPNOTSUPP): EAGAIN tells a page the cache lacks from one it holds
 RWF_NOWAIT = 8
 CLONE_PIDFD = 0x1000  # a pidfd from clone: its inode number is a counter of the machine
-# The newest call the list was judged against (file_setattr, Linux 6.17, on both machines): a newer one gets ENOSYS,
-# as a kernel without it answers, so the C library falls back.
+# The newest call the list was judged against (file_setattr, Linux 6.17): a newer one gets ENOSYS, so libc falls back.
 NEWEST = 469
 # The numbers of the calls judged by an argument, and of others build_root and the tests make (each fails as unlisted)
 _NUMBERS = dict(

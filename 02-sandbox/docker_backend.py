@@ -95,9 +95,8 @@ class DockerBackend:
         host_config = api.create_host_config(
             network_mode="none", mem_limit=memory, memswap_limit=memory, nano_cpus=int(cfg.docker_cpus * 1e9),
             pids_limit=cfg.max_processes + 8,  # the runner's own processes on top of the code's
-            read_only=True, tmpfs={"/tmp": f"size={4 * cfg.max_file_mb}m,mode=1777"},
-            cap_drop=["ALL"], security_opt=["no-new-privileges"],
-            auto_remove=True,  # a container whose runner gave up waiting removes itself
+            read_only=True, tmpfs={"/tmp": f"size={4 * cfg.max_file_mb}m,mode=1777"}, cap_drop=["ALL"],
+            security_opt=["no-new-privileges"], auto_remove=True,  # one whose runner gave up waiting removes itself
             log_config={"type": "none"},  # the answer comes over the attach stream, nothing to keep
         )
         options = json.dumps({"preload": list(cfg.preload), "seccomp": self._filter})

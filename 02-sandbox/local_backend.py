@@ -118,8 +118,7 @@ class _Server:
         except OSError as e:  # no such interpreter, or one that exited at once: a refusal leaves nothing behind
             _stop_server(getattr(self, "_proc", None), self.folder, self._folder_fd, self._log, [])
             raise self._error(f"cannot start the fork server with {cfg.python}: {e}") from None
-        self.isolation = ""
-        self.cgroups: list[str] = []
+        self.isolation, self.cgroups = "", []  # what the server's hello says (wait_ready)
         # Stops the server when the Sandbox is dropped without close(), or at exit.
         self._finalizer = weakref.finalize(self, _stop_server, self._proc, self.folder, self._folder_fd, self._log, self.cgroups)
 

@@ -42,8 +42,7 @@ def clean_env() -> dict:
             "PYTHONDONTWRITEBYTECODE": "1", "MALLOC_ARENA_MAX": str(MALLOC_ARENAS)}
 
 
-# glibc reserves 64 MB of address space for each thread's malloc arena, which RLIMIT_AS counts (docs/02-sandbox.md);
-# the code's interpreter gets the cap by mallopt (forked, its malloc long set up), what it starts by the environment.
+# Malloc arenas (why: docs/02-sandbox.md): the code's forked interpreter is capped by mallopt, what it starts by env.
 MALLOC_ARENAS = 2
 _M_ARENA_MAX = -8  # mallopt's parameter, malloc.h
 
@@ -61,8 +60,7 @@ class CallFiles:
     """One call's files: stdout and stderr as memory files, and the pipe that takes _LIMITS to the supervisor."""
 
     def __init__(self) -> None:
-        self.out = os.memfd_create("stdout")
-        self.err = os.memfd_create("stderr")
+        self.out, self.err = os.memfd_create("stdout"), os.memfd_create("stderr")
         self.limits_r, self.limits_w = os.pipe()
 
 

@@ -269,9 +269,8 @@ def enter_slot(slot) -> None:
 
 
 def serve_call(slot, call_index: int) -> bool:
-    """Steps 2 to 7 for one call, in order; False when the server went away before a call came.
-    slot: a fork_server.Slot (mode, the calls' uid, cgroups, seccomp program, listener).
-    call_index: how many calls this slot served before; it names the call's cgroup."""
+    """Steps 2 to 7 for one call, in order; False when the server went away before a call came. slot: a
+    fork_server.Slot (mode, the calls' uid, cgroups, seccomp program, listener); call_index names the call's cgroup."""
     # Step 2, namespaces, and the call's part of step 3, limits: made before the call arrives, out of its latency.
     if slot.mode != "plain":
         confinement.unshare(confinement.CLONE_NEWNET | confinement.CLONE_NEWIPC)  # no interface up, no IPC of an earlier call

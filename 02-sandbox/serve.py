@@ -98,8 +98,7 @@ def _sandbox_error(message: str) -> dict:
             "executor_pod_name": os.environ.get("MY_POD_NAME"), "files": {}}
 
 
-# Runs inside the sandbox before the code, with its privileges: stdin becomes sys.stdin, files go to the work dir;
-# then the code runs as `python -c` runs it, its traceback showing only its own frames.
+# Runs in the sandbox before the code: stdin becomes sys.stdin, files go to the work dir, then the code as `python -c`.
 _PROLOGUE = """\
 def _run(stdin, files, code):
     import base64, io, linecache, os, sys, traceback
