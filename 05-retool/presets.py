@@ -16,17 +16,15 @@ PRESETS: dict[str, dict] = {
         steps=67_200,  # total_epochs=300 of 224 steps (28,740 problems // 128); stop it when the curves flatten
         problems_per_step=128, group_size=16, max_response_tokens=3072, max_model_len=3472, tool_budget=1,
         temperature=1.0, lr=1e-6, num_minibatches=1, micro_batch_size=8, eps_low=0.2, eps_high=0.2,
-        scale_advantages=True, gradient_checkpointing=True, save_every=20,
+        scale_advantages=True, gradient_checkpointing=True, save_every=20, dtype="bfloat16",
         eval_every=4, eval_problems=0, eval_k=1, eval_temperature=0.0, eval_max_response_tokens=3072,
         gpu_memory_utilization=0.5,  # vLLM's share while the trainer's weights and AdamW state stay on the GPU
         enforce_eager=False,  # compiled, with CUDA graphs, as verl's vLLM runs: thousands of decode steps repay it
-        dtype="bfloat16",
     ),
     # A real pretrained model on the CPU learns to hand word problems to Python. Why each setting: docs/05-smollm2.md.
     "smollm2": dict(
-        model="HuggingFaceTB/SmolLM2-135M-Instruct",
-        cold_start="finetune", cold_start_steps=60, cold_start_tool_only_steps=20, cold_start_tool_fraction=0.4,
-        cold_start_lr=1e-4, cold_start_batch_size=8,
+        model="HuggingFaceTB/SmolLM2-135M-Instruct", cold_start="finetune", cold_start_steps=60,
+        cold_start_tool_only_steps=20, cold_start_tool_fraction=0.4, cold_start_lr=1e-4, cold_start_batch_size=8,
         train_file="data/word_train.jsonl", eval_file="data/word_test.jsonl", template="smollm2-chat",
         steps=10, problems_per_step=8, group_size=8, max_response_tokens=64, max_model_len=256,
         lr=2e-5, num_minibatches=2, micro_batch_size=16, train_layers=8, trainer_threads=-1,
