@@ -158,20 +158,17 @@ class Baseline:
         pass
 
 
-class Service:
+class Service(Sandbox):
     """serve.py in a process of its own, called by the sandboxfusion backend: the fork server plus HTTP."""
 
     def __init__(self, config: SandboxConfig) -> None:
         import serve
 
         self.proc, url = serve.start_process("--concurrency", str(config.concurrency))
-        self.client = Sandbox(SandboxConfig(backend="sandboxfusion", urls=(url,), concurrency=config.concurrency))
-
-    def run_many(self, codes: list[str]) -> list:
-        return self.client.run_many(codes)
+        super().__init__(SandboxConfig(backend="sandboxfusion", urls=(url,), concurrency=config.concurrency))
 
     def close(self) -> None:
-        self.client.close()
+        super().close()
         self.proc.terminate()
         self.proc.communicate(timeout=60)
 

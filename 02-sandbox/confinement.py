@@ -131,8 +131,7 @@ def interpreter_paths() -> list[str]:
     if sysconfig.get_config_var("Py_ENABLE_SHARED") and os.path.isfile(library):
         paths.update({library, os.path.realpath(library)})
     real = sorted({os.path.realpath(p) for p in paths if p and os.path.exists(p)})
-    # A path inside another kept path comes with it.
-    return [p for p in real if not any(_inside(p, q) for q in real)]
+    return [p for p in real if not any(_inside(p, q) for q in real)]  # a path inside another comes with it
 
 
 def build_root() -> dict[str, int]:

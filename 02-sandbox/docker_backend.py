@@ -36,8 +36,7 @@ class DockerBackend:
             self._client.images.get(cfg.image)
         except docker.errors.ImageNotFound:
             raise error(f"Docker image {cfg.image} not found: build it with 02-sandbox/build_image.sh") from None
-        # The runner travels as `python3 -c` (one argument may hold 128 KiB).
-        self._source = Path(runner.__file__).read_text()
+        self._source = Path(runner.__file__).read_text()  # sent as `python3 -c`: one argument may hold 128 KiB
         # The local backend's filter on top of Docker's profile, which allows sockets (why: docs/02-isolation.md).
         try:
             self._filter = confinement.seccomp_program().hex()
@@ -62,8 +61,7 @@ class DockerBackend:
         deadline = request["timeout"] + runner.ANSWER_GRACE
         try:
             return self._exchange(container, request, deadline)
-        except self._docker.errors.APIError:
-            # A warm container can be gone (it gave up waiting, or was killed): use a new one.
+        except self._docker.errors.APIError:  # a warm container can be gone (it gave up waiting, or was killed)
             self._chore(self._remove, container)
             container = self._start()
             return self._exchange(container, request, deadline)
@@ -90,8 +88,7 @@ class DockerBackend:
     def _start(self):
         """Create and start one container whose runner waits for a request on stdin."""
         cfg, api = self._cfg, self._client.api
-        # The code's cap is RLIMIT_AS (memory_mb); the container adds the runner's 64 MB and its tmpfs, no swap.
-        memory = f"{cfg.memory_mb + 4 * cfg.max_file_mb + 64}m"
+        memory = f"{cfg.memory_mb + 4 * cfg.max_file_mb + 64}m"  # the code's RLIMIT_AS, its tmpfs, the runner; no swap
         host_config = api.create_host_config(
             network_mode="none", mem_limit=memory, memswap_limit=memory, nano_cpus=int(cfg.docker_cpus * 1e9),
             pids_limit=cfg.max_processes + 8,  # the runner's own processes on top of the code's

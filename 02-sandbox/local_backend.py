@@ -61,8 +61,7 @@ class LocalBackend:
         server = self._ready_server()
         try:
             return server.call(request)
-        except (ConnectionRefusedError, FileNotFoundError):
-            # The server died (killed from outside): start a new one and try once more.
+        except (ConnectionRefusedError, FileNotFoundError):  # the server died (killed from outside): a new one, once
             return self._ready_server(replace=server).call(request)
 
     def isolation(self) -> str:
@@ -98,9 +97,8 @@ class _Server:
             where = f" {e.filename}" if e.filename else ""
             raise error(f"cannot make the fork server's folder{where}: {e.strerror or e} "
                         "(set TMPDIR to a writable folder)") from None
-        # Named through its folder's descriptor: an AF_UNIX path holds at most 107 bytes, which a deep TMPDIR passes.
         self._folder_fd = os.open(self.folder, os.O_PATH | os.O_DIRECTORY)
-        self.socket_path = f"/proc/self/fd/{self._folder_fd}/socket"
+        self.socket_path = f"/proc/self/fd/{self._folder_fd}/socket"  # AF_UNIX takes 107 bytes: short, however deep
         self._log = open(os.path.join(self.folder, "server.log"), "wb")
         options = {"folder": self.folder, "preload": list(cfg.preload), "isolation": cfg.isolation,
                    "spares": cfg.concurrency,  # supervisors kept running: one per concurrent call

@@ -373,8 +373,7 @@ def prctl(option: int, value: int, pointer=None, what: str = "prctl") -> None:
 def _exec(source: str) -> int:
     """Run the code as `python -c` would and return its exit status."""
     name = "<string>"
-    # Registering the source lets tracebacks show the offending line, as from a file.
-    linecache.cache[name] = (len(source), None, source.splitlines(True), name)
+    linecache.cache[name] = (len(source), None, source.splitlines(True), name)  # tracebacks show lines, as of a file
     main = types.ModuleType("__main__")
     main.__builtins__ = builtins
     sys.modules["__main__"] = main
@@ -386,8 +385,7 @@ def _exec(source: str) -> int:
             print(e.code, file=sys.stderr)
         status = e.code & 0xFF if isinstance(e.code, int) else int(e.code is not None)
     except BaseException as e:
-        # Skip this function's own frame: the model should see only its code's frames.
-        traceback.print_exception(type(e), e, e.__traceback__.tb_next)
+        traceback.print_exception(type(e), e, e.__traceback__.tb_next)  # only the code's frames, not this one
         status = 1
     try:
         for thread in threading.enumerate():  # the interpreter waits for non-daemon threads at exit
@@ -407,8 +405,7 @@ def _fresh_interpreter_state() -> None:
     sys.stdout = sys.__stdout__ = _io_text(1, "w")
     sys.stderr = sys.__stderr__ = _io_text(2, "w")
     sys.argv = ["-c"]
-    # Like `python -c`: the work dir first; folders that do not exist for the code are dropped.
-    sys.path[:] = [""] + [p for p in sys.path[1:] if os.path.isdir(p)]
+    sys.path[:] = [""] + [p for p in sys.path[1:] if os.path.isdir(p)]  # as `python -c`: the work dir first
     import random
 
     random.seed()

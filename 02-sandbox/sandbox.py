@@ -107,9 +107,8 @@ class SandboxError(RuntimeError):
 
 
 class Sandbox:
-    """Runs code in fresh, contained processes. Thread-safe; also a context manager.
-    A backend has four methods: execute(request) -> answer dict, ready() (waits until
-    calls can run), isolation() ("namespaces", "userns", "plain", "container" or "remote") and close()."""
+    """Runs code in fresh, contained processes. Thread-safe; also a context manager. A backend has four methods:
+    execute(request) -> answer dict, ready() (waits until calls can run), isolation() and close()."""
 
     def __init__(self, config: SandboxConfig | None = None) -> None:
         self.config = config or SandboxConfig()
@@ -345,13 +344,12 @@ def main(argv: list[str] | None = None) -> int:
                         help="address-space cap and memory cgroup of the call, in MB (default: %(default)s)")
     parser.add_argument("--style", choices=["short", "full"], default="short", help="default: %(default)s")
     args = parser.parse_args(argv)
+    code = args.code
     if args.file:
         try:
             code = Path(args.file).read_text()
         except OSError as e:
             parser.error(f"cannot read {args.file}: {e.strerror}")
-    else:
-        code = args.code
     try:
         config = SandboxConfig(backend=args.backend, isolation=args.isolation, timeout=args.timeout, memory_mb=args.memory_mb)
         with Sandbox(config) as sb:

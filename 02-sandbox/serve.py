@@ -418,11 +418,6 @@ class Server:
             print(f"{incoming.peer} {printable(incoming.method or '-')} {printable(incoming.path or '-')} {status}",
                   file=sys.stderr, flush=True)
 
-    @property
-    def url(self) -> str:
-        host, port = self.server_address[:2]
-        return f"http://{f'[{host}]' if ':' in host else host}:{port}"
-
 
 class _Incoming:
     """A connection whose request is arriving: phase head, then body (or answer), or drain after a refusal."""
@@ -556,7 +551,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     signal.signal(signal.SIGTERM, lambda signum, frame: server.shutdown())
     signal.signal(signal.SIGINT, lambda signum, frame: server.shutdown())
-    print(f"serving SandboxFusion's run_code on {server.url}/run_code ({sandbox.isolation}, {args.concurrency} at once, "
+    host, port = server.server_address[:2]
+    url = f"http://{f'[{host}]' if ':' in host else host}:{port}"
+    print(f"serving SandboxFusion's run_code on {url}/run_code ({sandbox.isolation}, {args.concurrency} at once, "
           f"{'token required' if args.token else 'no token: loopback only'})", flush=True)
     started = time.monotonic()
     server.serve_forever()
