@@ -513,8 +513,7 @@ def _task_paths(proc: int, pid: str, name: str):
         yield f"{pid}/task/{tid}/{name}"
 
 
-# The fields the watch reads of status and smaps_rollup: numbers only, never a name
-_WATCHED = (*_RESIDENT[1], *_PROPORTIONAL[1], *_KERNEL_KB, "PPid", "VmSize")
+_WATCHED = (*_RESIDENT[1], *_PROPORTIONAL[1], *_KERNEL_KB, "PPid", "VmSize")  # numbers only, never a name
 
 
 def _numbers(proc: int, path: str) -> dict[str, int]:
@@ -736,7 +735,7 @@ SYSCALLS = _TABLES.get(platform.machine(), {})
 NAMESPACE_FLAGS = CLONE_NEWNS | CLONE_NEWCGROUP | CLONE_NEWUTS | CLONE_NEWIPC | CLONE_NEWUSER | CLONE_NEWPID | CLONE_NEWNET
 
 _RET_KILL_PROCESS, _RET_ERRNO, _RET_ALLOW = 0x80000000, 0x00050000, 0x7FFF0000
-_NO_EFFECT = _RET_ERRNO | 0  # the call is not made, and returns 0
+_RET_ZERO = _RET_ERRNO | 0  # the call is not made, and returns 0
 _EPERM, _EINVAL, _ENOTTY, _ENOSYS, _EOPNOTSUPP, _EAFNOSUPPORT, _ENETUNREACH = 1, 22, 25, 38, 95, 97, 101
 _LD_ABS, _JEQ, _JGE, _JSET, _RET = 0x20, 0x15, 0x35, 0x45, 0x06  # BPF_LD|W|ABS, BPF_JMP|{JEQ,JGE,JSET}|K, BPF_RET|K
 _NR, _ARCH, _ARGS = 0, 4, (16, 24, 32, 40, 48, 56)  # offsets in struct seccomp_data (arguments' low 32 bits: little-endian)
@@ -759,12 +758,12 @@ def seccomp_program(cgroup: bool = True) -> bytes:
         program += [(_JGE, 0, 1, 0x40000000), (_RET, 0, 0, _RET_ERRNO | _EPERM)]  # the x32 ABI's numbers
     program += [(_JGE, 0, 1, NEWEST + 1), (_RET, 0, 0, _RET_ERRNO | _ENOSYS)]  # newer than the list
     allow = [(_JEQ, value, _RET_ALLOW) for value in FCNTL_ALLOWED.values()]
-    program += _by_argument(table["fcntl"], _ARGS[1], allow + [(_JEQ, command, _NO_EFFECT) for command in FCNTL_LOCKS.values()],
-                            _RET_ERRNO | _EPERM)
+    locks = [(_JEQ, command, _RET_ZERO) for command in FCNTL_LOCKS.values()]
+    program += _by_argument(table["fcntl"], _ARGS[1], allow + locks, _RET_ERRNO | _EPERM)
     for name, argument, allowed, otherwise in (("ioctl", 1, IOCTL_ALLOWED, _RET_ERRNO | _ENOTTY),
                                                ("prctl", 0, PRCTL_ALLOWED, _RET_ERRNO | _EINVAL),
                                                ("madvise", 2, MADVISE_ALLOWED, _RET_ERRNO | _EINVAL),
-                                               ("fadvise64", 3, FADVISE_ALLOWED, _NO_EFFECT)):
+                                               ("fadvise64", 3, FADVISE_ALLOWED, _RET_ZERO)):
         program += _by_argument(table[name], _ARGS[argument], [(_JEQ, value, _RET_ALLOW) for value in allowed.values()],
                                 otherwise)
     program += _by_argument(table["socket"], _ARGS[0], [(_JEQ, family, _RET_ERRNO | _ENETUNREACH)
@@ -781,7 +780,7 @@ def seccomp_program(cgroup: bool = True) -> bytes:
         program += _by_argument(table[name], _ARGS[argument], [(_JGE, _REALTIME, _RET_ERRNO | _EPERM)], _RET_ALLOW)
     for name, arguments in SELF_ONLY.items():
         program += _self_only(table[name], arguments)
-    for names, result in ((NO_EFFECT, _NO_EFFECT), (NO_XATTRS, _RET_ERRNO | _EOPNOTSUPP),
+    for names, result in ((NO_EFFECT, _RET_ZERO), (NO_XATTRS, _RET_ERRNO | _EOPNOTSUPP),
                           (ALLOWED + (CGROUP_ONLY if cgroup else ()), _RET_ALLOW)):
         for name in names:
             if name in table:  # (aarch64 lacks the older calls: open, stat, fork, ...)
