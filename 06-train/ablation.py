@@ -288,11 +288,11 @@ def parse_args(argv):
     r.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS), help="which arms (default all)")
     r.add_argument("--preset", help="05-retool's preset the runs start from (default: the CPU demo's settings; "
                                     "cpu-chained for docs/06-experiments.md)")
-    r.add_argument("--steps", type=int, default=30, help="RL steps per run (default 30, as docs/06-beyond-torl measured)")
+    r.add_argument("--steps", type=int, default=30, help="RL steps per run (default 30, docs/06-beyond-torl's)")
     s = sub.add_parser("report", help="plots and the markdown table from finished runs")
     s.add_argument("--out", type=Path, default="runs/ablation", help="folder of the run folders (default runs/ablation)")
     s.add_argument("--img", type=Path, help="write one PNG per option here (e.g. docs/img)")
-    s.add_argument("--differences", metavar="PNG", type=Path, help="also plot each arm's gain over its comparator")
+    s.add_argument("--differences", metavar="PNG", type=Path, help="also plot each arm's held-out gain, vs its comparator")
     s.add_argument("--results", metavar="NAME", help="also write the figures to docs/results/NAME.json (results.py)")
     return p.parse_args(argv)
 

@@ -89,7 +89,7 @@ class DataParallel:
     def __init__(self, rank: int = 0, world_size: int = 1, local_rank: int = 0, strategy: str = "ddp",
                  per_node: int | None = None):
         self.rank, self.world_size, self.local_rank = rank, world_size, local_rank
-        self.per_node, self.strategy = per_node or world_size, strategy  # ranks a node (LOCAL_WORLD_SIZE); STRATEGIES
+        self.per_node, self.strategy = per_node or world_size, strategy  # per_node: torchrun's LOCAL_WORLD_SIZE
         self.loaded_weights = None  # load_policy: whether this rank read the weights (False: built on meta)
         self._weights_for_wrap = None  # load_policy under FSDP2: rank 0's full state dict ({} elsewhere) for wrap
         self.device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")

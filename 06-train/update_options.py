@@ -14,11 +14,9 @@ TIS_MODES = ("truncate", "token-mask", "sequence-mask")
 
 
 def tis_weights(old_logprobs: torch.Tensor, batch, cap: float, mode: str = "truncate"
-                ) -> tuple[torch.Tensor | None, dict[str, float]]:
+                ) -> tuple[torch.Tensor, dict[str, float]]:
     """Importance weights for the sampler/trainer gap, one per token in the loss, and their metrics. "truncate":
-    min(pi_old / pi_sampler, cap); the masks give 1 or 0. `cap` 0: off (None, no metrics)."""
-    if cap <= 0:
-        return None, {}
+    min(pi_old / pi_sampler, cap); the masks give 1 or 0. `cap` > 0: grpo_step calls it only with one."""
     mask = batch.loss_mask.bool()
     log_ratio = torch.where(mask, old_logprobs - batch.sampler_logprobs, 0.0)
     if mode != "truncate":
