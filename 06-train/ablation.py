@@ -292,7 +292,8 @@ def parse_args(argv):
     s = sub.add_parser("report", help="plots and the markdown table from finished runs")
     s.add_argument("--out", type=Path, default="runs/ablation", help="folder of the run folders (default runs/ablation)")
     s.add_argument("--img", type=Path, help="write one PNG per option here (e.g. docs/img)")
-    s.add_argument("--differences", metavar="PNG", type=Path, help="also plot each arm's held-out gain, vs its comparator")
+    s.add_argument("--differences", metavar="PNG", type=Path,
+                   help="also plot each arm's held-out accuracy minus its comparator's, seed by seed, to this file")
     s.add_argument("--results", metavar="NAME", help="also write the figures to docs/results/NAME.json (results.py)")
     return p.parse_args(argv)
 
