@@ -323,7 +323,8 @@ if __name__ == "__main__":  # the advantage examples, printed
 
     from lab_cli import one_line_errors
 
-    one_line_errors(argparse.ArgumentParser(description="Chapter 06's update (imported by 05-retool/retool.py). Run alone, "
-                    "it prints the group advantages of four example groups of rewards, plain and std-scaled.")).parse_args()
+    parser = argparse.ArgumentParser(description="Chapter 06's update (imported by 05-retool/retool.py). Run alone, it "
+                                     "prints the group advantages of four example groups of rewards, plain and std-scaled.")
+    one_line_errors(parser).parse_args()
     for rewards in ([1, -1, -1, -1], [1, 1, 1, -1], [-1, -1, -1, -1], [1, 1, -1, -1]):
         print(rewards, "->", group_advantages(rewards, 4), "scaled:", group_advantages(rewards, 4, scale=True)[0])
