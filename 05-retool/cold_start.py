@@ -349,7 +349,7 @@ def _settings(args) -> dict:
 
 def parse_args(argv):
     p = argparse.ArgumentParser(description="Train the CPU demo's tiny base policy from scratch on synthetic toy-task traces "
-                                            "(the demo's: about 6 minutes on two cores).",
+                                            "(the demo's: about a minute on two cores).",
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--train-file", default="data/toy_train.jsonl", help="toy-task problems (01-data's schema)")
     p.add_argument("--out", default="runs/cold-start", help="folder the base model is saved to")
