@@ -22,7 +22,8 @@ def test_the_cpu_demo_page_states_the_demo_defaults():
     says("05-retool.md",
          f"{cfg.cold_start_tool_fraction:.0%} of them open a code block",
          f"over {cfg.steps} RL steps",
-         f"{cfg.problems_per_step} problems x {cfg.group_size} samples")
+         f"{cfg.problems_per_step} problems x {cfg.group_size} samples",
+         f"every `eval_every` steps ({cfg.eval_every})", f"`num_minibatches` ({cfg.num_minibatches}) mini-batches")
     says("05-runs.md", f"Every `save_every` steps ({cfg.save_every} in the demo)")
 
 
