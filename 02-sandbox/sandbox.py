@@ -116,6 +116,7 @@ class Sandbox:
         if self.config.backend == "local":
             from local_backend import LocalBackend
 
+            # the request maker builds the probe call that must show the isolation before any code runs
             self._backend = LocalBackend(self.config, SandboxError, lambda code: _request(code, self.config))
         elif self.config.backend == "sandboxfusion":
             from sandboxfusion_backend import SandboxFusionBackend  # over HTTP: docs/02-service.md
