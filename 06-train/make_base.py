@@ -113,7 +113,7 @@ def release(base: Path, moves: dict, out: Path, argv: list[str], release_to) -> 
     name = release_to.target  # the make target, which names the preset itself
     shown = [a for i, a in enumerate(argv) if a != "--preset" and (i == 0 or argv[i - 1] != "--preset")]
     results.save(release_to.results, results.make_command(name, shown), figures)
-    print(f"{name}: released into {folder} ({figures['size_mb']} MB) and {results.RESULTS / release_to.results}.json")
+    print(f"{name}: released into {folder} ({figures['size_mb']} MiB) and {results.RESULTS / release_to.results}.json")
 
 
 def commit() -> str:
