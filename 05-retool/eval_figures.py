@@ -14,7 +14,7 @@ import re
 import shlex
 from pathlib import Path
 
-from lab_cli import script_parser
+from lab_cli import run_script, script_parser
 from results import save
 
 
@@ -60,4 +60,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_script(main)

@@ -15,7 +15,7 @@ import statistics
 from pathlib import Path
 
 from checkpoints import read_rows
-from lab_cli import at_least, script_parser
+from lab_cli import at_least, run_script, script_parser
 from results import save
 
 FIRST_STEP = {"reward_mean": 2, "accuracy": 2, "code_ratio": 2, "code_ratio_correct": 2, "code_ratio_incorrect": 2,
@@ -119,4 +119,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_script(main)

@@ -2,6 +2,9 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -72,3 +75,8 @@ def test_the_figures_save_as_a_results_file(tmp_path, monkeypatch):
 def test_a_folder_without_a_record_is_refused_in_one_line(tmp_path):
     with pytest.raises(SystemExit, match="not a finished run folder"):
         figures(tmp_path)
+    # as a script: that line alone, and the exit status of a refusal (2), as every script of the lab
+    script = Path(__file__).with_name("run_figures.py")
+    done = subprocess.run([sys.executable, script, str(tmp_path), "x", "--run-command", "y"], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 2 and done.stderr == f"error: {tmp_path}: no metrics.jsonl and eval.jsonl: not a finished run folder\n"
