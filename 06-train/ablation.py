@@ -16,7 +16,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from lab_cli import script_parser
+from lab_cli import run_script, script_parser
 
 RETOOL = Path(__file__).resolve().parent.parent / "05-retool" / "retool.py"
 
@@ -299,4 +299,4 @@ def parse_args(argv):
 
 
 if __name__ == "__main__":
-    main()
+    run_script(main)

@@ -15,7 +15,7 @@ from pathlib import Path
 import results
 from ablation import (accuracy_at, after_accuracy, before_accuracy, kind_accuracies, label, load_runs as load_arm_runs,
                       mean_of, pyplot, read_jsonl, results_key, save_figure, step_seconds)
-from lab_cli import script_parser
+from lab_cli import run_script, script_parser
 
 BUDGETS = {"calls-1": 1, "calls-2": 2, "baseline": 4}  # arm -> C
 SELF_CORRECTION = ("error_then_call_ok", "error_then_correct")
@@ -137,4 +137,4 @@ def plot_over_training(runs: dict, keys: tuple[str, ...], path: Path) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_script(main)

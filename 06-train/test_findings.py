@@ -1,5 +1,7 @@
 """findings.py on run folders written as ablation.py's runs write them: the figures, the plots, the results file."""
 import json
+import subprocess
+import sys
 
 import pytest
 
@@ -58,6 +60,10 @@ def test_a_folder_without_a_finished_baseline_is_refused_in_one_line(tmp_path):
     write_run(tmp_path / "calls-1-s0", 0.3, 3.0, {})
     with pytest.raises(SystemExit, match="no finished baseline run in it"):
         findings.main(["--out", str(tmp_path)])
+    # as a script: that line alone, with the exit status of a refusal (2)
+    done = subprocess.run([sys.executable, findings.__file__, "--out", str(tmp_path)], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 2 and done.stderr.count("\n") == 1 and "no finished baseline run" in done.stderr
 
 
 def test_the_ablation_report_writes_every_figure_of_its_table_to_one_results_file(tmp_path, monkeypatch):
