@@ -14,6 +14,7 @@ import importlib.util
 import json
 import os
 import shutil
+import sys
 from pathlib import Path
 
 HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
@@ -131,4 +132,5 @@ if __name__ == "__main__":
         else:
             print(smollm2_path(args.cache_dir, try_hub=not args.no_hub))
     except (ModelUnavailable, FileNotFoundError, ValueError) as e:
-        raise SystemExit(f"error: {e}")
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)  # a refusal, as in every script
