@@ -58,6 +58,8 @@ def test_the_torl_cut_is_stated_with_the_lengths_torl_observation_uses():
     cut_at = next(n for n in range(1, 10_000) if shown(n) != "a" * n)
     kept = shown(cut_at).index("...")
     says("03-torl.md", f"at {cut_at} characters or more it becomes its first {kept}, `...`, and its last {kept}")
+    longest = len(shown(10_000))  # the most a ToRL observation shows, which chapter 02 sizes its output cap against
+    says("02-sandbox.md", f"the {longest} characters ({kept} + `...` + {kept}) the model reads in the ToRL format")
 
 
 def test_every_template_is_named_on_the_page():
