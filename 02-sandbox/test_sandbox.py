@@ -2057,10 +2057,10 @@ def test_the_page_states_the_defaults_and_constants_of_the_code():
          ", ".join(f"`{file}`" for file in confinement._ETC) + " written by the sandbox")
     says(name, f"| (descriptors, pending signals) | {runner.CALL_NOFILE}, {runner.CALL_SIGPENDING} |")
     says(name, f"the code runs with {runner.MALLOC_ARENAS} malloc arenas (`runner.MALLOC_ARENAS`)")
-    says("02-isolation.md", f"The tests call {NUMBER_WORDS[len(SECCOMP_DENIED)]} of the unlisted calls")
+    says("02-seccomp.md", f"The tests call {NUMBER_WORDS[len(SECCOMP_DENIED)]} of the unlisted calls")
     says("02-isolation.md", f"knows the system-call numbers of {' and '.join(confinement._TABLES)}")
     if platform.machine() == "x86_64":
-        says("02-isolation.md", f"{len(confinement.seccomp_program()) // 8} instructions on x86_64")
+        says("02-seccomp.md", f"{len(confinement.seccomp_program()) // 8} instructions on x86_64")
 
 
 NUMBER_WORDS = {12: "twelve", 13: "thirteen", 14: "fourteen", 15: "fifteen", 16: "sixteen"}
@@ -2072,8 +2072,8 @@ def test_the_isolation_page_states_the_constants_of_the_code():
     says(name, f"every {confinement.MemoryWatch.TICK * 1000:g} ms of the wait (`MemoryWatch.TICK`)",
          f"the slot's watch of the whole call every {confinement.MemoryWatch.TICK * 1000:g} ms",
          f"{confinement.SCRATCH_INODES} inodes", f"the code is uid {confinement.CALL_UID}",
-         ", ".join(f"`{call}`" for call in confinement.CGROUP_ONLY[:-1]) + f" and `{confinement.CGROUP_ONLY[-1]}`",
-         ", ".join(f"`{family}`" for family in confinement.NETWORK_FAMILIES) + " fail with ENETUNREACH")
+         ", ".join(f"`{call}`" for call in confinement.CGROUP_ONLY[:-1]) + f" and `{confinement.CGROUP_ONLY[-1]}`")
+    says("02-seccomp.md", ", ".join(f"`{family}`" for family in confinement.NETWORK_FAMILIES) + " fail with ENETUNREACH")
     says("glossary.md", f"every {confinement.MemoryWatch.TICK * 1000:g} ms it sums each of the call's processes'")
     kernel = confinement._KERNEL_KB
     says(name, f"{kernel['Threads']:g} kB of kernel stack a thread", f"{kernel['FDSize']:g} kB a slot of the descriptor table",
@@ -2081,9 +2081,10 @@ def test_the_isolation_page_states_the_constants_of_the_code():
     import runner
 
     says(name, f"{runner.CALL_SIGPENDING} queued (timers' signals)", f"the {runner.CALL_NOFILE} descriptors each may hold",
-         f"{runner.CALL_NOFILE} descriptors a process", "`prlimit64`, `setpriority`, `sched_setaffinity`, `sched_setscheduler`, "
+         f"{runner.CALL_NOFILE} descriptors a process")
+    says("02-seccomp.md", "`prlimit64`, `setpriority`, `sched_setaffinity`, `sched_setscheduler`, "
          "`sched_setparam`, `sched_setattr` on any process but the caller")
-    says(name, f"(`confinement.NEWEST`, `file_setattr` of Linux 6.17)", "The tests call fourteen of the unlisted calls")
+    says("02-seccomp.md", f"(`confinement.NEWEST`, `file_setattr` of Linux 6.17)", "The tests call fourteen of the unlisted calls")
     if platform.machine() in confinement._TABLES:
         assert confinement.SYSCALLS["file_setattr"] == confinement.NEWEST == max(confinement.SYSCALLS.values())
     assert set(confinement.SELF_ONLY) == {"prlimit64", "setpriority", "sched_setaffinity", "sched_setscheduler",

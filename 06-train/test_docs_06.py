@@ -46,8 +46,8 @@ def test_the_objective_and_its_clip_table_are_grpo_configs_defaults():
          f"| A < 0 | r < {low:g} | removes the gradient |",
          f"`max_grad_norm` ({cfg.max_grad_norm})",
          f"`GRPOConfig`'s lr is ToRL's {short(cfg.lr)}",
-         f"AdamW's step is about lr = {short(cfg.lr)} per weight",
-         f"moves few tokens out of [{low:g}, {high:g}]")  # measured: the default run clips a few
+         f"AdamW's step is about lr = {short(cfg.lr)} per weight")
+    says("06-clip-exercise.md", f"moves few tokens out of [{low:g}, {high:g}]")  # measured: the default run clips a few
     assert TORL["lr"] == cfg.lr
 
 
@@ -56,10 +56,10 @@ def test_part_one_states_the_demo_and_torl_settings():
     says("06-train.md",
          f"{demo.num_minibatches} in the CPU demo, {TORL['num_minibatches']} in ToRL's script (the torl-1.5b preset)",
          f"the CPU demo uses {short(demo.lr)}",
-         f"at its defaults ({demo.num_minibatches} mini-batches, lr {short(demo.lr)})",
          f"the torl-1.5b preset clips at {TORL['eps_low']} on both sides",
          f"scale (`scale_advantages={TORL['scale_advantages']}`)",
          f"`dtype=\"{TORL['dtype']}\"`")
+    says("06-clip-exercise.md", f"at its defaults ({demo.num_minibatches} mini-batches, lr {short(demo.lr)})")
     assert TORL["eps_low"] == TORL["eps_high"]
 
 
@@ -202,7 +202,7 @@ def test_the_7b_plan_is_the_torl_7b_preset():
          f"{plan.gpus} × {2 * n / 1e9:.1f} GB for 7B",
          f"only rank 0 reads the float32 weights, {4 * n / 1e9:.1f} GB of host memory at 7B",
          f"Every rank loading would hold {plan.gpus * 4 * n / 1e9:.0f} GB on an {plan.gpus}-GPU node")
-    says("06-scaling.md", f"(the lab's preset: {TORL['gpu_memory_utilization']}, no offload)")
+    says("06-nodes.md", f"(the lab's preset: {TORL['gpu_memory_utilization']}, no offload)")
     assert plan.parameters == n and not s["tie_word_embeddings"] and 16 * n / GB > plan.gpu_gb
     assert cfg.strategy == "fsdp" and plan.kv_tokens < plan.tokens_in_flight  # some wait
     root = 2 * s["vocab_size"] * s["hidden_size"]  # embedding and lm_head
@@ -232,11 +232,12 @@ def test_part_three_states_the_loop_defaults_and_the_ablation_arms():
     says("06-beyond-torl.md",
          f"`--dynamic-sampling-rounds` ({demo.dynamic_sampling_rounds}) extra rounds",
          f"responses use a fraction of the {demo.max_response_tokens}-token budget",
+         f"ToRL's {TORL['max_response_tokens']}-token budget",
+         f"the default `--degenerate-frac {bench_args([]).degenerate_frac}`")
+    says("06-ablation-runs.md",
          f"`cpu-chained` preset, {chained.steps} steps, RL seeds 0, 1 and 2",
          f"--seeds 0 1 2 --steps {chained.steps}",
          f"one sample on each of the first {chained.eval_problems} held-out problems",
-         f"ToRL's {TORL['max_response_tokens']}-token budget",
-         f"the default `--degenerate-frac {bench_args([]).degenerate_frac}`",
          *(f"| {arm} | {ARMS[arm][1]} |" for arm in ("baseline", "dynamic", "mask-truncated", "void-filter",
                                                     "token-sum", "bf16", "bf16-tis")))
     assert ARMS["bf16-tis"][0][-2:] == ["--tis-cap", "2.0"]
@@ -258,8 +259,8 @@ def test_the_objectives_restate_the_refusals_the_worked_examples_and_the_arms():
     ordinal = ["first", "second", "third", "fourth", "fifth", "sixth"]
     entropy_panel = next(i for i, (_, keys) in enumerate(PANELS) if keys == ["entropy"])
     says("06-beyond-torl.md", f"a clip band wider than {GSPO_WIDEST_EPS} on either side",
-         f"a band above {GSPO_WIDEST_EPS} unless", f"in the {ordinal[entropy_panel]} panel of `plots.png`",
-         *(f"| {arm} | {ARMS[arm][1]} | {ARMS[arm][2]} |" for arm in
+         f"a band above {GSPO_WIDEST_EPS} unless", f"in the {ordinal[entropy_panel]} panel of `plots.png`")
+    says("06-ablation-runs.md", *(f"| {arm} | {ARMS[arm][1]} | {ARMS[arm][2]} |" for arm in
            ("gspo", "fast", "fast-cispo", "bf16-token-mask", "bf16-sequence-mask")))
     assert ARMS["gspo"][0][-4:] == ["--eps-low", "3e-4", "--eps-high", "4e-4"]
     assert ARMS["fast"][0] == ARMS["fast-cispo"][0][:4] == ["--num-minibatches", "8", "--lr", "5e-5"]
