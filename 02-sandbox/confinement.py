@@ -546,16 +546,20 @@ def _read(dir_fd: int, path: str) -> str:
 
 
 def _write(dir_fd: int | None, name: str, text: str, optional: bool = False) -> None:
-    """optional: a file this kernel lacks, or a value it refuses, is passed over."""
+    """optional: a file this kernel lacks, or a value it refuses, is passed over; a file it will not open is not."""
     try:
         fd = os.open(name, os.O_WRONLY, dir_fd=dir_fd)
-        try:
-            os.write(fd, text.encode())
-        finally:
-            os.close(fd)
+    except FileNotFoundError:
+        if optional:
+            return
+        raise
+    try:
+        os.write(fd, text.encode())
     except OSError:
         if not optional:
             raise
+    finally:
+        os.close(fd)
 
 
 def _find_cgroups() -> tuple[int, list[str]]:

@@ -2120,3 +2120,13 @@ def test_the_page_states_the_limits_a_call_really_gets(sandbox):
     stated = int(re.search(r"interpreter already maps about (\d+) MB", page("02-sandbox.md")).group(1))
     assert abs(mapped_mb - stated) <= stated // 4, f"a call starts with {mapped_mb} MB mapped; docs/02 says about {stated}"
     says("02-sandbox.md", f"leaves the code about {round(cfg.memory_mb - stated, -1)} MB")
+
+
+def test_an_optional_cgroup_setting_is_passed_over_only_where_the_kernel_lacks_or_refuses_it(tmp_path):
+    """A limit file this kernel does not have is skipped; one it has but will not open stops the set-up: the sandbox
+    never runs a call with less than it promised (a swap cap that could not be written would let memory spill)."""
+    confinement._write(None, str(tmp_path / "memory.swap.max"), "0", optional=True)  # absent: passed over
+    assert not (tmp_path / "memory.swap.max").exists()
+    (tmp_path / "not-a-file").mkdir()
+    with pytest.raises(IsADirectoryError):
+        confinement._write(None, str(tmp_path / "not-a-file"), "0", optional=True)
