@@ -19,7 +19,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 from results import name_argument, save  # noqa: E402  (the lab's root, whichever Python runs this)
-from lab_cli import script_parser  # noqa: E402
+from lab_cli import at_least, script_parser  # noqa: E402
 from bench_sandbox import AsUser  # noqa: E402
 from sandbox import format_observation  # noqa: E402
 BURST = ("import os, time\n"  # every process the call may have, each touching what its address space allows, at once
@@ -47,9 +47,9 @@ def available_mb() -> float:
 def main() -> int:
     parser = script_parser(__doc__)
     parser.add_argument("--user", default="nobody", help="the unprivileged user to run the sandbox as (default: %(default)s)")
-    parser.add_argument("--memory-mb", type=int, default=256, help="the call's cap (default: %(default)s)")
-    parser.add_argument("--processes", type=int, default=64, help="max_processes, all used by the burst (default: %(default)s)")
-    parser.add_argument("--tries", type=int, default=10, help="bursts, one call each (default: %(default)s)")
+    parser.add_argument("--memory-mb", type=at_least(64), default=256, help="the call's cap (default: %(default)s)")
+    parser.add_argument("--processes", type=at_least(1), default=64, help="max_processes, all used by the burst (default: %(default)s)")
+    parser.add_argument("--tries", type=at_least(1), default=10, help="bursts, one call each (default: %(default)s)")
     parser.add_argument("--results", metavar="NAME", type=name_argument,
                         help="also write the figures to docs/results/NAME.json")
     args = parser.parse_args()

@@ -188,20 +188,20 @@ class AsUser:
         "        print(json.dumps([dataclasses.asdict(r) for r in sb.run_many(json.loads(line))]), flush=True)\n"
     )
 
-    def __init__(self, settings: dict, user: str, python: str = PYTHON) -> None:
+    def __init__(self, settings: dict, user: str) -> None:
         import local_backend
 
         self.folder = tempfile.mkdtemp(prefix="sbx-modules-")  # the modules a Sandbox needs, readable by every user
         os.chmod(self.folder, 0o755)
         for name in (*local_backend._SERVER_MODULES, "local_backend"):
             os.chmod(shutil.copy(Path(__file__).resolve().parent / f"{name}.py", self.folder), 0o644)
-        command = ["runuser", "-u", user, "--", python, "-I"]
+        command = ["runuser", "-u", user, "--", self.PYTHON, "-I"]
         self.proc = subprocess.Popen(command + ["-c", self.WORKER, self.folder, json.dumps(settings)], cwd="/",
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         line = self.proc.stdout.readline()
         if not line:
             self.close()
-            raise OSError(f"the fork server did not start as {user} with {python}")
+            raise OSError(f"the fork server did not start as {user} with {self.PYTHON}")
         self.isolation = json.loads(line)
         self.imports = subprocess.run(command + ["-c", "import sympy"], cwd="/", capture_output=True).returncode == 0
 
