@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import errno
 import functools
 import os
 import platform
@@ -287,6 +288,8 @@ class Cgroups:
         try:
             for path in self.paths:
                 remove_groups([f"{path}/{name}"])  # left by a killed server whose pid was ours, if any
+                if os.path.isdir(f"{path}/{name}"):  # it still holds a process: say so, not mkdir's "File exists"
+                    raise OSError(errno.EBUSY, f"{path}/{name}, left by a killed server, still holds a process")
                 os.mkdir(f"{path}/{name}", 0o700)
                 self.bases.append(os.open(f"{path}/{name}", os.O_RDONLY | os.O_DIRECTORY))
                 if self.version == 2:
