@@ -10,6 +10,8 @@ import dataclasses
 def keep_informative_groups(trajectories, results, sample, rollout_cfg, more_problems, cfg):
     """DAPO's dynamic sampling, if on: (trajectories, results, metrics) with as many groups; extra round r samples
     `more_problems(r)` with `sample`, a seed of its own. Off: the step's own, no metrics."""
+    from distributed import any_rank  # chapter 06's: whether this rank or any other says yes
+
     if not cfg.dynamic_sampling:
         return trajectories, results, {}
 
@@ -19,7 +21,7 @@ def keep_informative_groups(trajectories, results, sample, rollout_cfg, more_pro
 
     groups, drawn, rounds = informative_groups(groups_of(trajectories, results, cfg.group_size), extra_groups,
                                                len(trajectories) // cfg.group_size, cfg.dynamic_sampling_rounds,
-                                               any_rank_needs)
+                                               any_rank)
     trajectories = [t for group in groups for t, _ in group]
     results = [r for group in groups for _, r in group]
     return trajectories, results, {"problems_drawn": float(drawn), "dynamic_rounds": float(rounds)}
@@ -51,19 +53,6 @@ def informative_groups(groups, more, want: int, max_rounds: int, any_rank=bool):
         groups = more(rounds) if len(informative) < want else []
     kept = informative[:want]
     return kept + degenerate[: want - len(kept)], drawn, rounds
-
-
-def any_rank_needs(need: bool) -> bool:
-    """Whether this rank or any other needs another round: one all-reduce under torchrun, else this rank's answer."""
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()):
-        return need
-    import torch
-
-    flag = torch.tensor([int(need)], dtype=torch.int64)  # gloo carries CPU tensors, also on GPU nodes
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    return bool(flag.item())
 
 
 def extra_seed(seed: int | None, extra_round: int) -> int | None:

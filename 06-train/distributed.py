@@ -30,6 +30,15 @@ def load_policy(model_path, device: str | torch.device | None = None):
     return AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).to(device)
 
 
+def any_rank(flag: bool) -> bool:
+    """Whether this rank or any other says yes: one all-reduce under torchrun, else this rank's own answer."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return flag
+    value = torch.tensor([int(flag)], dtype=torch.int64)  # gloo carries CPU tensors, also on GPU nodes
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return bool(value.item())
+
+
 def unwrap(model):
     """The Hugging Face model inside a DDP wrapper; any other model as it is (FSDP2 shards in place: no wrapper)."""
     return getattr(model, "module", model)

@@ -5,8 +5,7 @@ import gc
 
 import torch
 
-from batch_filters import any_rank_needs  # chapter 05's: whether this rank or any other says yes
-from distributed import full_tensor, unwrap
+from distributed import any_rank, full_tensor, unwrap
 
 
 def sync_weights(model, llm) -> int:
@@ -28,7 +27,7 @@ def sync_weights(model, llm) -> int:
         failure = e
         for _ in weights:  # the gathers the other ranks still wait in: join them, so no rank hangs
             pass
-    if any_rank_needs(failure is not None):
+    if any_rank(failure is not None):
         raise RuntimeError("sync_weights: vLLM's loader failed on a rank; every rank stops here") from failure
     if asleep:  # the KV cache, most of vLLM's share, last: once the weights are whole and the load's copies freed
         release_trainer_cache()
